@@ -1,0 +1,67 @@
+# QuillCache: the two commands of the README are `make run` and `make test`.
+# Both create .venv, install the Debian packages they need (when root and missing),
+# install the package editable and build the Cython extensions.
+
+PYTHON   ?= python3
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+PIP      := $(VENV)/bin/pip
+STAMP    := $(VENV)/.quillcache-installed
+DEB_PKGS := liburing-dev pkg-config redis-server
+N        ?= 500
+PYTEST_ARGS ?=
+
+.PHONY: all build deps run test bench crash man clean distclean
+
+all: build
+
+# Debian packages: installed only when running as root and something is missing.
+deps:
+	@missing=""; for p in $(DEB_PKGS); do \
+	    dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
+	        echo "installing Debian packages:$$missing"; \
+	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	    else \
+	        echo "note: missing Debian packages:$$missing (not root: building without them where possible)"; \
+	    fi; \
+	fi
+
+$(PY):
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ required, found " + sys.version'
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml setup.py
+	$(PIP) install -q --upgrade pip setuptools wheel "Cython>=3.0"
+	$(PIP) install -q --no-build-isolation -e '.[test]'
+	touch $(STAMP)
+
+# Incremental: cythonize rebuilds only what changed.
+build: deps $(STAMP)
+	$(PY) setup.py -q build_ext --inplace -j 2
+
+run: build
+	$(VENV)/bin/quillcached
+
+test: build
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: build
+	$(PIP) install -q --no-build-isolation -e '.[test,bench]'
+	$(VENV)/bin/asv machine --yes >/dev/null
+	$(VENV)/bin/asv run --quick --environment existing:$(PY) --set-commit-hash $$(git rev-parse HEAD)
+	$(PY) bench/native_core.py
+
+crash: build
+	QUILLCACHE_CRASH_CYCLES=$(N) $(PY) -m pytest -q tests/crash --crash-long
+
+man: build
+	$(PY) -m quillcache_cli.manpages man/
+
+clean:
+	rm -rf build src/quillcache/_native/*.c src/quillcache/_native/*.so src/quillcache/_native/*.html
+
+distclean: clean
+	rm -rf $(VENV) var .hypothesis .pytest_cache *.egg-info src/*.egg-info

@@ -1,0 +1,7 @@
+"""quillctl: the admin CLI."""
+import click
+
+
+@click.group()
+def main():
+    """Administer a QuillCache node."""

@@ -1,0 +1,115 @@
+"""Build the Cython extensions of quillcache._native.
+
+Every ``src/quillcache/_native/*.pyx`` is one extension.  The io_uring path of the
+WAL is compiled only when pkg-config finds liburing; the extension still builds
+without it (then ``QC_HAVE_LIBURING`` is 0 and the WAL uses pwritev + fdatasync).
+
+Environment:
+  QUILLCACHE_DEBUG=1        bounds checks, wraparound, line tracing, asserts, -O0 -g
+  QUILLCACHE_EXTENSIONS=a,b build only these extensions (handy while one is broken)
+  QUILLCACHE_NO_URING=1     build without liburing even when it is installed
+"""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from setuptools import Extension, setup
+
+HERE = Path(__file__).resolve().parent
+NATIVE = HERE / "src" / "quillcache" / "_native"
+DEBUG = os.environ.get("QUILLCACHE_DEBUG", "") not in ("", "0")
+
+
+def _pkg_config(*args):
+    if shutil.which("pkg-config") is None:
+        return None
+    try:
+        out = subprocess.run(["pkg-config", *args], check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError:
+        return None
+    return out.stdout.split()
+
+
+def _liburing():
+    if os.environ.get("QUILLCACHE_NO_URING", "") not in ("", "0"):
+        return None
+    cflags = _pkg_config("--cflags", "liburing")
+    libs = _pkg_config("--libs", "liburing")
+    if cflags is None or libs is None:
+        return None
+    return cflags, libs
+
+
+def extensions():
+    wanted = {n.strip() for n in os.environ.get("QUILLCACHE_EXTENSIONS", "").split(",") if n.strip()}
+    uring = _liburing()
+    if DEBUG:
+        cflags = ["-O0", "-g3", "-UNDEBUG"]
+        macros = [("CYTHON_TRACE", "1"), ("CYTHON_TRACE_NOGIL", "1")]
+    else:
+        cflags = ["-O3", "-DNDEBUG"]
+        macros = []
+    cflags += ["-Wno-unused-function", "-Wno-unreachable-code"]
+    exts = []
+    for pyx in sorted(NATIVE.glob("*.pyx")):
+        name = pyx.stem
+        if wanted and name not in wanted:
+            continue
+        ext_macros = list(macros)
+        ext_cflags = list(cflags)
+        libraries = []
+        if name == "wal":
+            if uring is not None:
+                ext_macros.append(("QC_HAVE_LIBURING", "1"))
+                ext_cflags += uring[0]
+                libraries += [f[2:] for f in uring[1] if f.startswith("-l")]
+            else:
+                ext_macros.append(("QC_HAVE_LIBURING", "0"))
+        exts.append(
+            Extension(
+                f"quillcache._native.{name}",
+                [str(pyx.relative_to(HERE))],
+                include_dirs=[str((NATIVE / "includes").relative_to(HERE))],
+                define_macros=ext_macros,
+                extra_compile_args=ext_cflags,
+                libraries=libraries,
+            )
+        )
+    if not exts:
+        return []
+    from Cython.Build import cythonize
+
+    directives = {
+        "language_level": 3,
+        "boundscheck": DEBUG,
+        "wraparound": DEBUG,
+        "initializedcheck": DEBUG,
+        "cdivision": not DEBUG,
+        "linetrace": DEBUG,
+        "embedsignature": True,
+    }
+    return cythonize(
+        exts,
+        compiler_directives=directives,
+        compile_time_env={"QC_DEBUG": DEBUG, "QC_HAVE_LIBURING": uring is not None},
+        include_path=[str(NATIVE.parent.parent)],
+        quiet=True,
+    )
+
+
+setup(
+    package_dir={"": "src", "quillcache_cli": "cli"},
+    packages=[
+        "quillcache",
+        "quillcache._native",
+        "quillcache.index",
+        "quillcache.store",
+        "quillcache.protocol",
+        "quillcache.transfer",
+        "quillcache_cli",
+    ],
+    package_data={"quillcache._native": ["*.pxd", "includes/*.pxd", "includes/*.h"], "quillcache": ["default.toml"]},
+    ext_modules=extensions(),
+    zip_safe=False,
+)

@@ -1,0 +1,36 @@
+"""Shared pytest set-up: the slow flag, and helpers every test directory uses."""
+import os
+import socket
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="run long property/soak tests (also QUILLCACHE_SLOW=1)")
+    parser.addoption("--crash-long", action="store_true", default=False,
+                     help="run the long crash-injection campaign (make crash N=...)")
+
+
+def slow_enabled(config) -> bool:
+    return config.getoption("--slow") or os.environ.get("QUILLCACHE_SLOW", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    if slow_enabled(config):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow or QUILLCACHE_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def loopback_port():
+    return free_port()
