@@ -1,0 +1,493 @@
+"""The settings registry and TOML configuration.
+
+One registry (``SETTINGS``) names every setting: section, key, converter, default,
+whether SIGHUP can reload it, and help text.  It drives validation of config
+files, the sample config (``conf/quillcache.toml``, ``quillctl config sample``)
+and the ``quillcache.toml(5)`` man page, so the three never drift apart.
+
+Errors name the file, the section, the key and the bad value with an example
+of a good one::
+
+    quillcache.toml: [store] dram = "12Q": not a byte size (e.g. "4GiB")
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import ipaddress
+import re
+import tomllib
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping
+
+from quillcache.errors import ConfigError
+
+__all__ = [
+    "Setting", "SETTINGS", "SECTIONS", "Config", "ConfigError", "load_config", "parse_config",
+    "render_sample", "parse_byte_size", "parse_duration", "parse_hostport", "format_byte_size",
+    "format_duration", "hash_token", "EX_CONFIG",
+]
+
+EX_CONFIG = 78  # sysexits.h: configuration error
+
+
+class ConversionError(ValueError):
+    """A value that a converter refuses; the message says what a good one looks like."""
+
+
+# --------------------------------------------------------------------------- converters
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_byte_size(value: Any) -> int:
+    """``4GiB``, ``512MiB``, ``64k``, ``1.5GiB`` or a plain integer of bytes."""
+    if isinstance(value, bool):
+        raise ConversionError('not a byte size (e.g. "4GiB")')
+    if isinstance(value, int):
+        if value < 0:
+            raise ConversionError('a byte size cannot be negative (e.g. "4GiB")')
+        return value
+    if not isinstance(value, str):
+        raise ConversionError('not a byte size (e.g. "4GiB")')
+    m = _SIZE_RE.match(value)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConversionError('not a byte size (e.g. "4GiB")')
+    number = float(m.group(1)) if "." in m.group(1) else int(m.group(1))
+    result = number * _SIZE_UNITS[m.group(2).lower()]
+    if result != int(result):
+        raise ConversionError('not a whole number of bytes (e.g. "4GiB")')
+    return int(result)
+
+
+def format_byte_size(n: int) -> str:
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ns|us|µs|ms|s|m|h)\s*$")
+
+
+def parse_duration(value: Any) -> float:
+    """``200ms``, ``10s``, ``1.5m``, ``500us`` -> seconds (float)."""
+    if isinstance(value, bool):
+        raise ConversionError('not a duration (e.g. "200ms" or "10s")')
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConversionError('a duration cannot be negative (e.g. "10s")')
+        return float(value)
+    if not isinstance(value, str):
+        raise ConversionError('not a duration (e.g. "200ms" or "10s")')
+    m = _DURATION_RE.match(value)
+    if not m:
+        raise ConversionError('not a duration (e.g. "200ms" or "10s")')
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+
+
+def format_duration(seconds: float) -> str:
+    for unit, factor in (("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        value = seconds / factor
+        if seconds >= factor and abs(value - round(value)) < 1e-9:
+            return f"{int(round(value))}{unit}"
+    return "0s" if seconds == 0 else f"{seconds}s"
+
+
+def parse_hostport(value: Any) -> tuple[str, int]:
+    """``127.0.0.1:7470``, ``[::1]:7470`` or ``localhost:7470``."""
+    if not isinstance(value, str):
+        raise ConversionError('not a host:port (e.g. "127.0.0.1:7470")')
+    m = re.match(r"^\[([0-9a-fA-F:.]+)\]:([0-9]+)$", value) or re.match(r"^([^:\s\[\]]+):([0-9]+)$", value)
+    if not m:
+        raise ConversionError('not a host:port (e.g. "127.0.0.1:7470")')
+    host, port = m.group(1), int(m.group(2))
+    if not 0 <= port <= 65535:
+        raise ConversionError('port out of range 0..65535 (e.g. "127.0.0.1:7470")')
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConversionError('not a host:port (e.g. "[::1]:7470")') from None
+    return host, port
+
+
+def format_hostport(hp: tuple[str, int]) -> str:
+    host, port = hp
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConversionError("not a boolean (true or false)")
+
+
+def _string(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise ConversionError('not a string (e.g. "node-1")')
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def convert(value: Any) -> str:
+        if isinstance(value, str) and value in choices:
+            return value
+        raise ConversionError("not one of " + ", ".join(f'"{c}"' for c in choices))
+    convert.choices = choices  # type: ignore[attr-defined]
+    return convert
+
+
+def _int_range(lo: int, hi: int) -> Callable[[Any], int]:
+    def convert(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ConversionError(f"not an integer in {lo}..{hi}")
+        return value
+    return convert
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ConversionError("not a fraction in (0, 1] (e.g. 0.9)")
+    return float(value)
+
+
+def _size_range(lo: int, hi: int) -> Callable[[Any], int]:
+    def convert(value: Any) -> int:
+        n = parse_byte_size(value)
+        if not lo <= n <= hi:
+            raise ConversionError(
+                f"out of range {format_byte_size(lo)}..{format_byte_size(hi)} (e.g. \"{format_byte_size(lo)}\")")
+        return n
+    return convert
+
+
+_TOKEN_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_TENANT_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def hash_token(token: str) -> str:
+    """The form a tenant token is stored in the config: ``sha256:<hex>``."""
+    return "sha256:" + hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def _tenants(value: Any) -> tuple[tuple[str, str], ...]:
+    example = '[[auth.tenants]] name = "acme" token = "sha256:<64 hex>" (quillctl auth hash-token)'
+    if not isinstance(value, list):
+        raise ConversionError(f"not a list of tenants (e.g. {example})")
+    seen = set()
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or set(item) != {"name", "token"}:
+            raise ConversionError(f"entry {i} must have exactly name and token (e.g. {example})")
+        name, token = item["name"], item["token"]
+        if not isinstance(name, str) or not _TENANT_RE.match(name):
+            raise ConversionError(f"entry {i}: tenant name {name!r} must be 1-64 of A-Z a-z 0-9 _ . -")
+        if not isinstance(token, str) or not _TOKEN_HASH_RE.match(token):
+            raise ConversionError(f"entry {i}: token must be stored hashed, \"sha256:<64 hex>\" "
+                                  "(quillctl auth hash-token prints it); plain tokens are refused")
+        if name in seen:
+            raise ConversionError(f"entry {i}: tenant {name!r} is listed twice")
+        seen.add(name)
+        out.append((name, token))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    section: str
+    name: str
+    convert: Callable[[Any], Any]
+    default: Any                 # the TOML value (as written in a file)
+    reloadable: bool
+    help: str
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+def _s(section, name, convert, default, reloadable, help_):
+    return Setting(section, name, convert, default, reloadable, help_)
+
+
+SECTIONS = {
+    "node": "This node: its name, where it listens and where it keeps its state.",
+    "store": "The DRAM tier and the limits on blocks.",
+    "ssd": "The SSD tier: a preallocated data file whose extents are placed by the offset allocator.",
+    "wal": "The write-ahead log that makes SSD puts and the residency index durable.",
+    "limits": "Protocol limits, enforced before anything is allocated.",
+    "metrics": "The Prometheus /metrics endpoint.",
+    "auth": "Tenants and their tokens. With no tenants the node runs open (dev mode).",
+    "router": "The routing module hosted by this node.",
+    "guard": "The identity guard: who may reuse a block.",
+}
+
+SETTINGS: tuple[Setting, ...] = (
+    _s("node", "id", _string, "", False,
+       "Name of this node in stats and logs; empty means the host name."),
+    _s("node", "listen", parse_hostport, "127.0.0.1:7470", False,
+       "Address of the binary protocol (TCP)."),
+    _s("node", "data_dir", _string, "./var", False,
+       "Directory for the SSD data file, the WAL and checkpoints."),
+    _s("node", "log_level", _choice("debug", "info", "warning", "error"), "info", True,
+       "Lowest level of the log lines written to stderr."),
+    _s("node", "drain_timeout", parse_duration, "10s", True,
+       "How long SIGTERM waits for in-flight requests before closing connections."),
+    _s("store", "dram", _size_range(1 << 20, 1 << 50), "1GiB", False,
+       "Capacity of the DRAM arena (one anonymous mapping)."),
+    _s("store", "max_block", _size_range(1, 1 << 36), "64MiB", False,
+       "Largest block accepted by a put; larger ones are refused before allocating."),
+    _s("store", "policy", _choice("write_back", "write_through"), "write_back", True,
+       "write_back: a put lands in DRAM and is demoted to SSD under pressure or by age; "
+       "write_through: every put is acknowledged only after the SSD tier's durable publish."),
+    _s("store", "high_watermark", _fraction, 0.9, True,
+       "DRAM occupancy that starts demotion to SSD."),
+    _s("store", "low_watermark", _fraction, 0.75, True,
+       "DRAM occupancy that demotion brings the arena down to."),
+    _s("store", "demote_after", parse_duration, "0s", True,
+       "Demote blocks older than this to SSD (0s: only under pressure)."),
+    _s("store", "lease", parse_duration, "10s", True,
+       "How long a get holds a block against eviction and removal."),
+    _s("store", "put_timeout", parse_duration, "30s", True,
+       "A started put that is not finished within this is aborted and its slot reclaimed."),
+    _s("store", "hugepages", _bool, False, False,
+       "Ask for transparent huge pages on the DRAM arena."),
+    _s("store", "prefault", _bool, False, False,
+       "Touch every page of the DRAM arena at start."),
+    _s("ssd", "enabled", _bool, True, False,
+       "Keep an SSD tier (a put with durable=true needs it)."),
+    _s("ssd", "path", _string, "", False,
+       "The SSD data file; empty means <data_dir>/ssd/blocks.dat."),
+    _s("ssd", "capacity", _size_range(1 << 20, 1 << 50), "4GiB", False,
+       "Size of the SSD data file (preallocated)."),
+    _s("ssd", "direct_io", _bool, True, False,
+       "Write block bytes with O_DIRECT where the filesystem allows it."),
+    _s("ssd", "verify", _choice("lazy", "eager"), "lazy", False,
+       "When recovery checks each block's CRC32C: on its first read (lazy) or at start (eager)."),
+    _s("wal", "sync", _choice("group", "always"), "group", False,
+       "group: one vectored write and one fsync per commit window; always: one per record."),
+    _s("wal", "commit_window", parse_duration, "1ms", True,
+       "How long group commit gathers records before one write + fsync."),
+    _s("wal", "segment_size", _size_range(1 << 20, 1 << 34), "64MiB", False,
+       "Size at which the log rotates to a new segment file."),
+    _s("wal", "backend", _choice("auto", "io_uring", "pwritev"), "auto", False,
+       "auto uses io_uring where the kernel allows it, else pwritev + fdatasync."),
+    _s("wal", "checkpoint_interval", parse_duration, "60s", True,
+       "How often the residency index is checkpointed and the log truncated."),
+    _s("limits", "max_header", _size_range(64, 1 << 24), "64KiB", False,
+       "Largest frame header (keys and batch descriptors)."),
+    _s("limits", "max_payload", _size_range(1, 1 << 40), "1GiB", False,
+       "Largest frame payload (a batch of blocks)."),
+    _s("limits", "max_batch", _int_range(1, 1 << 16), 1024, False,
+       "Most keys in one GET_MANY, PUT_MANY or EXISTS."),
+    _s("limits", "max_inflight", _int_range(1, 1 << 16), 256, False,
+       "Most requests in flight on one connection."),
+    _s("limits", "max_connections", _int_range(1, 1 << 20), 4096, False,
+       "Most client connections at once."),
+    _s("metrics", "enabled", _bool, True, False,
+       "Serve Prometheus metrics."),
+    _s("metrics", "listen", parse_hostport, "127.0.0.1:7471", False,
+       "Address of the /metrics HTTP endpoint."),
+    _s("auth", "tenants", _tenants, [], True,
+       "Tenants as [[auth.tenants]] tables with name and token (a hash: quillctl auth hash-token)."),
+    _s("auth", "max_failed_hellos", _int_range(1, 1 << 20), 10, True,
+       "Failed HELLOs per peer address per minute before that peer is refused."),
+    _s("router", "module", _choice("none"), "none", False,
+       "Routing module hosted by this node (none: a plain store node)."),
+    _s("guard", "mode", _choice("strict", "tenant", "off"), "strict", True,
+       "strict: serve only an exact model, tokenizer, adapter and tenant match; tenant: tenant "
+       "isolation only; off: content-hash reuse (for studies; logged loudly)."),
+)
+
+_BY_SECTION: dict[str, dict[str, Setting]] = {}
+for _setting in SETTINGS:
+    _BY_SECTION.setdefault(_setting.section, {})[_setting.name] = _setting
+assert set(_BY_SECTION) == set(SECTIONS)
+
+
+# --------------------------------------------------------------------------- resolved config
+
+
+class Section:
+    """Converted values of one section, as attributes (``cfg.store.dram``)."""
+
+    __slots__ = ("_name", "_values")
+
+    def __init__(self, name: str, values: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_values", MappingProxyType(dict(values)))
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self._values[key]
+        except KeyError:
+            raise AttributeError(f"[{self._name}] has no setting {key!r}") from None
+
+    def __setattr__(self, key, value):
+        raise AttributeError("configuration sections are read-only")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+class Config:
+    """A validated configuration: ``raw`` holds TOML values, sections hold converted ones."""
+
+    def __init__(self, raw: Mapping[str, Mapping[str, Any]], source: str) -> None:
+        self.source = source
+        self.raw = {s: dict(v) for s, v in raw.items()}
+        self._sections = {}
+        for section, settings in _BY_SECTION.items():
+            values = {}
+            for name, setting in settings.items():
+                value = self.raw.get(section, {}).get(name, setting.default)
+                values[name] = setting.convert(value)
+            self._sections[section] = Section(section, values)
+        self._check_relations()
+
+    def __getattr__(self, section: str) -> Section:
+        sections = self.__dict__.get("_sections", {})
+        if section in sections:
+            return sections[section]
+        raise AttributeError(f"no configuration section [{section}]")
+
+    def _check_relations(self) -> None:
+        store = self._sections["store"]
+        if store.low_watermark >= store.high_watermark:
+            raise ConfigError(
+                f"{self.source}: [store] low_watermark = {store.low_watermark}: must be below "
+                f"high_watermark = {store.high_watermark} (e.g. 0.75 and 0.9)")
+        if store.max_block > store.dram:
+            raise ConfigError(
+                f"{self.source}: [store] max_block = \"{format_byte_size(store.max_block)}\": larger "
+                f"than [store] dram = \"{format_byte_size(store.dram)}\" (e.g. \"64MiB\")")
+
+    def get(self, qualname: str) -> Any:
+        section, name = qualname.split(".", 1)
+        return getattr(self._sections[section], name)
+
+    def reloadable_changes(self, other: "Config") -> tuple[dict[str, Any], list[str]]:
+        """What changed from self to other: (reloadable {qualname: new value}, fixed qualnames)."""
+        apply, fixed = {}, []
+        for setting in SETTINGS:
+            old, new = self.get(setting.qualname), other.get(setting.qualname)
+            if old != new:
+                if setting.reloadable:
+                    apply[setting.qualname] = new
+                else:
+                    fixed.append(setting.qualname)
+        return apply, fixed
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "Config":
+        """A new config with ``{"node.listen": "127.0.0.1:0"}``-style overrides (validated)."""
+        raw = {s: dict(v) for s, v in self.raw.items()}
+        for qualname, value in overrides.items():
+            section, name = qualname.split(".", 1)
+            raw.setdefault(section, {})[name] = value
+        return parse_config(raw, self.source + " (with command-line overrides)")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _did_you_mean(word: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[...]"
+    if isinstance(value, dict):
+        return "{...}"
+    return str(value)
+
+
+def parse_config(raw: Mapping[str, Any], source: str = "quillcache.toml") -> Config:
+    """Validate a parsed TOML document; raises ConfigError naming source, section, key, value."""
+    for section, table in raw.items():
+        if section not in _BY_SECTION:
+            raise ConfigError(f"{source}: unknown section [{section}]{_did_you_mean(section, _BY_SECTION)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: {section} must be a table ([{section}])")
+        for name, value in table.items():
+            settings = _BY_SECTION[section]
+            if name not in settings:
+                hint = _did_you_mean(name, settings)
+                if not hint:  # a key put in the wrong section
+                    elsewhere = [s for s, keys in _BY_SECTION.items() if name in keys]
+                    if elsewhere:
+                        hint = f" (it belongs in [{elsewhere[0]}])"
+                raise ConfigError(f"{source}: [{section}] unknown key {name!r}{hint}")
+            try:
+                settings[name].convert(value)
+            except ConversionError as exc:
+                raise ConfigError(f"{source}: [{section}] {name} = {_show(value)}: {exc}") from None
+    return Config(raw, source)
+
+
+def load_config(path: str | None = None, text: str | None = None, source: str | None = None) -> Config:
+    """Load from a file path, from TOML text, or (neither) the embedded defaults."""
+    if path is not None and text is None:
+        source = source or path
+        try:
+            with open(path, "rb") as f:
+                text = f.read().decode("utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{source}: not UTF-8 text") from None
+    source = source or "quillcache.toml"
+    if text is None:
+        return parse_config({}, "(embedded defaults)")
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    return parse_config(raw, source)
+
+
+# --------------------------------------------------------------------------- sample
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, list) and not value:
+        return "[]"
+    return _show(value)
+
+
+def _wrap(text: str, width: int = 88, prefix: str = "# ") -> list[str]:
+    import textwrap
+    return [prefix + line for line in textwrap.wrap(text, width - len(prefix))]
+
+
+def render_sample() -> str:
+    """The full default configuration, commented from the registry's help text."""
+    lines = [
+        "# QuillCache node configuration (quillcache.toml(5)).",
+        "# Generated from the settings registry by `quillctl config sample`; every key is shown",
+        "# with its default. Keys marked (reloadable) take effect on SIGHUP.",
+    ]
+    for section, summary in SECTIONS.items():
+        lines += ["", f"[{section}]"] + _wrap(summary)
+        for setting in _BY_SECTION[section].values():
+            note = " (reloadable)" if setting.reloadable else ""
+            lines += _wrap(setting.help + note)
+            lines.append(f"{setting.name} = {_toml_value(setting.default)}")
+    return "\n".join(lines) + "\n"
