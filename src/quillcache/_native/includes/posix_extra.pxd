@@ -1,0 +1,16 @@
+# cython: language_level=3
+"""System declarations Cython's bundled posix/*.pxd do not carry."""
+
+cdef extern from "<sys/file.h>" nogil:
+    int flock(int fd, int operation)
+    enum: LOCK_SH
+    enum: LOCK_EX
+    enum: LOCK_NB
+    enum: LOCK_UN
+
+cdef extern from "<limits.h>" nogil:
+    enum: IOV_MAX
+
+cdef extern from "<errno.h>" nogil:
+    enum: ECANCELED
+    enum: EWOULDBLOCK
