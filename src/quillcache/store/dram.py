@@ -1,0 +1,289 @@
+"""The DRAM tier of one node: one anonymous-mmap arena, blocks placed by the offset allocator.
+
+No per-block Python ``bytes`` on the data path.  A put reserves a slot and hands out a
+writable view of it (the daemon receives from the socket straight into that view); a get
+hands out a read-only view of the published slot.  Slots are reference counted: a slot
+that a reader still holds (a lease) outlives its replacement or removal and is freed when
+the last reference is dropped.
+
+Two-phase put, as in Mooncake: ``put_start`` reserves, ``put_end`` publishes, ``put_abort``
+frees.  A writer that vanishes between start and end has its slot reclaimed by
+``reap_stale(now)`` after ``put_timeout_s``.  Readers only ever see published slots.
+
+Size 0 is refused (``InvalidArgument``): a KV block has at least one byte, and an empty
+slot would have no offset of its own in the allocator.
+"""
+from __future__ import annotations
+
+import mmap
+import time
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from quillcache.errors import InvalidArgument, NotFound
+from quillcache.model import KvBlockKey
+
+__all__ = ["DramTier", "Slot", "PendingPut", "ARENA_UNIT", "MAX_ARENA_BYTES", "DEFAULT_PUT_TIMEOUT_S"]
+
+ARENA_UNIT = 256                     # bytes: allocation granularity of the arena
+MAX_ARENA_BYTES = 1 << 40            # bytes (1 TiB): the allocator counts 256 B units in 32 bits
+DEFAULT_PUT_TIMEOUT_S = 30.0         # seconds a put may stay between start and end
+PAGE_BYTES = mmap.PAGESIZE           # bytes: touched once per page when pre-faulting
+_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+# Slot states
+PENDING = 0      # reserved by put_start, invisible to readers
+PUBLISHED = 1    # the current version of its key
+RETIRED = 2      # replaced or removed; freed when the last reference goes
+FREED = 3
+
+
+def _load_allocator():
+    # Imported lazily so this module imports (and its docs build) without the native build.
+    from quillcache._native.alloc import OffsetAllocator
+    return OffsetAllocator
+
+
+def hugepages_available() -> bool:
+    """Transparent hugepages can be asked for with madvise (mode ``always`` or ``madvise``)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open(_THP_ENABLED, encoding="ascii") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+class Slot:
+    """One placed block: where it is in the arena and who still holds it."""
+
+    __slots__ = ("key", "offset", "size", "handle", "refs", "state", "started", "seq")
+
+    def __init__(self, key: KvBlockKey, offset: int, size: int, handle: int, started: float, seq: int):
+        self.key = key
+        self.offset = offset
+        self.size = size            # the block's bytes (the allocation is rounded up to the unit)
+        self.handle = handle
+        self.refs = 0               # leases and in-flight copies (demotion) holding the slot
+        self.state = PENDING
+        self.started = started
+        self.seq = seq              # unique per slot: tells versions of one key apart
+
+    def __repr__(self) -> str:
+        return f"Slot({self.key.block_hash!r}, offset={self.offset}, size={self.size}, state={self.state})"
+
+
+class PendingPut:
+    """A reserved, not yet published slot; ``view`` is writable and exactly ``size`` bytes."""
+
+    __slots__ = ("slot", "view")
+
+    def __init__(self, slot: Slot, view: memoryview):
+        self.slot = slot
+        self.view = view
+
+    @property
+    def key(self) -> KvBlockKey:
+        return self.slot.key
+
+    @property
+    def size(self) -> int:
+        return self.slot.size
+
+
+class DramTier:
+    """The arena, the key -> published slot map and the slot lifetimes."""
+
+    def __init__(self, capacity: int, *, max_block_bytes: Optional[int] = None,
+                 put_timeout_s: float = DEFAULT_PUT_TIMEOUT_S, hugepages: bool = False,
+                 prefault: bool = False, clock: Callable[[], float] = time.monotonic):
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or not ARENA_UNIT <= capacity <= MAX_ARENA_BYTES:
+            raise InvalidArgument(f"dram capacity {capacity!r}: must be an integer of {ARENA_UNIT}..{MAX_ARENA_BYTES} bytes")
+        capacity -= capacity % ARENA_UNIT
+        if max_block_bytes is None:
+            max_block_bytes = capacity
+        if not isinstance(max_block_bytes, int) or not 1 <= max_block_bytes <= capacity:
+            raise InvalidArgument(f"max_block_bytes {max_block_bytes!r}: must be 1..{capacity} (the dram capacity)")
+        if not put_timeout_s > 0:
+            raise InvalidArgument(f"put_timeout_s {put_timeout_s!r}: must be > 0 seconds")
+        self.capacity = capacity
+        self.max_block_bytes = max_block_bytes
+        self.put_timeout_s = float(put_timeout_s)
+        self._clock = clock
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if prefault and hasattr(mmap, "MAP_POPULATE"):
+            flags |= mmap.MAP_POPULATE
+        self._map = mmap.mmap(-1, capacity, flags=flags)
+        self.hugepages = False
+        if hugepages and hugepages_available():
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+                self.hugepages = True
+            except OSError:
+                self.hugepages = False
+        self._buf = memoryview(self._map)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)   # numpy view of the whole arena
+        if prefault and not hasattr(mmap, "MAP_POPULATE"):
+            self.array[::PAGE_BYTES] = 0                          # touch every page once
+        self.prefaulted = bool(prefault)
+        self._alloc = _load_allocator()(capacity, unit=ARENA_UNIT)
+        self._published: dict[KvBlockKey, Slot] = {}
+        self._pending: dict[int, Slot] = {}      # seq -> slot
+        self._retired: dict[int, Slot] = {}      # seq -> slot still referenced after replace/remove
+        self._seq = 0
+        self.published_bytes = 0
+        self.closed = False
+
+    # ------------------------------------------------------------------ capacity
+
+    @property
+    def used(self) -> int:
+        """Bytes the allocator has handed out (pending, published and retired, rounded up)."""
+        return self._alloc.used
+
+    def report(self) -> tuple[int, int]:
+        """(free bytes, largest free extent)."""
+        return self._alloc.report()
+
+    def check_size(self, size: object) -> int:
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise InvalidArgument(f"block size {size!r}: must be an integer")
+        if not 1 <= size <= self.max_block_bytes:
+            raise InvalidArgument(f"block size {size} bytes: must be 1..{self.max_block_bytes} bytes")
+        return size
+
+    # ------------------------------------------------------------------ two-phase put
+
+    def put_start(self, key: KvBlockKey, size: int) -> PendingPut:
+        """Reserve a slot; raises CapacityError (nothing changed) when the arena has no room."""
+        self._check_open()
+        self.check_size(size)
+        alloc = self._alloc.allocate(size)          # CapacityError when full: nothing reserved
+        self._seq += 1
+        slot = Slot(key, alloc.offset, size, alloc.handle, self._clock(), self._seq)
+        self._pending[slot.seq] = slot
+        return PendingPut(slot, self._buf[slot.offset:slot.offset + size])
+
+    def put_end(self, pending: PendingPut) -> Optional[Slot]:
+        """Publish; returns the replaced slot (already retired or freed) or None."""
+        slot = pending.slot
+        if self._pending.pop(slot.seq, None) is None:
+            raise InvalidArgument("put handle is not in flight (already ended, aborted or reaped)")
+        try:
+            pending.view.release()      # the writer's view stops working: no writes after publish
+        except BufferError:
+            pass                        # the writer kept a derived view; its problem, documented
+        old = self._published.get(slot.key)
+        slot.state = PUBLISHED
+        self._published[slot.key] = slot
+        self.published_bytes += slot.size
+        if old is not None:
+            self._retire(old)
+        return old
+
+    def put_abort(self, pending: PendingPut) -> bool:
+        slot = pending.slot
+        if self._pending.pop(slot.seq, None) is None:
+            return False
+        try:
+            pending.view.release()
+        except BufferError:
+            pass            # the writer kept a derived view: the slot is freed anyway
+        self._free(slot)
+        return True
+
+    def is_pending(self, pending: PendingPut) -> bool:
+        return pending.slot.seq in self._pending
+
+    def reap_stale(self, now: float) -> list[KvBlockKey]:
+        """Free every pending slot older than the put timeout; returns their keys."""
+        deadline = now - self.put_timeout_s
+        stale = [s for s in self._pending.values() if s.started <= deadline]
+        for slot in stale:
+            del self._pending[slot.seq]
+            self._free(slot)
+        return [s.key for s in stale]
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------------ readers
+
+    def lookup(self, key: KvBlockKey) -> Optional[Slot]:
+        return self._published.get(key)
+
+    def contains(self, key: KvBlockKey) -> bool:
+        return key in self._published
+
+    def acquire(self, slot: Slot) -> memoryview:
+        """Take a reference and return a read-only view of the block's bytes."""
+        if slot.state != PUBLISHED:
+            raise NotFound("slot is no longer published")
+        slot.refs += 1
+        return self._buf[slot.offset:slot.offset + slot.size].toreadonly()
+
+    def hold(self, slot: Slot) -> None:
+        """Take a reference without a view (an in-flight copy, e.g. a demotion)."""
+        slot.refs += 1
+
+    def release(self, slot: Slot) -> None:
+        slot.refs -= 1
+        if slot.refs <= 0 and slot.state == RETIRED:
+            del self._retired[slot.seq]
+            self._free(slot)
+
+    def raw_view(self, slot: Slot) -> memoryview:
+        """A writable view of a slot (promotion fills a pending slot through this)."""
+        return self._buf[slot.offset:slot.offset + slot.size]
+
+    def unpublish(self, key: KvBlockKey) -> Optional[Slot]:
+        """Make the key invisible now; its slot is freed when no reference holds it."""
+        slot = self._published.get(key)
+        if slot is None:
+            return None
+        self._retire(slot)
+        return slot
+
+    def keys(self) -> Iterator[KvBlockKey]:
+        return iter(list(self._published))
+
+    def __len__(self) -> int:
+        return len(self._published)
+
+    # ------------------------------------------------------------------ internals
+
+    def _retire(self, slot: Slot) -> None:
+        if self._published.get(slot.key) is slot:
+            del self._published[slot.key]
+        self.published_bytes -= slot.size
+        if slot.refs > 0:
+            slot.state = RETIRED
+            self._retired[slot.seq] = slot
+        else:
+            self._free(slot)
+
+    def _free(self, slot: Slot) -> None:
+        slot.state = FREED
+        self._alloc.free(slot.handle)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InvalidArgument("the dram tier is closed")
+
+    def close(self) -> None:
+        """Drop every slot and unmap; views still held by callers keep the mapping alive."""
+        if self.closed:
+            return
+        self.closed = True
+        self._published.clear()
+        self._pending.clear()
+        self._retired.clear()
+        self.array = None
+        try:
+            self._buf.release()
+            self._map.close()
+        except BufferError:
+            pass                # outstanding views: the mapping goes when the last one does

@@ -1,0 +1,73 @@
+"""Eviction policy: which resident block of a tier goes first.
+
+LRU, kept in an ``OrderedDict`` (key -> None): ``touch`` moves a key to the MRU end in
+O(1), ``candidates`` walks from the LRU end.  The policy knows nothing about leases, pins
+or in-flight writes; the tier manager filters those out while it walks (see
+docs/tiering.md for why LRU and what the trace replay says about it).
+
+The same class drives the byte store (store/tiers.py) and the trace simulation
+(bench/trace_hit_rate.py), so the hit rates in the docs are those of this code.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable, Iterator
+
+__all__ = ["LruPolicy", "FifoPolicy", "make_policy", "POLICIES"]
+
+
+class LruPolicy:
+    """Least recently used first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        """A block became resident (or was rewritten): it is the most recent."""
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: Hashable) -> None:
+        """A block was read."""
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def victim(self) -> Hashable | None:
+        """The first candidate, or None when empty."""
+        for key in self._order:
+            return key
+        return None
+
+    def candidates(self) -> Iterator[Hashable]:
+        """Keys in eviction order, lazily: collect victims first, evict after iterating."""
+        return iter(self._order)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class FifoPolicy(LruPolicy):
+    """First in, first out: reads do not refresh (the baseline in the trace table)."""
+
+    name = "fifo"
+
+    def touch(self, key: Hashable) -> None:
+        pass
+
+
+POLICIES = {"lru": LruPolicy, "fifo": FifoPolicy}
+
+
+def make_policy(name: str = "lru") -> LruPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(sorted(POLICIES))})") from None
