@@ -500,7 +500,8 @@ class MemoryIndex:
         self._puts += 1
 
     def locate(self, key: KvBlockKey) -> list[CacheResidency]:
-        return list(self._entries.get(key, ()))
+        # Ordered by (worker, tier) like every backend, so answers compare equal.
+        return sorted(self._entries.get(key, ()), key=lambda r: (r.worker_id, r.tier.value))
 
     def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
         self._prefix_scans += 1
