@@ -89,8 +89,16 @@ def extensions():
         "linetrace": DEBUG,
         "embedsignature": True,
     }
+    # cythonize compares timestamps only: a change of build flavour (debug, no liburing)
+    # must regenerate the C, or a debug build would silently reuse optimised code.
+    flavour = f"debug={int(DEBUG)} uring={int(uring is not None)}\n"
+    stamp = HERE / "build" / ".quillcache-flavour"
+    force = not stamp.exists() or stamp.read_text() != flavour
+    stamp.parent.mkdir(exist_ok=True)
+    stamp.write_text(flavour)
     return cythonize(
         exts,
+        force=force,
         compiler_directives=directives,
         compile_time_env={"QC_DEBUG": DEBUG, "QC_HAVE_LIBURING": uring is not None},
         include_path=[str(NATIVE.parent.parent)],
