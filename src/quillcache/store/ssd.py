@@ -1,0 +1,792 @@
+"""The crash-consistent SSD tier: a preallocated data file, the offset allocator, the WAL.
+
+Layout of a tier directory (docs/ssd-format.md):  ``data.qc`` (the preallocated data file),
+``checkpoint`` (a snapshot of the live map), ``wal/`` (the write-ahead log, or ``wal_dir``).
+
+Put: allocate an extent -> write the bytes (O_DIRECT through an aligned bounce buffer when
+the filesystem allows it, else buffered) -> the group committer fdatasyncs the data file
+once per commit, appends the WAL record (key, offset, length, CRC32C) and commits it ->
+only then is the block published and the put acknowledged.  Remove and overwrite free the
+old extent only after their record is durable.  Recovery replays checkpoint + WAL and
+rebuilds the allocator with reserve(); blocks whose bytes do not match their CRC are
+dropped (eagerly at open, or lazily at the first read: ``verify``).
+
+Construction is synchronous and recovers (``SsdTier(...)``); ``await SsdTier.open(...)``
+runs the same in a thread.  Async methods must run on one event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import errno
+import functools
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from typing import Iterator, Optional
+
+import google_crc32c
+import numpy as np
+
+from quillcache import faults
+from quillcache._native.alloc import MAX_UNITS, OffsetAllocator
+from quillcache._native.wal import WAL_SEGMENT_BYTES, WalReader, WalWriter
+from quillcache.errors import InvalidArgument, NotFound, QuillCacheError, ReadOnlyError
+from quillcache.model import KvBlockKey, decode_key, encode_key
+from quillcache.store.commit import GroupCommitter
+
+__all__ = ["SsdTier", "crc32c", "DATA_NAME", "CHECKPOINT_NAME", "WAL_DIR_NAME"]
+
+log = logging.getLogger("quillcache.store.ssd")
+
+# ---- format and tunables (docs/ssd-format.md) -------------------------------------------------
+DATA_NAME = "data.qc"
+CHECKPOINT_NAME = "checkpoint"
+CHECKPOINT_TMP = "checkpoint.tmp"
+WAL_DIR_NAME = "wal"
+REC_PUT = 1                       # payload: type, key_len u16, key, offset u64, length u32, crc u32
+REC_REMOVE = 2                    # payload: type, key_len u16, key, offset u64 (ANY_OFFSET), reason u8
+ANY_OFFSET = (1 << 64) - 1        # a REMOVE that removes whatever extent the key has
+REASON_REMOVE = 0                 # remove/evict by the caller
+REASON_CRC = 1                    # the block's bytes did not match its CRC: dropped
+REASON_RECOVERY = 2               # recovery could not keep the block (overlap, out of range)
+CKPT_MAGIC = b"QCSSDCK1"
+CKPT_VERSION = 1
+_HDR = struct.Struct("<BH")
+_PUT_TAIL = struct.Struct("<QII")
+_REM_TAIL = struct.Struct("<QB")
+_CKPT_HEAD = struct.Struct("<8sIIQQQ")   # magic, version, unit, capacity, lsn, count
+_CKPT_ENTRY = struct.Struct("<HQIIQ")    # key_len, offset, length, crc, lsn
+_U32 = struct.Struct("<I")
+
+DEFAULT_UNIT = 4096               # bytes: allocation unit and O_DIRECT alignment
+MIN_DIRECT_UNIT = 512             # bytes: smallest unit usable with O_DIRECT
+DEFAULT_MAX_BLOCK = 64 << 20      # bytes: largest block accepted by put
+MAX_BLOCK_LIMIT = 1 << 30         # bytes: largest max_block_bytes (length is a u32 in records)
+MAX_KEY_BYTES = 65535             # bytes: an encoded key (u16 length in records)
+BOUNCE_BYTES = 4 << 20            # bytes per O_DIRECT bounce buffer (a larger block goes in pieces)
+BOUNCE_BUFFERS = 4                # bounce buffers in the mmap'd pool (writes in flight at once)
+VERIFY_CHUNK = 8 << 20            # bytes: read size of eager verification
+DEFAULT_CHECKPOINT_RECORDS = 65536       # WAL records between periodic checkpoints
+DEFAULT_CHECKPOINT_WAL_BYTES = 64 << 20  # WAL bytes between periodic checkpoints
+
+
+# ---- CRC32C over any contiguous buffer, GIL released --------------------------------------------
+def _load_crc32c_extend():
+    try:
+        from google_crc32c import _crc32c
+        fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend
+        fn.restype = ctypes.c_uint32
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        probe = bytes(range(256)) * 17
+        arr = np.frombuffer(probe, dtype=np.uint8)
+        if fn(0, arr.ctypes.data, len(probe)) != google_crc32c.value(probe):
+            return None
+        return fn
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
+_CRC_EXTEND = _load_crc32c_extend()
+
+
+def crc32c(buf) -> int:
+    """CRC32C of a contiguous bytes-like object without copying it (ctypes drops the GIL)."""
+    mv = memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    if len(mv) == 0:
+        return 0
+    if _CRC_EXTEND is not None:
+        arr = np.frombuffer(mv, dtype=np.uint8)
+        return _CRC_EXTEND(0, arr.ctypes.data, len(mv))
+    return google_crc32c.value(bytes(mv))
+
+
+# ---- records ---------------------------------------------------------------------------------------
+def encode_put(kb: bytes, offset: int, length: int, crc: int) -> bytes:
+    return _HDR.pack(REC_PUT, len(kb)) + kb + _PUT_TAIL.pack(offset, length, crc)
+
+
+def encode_remove(kb: bytes, offset: int = ANY_OFFSET, reason: int = REASON_REMOVE) -> bytes:
+    return _HDR.pack(REC_REMOVE, len(kb)) + kb + _REM_TAIL.pack(offset, reason)
+
+
+def decode_record(payload: bytes):
+    """-> ("put", key_bytes, offset, length, crc) | ("remove", key_bytes, offset, reason); ValueError."""
+    if len(payload) < _HDR.size:
+        raise ValueError("record shorter than its header")
+    rtype, klen = _HDR.unpack_from(payload, 0)
+    pos = _HDR.size + klen
+    kb = bytes(payload[_HDR.size:pos])
+    if rtype == REC_PUT:
+        if len(payload) != pos + _PUT_TAIL.size:
+            raise ValueError(f"put record of {len(payload)} bytes, expected {pos + _PUT_TAIL.size}")
+        return ("put", kb) + _PUT_TAIL.unpack_from(payload, pos)
+    if rtype == REC_REMOVE:
+        if len(payload) != pos + _REM_TAIL.size:
+            raise ValueError(f"remove record of {len(payload)} bytes, expected {pos + _REM_TAIL.size}")
+        return ("remove", kb) + _REM_TAIL.unpack_from(payload, pos)
+    raise ValueError(f"unknown record type {rtype}")
+
+
+class _Entry:
+    __slots__ = ("kb", "offset", "length", "crc", "handle", "lsn", "verified")
+
+    def __init__(self, kb, offset, length, crc, handle, lsn=0, verified=False):
+        self.kb = kb
+        self.offset = offset
+        self.length = length
+        self.crc = crc
+        self.handle = handle
+        self.lsn = lsn
+        self.verified = verified
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pread_full(fd: int, dst: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(dst):
+        n = os.preadv(fd, [dst[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class _BouncePool:
+    """Page-aligned (mmap'd) buffers for O_DIRECT writes; get() blocks while all are in use."""
+
+    def __init__(self, nbytes: int, count: int) -> None:
+        self.nbytes = nbytes
+        self._free = [mmap.mmap(-1, nbytes) for _ in range(count)]
+        self._sem = threading.Semaphore(count)
+        self._lock = threading.Lock()
+
+    def get(self) -> mmap.mmap:
+        self._sem.acquire()
+        with self._lock:
+            return self._free.pop()
+
+    def put(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            self._free.append(buf)
+        self._sem.release()
+
+    def close(self) -> None:
+        for b in self._free:
+            b.close()
+
+
+class SsdTier:
+    """SsdTier(path_or_dir, capacity, *, wal_dir=None, unit=4096, direct_io=True, verify="lazy",
+    commit_window_s=0.001, sync="group", wal_backend="auto", segment_bytes=WAL_SEGMENT_BYTES,
+    max_block_bytes=min(64 MiB, capacity), max_blocks=None, checkpoint_records=65536,
+    checkpoint_wal_bytes=64 MiB)
+
+    ``path_or_dir``: a directory (data file ``data.qc``, ``checkpoint``, WAL in ``wal/``) or the
+    path of the data file itself (then ``wal_dir`` is required; the checkpoint sits beside it
+    as ``<path>.checkpoint``).  The constructor recovers; ``await SsdTier.open(...)`` does the
+    same in a thread.
+    """
+
+    def __init__(self, path_or_dir, capacity: int, *, wal_dir=None, unit: int = DEFAULT_UNIT,
+                 direct_io: bool = True, verify: str = "lazy", commit_window_s: float = 0.001,
+                 sync: str = "group", wal_backend: str = "auto", segment_bytes: int = WAL_SEGMENT_BYTES,
+                 max_block_bytes: Optional[int] = None, max_blocks: Optional[int] = None,
+                 checkpoint_records: int = DEFAULT_CHECKPOINT_RECORDS,
+                 checkpoint_wal_bytes: int = DEFAULT_CHECKPOINT_WAL_BYTES) -> None:
+        # -- every limit checked before anything is created
+        if verify not in ("lazy", "eager"):
+            raise InvalidArgument(f"verify must be 'lazy' or 'eager', got {verify!r}")
+        if sync not in ("group", "always"):
+            raise InvalidArgument(f"sync must be 'group' or 'always', got {sync!r}")
+        if not isinstance(unit, int) or unit < 1 or unit & (unit - 1) or unit > (1 << 30):
+            raise InvalidArgument(f"unit must be a power of two in [1, 2**30] bytes, got {unit!r}")
+        if not isinstance(capacity, int) or capacity <= 0 or capacity % unit:
+            raise InvalidArgument(f"capacity must be a positive multiple of unit ({unit} bytes), got {capacity!r}")
+        if capacity // unit > MAX_UNITS:
+            raise InvalidArgument(f"capacity {capacity} is more than {MAX_UNITS} units of {unit} bytes")
+        if max_block_bytes is None:
+            max_block_bytes = min(DEFAULT_MAX_BLOCK, capacity)
+        if not isinstance(max_block_bytes, int) or not 1 <= max_block_bytes <= min(MAX_BLOCK_LIMIT, capacity):
+            raise InvalidArgument(f"max_block_bytes must be in [1, min({MAX_BLOCK_LIMIT}, capacity)], "
+                                  f"got {max_block_bytes!r}")
+        if checkpoint_records < 1 or checkpoint_wal_bytes < 1:
+            raise InvalidArgument("checkpoint_records and checkpoint_wal_bytes must be >= 1")
+        path = os.fspath(path_or_dir)
+        if os.path.isdir(path) or not os.path.splitext(path)[1]:
+            self.directory = path
+            self.data_path = os.path.join(path, DATA_NAME)
+            self.checkpoint_path = os.path.join(path, CHECKPOINT_NAME)
+            wal_dir = os.fspath(wal_dir) if wal_dir is not None else os.path.join(path, WAL_DIR_NAME)
+        else:
+            if wal_dir is None:
+                raise InvalidArgument(f"{path} names a data file: wal_dir is required")
+            self.directory = os.path.dirname(os.path.abspath(path))
+            self.data_path = path
+            self.checkpoint_path = path + ".checkpoint"
+            wal_dir = os.fspath(wal_dir)
+        self.wal_dir = wal_dir
+        self.capacity = capacity
+        self.unit = unit
+        self.verify = verify
+        self.max_block_bytes = max_block_bytes
+        self.checkpoint_records = checkpoint_records
+        self.checkpoint_wal_bytes = checkpoint_wal_bytes
+        self._map: dict[KvBlockKey, _Entry] = {}
+        self._inflight: collections.Counter = collections.Counter()
+        self._fd = self._rfd = -1
+        self._bounce: Optional[_BouncePool] = None
+        self._closed = False
+        self._failed: Optional[ReadOnlyError] = None
+        self._ckpt_base_records = 0     # committed WAL records at the last checkpoint
+        self._ckpt_wal_bytes = 0        # WAL bytes written at the last checkpoint
+        self._ckpt_task: Optional[asyncio.Task] = None
+        self._counters = dict.fromkeys(
+            ("puts", "removes", "reads", "crc_failures", "recovered_blocks", "dropped_blocks",
+             "wal_corrupt_bytes", "wal_tail_bytes", "checkpoints", "data_syncs"), 0)
+        self.recovery_seconds = 0.0
+
+        if not os.path.isdir(self.directory):
+            os.makedirs(self.directory, exist_ok=True)
+            # the directory's name must be durable before the files in it are
+            _fsync_dir(os.path.dirname(os.path.abspath(self.directory)))
+        # the WAL first: its flock makes this the only tier on the directory, and it cuts a
+        # torn tail (never acknowledged) before we read the log
+        self._wal = WalWriter(wal_dir, segment_bytes=segment_bytes, backend=wal_backend)
+        try:
+            self._counters["wal_tail_bytes"] = self._wal.recovered_tail_bytes
+            self._open_data(direct_io)
+            self._committer = GroupCommitter(self._wal, window_s=commit_window_s, sync=sync,
+                                             before_commit=self._sync_data,
+                                             after_batch=self._after_batch)
+            self._recover(max_blocks)
+        except BaseException:
+            self._close_files()
+            raise
+
+    @classmethod
+    async def open(cls, path_or_dir, capacity: int, **kwargs) -> "SsdTier":
+        """Construct (and recover) in a thread so the event loop keeps serving."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, functools.partial(cls, path_or_dir, capacity, **kwargs))
+
+    # ---- files -------------------------------------------------------------------------------------
+    def _open_data(self, direct_io: bool) -> None:
+        created = not os.path.exists(self.data_path)
+        self._fd = os.open(self.data_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        size = os.fstat(self._fd).st_size
+        if size < self.capacity:
+            os.posix_fallocate(self._fd, 0, self.capacity)
+            os.fsync(self._fd)               # the new size must be durable before extents in it are used
+        if created:
+            _fsync_dir(os.path.dirname(os.path.abspath(self.data_path)))   # and the new name
+        self._rfd = os.open(self.data_path, os.O_RDONLY | os.O_CLOEXEC)   # buffered reads
+        self.direct_io = False
+        if direct_io and self.unit >= MIN_DIRECT_UNIT and hasattr(os, "O_DIRECT"):
+            try:
+                dfd = os.open(self.data_path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                dfd = -1
+            if dfd >= 0:
+                probe = mmap.mmap(-1, self.unit)
+                try:
+                    os.preadv(dfd, [probe], 0)       # an aligned read proves O_DIRECT works here
+                    os.close(self._fd)
+                    self._fd = dfd
+                    self.direct_io = True
+                except OSError as exc:
+                    os.close(dfd)
+                    if exc.errno != errno.EINVAL:
+                        raise
+                finally:
+                    probe.close()
+        if self.direct_io:
+            self._bounce = _BouncePool(max(self.unit, min(BOUNCE_BYTES, _round_up(self.max_block_bytes, self.unit))),
+                                       BOUNCE_BUFFERS)
+
+    def _close_files(self) -> None:
+        for fd in (self._fd, self._rfd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._rfd = -1
+        if self._bounce is not None:
+            self._bounce.close()
+            self._bounce = None
+        if self._wal is not None and not self._wal.closed:
+            self._wal.close()
+
+    def _write_extent(self, mv: memoryview, offset: int) -> int:
+        """Write ``mv`` at ``offset`` of the data file (a worker thread); return its CRC32C."""
+        faults.killpoint("before_data_write")
+        if faults.FAULTS_ENABLED and faults.fire("data_enospc"):
+            raise OSError(errno.ENOSPC, "injected ENOSPC on a data-file write", self.data_path)
+        n = len(mv)
+        crc = crc32c(mv)
+        if self.direct_io:
+            faults.journal_write(offset, _round_up(n, self.unit))
+            pool = self._bounce
+            buf = pool.get()
+            try:
+                bmv = memoryview(buf)
+                done = 0
+                while done < n:
+                    k = min(n - done, pool.nbytes)
+                    bmv[:k] = mv[done:done + k]
+                    padded = _round_up(k, self.unit)
+                    if padded > k:
+                        bmv[k:padded] = bytes(padded - k)   # O_DIRECT writes whole units
+                    w = os.pwrite(self._fd, bmv[:padded], offset + done)
+                    if w != padded:
+                        raise OSError(errno.EIO, f"short O_DIRECT write ({w} of {padded} bytes)", self.data_path)
+                    done += k
+                bmv.release()
+            finally:
+                pool.put(buf)
+        else:
+            faults.journal_write(offset, n)
+            done = 0
+            while done < n:
+                done += os.pwrite(self._fd, mv[done:], offset + done)
+        faults.killpoint("after_data_write")
+        return crc
+
+    def _sync_data(self, data_sync: bool) -> None:
+        """Before a WAL commit (commit thread): make the data its records point at durable."""
+        if not data_sync:
+            return                          # removes only: no block bytes to cover
+        covered = faults.journal_sync_begin() if faults.JOURNAL_ENABLED else 0
+        try:
+            os.fdatasync(self._fd)          # one per group commit, covering every put in the window
+            if faults.FAULTS_ENABLED and faults.fire("data_fsync_eio"):
+                raise OSError(errno.EIO, "injected EIO on the data file's fdatasync", self.data_path)
+        except OSError as exc:
+            # fatal: after a failed fsync the page cache may have dropped the data (no retry)
+            self._failed = ReadOnlyError(f"fdatasync of {self.data_path} failed: {exc}; the SSD tier is read-only")
+            raise self._failed from exc
+        faults.killpoint("after_data_fsync")
+        faults.journal_sync(covered)
+        self._counters["data_syncs"] += 1
+
+    # ---- recovery ------------------------------------------------------------------------------------
+    def _load_checkpoint(self):
+        tmp = os.path.join(os.path.dirname(self.checkpoint_path), CHECKPOINT_TMP)
+        if os.path.exists(tmp):
+            os.unlink(tmp)                  # a checkpoint that never got renamed: not ours to use
+        if not os.path.exists(self.checkpoint_path):
+            return 0, {}
+        with open(self.checkpoint_path, "rb") as f:
+            blob = f.read()
+        where = f"checkpoint {self.checkpoint_path}"
+        if len(blob) < _CKPT_HEAD.size + 4 or crc32c(memoryview(blob)[:-4]) != _U32.unpack_from(blob, len(blob) - 4)[0]:
+            raise QuillCacheError(f"{where} is corrupt (checksum mismatch): refusing to start; "
+                                  f"move it away to recover from the WAL alone")
+        magic, version, unit, capacity, lsn, count = _CKPT_HEAD.unpack_from(blob, 0)
+        if magic != CKPT_MAGIC or version != CKPT_VERSION:
+            raise QuillCacheError(f"{where}: not a version {CKPT_VERSION} checkpoint")
+        if unit != self.unit:
+            raise InvalidArgument(f"{where} was written with unit={unit}, opened with unit={self.unit}")
+        entries = {}
+        pos = _CKPT_HEAD.size
+        for _ in range(count):
+            klen, off, length, crc, elsn = _CKPT_ENTRY.unpack_from(blob, pos)
+            pos += _CKPT_ENTRY.size
+            entries[blob[pos:pos + klen]] = [off, length, crc, elsn]
+            pos += klen
+        return lsn, entries
+
+    def _recover(self, max_blocks: Optional[int]) -> None:
+        t0 = time.perf_counter()
+        ckpt_lsn, entries = self._load_checkpoint()
+        reader = WalReader(self.wal_dir)
+        replayed = 0
+        for lsn, payload in reader:
+            if lsn <= ckpt_lsn:
+                continue                     # the checkpoint already reflects it
+            replayed += 1
+            try:
+                rec = decode_record(payload)
+            except ValueError as exc:
+                log.error("WAL record at lsn %#x is malformed (%s): skipped", lsn, exc)
+                self._counters["wal_corrupt_bytes"] += len(payload)
+                continue
+            if rec[0] == "put":
+                entries[rec[1]] = [rec[2], rec[3], rec[4], lsn]
+            else:
+                cur = entries.get(rec[1])
+                if cur is not None and (rec[2] == ANY_OFFSET or rec[2] == cur[0]):
+                    del entries[rec[1]]
+        for nbytes, reason in reader.corruption:
+            log.error("WAL %s: %d bytes dropped (%s)", self.wal_dir, nbytes, reason)
+            self._counters["wal_corrupt_bytes"] += nbytes
+        self.wal_corruption = list(reader.corruption)
+        for kb, (off, length, _, _) in entries.items():
+            if off + _round_up(length, self.unit) > self.capacity:
+                raise InvalidArgument(f"capacity {self.capacity} is smaller than the existing data in "
+                                      f"{self.data_path} (an extent ends at {off + length}): open it with "
+                                      f"a capacity of at least {_round_up(off + length, self.unit)}")
+        self._allocator = OffsetAllocator(self.capacity, self.unit, max_blocks)
+        drops = []                           # (kb, offset, reason, handle or None)
+        # newest first: if a lost record left two blocks claiming one extent, the newer one wins
+        for kb, (off, length, crc, lsn) in sorted(entries.items(), key=lambda kv: kv[1][3], reverse=True):
+            try:
+                key = decode_key(kb)
+                if off % self.unit or length == 0:
+                    raise ValueError(f"unaligned or empty extent ({off}, {length})")
+                handle = self._allocator.reserve(off, length)
+            except ValueError as exc:
+                log.error("recovery: block at offset %d (%d bytes) dropped: %s", off, length, exc)
+                drops.append((kb, off, REASON_RECOVERY, None))
+                continue
+            self._map[key] = _Entry(kb, off, length, crc, handle, lsn)
+        if self.verify == "eager":
+            self._verify_all(drops)
+        if drops:
+            recs = [encode_remove(kb, off, reason) for kb, off, reason, _ in drops]
+            self._committer.commit_now(recs, data_sync=False)
+            # the drop records are durable: only now can the extents be reused
+            for _, _, _, handle in drops:
+                if handle is not None:
+                    self._allocator.free(handle)
+            self._counters["dropped_blocks"] += len(drops)
+        self._committer.applied_lsn = self._wal.durable_lsn
+        faults.killpoint("mid_recovery")
+        if replayed or drops:
+            self._write_checkpoint(self._snapshot(), self._wal.durable_lsn)
+        self._counters["recovered_blocks"] = len(self._map)
+        self.recovery_seconds = time.perf_counter() - t0
+        log.info("SSD tier %s recovered: %d blocks, %d dropped, %d WAL records replayed in %.3f s",
+                 self.directory, len(self._map), len(drops), replayed, self.recovery_seconds)
+
+    def _verify_all(self, drops: list) -> None:
+        buf = bytearray(min(VERIFY_CHUNK, max(self.max_block_bytes, 1)))
+        bmv = memoryview(buf)
+        for key, e in sorted(self._map.items(), key=lambda kv: kv[1].offset):
+            crc = 0
+            done = 0
+            ok = True
+            while done < e.length:
+                k = min(len(buf), e.length - done)
+                if _pread_full(self._rfd, bmv[:k], e.offset + done) != k:
+                    ok = False
+                    break
+                crc = _CRC_EXTEND(crc, np.frombuffer(bmv[:k], np.uint8).ctypes.data, k) if _CRC_EXTEND \
+                    else google_crc32c.extend(crc, bytes(bmv[:k]))
+                done += k
+            if ok and crc == e.crc:
+                e.verified = True
+                continue
+            log.error("recovery: block %r at offset %d failed its CRC check: dropped", key, e.offset)
+            self._counters["crc_failures"] += 1
+            del self._map[key]
+            drops.append((e.kb, e.offset, REASON_CRC, e.handle))
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def _snapshot(self) -> list:
+        return [(e.kb, e.offset, e.length, e.crc, e.lsn) for e in self._map.values()]
+
+    def _write_checkpoint(self, snapshot: list, lsn: int) -> None:
+        """Snapshot -> temp file, fsync, rename, fsync dir, then drop the WAL segments it covers."""
+        out = bytearray(_CKPT_HEAD.pack(CKPT_MAGIC, CKPT_VERSION, self.unit, self.capacity, lsn, len(snapshot)))
+        for kb, off, length, crc, elsn in snapshot:
+            out += _CKPT_ENTRY.pack(len(kb), off, length, crc, elsn)
+            out += kb
+        out += _U32.pack(crc32c(out))
+        d = os.path.dirname(self.checkpoint_path)
+        tmp = os.path.join(d, CHECKPOINT_TMP)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            mv = memoryview(out)
+            done = 0
+            while done < len(out):
+                done += os.write(fd, mv[done:])
+            os.fsync(fd)                     # the new checkpoint's bytes are durable before its name
+        finally:
+            os.close(fd)
+        faults.killpoint("mid_checkpoint")
+        os.rename(tmp, self.checkpoint_path)  # atomic: a crash leaves the old or the new one
+        _fsync_dir(d)                        # the rename is durable before the WAL it covers goes
+        self._wal.truncate_before(lsn + 1)   # only records with lsn <= the checkpoint's are covered
+        self._ckpt_base_records = self._committer.records
+        self._ckpt_wal_bytes = self._wal.stats()["bytes_written"]
+        self._counters["checkpoints"] += 1
+
+    async def _after_batch(self, lsn: int) -> None:
+        wal_bytes = self._wal.stats()["bytes_written"] - self._ckpt_wal_bytes
+        if (self._committer.records - self._ckpt_base_records >= self.checkpoint_records
+                or wal_bytes >= self.checkpoint_wal_bytes):
+            await self.checkpoint()
+
+    async def checkpoint(self) -> None:
+        """Write a checkpoint of the published state now (on the commit thread)."""
+        snapshot = self._snapshot()
+        lsn = self._committer.applied_lsn    # every record <= lsn is reflected in the snapshot
+        try:
+            await self._committer.run_in_thread(self._write_checkpoint, snapshot, lsn)
+        except OSError as exc:
+            log.error("checkpoint of %s failed: %s (the WAL still holds everything)", self.directory, exc)
+            return
+
+    # ---- writes ----------------------------------------------------------------------------------------
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise InvalidArgument("the SSD tier is closed")
+        if self._failed is not None:
+            raise ReadOnlyError(str(self._failed))
+        if self._committer.failed is not None:
+            raise ReadOnlyError(f"the SSD tier is read-only after an earlier failure: {self._committer.failed}")
+
+    def _check_put(self, key: KvBlockKey, data):
+        self._check_writable()
+        if not isinstance(key, KvBlockKey):
+            raise InvalidArgument(f"key must be a KvBlockKey, got {type(key).__name__}")
+        kb = encode_key(key)
+        if len(kb) > MAX_KEY_BYTES:
+            raise InvalidArgument(f"encoded key is {len(kb)} bytes: at most {MAX_KEY_BYTES}")
+        mv = memoryview(data)
+        if not mv.contiguous:
+            raise InvalidArgument("data must be a contiguous buffer")
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        n = len(mv)
+        if not 1 <= n <= self.max_block_bytes:
+            raise InvalidArgument(f"block of {n} bytes: must be 1..{self.max_block_bytes} bytes (max_block_bytes)")
+        return kb, mv
+
+    async def put(self, key: KvBlockKey, data) -> None:
+        """Store ``data`` under ``key``; returns when it is durable and published."""
+        kb, mv = self._check_put(key, data)
+        alloc = self._allocator.allocate(len(mv))     # CapacityError when full: nothing changed
+        # shielded: a cancelled caller must not leave an extent half-owned
+        await asyncio.shield(self._put(key, kb, mv, alloc))
+
+    async def _put(self, key, kb, mv, alloc) -> None:
+        loop = asyncio.get_running_loop()
+        self._inflight[key] += 1
+        try:
+            try:
+                crc = await loop.run_in_executor(None, self._write_extent, mv, alloc.offset)
+            except BaseException:
+                self._allocator.free(alloc.handle)    # no record points at it: reusable now
+                raise
+            entry = _Entry(kb, alloc.offset, len(mv), crc, alloc.handle, verified=True)
+            # data before metadata: the record is appended only after the bytes were written,
+            # and the committer fdatasyncs the data file before it commits the record
+            await self._committer.submit(encode_put(kb, alloc.offset, len(mv), crc),
+                                         functools.partial(self._apply_put, key, entry), data_sync=True)
+        finally:
+            self._inflight[key] -= 1
+            if not self._inflight[key]:
+                del self._inflight[key]
+
+    def _apply_put(self, key: KvBlockKey, entry: _Entry, lsn: int) -> None:
+        entry.lsn = lsn
+        old = self._map.get(key)
+        self._map[key] = entry               # published only now: the record is durable
+        if old is not None:
+            self._allocator.free(old.handle)  # the new record is durable: no recovery points at old
+        self._counters["puts"] += 1
+
+    def put_sync(self, key: KvBlockKey, data) -> None:
+        """Blocking put for tools and tests (no event loop; do not mix with concurrent async puts)."""
+        kb, mv = self._check_put(key, data)
+        alloc = self._allocator.allocate(len(mv))
+        try:
+            crc = self._write_extent(mv, alloc.offset)
+        except BaseException:
+            self._allocator.free(alloc.handle)
+            raise
+        entry = _Entry(kb, alloc.offset, len(mv), crc, alloc.handle, verified=True)
+        lsn = self._committer.commit_now([encode_put(kb, alloc.offset, len(mv), crc)], data_sync=True)
+        self._apply_put(key, entry, lsn)
+        self._committer.applied_lsn = lsn
+
+    async def remove(self, key: KvBlockKey) -> bool:
+        """Remove the block; True if it was there.  The extent is freed once the record is durable."""
+        self._check_writable()
+        if key not in self._map and not self._inflight.get(key):
+            return False
+        rec = encode_remove(encode_key(key))
+        return await asyncio.shield(self._committer.submit(rec, functools.partial(self._apply_remove, key)))
+
+    def remove_sync(self, key: KvBlockKey) -> bool:
+        self._check_writable()
+        if key not in self._map:
+            return False
+        lsn = self._committer.commit_now([encode_remove(encode_key(key))], data_sync=False)
+        self._committer.applied_lsn = lsn
+        return self._apply_remove(key, lsn)
+
+    def _apply_remove(self, key: KvBlockKey, lsn: int) -> bool:
+        e = self._map.pop(key, None)
+        if e is None:
+            return False
+        self._allocator.free(e.handle)       # the remove record is durable: nothing points here now
+        self._counters["removes"] += 1
+        return True
+
+    def _drop(self, key: KvBlockKey, entry: _Entry, why: str) -> None:
+        """Unpublish a block whose bytes are bad; free its extent once the drop record is durable."""
+        if self._map.get(key) is entry:
+            del self._map[key]
+        self._counters["crc_failures"] += 1
+        self._counters["dropped_blocks"] += 1
+        log.error("SSD block %r at offset %d (%d bytes) dropped: %s", key, entry.offset, entry.length, why)
+        rec = encode_remove(entry.kb, entry.offset, REASON_CRC)
+
+        def free(lsn: int) -> None:
+            self._allocator.free(entry.handle)
+
+        if self._committer.failed is not None or self._failed is not None or self._closed:
+            return                            # read-only: leave the extent allocated (never reused)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            self._committer.submit_nowait(rec, free).add_done_callback(_ignore_result)
+        else:
+            try:
+                lsn = self._committer.commit_now([rec], data_sync=False)
+            except ReadOnlyError:
+                return
+            free(lsn)
+
+    # ---- reads ----------------------------------------------------------------------------------------
+    def read_into(self, key: KvBlockKey, buffer) -> int:
+        """Read the block into ``buffer`` (verifying its CRC32C every time); return its length.
+
+        NotFound if absent or if its bytes do not match the CRC (then it is dropped and counted,
+        and the buffer's first ``length`` bytes are zeroed: bad bytes are never handed out)."""
+        if self._closed:
+            raise InvalidArgument("the SSD tier is closed")
+        e = self._map.get(key)
+        if e is None:
+            raise NotFound(f"block not on the SSD tier: {key}")
+        mv = memoryview(buffer)
+        if mv.readonly:
+            raise InvalidArgument("read_into needs a writable buffer")
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        if len(mv) < e.length:
+            raise InvalidArgument(f"buffer of {len(mv)} bytes is smaller than the {e.length}-byte block")
+        dst = mv[:e.length]
+        n = _pread_full(self._rfd, dst, e.offset)
+        if n != e.length or crc32c(dst) != e.crc:
+            dst[:] = bytes(e.length)
+            self._drop(key, e, "short read" if n != e.length else "CRC32C mismatch")
+            raise NotFound(f"block {key} failed verification on the SSD tier and was dropped")
+        e.verified = True
+        self._counters["reads"] += 1
+        return e.length
+
+    def read_view(self, key: KvBlockKey) -> memoryview:
+        """The block's verified bytes in a new buffer."""
+        e = self._map.get(key)
+        if e is None:
+            raise NotFound(f"block not on the SSD tier: {key}")
+        buf = bytearray(e.length)
+        self.read_into(key, buf)
+        return memoryview(buf)
+
+    def extent_of(self, key: KvBlockKey):
+        """(fd, offset, length) for sendfile, or None when absent or not verified yet.
+
+        Only blocks whose bytes were checked (written by this process, verified at recovery
+        or by a read) are offered: call read_into once first.  The extent stays valid until
+        the key is removed or overwritten (which can happen at the caller's next await)."""
+        e = self._map.get(key)
+        if e is None or not e.verified:
+            return None
+        return (self._rfd, e.offset, e.length)
+
+    def contains(self, key: KvBlockKey) -> bool:
+        return key in self._map
+
+    def __contains__(self, key) -> bool:
+        return key in self._map
+
+    def size_of(self, key: KvBlockKey) -> Optional[int]:
+        e = self._map.get(key)
+        return None if e is None else e.length
+
+    def keys(self) -> list:
+        return list(self._map)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    @property
+    def used(self) -> int:
+        return self._allocator.used
+
+    @property
+    def allocator(self) -> OffsetAllocator:
+        return self._allocator
+
+    def entries(self) -> Iterator[tuple]:
+        """(key, offset, length, crc) of every published block (tools and the crash checker)."""
+        for k, e in self._map.items():
+            yield k, e.offset, e.length, e.crc
+
+    def stats(self) -> dict:
+        ws = self._wal.stats() if not self._wal.closed else {"bytes_written": 0, "backend": self._wal.backend}
+        puts = self._counters["puts"]
+        return {"blocks": len(self._map), "bytes": sum(e.length for e in self._map.values()),
+                "used": self.used, "capacity": self.capacity, **self._counters,
+                "wal_backend": ws["backend"], "direct_io": self.direct_io, "verify": self.verify,
+                "commits": self._committer.commits, **self._committer.latency(),
+                "wal_bytes_per_put": round(ws["bytes_written"] / puts, 1) if puts else 0.0,
+                "recovery_seconds": round(self.recovery_seconds, 6),
+                "read_only": self._failed is not None or self._committer.failed is not None}
+
+    # ---- close -------------------------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Commit what is queued, checkpoint (unless read-only), close the files."""
+        if self._closed:
+            return
+        await self._committer.close()
+        self._closed = True
+        self._finish()
+
+    def close_sync(self) -> None:
+        if self._closed:
+            return
+        if self._committer.running:
+            raise InvalidArgument("the committer is running: use 'await close()'")
+        self._closed = True
+        self._finish()
+
+    def _finish(self) -> None:
+        try:
+            if self._failed is None and self._committer.failed is None and not self._wal.failed:
+                self._write_checkpoint(self._snapshot(), self._committer.applied_lsn)
+        finally:
+            self._close_files()
+
+    def __repr__(self) -> str:
+        return (f"<SsdTier {self.directory!r} blocks={len(self._map)} used={self.used if not self._closed else '-'}"
+                f" capacity={self.capacity} direct_io={self.direct_io}>")
+
+
+def _ignore_result(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _round_up(n: int, unit: int) -> int:
+    return (n + unit - 1) // unit * unit
