@@ -3,7 +3,7 @@ import sys
 
 import click
 
-from quillcache.config import ConfigError, load_config, render_sample
+from quillcache.config import ConfigError, load_config
 
 from quillcache_cli import exitcodes
 
@@ -15,19 +15,22 @@ from quillcache_cli import exitcodes
 @click.option("--data-dir", help="Override [node] data_dir.")
 @click.version_option(package_name="quillcache")
 def main(config_path, listen, data_dir):
-    """Run a QuillCache node in the foreground (systemd runs it as Type=notify)."""
+    """Run a QuillCache node in the foreground (systemd runs it as Type=notify).
+
+    SIGTERM/SIGINT drain in-flight requests and stop; SIGHUP reloads the reloadable
+    settings from the same file.  A bad configuration exits 78 (EX_CONFIG).
+    """
+    overrides = {}
+    if listen:
+        overrides["node.listen"] = listen
+    if data_dir:
+        overrides["node.data_dir"] = data_dir
     try:
         cfg = load_config(config_path)
-        overrides = {}
-        if listen:
-            overrides["node.listen"] = listen
-        if data_dir:
-            overrides["node.data_dir"] = data_dir
         if overrides:
             cfg = cfg.with_overrides(overrides)
     except ConfigError as exc:
         click.echo(f"quillcached: {exc}", err=True)
         sys.exit(exitcodes.CONFIG)
-    click.echo(f"quillcached: configuration from {cfg.source} is valid", err=True)
-    click.echo("quillcached: the daemon is not built yet (see README status); nothing started", err=True)
-    sys.exit(exitcodes.SOFTWARE)
+    from quillcache.daemon import run     # after validation: a bad config exits before any import cost
+    sys.exit(run(cfg, config_path=config_path, overrides=overrides))

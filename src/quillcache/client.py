@@ -1,0 +1,645 @@
+"""The QuillCache client library: ``Client`` (blocking socket) and ``AsyncClient`` (asyncio).
+
+    from quillcache import Client, KvBlockKey
+    with Client("127.0.0.1:7470", token=None, timeout=10.0) as c:
+        c.put(key, data)
+        n = c.get_into(key, numpy_array)      # received straight into the array
+
+Both sit on the sans-I/O ``ClientProtocolConnection``: the sync client reads with
+``recv_into`` straight into the buffer the parser hands out (the caller's buffer for
+``get_into``), the async one is an ``asyncio.BufferedProtocol``.  Requests are
+pipelined (``get_many``/``put_many``/``exists_many`` send every request before waiting),
+replies matched by id.  Errors are the ``quillcache.errors`` classes of the server's
+status; a dropped connection is ``ConnectionLost``; every wait has a deadline
+(``Timeout``).  After a ``Timeout`` the sync client closes its connection (the stream may
+hold half a reply); the async one keeps it (a late reply is matched and dropped).
+
+Data handed to ``put``/``put_many`` is sent without a copy and must not change until the
+call returns.  ``get``/``get_many`` return ``bytes`` (one copy out of the receive buffer);
+``get_into`` is the zero-copy path.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
+
+from quillcache.config import parse_hostport
+from quillcache.errors import (
+    STATUS_CLASSES, CapacityError, ConnectionLost, InvalidArgument, NotFound, ProtocolError,
+    QuillCacheError, Timeout, UnsafeReuse,
+)
+from quillcache.model import IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope_prefix
+from quillcache.protocol import messages
+from quillcache.protocol.connection import ClientProtocolConnection, Reply
+from quillcache.protocol.opcodes import FLAG_DURABLE, InfoFormat, Opcode, PinMode, ProtocolLimits
+
+__all__ = ["Client", "AsyncClient", "parse_info", "DEFAULT_ADDRESS", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_ADDRESS = "127.0.0.1:7470"
+DEFAULT_TIMEOUT_S = 10.0         # seconds: connect and every wait for a reply
+LIST_PAGE = 1024                 # keys asked per LIST request (capped at the server's max_batch)
+CLIENT_NAME = "quillcache-py"
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def _address(address) -> tuple[str, int]:
+    if isinstance(address, tuple):
+        return address[0], int(address[1])
+    try:
+        return parse_hostport(address)
+    except ValueError as exc:
+        raise InvalidArgument(f"address {address!r}: {exc}") from None
+
+
+def _token(token) -> bytes:
+    if token is None:
+        return b""
+    if isinstance(token, str):
+        return token.encode("utf-8")
+    return bytes(token)
+
+
+def _payload(data) -> memoryview:
+    mv = memoryview(data)
+    if not mv.c_contiguous:
+        raise InvalidArgument("data must be C-contiguous")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def _dest(buffer) -> memoryview:
+    mv = memoryview(buffer)
+    if mv.readonly:
+        raise InvalidArgument("get_into: the buffer is read-only")
+    if not mv.c_contiguous:
+        raise InvalidArgument("get_into: the buffer is not C-contiguous")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def _key(key) -> bytes:
+    if not isinstance(key, KvBlockKey):
+        raise InvalidArgument(f"key {key!r}: must be a KvBlockKey")
+    return encode_key(key)
+
+
+def _status_error(status: int, what: str) -> QuillCacheError:
+    cls = STATUS_CLASSES.get(status, QuillCacheError)
+    if cls is CapacityError:
+        return CapacityError(message=f"{what}: out of capacity")
+    if cls is UnsafeReuse:
+        return UnsafeReuse("model", f"{what}: unsafe reuse refused (GET the key for the violation)")
+    return cls(f"{what}: status {status} ({cls.__name__})")
+
+
+def _coerce(value: str) -> Any:
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def parse_info(text: str) -> dict[str, dict[str, Any]]:
+    """redis-style INFO text -> ``{section: {key: value}}`` (numbers converted)."""
+    out: dict[str, dict[str, Any]] = {}
+    current: Optional[dict] = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            current = out.setdefault(line.lstrip("#").strip(), {})
+            continue
+        k, sep, v = line.partition(":")
+        if sep and current is not None:
+            current[k] = _coerce(v)
+    return out
+
+
+class _Req(NamedTuple):
+    opcode: int
+    header: bytes
+    views: Sequence[Any]
+    flags: int
+    into: Any                               # destination or callable(frame), or None
+    finish: Callable[[Reply], Any]          # OK reply -> result (errors raised before)
+
+
+def _chunks(seq: Sequence, n: int) -> list:
+    return [seq[i:i + n] for i in range(0, len(seq), n)] or [seq[:0]]
+
+
+class _Ops:
+    """Request builders shared by Client and AsyncClient; ``_exec``/``_exec_many`` run them."""
+
+    _conn: Optional[ClientProtocolConnection]
+
+    @property
+    def limits(self) -> ProtocolLimits:
+        """The server's limits (from HELLO)."""
+        return self._conn.peer_limits if self._conn is not None else ProtocolLimits()
+
+    # each returns the result (Client) or an awaitable of it (AsyncClient)
+
+    def put(self, key: KvBlockKey, data, durable: bool = False):
+        mv = _payload(data)
+        hdr = messages.encode_put_request(_key(key), mv.nbytes, self.limits)
+        return self._exec(_Req(Opcode.PUT, hdr, [mv] if mv.nbytes else [],
+                               FLAG_DURABLE if durable else 0, None, lambda r: None))
+
+    def get(self, key: KvBlockKey):
+        hdr = messages.encode_get_request(_key(key), self.limits)
+        holder: list = []
+
+        def into(frame):                     # one buffer of the exact size, received into by recv_into
+            holder.append(bytearray(frame.payload_length))
+            return holder[0]
+
+        return self._exec(_Req(Opcode.GET, hdr, (), 0, into,
+                               lambda r: bytes(holder[0]) if holder else b""))
+
+    def get_into(self, key: KvBlockKey, buffer):
+        dst = _dest(buffer)
+        hdr = messages.encode_get_request(_key(key), self.limits)
+
+        def into(frame):
+            if frame.payload_length > dst.nbytes:
+                raise InvalidArgument(f"get_into: buffer of {dst.nbytes} bytes, block is "
+                                      f"{frame.payload_length} bytes")
+            return dst
+
+        def finish(r: Reply) -> int:
+            return 0 if r.payload is None else memoryview(r.payload).nbytes
+
+        return self._exec(_Req(Opcode.GET, hdr, (), 0, into, finish))
+
+    def exists(self, key: KvBlockKey):
+        hdr = messages.encode_keys_request([_key(key)], self.limits, "EXISTS")
+        return self._exec(_Req(Opcode.EXISTS, hdr, (), 0, None,
+                               lambda r: messages.decode_exists_reply(r.header, self.limits).present[0]))
+
+    def exists_many(self, keys: Iterable[KvBlockKey]):
+        keys = [_key(k) for k in keys]
+        reqs = [_Req(Opcode.EXISTS, messages.encode_keys_request(c, self.limits, "EXISTS"), (), 0, None,
+                     lambda r: messages.decode_exists_reply(r.header, self.limits))
+                for c in _chunks(keys, self.limits.max_batch)]
+
+        def combine(results) -> tuple[int, list[bool]]:
+            present: list[bool] = []
+            for res in results:
+                present += res.present
+            prefix = next((i for i, p in enumerate(present) if not p), len(present))
+            return prefix, present
+
+        return self._exec_many(reqs, combine)
+
+    def remove(self, key: KvBlockKey):
+        hdr = messages.encode_keys_request([_key(key)], self.limits, "REMOVE")
+        return self._exec(_Req(Opcode.REMOVE, hdr, (), 0, None,
+                               lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
+
+    def pin(self, key: KvBlockKey, ttl: float, hard: bool = False):
+        if not isinstance(ttl, (int, float)) or ttl < 0:
+            raise InvalidArgument(f"pin ttl {ttl!r}: seconds >= 0 (0 = until unpin)")
+        ttl_ms = 0 if ttl == 0 else max(1, int(round(ttl * 1000)))
+        hdr = messages.encode_pin_request([_key(key)], PinMode.HARD if hard else PinMode.SOFT, ttl_ms, self.limits)
+        return self._exec(_Req(Opcode.PIN, hdr, (), 0, None,
+                               lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
+
+    def unpin(self, key: KvBlockKey):
+        hdr = messages.encode_unpin_request([_key(key)], PinMode.SOFT, self.limits)
+        return self._exec(_Req(Opcode.UNPIN, hdr, (), 0, None,
+                               lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
+
+    def put_many(self, items: Iterable[tuple[KvBlockKey, Any]], durable: bool = False):
+        """Store every (key, data); raises the first item's error (after all were tried)."""
+        prepared = [(_key(k), _payload(d)) for k, d in items]
+        lim = self.limits
+        reqs, starts = [], []
+        i = 0
+        while i < len(prepared) or not reqs:
+            batch, total = [], 0
+            while i < len(prepared) and len(batch) < lim.max_batch:
+                nb = prepared[i][1].nbytes
+                if batch and total + nb > lim.max_payload_bytes:
+                    break
+                batch.append(prepared[i])
+                total += nb
+                i += 1
+            hdr = messages.encode_put_many_request([(k, mv.nbytes) for k, mv in batch], lim)
+            starts.append(i - len(batch))
+            reqs.append(_Req(Opcode.PUT_MANY, hdr, [mv for _, mv in batch if mv.nbytes],
+                             FLAG_DURABLE if durable else 0, None,
+                             lambda r: messages.decode_status_list(r.header, lim)))
+            if i >= len(prepared):
+                break
+
+        def combine(results) -> None:
+            for start, statuses in zip(starts, results):
+                for j, st in enumerate(statuses):
+                    if st:
+                        raise _status_error(st, f"put_many item {start + j}")
+
+        return self._exec_many(reqs, combine)
+
+    def get_many(self, keys: Iterable[KvBlockKey]):
+        """``list[bytes | None]`` in key order: None where the key is not served (not found,
+        or refused by the identity guard)."""
+        keys = [_key(k) for k in keys]
+        lim = self.limits
+        reqs = []
+        for chunk in _chunks(keys, lim.max_batch):
+            holder: dict = {}
+
+            def into(frame, holder=holder):
+                items = messages.decode_get_many_reply(frame.header, frame.payload_length, lim)
+                holder["bufs"] = [bytearray(nb) for st, nb in items if st == 0 and nb]
+                return holder["bufs"]
+
+            def finish(r: Reply, holder=holder):
+                items = messages.decode_get_many_reply(r.header, None, lim)
+                bufs = iter(holder.get("bufs", ()))
+                out = []
+                for st, nb in items:
+                    if st == 0:
+                        out.append(bytes(next(bufs)) if nb else b"")
+                    elif st in (NotFound.status, UnsafeReuse.status):
+                        out.append(None)
+                    else:
+                        raise _status_error(st, "get_many item")
+                return out
+
+            reqs.append(_Req(Opcode.GET_MANY, messages.encode_keys_request(chunk, lim, "GET_MANY"),
+                             (), 0, into, finish))
+        return self._exec_many(reqs, lambda results: [x for res in results for x in res])
+
+    def _list_req(self, prefix: bytes, start_after: bytes) -> _Req:
+        lim = self.limits
+        hdr = messages.encode_list_request(prefix, min(LIST_PAGE, lim.max_batch), start_after, lim)
+        return _Req(Opcode.LIST, hdr, (), 0, None, lambda r: messages.decode_list_reply(r.header, lim))
+
+    def _stats_req(self, fmt: InfoFormat, section: str) -> _Req:
+        def finish(r: Reply):
+            text = bytes(r.payload).decode("utf-8") if r.payload is not None else ""
+            return json.loads(text) if fmt == InfoFormat.JSON else parse_info(text)
+        return _Req(Opcode.STATS, messages.encode_stats_request(fmt, section), (), 0, None, finish)
+
+    def info(self, section: str = ""):
+        """INFO sections as ``{"Server": {...}, "Store": {...}, ...}``."""
+        return self._exec(self._stats_req(InfoFormat.TEXT, section))
+
+    def stats(self, section: str = ""):
+        return self._exec(self._stats_req(InfoFormat.JSON, section))
+
+    def _hello_req(self, token: bytes, name: str) -> _Req:
+        return _Req(Opcode.HELLO, messages.encode_hello_request(token, client_name=name), (), 0, None,
+                    lambda r: messages.decode_hello_reply(r.header))
+
+    @staticmethod
+    def _ping_req() -> _Req:
+        return _Req(Opcode.PING, b"", (), 0, None, lambda r: None)
+
+    @staticmethod
+    def _scope_prefix(scope, prefix_hash: str) -> bytes:
+        if isinstance(scope, KvBlockKey):
+            scope = scope.scope
+        if not isinstance(scope, IdentityScope):
+            raise InvalidArgument("ls: scope must be an IdentityScope or a KvBlockKey")
+        return encode_scope_prefix(scope, prefix_hash)
+
+
+# --------------------------------------------------------------------------- sync client
+
+
+class _SyncConnection(ClientProtocolConnection):
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+        self.replies: dict[int, Reply] = {}
+
+    def _write(self, data: list) -> None:
+        views = [memoryview(b).cast("B") for b in data]
+        views = [v for v in views if v.nbytes]
+        try:
+            while views:
+                n = self.sock.sendmsg(views[:1024])     # IOV_MAX
+                while n:
+                    head = views[0]
+                    if n >= head.nbytes:
+                        n -= head.nbytes
+                        views.pop(0)
+                    else:
+                        views[0] = head[n:]
+                        n = 0
+        except socket.timeout:
+            raise Timeout("timed out sending a request") from None
+        except OSError as exc:
+            self.connection_lost(exc)
+            raise ConnectionLost(f"connection lost while sending: {exc}") from None
+
+    def _on_reply(self, reply: Reply) -> None:
+        self.replies[reply.request_id] = reply
+
+
+class Client(_Ops):
+    """A blocking client over one TCP connection (TCP_NODELAY).  Not thread-safe: use one
+    per thread."""
+
+    def __init__(self, address=DEFAULT_ADDRESS, token=None, timeout: float = DEFAULT_TIMEOUT_S, *,
+                 client_name: str = CLIENT_NAME) -> None:
+        self.address = _address(address)
+        self.timeout = float(timeout)
+        self._conn: Optional[_SyncConnection] = None
+        self.tenant: Optional[str] = None
+        self.server_name = ""
+        try:
+            sock = socket.create_connection(self.address, timeout=self.timeout)
+        except socket.timeout:
+            raise Timeout(f"connecting to {self.address[0]}:{self.address[1]} timed out") from None
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect to {self.address[0]}:{self.address[1]}: "
+                                 f"{exc.strerror or exc}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._conn = _SyncConnection(sock)
+        try:
+            hello = self._exec(self._hello_req(_token(token), client_name))
+        except BaseException:
+            self.close()
+            raise
+        self.tenant = hello.tenant_id or None
+        self.server_name = hello.server_name
+
+    # ------------------------------------------------------------------ plumbing
+
+    def close(self) -> None:
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            conn.connection_lost(None)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check(self) -> _SyncConnection:
+        conn = self._conn
+        if conn.failed is not None or conn.closed:
+            err = conn.failed
+            if isinstance(err, QuillCacheError):
+                raise err
+            raise ConnectionLost(f"connection is closed ({err})")
+        return conn
+
+    def _send(self, req: _Req) -> int:
+        conn = self._check()
+        return conn.send_request(req.opcode, req.header, req.views, flags=req.flags, into=req.into)
+
+    def _wait(self, rid: int, deadline: float) -> Reply:
+        conn = self._conn
+        sock = self._sock
+        while rid not in conn.replies:
+            self._check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise Timeout(f"no reply within {self.timeout} s (connection closed)")
+            sock.settimeout(left)
+            buf = conn.get_buffer(-1)
+            try:
+                n = sock.recv_into(buf)
+            except socket.timeout:
+                self.close()
+                raise Timeout(f"no reply within {self.timeout} s (connection closed)") from None
+            except OSError as exc:
+                conn.connection_lost(exc)
+                raise ConnectionLost(f"connection lost: {exc}") from None
+            if n == 0:
+                conn.buffer_updated(0)
+                conn.connection_lost(None)
+                self._check()
+            conn.buffer_updated(n)
+        return conn.replies.pop(rid)
+
+    def _exec(self, req: _Req):
+        rid = self._send(req)
+        reply = self._wait(rid, time.monotonic() + self.timeout)
+        reply.raise_for_status()
+        return req.finish(reply)
+
+    def _exec_many(self, reqs: list[_Req], combine: Callable[[list], Any]):
+        rids: list[int] = []
+        got: dict[int, Reply] = {}
+        try:
+            for req in reqs:
+                if self._conn.in_flight >= self.limits.max_in_flight:
+                    oldest = next(r for r in rids if r not in got)
+                    got[oldest] = self._wait(oldest, time.monotonic() + self.timeout)
+                rids.append(self._send(req))
+            deadline = time.monotonic() + self.timeout
+            replies = [got.pop(rid) if rid in got else self._wait(rid, deadline) for rid in rids]
+        except BaseException:
+            for rid in rids:
+                self._conn.replies.pop(rid, None)
+            raise
+        results = []
+        for req, reply in zip(reqs, replies):
+            reply.raise_for_status()
+            results.append(req.finish(reply))
+        return combine(results)
+
+    # ------------------------------------------------------------------ calls with their own loop
+
+    def ls(self, scope, prefix_hash: str) -> list[KvBlockKey]:
+        prefix = self._scope_prefix(scope, prefix_hash)
+        out: list[KvBlockKey] = []
+        after = b""
+        while True:
+            page = self._exec(self._list_req(prefix, after))
+            out += [decode_key(k) for k in page.keys]
+            if not page.more or not page.keys:
+                return out
+            after = page.keys[-1]
+
+    def ping(self) -> float:
+        t0 = time.perf_counter()
+        self._exec(self._ping_req())
+        return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- async client
+
+
+class _AsyncConnection(ClientProtocolConnection, asyncio.BufferedProtocol):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transport: Optional[asyncio.Transport] = None
+        self.futures: dict[int, asyncio.Future] = {}
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        self._fail_all(self.failed or ConnectionLost("connection closed"))
+
+    def eof_received(self):
+        super().eof_received()
+        return False
+
+    def buffer_updated(self, nbytes: int) -> None:
+        super().buffer_updated(nbytes)
+        if self.close_requested and self.transport is not None:
+            self.transport.close()
+
+    def _write(self, data: list) -> None:
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionLost("connection is closed")
+        self.transport.writelines(data)
+
+    def _on_reply(self, reply: Reply) -> None:
+        fut = self.futures.pop(reply.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(reply)
+
+    def _on_error(self, exc: BaseException) -> None:
+        self._fail_all(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        if not isinstance(exc, QuillCacheError):
+            exc = ConnectionLost(str(exc))
+        futures, self.futures = self.futures, {}
+        for fut in futures.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+
+class AsyncClient(_Ops):
+    """The asyncio client: ``async with AsyncClient(addr, token=...) as c: await c.get(key)``
+    (or ``await AsyncClient(...).connect()``).  Same methods as Client, as coroutines."""
+
+    def __init__(self, address=DEFAULT_ADDRESS, token=None, timeout: float = DEFAULT_TIMEOUT_S, *,
+                 client_name: str = CLIENT_NAME) -> None:
+        self.address = _address(address)
+        self.timeout = float(timeout)
+        self._token = _token(token)
+        self._name = client_name
+        self._conn: Optional[_AsyncConnection] = None
+        self.tenant: Optional[str] = None
+        self.server_name = ""
+
+    async def connect(self) -> "AsyncClient":
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(_AsyncConnection, *self.address), self.timeout)
+        except asyncio.TimeoutError:
+            raise Timeout(f"connecting to {self.address[0]}:{self.address[1]} timed out") from None
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect to {self.address[0]}:{self.address[1]}: "
+                                 f"{exc.strerror or exc}") from None
+        self._conn = conn
+        try:
+            hello = await self._exec(self._hello_req(self._token, self._name))
+        except BaseException:
+            await self.close()
+            raise
+        self.tenant = hello.tenant_id or None
+        self.server_name = hello.server_name
+        return self
+
+    async def close(self) -> None:
+        conn = self._conn
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _send(self, req: _Req) -> asyncio.Future:
+        conn = self._conn
+        if conn is None:
+            raise ConnectionLost("not connected (use `async with` or await connect())")
+        if conn.failed is not None or conn.closed:
+            err = conn.failed
+            raise err if isinstance(err, QuillCacheError) else ConnectionLost(f"connection is closed ({err})")
+        fut = asyncio.get_running_loop().create_future()
+        rid = conn.send_request(req.opcode, req.header, req.views, flags=req.flags, into=req.into)
+        conn.futures[rid] = fut
+        return fut
+
+    async def _wait(self, fut: asyncio.Future, deadline: float) -> Reply:
+        left = deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), max(left, 0.0))
+        except asyncio.TimeoutError:
+            raise Timeout(f"no reply within {self.timeout} s") from None
+
+    async def _exec(self, req: _Req):
+        fut = self._send(req)
+        reply = await self._wait(fut, time.monotonic() + self.timeout)
+        reply.raise_for_status()
+        return req.finish(reply)
+
+    async def _exec_many(self, reqs: list[_Req], combine: Callable[[list], Any]):
+        futs: list[asyncio.Future] = []
+        deadline = time.monotonic() + self.timeout
+        for req in reqs:
+            while self._conn is not None and self._conn.in_flight >= self.limits.max_in_flight:
+                mine = [f for f in futs if not f.done()]
+                if mine:
+                    await self._wait(mine[0], deadline)
+                elif time.monotonic() > deadline:
+                    raise Timeout(f"no room to send within {self.timeout} s")
+                else:
+                    await asyncio.sleep(0.001)      # the window is held by other callers
+            futs.append(self._send(req))
+        results = []
+        for req, fut in zip(reqs, futs):
+            reply = await self._wait(fut, deadline)
+            reply.raise_for_status()
+            results.append(req.finish(reply))
+        return combine(results)
+
+    async def ls(self, scope, prefix_hash: str) -> list[KvBlockKey]:
+        prefix = self._scope_prefix(scope, prefix_hash)
+        out: list[KvBlockKey] = []
+        after = b""
+        while True:
+            page = await self._exec(self._list_req(prefix, after))
+            out += [decode_key(k) for k in page.keys]
+            if not page.more or not page.keys:
+                return out
+            after = page.keys[-1]
+
+    async def ping(self) -> float:
+        t0 = time.perf_counter()
+        await self._exec(self._ping_req())
+        return time.perf_counter() - t0

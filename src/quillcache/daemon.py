@@ -1,0 +1,370 @@
+"""quillcached: build one node from a Config and run it on uvloop.
+
+Lifecycle (the process never forks; systemd runs it as Type=notify):
+
+    start   data dir (mode 0700) -> SSD tier (recovers) -> LocalKvStore -> TCP server ->
+            /metrics -> maintenance task -> sd_notify READY=1
+    SIGHUP  re-read the same file; apply Config.reloadable_changes (log level, guard mode,
+            lease, watermarks, tenants, ...); log what was applied and what needs a
+            restart; a bad file is logged and the running config kept
+    SIGTERM / SIGINT
+            sd_notify STOPPING=1 -> stop accepting -> refuse new requests and wait for the
+            ones in flight (up to [node] drain_timeout) -> close connections -> close the
+            store (the SSD tier commits its WAL and checkpoints) -> exit 0
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from quillcache import __version__
+from quillcache.auth import Authenticator
+from quillcache.config import SETTINGS, Config, ConfigError, format_hostport, load_config
+from quillcache.metrics import NodeMetrics
+from quillcache.protocol.opcodes import ProtocolLimits
+from quillcache.server import NodeServer
+from quillcache.store.tiers import LocalKvStore
+
+__all__ = ["Node", "run", "sd_notify", "setup_logging", "MAINTENANCE_INTERVAL_S", "EX_OK", "EX_CONFIG",
+           "EX_SOFTWARE"]
+
+log = logging.getLogger("quillcache.daemon")
+
+MAINTENANCE_INTERVAL_S = 1.0     # seconds between store.maintenance() calls
+LISTEN_BACKLOG = 1024            # pending TCP connections the kernel queues
+EX_OK = 0
+EX_SOFTWARE = 70                 # sysexits.h: internal error
+EX_CONFIG = 78                   # sysexits.h: configuration error
+_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+               "error": logging.ERROR}
+
+
+# --------------------------------------------------------------------------- sd_notify
+
+
+def sd_notify(message: str, env: Optional[Mapping[str, str]] = None) -> bool:
+    """Send ``message`` (e.g. "READY=1") to $NOTIFY_SOCKET; False when unset or it failed.
+
+    A unix datagram socket; a name starting with '@' is in the abstract namespace.
+    """
+    path = (env if env is not None else os.environ).get("NOTIFY_SOCKET", "")
+    if not path:
+        return False
+    if path[0] == "@":
+        addr: Any = "\0" + path[1:]
+    elif path[0] == "/":
+        addr = path
+    else:
+        log.warning("NOTIFY_SOCKET=%r is neither a path nor an abstract name: not notifying", path)
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(message.encode("utf-8"))
+    except OSError as exc:
+        log.warning("sd_notify(%s) to %s failed: %s", message.split("\n")[0], path, exc)
+        return False
+    return True
+
+
+def setup_logging(level: str) -> None:
+    root = logging.getLogger()
+    if not any(getattr(h, "_quillcache", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler._quillcache = True      # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.setLevel(_LOG_LEVELS[level])
+
+
+# --------------------------------------------------------------------------- the node
+
+
+class Node:
+    """One running node: store, optional SSD tier, TCP server, metrics, maintenance."""
+
+    def __init__(self, cfg: Config, *, config_path: Optional[str] = None,
+                 overrides: Optional[Mapping[str, Any]] = None) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.overrides = dict(overrides or {})
+        self.ssd = None
+        self.store: Optional[LocalKvStore] = None
+        self.server: Optional[NodeServer] = None
+        self.metrics: Optional[NodeMetrics] = None
+        self.address: Optional[tuple[str, int]] = None
+        self.metrics_address: Optional[tuple[str, int]] = None
+        self.node_id = cfg.node.id or socket.gethostname()
+        self._listener: Optional[asyncio.base_events.Server] = None
+        self._maint: Optional[asyncio.Task] = None
+        self._stop = asyncio.Event()
+        self._stopped = False
+
+    # ------------------------------------------------------------------ start
+
+    async def _open_ssd(self, data_dir: Path):
+        cfg = self.cfg
+        try:
+            from quillcache.store.ssd import SsdTier
+        except ImportError as exc:
+            log.warning("SSD tier enabled but not available in this build (%s): running DRAM only", exc)
+            return None
+        path = cfg.ssd.path or str(data_dir / "ssd" / "blocks.dat")
+        Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (data_dir / "wal").mkdir(exist_ok=True, mode=0o700)     # before the WAL makes it 0755
+        t0 = time.monotonic()
+        tier = await SsdTier.open(
+            path, cfg.ssd.capacity, wal_dir=str(data_dir / "wal"), direct_io=cfg.ssd.direct_io,
+            verify=cfg.ssd.verify, commit_window_s=cfg.wal.commit_window, sync=cfg.wal.sync,
+            wal_backend=cfg.wal.backend, segment_bytes=cfg.wal.segment_size,
+            max_block_bytes=min(cfg.store.max_block, cfg.ssd.capacity))
+        st = tier.stats()
+        log.info("SSD tier %s: %d blocks recovered (%d dropped) in %.3f s", path,
+                 st.get("recovered_blocks", 0), st.get("dropped_blocks", 0), time.monotonic() - t0)
+        return tier
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        data_dir = Path(cfg.node.data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if cfg.ssd.enabled:
+            self.ssd = await self._open_ssd(data_dir)
+        if cfg.store.policy == "write_through" and self.ssd is None:
+            raise ConfigError(f"{cfg.source}: [store] policy = \"write_through\": needs the SSD tier "
+                              "([ssd] enabled = true)")
+        wal_backend = str(self.ssd.stats().get("wal_backend")) if self.ssd is not None else "none"
+        log.info("WAL backend: %s%s", wal_backend, "" if self.ssd is not None else " (SSD tier disabled)")
+        self.store = LocalKvStore(
+            cfg.store.dram, ssd=self.ssd, policy=cfg.store.policy,
+            high_watermark=cfg.store.high_watermark, low_watermark=cfg.store.low_watermark,
+            demote_after_s=cfg.store.demote_after or None, lease_s=cfg.store.lease,
+            guard_mode=cfg.guard.mode, max_block_bytes=cfg.store.max_block,
+            put_timeout_s=cfg.store.put_timeout, hugepages=cfg.store.hugepages, prefault=cfg.store.prefault)
+        limits = ProtocolLimits(max_header_bytes=cfg.limits.max_header, max_payload_bytes=cfg.limits.max_payload,
+                                max_batch=cfg.limits.max_batch, max_in_flight=cfg.limits.max_inflight)
+        auth = Authenticator(cfg.auth.tenants, cfg.auth.max_failed_hellos)
+        if auth.open_mode:
+            log.warning("open mode (no tenants configured): any client may read and write any key")
+        else:
+            log.info("auth mode: %d tenants", len(auth.tenant_names))
+        if cfg.metrics.enabled:
+            self.metrics = NodeMetrics(self.node_id, __version__)
+            self.metrics.set_wal_backend(wal_backend)
+        self.server = NodeServer(self.store, limits=limits, auth=auth, metrics=self.metrics,
+                                 max_connections=cfg.limits.max_connections, node_id=self.node_id,
+                                 version=__version__, ssd=self.ssd)
+        self.server.wal_backend = wal_backend
+        loop = asyncio.get_running_loop()
+        host, port = cfg.node.listen
+        self._listener = await loop.create_server(self.server.protocol_factory, host, port,
+                                                  reuse_address=True, backlog=LISTEN_BACKLOG)
+        self.address = self._listener.sockets[0].getsockname()[:2]
+        self.server.listen = format_hostport(self.address)
+        if self.metrics is not None:
+            self.metrics_address = self.metrics.serve(*cfg.metrics.listen)
+            self.metrics.update_store(self._snapshot())
+        self._maint = loop.create_task(self._maintenance())
+        log.info("quillcached %s node %s listening on %s%s", __version__, self.node_id, self.server.listen,
+                 f", metrics on http://{format_hostport(self.metrics_address)}/metrics"
+                 if self.metrics_address else "")
+        sd_notify(f"READY=1\nSTATUS=serving on {self.server.listen}\nMAINPID={os.getpid()}")
+
+    def _snapshot(self) -> dict:
+        st = self.store.stats()
+        if self.ssd is not None:
+            s = self.ssd.stats()
+            st["wal"] = {"commit_p50_s": s.get("commit_p50_ms", 0.0) / 1000.0,
+                         "commit_p99_s": s.get("commit_p99_ms", 0.0) / 1000.0}
+        return st
+
+    async def _maintenance(self) -> None:
+        while True:
+            await asyncio.sleep(MAINTENANCE_INTERVAL_S)
+            try:
+                self.server.expire_slow_writers()
+                await self.store.maintenance()
+                if self.metrics is not None:
+                    self.metrics.update_store(self._snapshot())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("maintenance failed")
+
+    # ------------------------------------------------------------------ signals
+
+    def install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
+        loop.add_signal_handler(signal.SIGINT, self.request_stop, "SIGINT")
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
+
+    def request_stop(self, why: str = "") -> None:
+        if not self._stop.is_set():
+            log.info("%s: stopping", why or "stop requested")
+        self._stop.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stop.wait()
+
+    # ------------------------------------------------------------------ reload
+
+    async def reload(self) -> tuple[dict, list]:
+        """Re-read the config file and apply what can change at run time."""
+        try:
+            new = load_config(self.config_path)
+            if self.overrides:
+                new = new.with_overrides(self.overrides)
+        except ConfigError as exc:
+            log.error("reload refused, keeping the running configuration: %s", exc)
+            return {}, []
+        apply, fixed = self.cfg.reloadable_changes(new)
+        applied = {}
+        for name, value in apply.items():
+            try:
+                self._apply(name, value, new)
+            except Exception as exc:
+                log.error("reload: %s = %r not applied: %s", name, value, exc)
+                continue
+            applied[name] = value
+        if applied:
+            log.info("reload: applied %s", ", ".join(f"{k}={_show(v)}" for k, v in applied.items()))
+        else:
+            log.info("reload: no reloadable setting changed")
+        if fixed:
+            log.warning("reload: changed but need a restart (not applied): %s", ", ".join(fixed))
+        self.cfg = _merge(self.cfg, new, list(applied))
+        return applied, fixed
+
+    def _apply(self, name: str, value: Any, new: Config) -> None:
+        store, server = self.store, self.server
+        if name == "node.log_level":
+            logging.getLogger().setLevel(_LOG_LEVELS[value])
+        elif name == "node.drain_timeout":
+            pass                                    # read from self.cfg at stop
+        elif name == "store.policy":
+            if value == "write_through" and self.ssd is None:
+                raise ConfigError("write_through needs the SSD tier")
+            store.policy = value
+        elif name in ("store.high_watermark", "store.low_watermark"):
+            lo, hi = new.store.low_watermark, new.store.high_watermark
+            store.low_watermark, store.high_watermark = lo, hi
+        elif name == "store.demote_after":
+            store.demote_after_s = value or None
+        elif name == "store.lease":
+            store.lease_s = float(value)
+        elif name == "store.put_timeout":
+            store._dram.put_timeout_s = float(value)   # see report: wants a public setter
+        elif name == "guard.mode":
+            from quillcache.store.guard import GUARD_MODES
+            if value not in GUARD_MODES:
+                raise ConfigError(f"guard mode {value!r}")
+            if value == "off":
+                log.warning("IDENTITY GUARD OFF: blocks are reused by content hash across models, "
+                            "tokenizers, adapters and TENANTS")
+            store.guard.mode = value
+        elif name in ("auth.tenants", "auth.max_failed_hellos"):
+            server.auth.configure(new.auth.tenants, new.auth.max_failed_hellos)
+            closed = server.reauthorize()
+            if server.auth.open_mode:
+                log.warning("open mode (no tenants configured)")
+            if closed:
+                log.info("reload: closed %d connections of removed tenants", closed)
+        elif name == "wal.commit_window":
+            committer = getattr(self.ssd, "_committer", None)
+            if committer is None or not hasattr(committer, "window_s"):
+                raise ConfigError("the SSD tier does not take a new commit window at run time")
+            committer.window_s = float(value)
+        else:
+            raise ConfigError("no run-time hook for this setting (restart to apply)")
+
+    # ------------------------------------------------------------------ stop
+
+    async def stop(self) -> bool:
+        """Drain and shut down; returns True when every in-flight request finished."""
+        if self._stopped:
+            return True
+        self._stopped = True
+        sd_notify("STOPPING=1")
+        drained = True
+        if self._listener is not None:
+            self._listener.close()              # stop accepting
+        if self.server is not None:
+            n = self.server.in_flight
+            log.info("draining %d in-flight requests (up to %s s)", n, self.cfg.node.drain_timeout)
+            drained = await self.server.drain(self.cfg.node.drain_timeout)
+            if not drained:
+                log.warning("drain timeout: %d requests still in flight are dropped", self.server.in_flight)
+            self.server.close_all()
+            await asyncio.sleep(0)              # let connection_lost run (puts abort, leases release)
+        if self._maint is not None:
+            self._maint.cancel()
+            try:
+                await self._maint
+            except asyncio.CancelledError:
+                pass
+        if self.store is not None:
+            await self.store.close()            # closes the SSD tier: WAL committed, checkpoint written
+        elif self.ssd is not None:
+            await self.ssd.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        log.info("stopped%s", "" if drained else " (drain timed out)")
+        return drained
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+        return "[" + ", ".join(str(v[0]) for v in value) + "]"      # tenants: names only
+    return repr(value)
+
+
+def _merge(old: Config, new: Config, applied: list[str]) -> Config:
+    """The running config: ``old`` with the applied reloadable settings of ``new``."""
+    if not applied:
+        return old
+    overrides = {}
+    defaults = {s.qualname: s.default for s in SETTINGS}
+    for qualname in applied:
+        section, key = qualname.split(".", 1)
+        overrides[qualname] = new.raw.get(section, {}).get(key, defaults[qualname])
+    merged = old.with_overrides(overrides)
+    merged.source = old.source
+    return merged
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+async def _main(cfg: Config, config_path: Optional[str], overrides: Mapping[str, Any]) -> int:
+    node = Node(cfg, config_path=config_path, overrides=overrides)
+    try:
+        await node.start()
+    except ConfigError as exc:
+        log.error("%s", exc)
+        await node.stop()
+        return EX_CONFIG
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        await node.stop()
+        return EX_SOFTWARE if exc.errno not in (98, 13) else EX_CONFIG   # EADDRINUSE, EACCES
+    node.install_signals()
+    await node.wait_stopped()
+    await node.stop()
+    return EX_OK
+
+
+def run(cfg: Config, *, config_path: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None) -> int:
+    """Run the node in the foreground on uvloop until SIGTERM/SIGINT; returns the exit code."""
+    import uvloop
+
+    setup_logging(cfg.node.log_level)
+    log.info("quillcached %s starting (pid %d, configuration %s)", __version__, os.getpid(), cfg.source)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_main(cfg, config_path, dict(overrides or {})))

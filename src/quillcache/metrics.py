@@ -1,0 +1,171 @@
+"""Prometheus metrics of one node, on a private CollectorRegistry.
+
+Two kinds of metrics:
+
+* request metrics (requests by opcode and status, latency histograms, bytes in/out,
+  connections, refused HELLOs) are prometheus_client Counters/Histograms updated on the
+  event loop thread as requests complete;
+* store metrics (tier occupancy, hits/misses, evictions, guard refusals, WAL backend and
+  commit latency) come from ``store.stats()``: the daemon calls ``update_store(stats)``
+  about once a second on the loop thread and the scrape (prometheus_client's HTTP thread)
+  only reads the last snapshot, so the store is never touched from another thread.
+
+``serve(host, port)`` starts prometheus_client's HTTP server on that registry (a daemon
+thread) and ``close()`` stops it.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from quillcache.protocol.opcodes import Opcode, Status
+
+__all__ = ["NodeMetrics", "LATENCY_BUCKETS_S"]
+
+# seconds: request latency buckets, 20 us .. 5 s
+LATENCY_BUCKETS_S = (20e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+                     50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0)
+
+_TIER_COUNTERS = ("hits", "misses", "evictions", "demotions", "promotions")
+_GUARD_REFUSALS = ("tenant", "model", "tokenizer", "adapter")
+_OP_NAMES = {int(op): op.name for op in Opcode if op.name != "INFO"}
+_STATUS_NAMES = {int(s): s.name for s in Status}
+
+
+def _num(value) -> Optional[float]:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+class _StoreCollector:
+    """Yields the store metrics from the last snapshot handed to ``update``."""
+
+    def __init__(self) -> None:
+        self._snapshot: dict = {}
+
+    def update(self, stats: dict) -> None:
+        self._snapshot = stats            # one reference swap: the scrape thread sees old or new
+
+    def collect(self):
+        s = self._snapshot
+        used = GaugeMetricFamily("quillcache_tier_used_bytes", "Bytes allocated in the tier", labels=["tier"])
+        cap = GaugeMetricFamily("quillcache_tier_capacity_bytes", "Capacity of the tier in bytes",
+                                labels=["tier"])
+        blocks = GaugeMetricFamily("quillcache_tier_blocks", "Blocks resident in the tier", labels=["tier"])
+        counters = {name: CounterMetricFamily(f"quillcache_tier_{name}", f"Tier {name} since start",
+                                              labels=["tier"]) for name in _TIER_COUNTERS}
+        for tier in ("dram", "ssd"):
+            t = s.get(tier)
+            if not t:
+                continue
+            for fam, field in ((used, "used"), (cap, "capacity"), (blocks, "blocks")):
+                v = _num(t.get(field))
+                if v is not None:
+                    fam.add_metric([tier], v)
+            for name in _TIER_COUNTERS:
+                v = _num(t.get(name))
+                if v is not None:
+                    counters[name].add_metric([tier], v)
+        yield used
+        yield cap
+        yield blocks
+        yield from counters.values()
+        guard = s.get("guard") or {}
+        refused = CounterMetricFamily("quillcache_guard_refusals", "Reuse refused by the identity guard",
+                                      labels=["violation"])
+        for v in _GUARD_REFUSALS:
+            n = _num(guard.get(f"reuse_refused_{v}"))
+            if n is not None:
+                refused.add_metric([v], n)
+        yield refused
+        store = s.get("store") or {}
+        for field, doc in (("puts", "Puts published"), ("removes", "Blocks removed"),
+                           ("puts_aborted", "Puts aborted"), ("leases_expired", "Leases expired")):
+            n = _num(store.get(field))
+            if n is not None:
+                c = CounterMetricFamily(f"quillcache_store_{field}", doc)
+                c.add_metric([], n)
+                yield c
+        wal = s.get("wal") or {}
+        commit = GaugeMetricFamily("quillcache_wal_commit_seconds",
+                                   "WAL group commit latency (quantiles over the SSD tier's window)",
+                                   labels=["quantile"])
+        for q, field in (("0.5", "commit_p50_s"), ("0.99", "commit_p99_s")):
+            n = _num(wal.get(field))
+            if n is not None:
+                commit.add_metric([q], n)
+        yield commit
+
+
+class NodeMetrics:
+    """Every metric of one node on its own registry (never the global one)."""
+
+    def __init__(self, node_id: str = "", version: str = "") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("quillcache_requests", "Requests answered, by opcode and status",
+                                ["opcode", "status"], registry=r)
+        self.latency = Histogram("quillcache_request_seconds", "Request latency from its last byte "
+                                 "in to its reply handed to the transport", ["opcode"],
+                                 buckets=LATENCY_BUCKETS_S, registry=r)
+        self.bytes_in = Counter("quillcache_received_bytes", "Bytes received from clients", registry=r)
+        self.bytes_out = Counter("quillcache_sent_bytes", "Bytes handed to client transports", registry=r)
+        self.connections = Gauge("quillcache_connections", "Client connections open", registry=r)
+        self.connections_total = Counter("quillcache_connections_accepted", "Connections accepted",
+                                         registry=r)
+        self.connections_refused = Counter("quillcache_connections_refused",
+                                           "Connections refused (max_connections, HELLO rate limit)",
+                                           ["reason"], registry=r)
+        self.protocol_errors = Counter("quillcache_protocol_errors", "Connections closed on a malformed frame",
+                                       registry=r)
+        self.failed_hellos = Counter("quillcache_failed_hellos", "HELLOs refused (bad token)", registry=r)
+        self.wal_backend = Info("quillcache_wal", "The WAL backend of the SSD tier", registry=r)
+        self.build = Info("quillcache_node", "This node", registry=r)
+        self.build.info({"node_id": node_id, "version": version})
+        self.wal_backend.info({"backend": "none"})
+        self._store = _StoreCollector()
+        r.register(self._store)
+        self._req_children: dict = {}
+        self._lat_children: dict = {}
+        self._server = None
+        self._thread: Optional[threading.Thread] = None
+
+    def observe(self, opcode: int, status: int, seconds: float) -> None:
+        """One request answered (called on the loop thread)."""
+        key = (opcode, status)
+        child = self._req_children.get(key)
+        if child is None:
+            child = self._req_children[key] = self.requests.labels(
+                _OP_NAMES.get(opcode, str(opcode)), _STATUS_NAMES.get(status, str(status)))
+        child.inc()
+        lat = self._lat_children.get(opcode)
+        if lat is None:
+            lat = self._lat_children[opcode] = self.latency.labels(_OP_NAMES.get(opcode, str(opcode)))
+        lat.observe(seconds)
+
+    def set_wal_backend(self, backend: str) -> None:
+        self.wal_backend.info({"backend": backend})
+
+    def update_store(self, stats: dict) -> None:
+        self._store.update(stats)
+
+    def serve(self, host: str, port: int) -> tuple[str, int]:
+        """Start the /metrics HTTP endpoint; returns the bound address."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = server, thread
+        return server.server_address[:2]
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

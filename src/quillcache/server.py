@@ -1,0 +1,620 @@
+"""The asyncio glue of the node: one BufferedProtocol per client connection over the
+sans-I/O ``ProtocolConnection``, and the request dispatch to ``LocalKvStore``.
+
+Zero copy on both paths:
+
+* PUT/PUT_MANY payloads are received straight into DRAM arena slots: the PUT header
+  starts the put (``store.put_start``) and its slot view becomes the parser's destination,
+  so ``get_buffer`` hands the socket the remaining part of the slot; ``put_end`` runs when
+  the payload is complete and ``put_abort`` on an error or a disconnect.
+* GET/GET_MANY replies are ``transport.writelines([header, lease.view, ...])``: the
+  payload goes from the arena to the transport without a Python copy.
+
+Lease lifetime on the GET path (the decision): a lease is held until the transport has
+handed every byte of it to the kernel.  The write-buffer limits are set to 0, so the
+transport calls ``pause_writing`` as soon as anything stays buffered after a write and
+``resume_writing`` when the buffer is empty again; a lease whose reply was written
+synchronously (``get_write_buffer_size() == 0`` right after ``writelines``) is released at
+once, the others when ``resume_writing`` comes.  A client so slow that a held lease comes
+within ``LEASE_MARGIN_S`` of its expiry is disconnected (``abort``) before the store could
+reuse the slot under the transport: it can never be sent bytes of another block.
+Flow control: reading is paused while more than ``WRITE_HIGH_BYTES`` wait in the
+transport and resumed when it drains.
+
+Ordering: replies come back as requests complete, not in request order; a PUT is
+acknowledged (and visible) when ``put_end`` returns.  Nothing orders two requests that
+are in flight at the same time on one connection.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, Optional
+
+from quillcache.auth import Authenticator
+from quillcache.errors import (
+    Busy, InvalidArgument, NotFound, PermissionDenied, ProtocolError, QuillCacheError, UnsafeReuse,
+)
+from quillcache.model import (
+    KEY_FORMAT_VERSION, IdentityScope, KeyError_, KvBlockKey, decode_key, encode_key,
+)
+from quillcache.protocol import messages
+from quillcache.protocol.connection import ProtocolConnection
+from quillcache.protocol.opcodes import (
+    FLAG_DURABLE, FLAG_PAYLOAD_CRC, PROTOCOL_VERSION, InfoFormat, Opcode, PinMode, ProtocolLimits,
+)
+
+__all__ = ["NodeServer", "ServerProtocol", "render_info", "WRITE_HIGH_BYTES", "LEASE_MARGIN_S"]
+
+log = logging.getLogger("quillcache.server")
+
+WRITE_HIGH_BYTES = 64 << 20      # bytes waiting in a transport before reading pauses
+LEASE_MARGIN_S = 2.0             # seconds: abort a writer whose held lease expires this soon
+PIN_FOREVER_S = 7 * 24 * 3600.0  # seconds: what ttl_ms 0 ("until UNPIN") becomes (store maximum)
+_PAYLOAD_OPS = (Opcode.PUT, Opcode.PUT_MANY)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _decode_scope_prefix(raw: bytes) -> tuple[IdentityScope, Optional[str]]:
+    """Parse ``encode_scope`` or ``encode_scope_prefix`` bytes."""
+    pos = 0
+
+    def take_str(what: str) -> str:
+        nonlocal pos
+        if pos >= len(raw):
+            raise InvalidArgument(f"LIST prefix truncated in {what}")
+        n = raw[pos]
+        if pos + 1 + n > len(raw):
+            raise InvalidArgument(f"LIST prefix truncated in {what}")
+        s = raw[pos + 1:pos + 1 + n]
+        pos += 1 + n
+        try:
+            return s.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument(f"LIST prefix: {what} is not UTF-8") from None
+
+    if not raw or raw[0] != KEY_FORMAT_VERSION:
+        raise InvalidArgument("LIST prefix must be encode_scope(...) or encode_scope_prefix(...) bytes")
+    pos = 1
+    tenant, model, tokenizer = take_str("tenant_id"), take_str("model_id"), take_str("tokenizer_id")
+    if pos >= len(raw) or raw[pos] not in (0, 1):
+        raise InvalidArgument("LIST prefix: bad adapter flag")
+    flag = raw[pos]
+    pos += 1
+    adapter = take_str("adapter_id") if flag else None
+    prefix_hash = take_str("prefix_hash") if pos < len(raw) else None
+    if pos != len(raw):
+        raise InvalidArgument(f"LIST prefix has {len(raw) - pos} trailing bytes")
+    return IdentityScope(model, tokenizer, adapter, tenant), prefix_hash
+
+
+def render_info(sections: dict[str, dict[str, Any]]) -> str:
+    """redis-style INFO text: ``# Section`` then ``key:value`` lines, a blank line between."""
+    out = []
+    for name, values in sections.items():
+        out.append(f"# {name}")
+        for k, v in values.items():
+            if isinstance(v, bool):
+                v = int(v)
+            elif isinstance(v, float):
+                v = f"{v:.6g}"
+            out.append(f"{k}:{v}")
+        out.append("")
+    return "\r\n".join(out)
+
+
+def _flatten(prefix: str, d: dict, out: dict) -> None:
+    for k, v in d.items():
+        if isinstance(v, dict):
+            _flatten(f"{prefix}{k}_", v, out)
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            out[f"{prefix}{k}"] = "" if v is None else v
+
+
+# --------------------------------------------------------------------------- the node server
+
+
+class NodeServer:
+    """What every connection of one node shares: the store, auth, limits, metrics."""
+
+    def __init__(self, store, *, limits: Optional[ProtocolLimits] = None, auth: Optional[Authenticator] = None,
+                 metrics=None, max_connections: int = 4096, node_id: str = "", version: str = "",
+                 ssd=None, lease_margin_s: float = LEASE_MARGIN_S) -> None:
+        self.store = store
+        self.limits = limits or ProtocolLimits()
+        self.auth = auth or Authenticator()
+        self.metrics = metrics
+        self.max_connections = max_connections
+        self.node_id = node_id
+        self.version = version
+        self.ssd = ssd
+        self.lease_margin_s = lease_margin_s
+        self.started = time.time()
+        self.listen = ""
+        self.wal_backend = "none"
+        self.connections: set[ServerProtocol] = set()
+        self.draining = False
+        self.protocol_errors = 0
+        self.requests = 0
+
+    def protocol_factory(self) -> "ServerProtocol":
+        return ServerProtocol(self)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(c.in_flight for c in self.connections)
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests, wait (up to ``timeout`` s) until none is in flight; True if drained."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.in_flight == 0
+
+    def close_all(self) -> None:
+        for conn in list(self.connections):
+            conn.close()
+
+    def expire_slow_writers(self, now: Optional[float] = None) -> int:
+        """Disconnect clients that hold a GET lease too close to its expiry; returns how many."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        for conn in list(self.connections):
+            n += conn.check_held_leases(now + self.lease_margin_s)
+        return n
+
+    def reauthorize(self) -> int:
+        """After a tenant reload: close connections bound to a tenant that is gone."""
+        n = 0
+        for conn in list(self.connections):
+            if conn.tenant and not self.auth.has_tenant(conn.tenant):
+                conn.close()
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------ INFO / STATS
+
+    def info_sections(self, conn: Optional["ServerProtocol"] = None) -> dict[str, dict[str, Any]]:
+        st = self.store.stats()
+        server = {
+            "node_id": self.node_id, "version": self.version, "protocol_version": PROTOCOL_VERSION,
+            "process_id": os.getpid(), "uptime_s": round(time.time() - self.started, 3),
+            "listen": self.listen, "mode": "open" if self.auth.open_mode else "auth",
+            "connections": len(self.connections), "requests": self.requests,
+            "requests_in_flight": self.in_flight, "protocol_errors": self.protocol_errors,
+            "draining": self.draining,
+        }
+        if self.auth.open_mode:
+            server["mode_note"] = "open mode (no tenants configured)"
+        store = dict(st.get("store", {}))
+        tiers: dict[str, Any] = {}
+        for tier in ("dram", "ssd"):
+            if tier in st:
+                _flatten(f"{tier}_", st[tier], tiers)
+            else:
+                tiers[f"{tier}_enabled"] = 0
+        guard = dict(st.get("guard", {}))
+        wal: dict[str, Any] = {"backend": self.wal_backend}
+        if self.ssd is not None:
+            try:
+                _flatten("", self.ssd.stats(), wal)
+            except Exception as exc:       # stats of a tier in trouble must not break INFO
+                wal["stats_error"] = str(exc)
+        auth = self.auth.stats()
+        auth["connection_tenant"] = (conn.tenant or "") if conn is not None else ""
+        return {"Server": server, "Store": store, "Tiers": tiers, "Guard": guard, "WAL": wal, "Auth": auth}
+
+
+# --------------------------------------------------------------------------- one connection
+
+
+class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
+    """One client connection: the sans-I/O ProtocolConnection bound to a transport."""
+
+    def __init__(self, node: NodeServer) -> None:
+        super().__init__(node.limits, require_hello=not node.auth.open_mode)
+        self.node = node
+        self.store = node.store
+        self.transport: Optional[asyncio.Transport] = None
+        self.peer = "?"
+        self.tenant: Optional[str] = None
+        self._puts: dict[int, list] = {}          # request id -> put handles in their payload phase
+        self._started: dict[int, float] = {}      # request id -> perf_counter at arrival
+        self._held: list = []                     # leases whose bytes may still sit in the transport
+        self._writing_paused = False
+        self._reading_paused = False
+        self._tasks: set[asyncio.Task] = set()
+        self._metrics = node.metrics
+
+    # ------------------------------------------------------------------ asyncio side
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        transport.set_write_buffer_limits(high=0, low=0)     # pause/resume = "buffer non-empty/empty"
+        node = self.node
+        if len(node.connections) >= node.max_connections:
+            if self._metrics is not None:
+                self._metrics.connections_refused.labels("max_connections").inc()
+            self._send_error(0, Busy(f"{len(node.connections)} connections open, at most "
+                                     f"{node.max_connections}"))
+            self.failed = Busy("max_connections")
+            transport.close()
+            return
+        node.connections.add(self)
+        if self._metrics is not None:
+            self._metrics.connections.inc()
+            self._metrics.connections_total.inc()
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)        # aborts a PUT in its payload phase
+        if self in self.node.connections:
+            self.node.connections.discard(self)
+            if self._metrics is not None:
+                self._metrics.connections.dec()
+        for handles in self._puts.values():
+            for h in handles:
+                self.store.put_abort(h)
+        self._puts.clear()
+        self._release_held()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._metrics is not None:
+            self._metrics.bytes_in.inc(nbytes)
+        super().buffer_updated(nbytes)
+        if self.close_requested and self.transport is not None:
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        super().eof_received()
+        return False                         # close our side too
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        self._release_held()
+        if self._reading_paused and self.transport is not None and not self.transport.is_closing():
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _write(self, data: list) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        t.writelines(data)
+        if self._metrics is not None:
+            self._metrics.bytes_out.inc(sum(memoryview(b).nbytes for b in data))
+        if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
+            self._reading_paused = True
+            t.pause_reading()
+
+    def _on_error(self, exc: BaseException) -> None:
+        if self.failed is exc and not isinstance(exc, (ConnectionError,)) and not self.closed:
+            self.node.protocol_errors += 1
+            if self._metrics is not None:
+                self._metrics.protocol_errors.inc()
+            log.info("closing connection from %s: %s", self.peer, exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    # ------------------------------------------------------------------ leases held by the transport
+
+    def _hold(self, leases: list) -> None:
+        t = self.transport
+        if t is None or t.is_closing() or t.get_write_buffer_size() == 0:
+            for lease in leases:            # written synchronously (or dropped): nothing refers to them
+                lease.release()
+        else:
+            self._held.extend(leases)
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for lease in held:
+            lease.release()
+
+    def check_held_leases(self, horizon: float) -> int:
+        """Abort the connection if a held lease expires before ``horizon``; 1 if aborted."""
+        if not self._held:
+            return 0
+        t = self.transport
+        if t is not None and t.get_write_buffer_size() == 0:
+            self._release_held()
+            return 0
+        if min(lease.expires_at for lease in self._held) <= horizon:
+            log.warning("disconnecting %s: it did not read a GET reply within the lease", self.peer)
+            if t is not None:
+                t.abort()
+            self._release_held()
+            return 1
+        return 0
+
+    # ------------------------------------------------------------------ replies with metrics
+
+    def _done(self, rid: int, opcode: int, status: int) -> None:
+        self.node.requests += 1
+        t0 = self._started.pop(rid, None)
+        if self._metrics is not None and t0 is not None:
+            self._metrics.observe(opcode, status, time.perf_counter() - t0)
+
+    def _ok(self, rid: int, opcode: int, body: bytes = b"", views=(), *, crc: bool = False) -> None:
+        self.reply_ok(rid, opcode, body, views, payload_crc=crc)
+        self._done(rid, opcode, 0)
+
+    def _err(self, rid: int, opcode: int, exc: BaseException) -> None:
+        if not isinstance(exc, QuillCacheError):
+            log.exception("internal error in %s from %s", Opcode(opcode).name, self.peer, exc_info=exc)
+        self.reply_error(rid, exc)
+        self._done(rid, opcode, exc.status if isinstance(exc, QuillCacheError) else 1)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ keys and tenants
+
+    def _check_access(self) -> None:
+        if self.node.draining:
+            raise Busy("the node is shutting down")
+        if not self.node.auth.open_mode and not self.tenant:
+            raise PermissionDenied("authenticate with HELLO first (this node has tenants)")
+
+    def _key(self, raw: bytes) -> KvBlockKey:
+        try:
+            key = decode_key(raw)
+        except KeyError_ as exc:
+            raise InvalidArgument(f"bad key: {exc}") from None
+        self._own(key.tenant_id)
+        return key
+
+    def _own(self, tenant_id: str) -> None:
+        # Decided on the key alone, before the store is consulted: the refusal cannot tell
+        # whether the other tenant has the block.
+        if not self.node.auth.open_mode and tenant_id != self.tenant:
+            raise PermissionDenied("the key names another tenant than this connection's")
+
+    # ------------------------------------------------------------------ PUT / PUT_MANY
+
+    def _on_put_start(self, frame):
+        rid = frame.request_id
+        self._started[rid] = time.perf_counter()
+        try:
+            self._check_access()
+            durable = bool(frame.flags & FLAG_DURABLE)
+            if frame.opcode == Opcode.PUT:
+                item = messages.decode_put_request(frame.header, frame.payload_length, self.limits)
+                items = [(self._key(item.key), item.nbytes)]
+            else:
+                decoded = messages.decode_put_many_request(frame.header, frame.payload_length, self.limits)
+                items = [(self._key(i.key), i.nbytes) for i in decoded]
+            handles = []
+            try:
+                for key, nbytes in items:
+                    handles.append(self.store.put_start(key, nbytes, durable))
+            except BaseException:
+                for h in handles:           # all or nothing: the request changes nothing
+                    self.store.put_abort(h)
+                raise
+        except QuillCacheError as exc:
+            self._done(rid, frame.opcode, exc.status)
+            raise                           # the connection replies it and skips the payload
+        self._puts[rid] = handles
+        views = [h.view for h in handles if h.size]
+        if frame.opcode == Opcode.PUT:
+            return views[0] if views else None
+        return views
+
+    def _on_put_end(self, frame) -> None:
+        handles = self._puts.pop(frame.request_id, None)
+        if handles is None:
+            return
+        self._spawn(self._finish_put(frame.request_id, frame.opcode, handles))
+
+    def _on_put_abort(self, frame, exc) -> None:
+        for h in self._puts.pop(frame.request_id, ()):
+            self.store.put_abort(h)
+
+    async def _finish_put(self, rid: int, opcode: int, handles: list) -> None:
+        if opcode == Opcode.PUT:
+            try:
+                await self.store.put_end(handles[0])
+            except Exception as exc:
+                self._err(rid, opcode, exc)
+            else:
+                self._ok(rid, opcode)
+            return
+        statuses = []
+        for h in handles:
+            try:
+                await self.store.put_end(h)
+                statuses.append(0)
+            except QuillCacheError as exc:
+                statuses.append(exc.status)
+            except Exception:
+                log.exception("internal error in PUT_MANY item from %s", self.peer)
+                statuses.append(1)
+        self._ok(rid, opcode, messages.encode_status_list(statuses, self.limits))
+
+    def _put_empty(self, frame) -> None:
+        """A PUT/PUT_MANY whose payload is empty arrives as a complete frame."""
+        self._on_put_start(frame)           # raises QuillCacheError: replied by the caller
+        self._on_put_end(frame)
+
+    # ------------------------------------------------------------------ everything else
+
+    def _on_request(self, frame) -> None:
+        rid = frame.request_id
+        op = frame.opcode
+        if op in _PAYLOAD_OPS:
+            try:
+                self._put_empty(frame)
+            except QuillCacheError as exc:
+                self.reply_error(rid, exc)
+            return
+        self._started[rid] = time.perf_counter()
+        try:
+            handler = _HANDLERS[op]
+            if op not in (Opcode.HELLO, Opcode.PING):
+                self._check_access()
+            handler(self, frame)
+        except Exception as exc:
+            if self.is_in_flight(rid):
+                self._err(rid, op, exc)
+
+    def _hello(self, frame) -> None:
+        rid = frame.request_id
+        auth = self.node.auth
+        if auth.blocked(self.peer):
+            auth.refused_peers += 1
+            if self._metrics is not None:
+                self._metrics.connections_refused.labels("failed_hellos").inc()
+            self._err(rid, Opcode.HELLO, PermissionDenied("too many failed HELLOs from this address; "
+                                                          "try again later"))
+            self.close()
+            return
+        req = messages.decode_hello_request(frame.header, self.limits)
+        version = messages.negotiate_version(req)
+        try:
+            tenant = auth.authenticate(req.token)
+        except PermissionDenied as exc:
+            over = auth.record_failure(self.peer)
+            if self._metrics is not None:
+                self._metrics.failed_hellos.inc()
+            log.warning("HELLO from %s refused: bad token%s", self.peer,
+                        " (rate limit reached: closing)" if over else "")
+            self._err(rid, Opcode.HELLO, exc)
+            if over:
+                self.close()
+            return
+        self.tenant = tenant or None
+        body = messages.encode_hello_reply(version, tenant, self.limits, self.node.node_id)
+        self._ok(rid, Opcode.HELLO, body)
+
+    def _ping(self, frame) -> None:
+        payload = frame.payload
+        self._ok(frame.request_id, Opcode.PING, b"", [payload] if payload else [],
+                 crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
+
+    def _get(self, frame) -> None:
+        key = self._key(messages.decode_get_request(frame.header, self.limits))
+        lease = self.store.get(key)
+        try:
+            self._ok(frame.request_id, Opcode.GET, b"", [lease.view],
+                     crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
+        finally:
+            self._hold([lease])
+
+    def _get_many(self, frame) -> None:
+        keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_MANY")]
+        leases, items = [], []
+        try:
+            for key in keys:
+                try:
+                    lease = self.store.get(key)
+                except (NotFound, UnsafeReuse, Busy) as exc:
+                    items.append((exc.status, 0))
+                    continue
+                leases.append(lease)
+                items.append((0, lease.size))
+            body = messages.encode_get_many_reply(items, self.limits)
+            self._ok(frame.request_id, Opcode.GET_MANY, body, [l.view for l in leases],
+                     crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
+        finally:
+            self._hold(leases)
+
+    def _exists(self, frame) -> None:
+        keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "EXISTS")]
+        present = [self.store.exists(k) for k in keys]
+        self._ok(frame.request_id, Opcode.EXISTS, messages.encode_exists_reply(present, self.limits))
+
+    def _remove(self, frame) -> None:
+        keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "REMOVE")]
+        self._spawn(self._finish_remove(frame.request_id, keys))
+
+    async def _finish_remove(self, rid: int, keys: list) -> None:
+        try:
+            done = [await self.store.remove(k) for k in keys]
+        except Exception as exc:
+            self._err(rid, Opcode.REMOVE, exc)
+            return
+        self._ok(rid, Opcode.REMOVE, messages.encode_bitmap_reply(done, self.limits))
+
+    def _pin(self, frame) -> None:
+        req = messages.decode_pin_request(frame.header, self.limits)
+        keys = [self._key(k) for k in req.keys]
+        ttl_s = req.ttl_ms / 1000.0 if req.ttl_ms else PIN_FOREVER_S
+        ttl_s = min(ttl_s, PIN_FOREVER_S)
+        done = []
+        for key in keys:
+            try:
+                self.store.pin(key, ttl_s, hard=req.mode == PinMode.HARD)
+                done.append(True)
+            except (NotFound, UnsafeReuse):
+                done.append(False)
+        self._ok(frame.request_id, Opcode.PIN, messages.encode_bitmap_reply(done, self.limits))
+
+    def _unpin(self, frame) -> None:
+        _mode, raw = messages.decode_unpin_request(frame.header, self.limits)
+        keys = [self._key(k) for k in raw]
+        done = [self.store.unpin(k) for k in keys]
+        self._ok(frame.request_id, Opcode.UNPIN, messages.encode_bitmap_reply(done, self.limits))
+
+    def _list(self, frame) -> None:
+        req = messages.decode_list_request(frame.header, self.limits)
+        scope, prefix_hash = _decode_scope_prefix(req.prefix)
+        self._own(scope.tenant_id)
+        if prefix_hash is None:
+            lister = getattr(self.store, "list_scope", None)
+            if lister is None:
+                raise InvalidArgument("LIST needs a scope and a prefix hash (encode_scope_prefix) on this node")
+            keys = lister(scope)
+        else:
+            keys = self.store.list_prefix(scope, prefix_hash)
+        encoded = sorted(encode_key(k) for k in keys)
+        if req.start_after:
+            encoded = [k for k in encoded if k > req.start_after]
+        page = encoded[:req.limit]
+        more = len(encoded) > req.limit
+        self._ok(frame.request_id, Opcode.LIST, messages.encode_list_reply(page, more, self.limits))
+
+    def _stats(self, frame) -> None:
+        req = messages.decode_stats_request(frame.header)
+        sections = self.node.info_sections(self)
+        if req.section:
+            wanted = req.section.lower()
+            sections = {k: v for k, v in sections.items() if k.lower() == wanted}
+            if not sections:
+                raise InvalidArgument(f"INFO: no section {req.section!r}")
+        if req.format == InfoFormat.JSON:
+            text = json.dumps({k.lower(): v for k, v in sections.items()}, sort_keys=True)
+        else:
+            text = render_info(sections)
+        raw = text.encode("utf-8")
+        self._ok(frame.request_id, Opcode.STATS, messages.encode_stats_reply(req.format), [raw])
+
+
+_HANDLERS: dict[int, Callable[[ServerProtocol, Any], None]] = {
+    Opcode.HELLO: ServerProtocol._hello,
+    Opcode.PING: ServerProtocol._ping,
+    Opcode.GET: ServerProtocol._get,
+    Opcode.GET_MANY: ServerProtocol._get_many,
+    Opcode.EXISTS: ServerProtocol._exists,
+    Opcode.REMOVE: ServerProtocol._remove,
+    Opcode.PIN: ServerProtocol._pin,
+    Opcode.UNPIN: ServerProtocol._unpin,
+    Opcode.LIST: ServerProtocol._list,
+    Opcode.STATS: ServerProtocol._stats,
+}

@@ -1,0 +1,156 @@
+"""Tenants, tokens and the failed-HELLO rate limit: the Authenticator alone, then over the
+wire against a real quillcached with [auth] tenants."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from quillcache import Client
+from quillcache.auth import FAILED_HELLO_WINDOW_S, Authenticator
+from quillcache.config import hash_token
+from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, PermissionDenied
+from quillcache.model import encode_key
+from quillcache.protocol import messages
+from quillcache.protocol.opcodes import Opcode
+from quillcache._native.codec import encode_frame_header
+from tests.test_daemon import Daemon, key, raw_connect, read_frames
+
+TENANTS = [("alice", hash_token("alice-secret")), ("bob", hash_token("bob-secret"))]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --------------------------------------------------------------------------- Authenticator
+
+
+def test_token_binds_its_own_tenant_and_wrong_tokens_are_refused():
+    auth = Authenticator(TENANTS, 10)
+    assert auth.authenticate(b"alice-secret") == "alice"
+    assert auth.authenticate(b"bob-secret") == "bob"
+    for bad in (b"", b"alice-secre", b"alice-secret\0", b"sha256:" + TENANTS[0][1][7:].encode()):
+        with pytest.raises(PermissionDenied):
+            auth.authenticate(bad)
+
+
+def test_open_mode_accepts_any_hello_and_binds_no_tenant():
+    auth = Authenticator((), 10)
+    assert auth.open_mode and auth.authenticate(b"whatever") == ""
+
+
+def test_plain_tokens_in_the_table_are_rejected():
+    with pytest.raises(InvalidArgument):
+        Authenticator([("alice", "alice-secret")], 10)
+
+
+def test_failed_hellos_are_limited_per_peer_within_a_minute():
+    clock = FakeClock()
+    auth = Authenticator(TENANTS, 3, clock=clock)
+    assert not auth.record_failure("10.0.0.1")
+    assert not auth.record_failure("10.0.0.1")
+    assert auth.record_failure("10.0.0.1")             # the third reaches the limit
+    assert auth.blocked("10.0.0.1")
+    assert not auth.blocked("10.0.0.2")                 # per peer
+    clock.now += FAILED_HELLO_WINDOW_S + 0.1
+    assert not auth.blocked("10.0.0.1")                 # the window slid past them
+
+
+def test_reconfigure_replaces_tenants():
+    auth = Authenticator(TENANTS, 10)
+    auth.configure([("carol", hash_token("c"))], 5)
+    assert auth.tenant_names == ["carol"] and auth.max_failed_hellos == 5
+    with pytest.raises(PermissionDenied):
+        auth.authenticate(b"alice-secret")
+
+
+# --------------------------------------------------------------------------- over the wire
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    tenants = "\n".join(f'[[auth.tenants]]\nname = "{n}"\ntoken = "{h}"' for n, h in TENANTS)
+    d = Daemon(tmp_path_factory.mktemp("auth"), sections={"auth": "max_failed_hellos = 3\n" + tenants})
+    # [[auth.tenants]] tables must come after the [auth] keys: write the file by hand
+    d.config.write_text(d.config.read_text().replace("[auth]\nmax_failed_hellos = 3\n", "") .replace(
+        "[[auth.tenants]]", "[auth]\nmax_failed_hellos = 3\n[[auth.tenants]]", 1))
+    d.start()
+    yield d
+    assert d.stop() == 0
+
+
+def test_wrong_token_is_refused(daemon):
+    with pytest.raises(PermissionDenied):
+        Client(daemon.addr, token="not-a-token")
+    with Client(daemon.addr, token="alice-secret") as c:
+        assert c.tenant == "alice"
+        info = c.info()
+        assert info["Server"]["mode"] == "auth" and info["Auth"]["connection_tenant"] == "alice"
+        assert info["Auth"]["failed_hellos"] >= 1
+
+
+def test_requests_before_hello_are_refused_but_ping_is_not(daemon):
+    s = raw_connect(daemon.port)
+    k = encode_key(key(1, tenant="alice"))
+    s.sendall(encode_frame_header(Opcode.GET, 1, header=messages.encode_get_request(k))
+              + encode_frame_header(Opcode.PING, 2))
+    replies = {f.request_id: f for f in read_frames(s, 2)}
+    assert replies[1].status == PermissionDenied.status
+    assert replies[2].status == 0
+    s.close()
+
+
+def test_other_tenants_key_is_permission_denied_whether_or_not_it_exists(daemon):
+    with Client(daemon.addr, token="bob-secret") as bob:
+        bob.put(key(1, tenant="bob"), b"bob's block")
+    with Client(daemon.addr, token="alice-secret") as alice:
+        errors = []
+        for k in (key(1, tenant="bob"), key(2, tenant="bob")):     # exists / does not exist
+            for call in (alice.get, alice.exists, alice.remove):
+                with pytest.raises(PermissionDenied) as ei:
+                    call(k)
+                errors.append(str(ei.value))
+            with pytest.raises(PermissionDenied):
+                alice.put(k, b"overwrite?")
+        assert errors[:3] == errors[3:]                        # identical answers for both keys
+        with pytest.raises(NotFound):
+            alice.get(key(1, tenant="alice"))                  # her own namespace is a plain miss
+        assert alice.ls(key(1, tenant="alice").scope, "p") == []
+        with pytest.raises(PermissionDenied):
+            alice.ls(key(1, tenant="bob").scope, "p")
+    with Client(daemon.addr, token="bob-secret") as bob:
+        assert bob.get(key(1, tenant="bob")) == b"bob's block"
+
+
+def test_failed_hellos_past_the_limit_close_the_connection_at_once(tmp_path):
+    tenants = "\n".join(f'[[auth.tenants]]\nname = "{n}"\ntoken = "{h}"' for n, h in TENANTS)
+    d = Daemon(tmp_path)
+    d.config.write_text(d.config.read_text() + "\n[auth]\nmax_failed_hellos = 2\n" + tenants + "\n")
+    with d:
+        for _ in range(2):
+            with pytest.raises(PermissionDenied):
+                Client(d.addr, token="guess")
+        # now over the limit: even the right token is refused and the connection closed
+        s = raw_connect(d.port)
+        s.sendall(encode_frame_header(Opcode.HELLO, 1, header=messages.encode_hello_request(b"alice-secret")))
+        frames = read_frames(s, 2)
+        assert len(frames) == 1 and frames[0].status == PermissionDenied.status
+        assert "too many failed" in messages.decode_error(frames[0].status, frames[0].header).args[0]
+        s.close()
+        with pytest.raises((PermissionDenied, ConnectionLost)):
+            Client(d.addr, token="alice-secret")
+        assert "rate limit reached" in d.log()
+
+
+def test_open_mode_says_so_in_info(tmp_path):
+    with Daemon(tmp_path) as d, Client(d.addr, token="anything") as c:
+        info = c.info()
+        assert info["Server"]["mode"] == "open"
+        assert info["Server"]["mode_note"] == "open mode (no tenants configured)"
+        assert info["Auth"]["mode"] == "open"
+        assert c.tenant is None

@@ -1,0 +1,417 @@
+"""The node daemon quillcached as a real process: lifecycle, signals, sd_notify, reload,
+metrics, exit codes, durability across kill -9.
+
+The top of this module is the helper the other daemon-facing test modules import
+(``from tests.test_daemon import Daemon``): it runs quillcached as a subprocess on free
+loopback ports with its data dir under tmp_path.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import free_port
+
+QUILLCACHED = str(Path(sys.executable).with_name("quillcached"))
+START_TIMEOUT_S = 30.0
+
+
+def base_toml(port: int, metrics_port: int, data_dir: Path, *, ssd: bool = False, dram: str = "64MiB",
+              max_block: str = "8MiB", extra: str = "") -> str:
+    text = f"""
+[node]
+listen = "127.0.0.1:{port}"
+data_dir = "{data_dir}"
+log_level = "info"
+drain_timeout = "5s"
+
+[store]
+dram = "{dram}"
+max_block = "{max_block}"
+
+[ssd]
+enabled = {"true" if ssd else "false"}
+capacity = "64MiB"
+direct_io = false
+
+[metrics]
+listen = "127.0.0.1:{metrics_port}"
+"""
+    return text + extra
+
+
+def merge_toml(base: str, extra_sections: dict[str, str]) -> str:
+    """Append lines to sections of ``base`` (a tiny helper to keep TOML tables unique)."""
+    out = []
+    for line in base.splitlines():
+        out.append(line)
+        stripped = line.strip()
+        if stripped.startswith("[") and stripped.strip("[]") in extra_sections:
+            out.append(extra_sections.pop(stripped.strip("[]")))
+    for section, body in extra_sections.items():
+        out += [f"[{section}]", body]
+    return "\n".join(out) + "\n"
+
+
+class Daemon:
+    """A quillcached subprocess on free loopback ports with its data dir under tmp_path."""
+
+    def __init__(self, tmp_path: Path, *, ssd: bool = False, sections: dict[str, str] | None = None,
+                 dram: str = "64MiB", max_block: str = "8MiB", env: dict | None = None,
+                 data_dir: Path | None = None, port: int | None = None) -> None:
+        self.tmp = Path(tmp_path)
+        self.port = port or free_port()
+        self.metrics_port = free_port()
+        self.data_dir = data_dir or self.tmp / "data"
+        self.config = self.tmp / f"quillcache-{self.port}.toml"
+        self.log_path = self.tmp / f"quillcached-{self.port}.log"
+        self.write_config(ssd=ssd, sections=sections, dram=dram, max_block=max_block)
+        self.env = dict(os.environ, **(env or {}))
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def write_config(self, *, ssd: bool = False, sections: dict[str, str] | None = None,
+                     dram: str = "64MiB", max_block: str = "8MiB") -> None:
+        text = base_toml(self.port, self.metrics_port, self.data_dir, ssd=ssd, dram=dram, max_block=max_block)
+        self.config.write_text(merge_toml(text, dict(sections or {})))
+
+    def start(self, wait: bool = True) -> "Daemon":
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([QUILLCACHED, "--config", str(self.config)], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=self.env)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"quillcached exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"quillcached did not listen within {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def send(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.returncode is not None:
+                self._log.close()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.wait(5)
+            raise
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def __enter__(self) -> "Daemon":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop(signal.SIGKILL if exc[0] is not None else signal.SIGTERM)
+
+
+# --------------------------------------------------------------------------- shared test helpers
+
+import threading  # noqa: E402
+import urllib.request  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from quillcache import Client, KvBlockKey  # noqa: E402
+from quillcache._native.codec import FrameParser, encode_frame_header  # noqa: E402
+from quillcache.daemon import sd_notify  # noqa: E402
+from quillcache.errors import NotFound, UnsafeReuse  # noqa: E402
+from quillcache.model import encode_key  # noqa: E402
+from quillcache.protocol import messages  # noqa: E402
+from quillcache.protocol.opcodes import REQUEST_OPCODES, Opcode  # noqa: E402
+
+
+def key(i: int, tenant: str = "t0", model: str = "m", prefix: str = "p") -> KvBlockKey:
+    return KvBlockKey(model, "tok", None, tenant, prefix, f"b{i}", block_index=i % 1000)
+
+
+def content(i: int, size: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def raw_connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def read_frames(sock: socket.socket, n: int = 1, timeout: float = 10.0):
+    """Read ``n`` reply frames (collected payloads); returns them, or fewer at EOF."""
+    parser = FrameParser(REQUEST_OPCODES, max_header_bytes=1 << 24, max_payload_bytes=1 << 30, replies=True)
+    frames = []
+    sock.settimeout(timeout)
+    while len(frames) < n:
+        ev = parser.next_event()
+        if ev == 0:
+            data = sock.recv(1 << 16)
+            if not data:
+                return frames
+            parser.feed(data)
+            continue
+        if ev in (1, 4):        # EV_FRAME / EV_PAYLOAD_END
+            frames.append(parser.frame)
+    return frames
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + ("{" if labels or "{" in line[len(name):len(name) + 1] else " ")) \
+                and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def _ssd_or_skip():
+    return pytest.importorskip("quillcache.store.ssd")
+
+
+# --------------------------------------------------------------------------- start-up and exit codes
+
+
+def test_bad_config_on_start_exits_78_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[store]\ndram = "12Q"\n')
+    r = subprocess.run([QUILLCACHED, "--config", str(bad)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 78
+    assert "[store] dram" in r.stderr and "12Q" in r.stderr
+
+
+def test_write_through_without_ssd_tier_exits_78(tmp_path):
+    d = Daemon(tmp_path, sections={"store": 'policy = "write_through"'})
+    d.start(wait=False)
+    assert d.wait(60) == 78
+    assert "write_through" in d.log()
+
+
+def test_data_dir_is_created_with_mode_0700_and_open_mode_is_logged(tmp_path):
+    data = tmp_path / "fresh" / "var"
+    with Daemon(tmp_path, data_dir=data) as d:
+        assert data.is_dir()
+        assert (data.stat().st_mode & 0o777) == 0o700
+        assert "open mode (no tenants configured)" in d.log()
+        assert "WAL backend:" in d.log()
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def test_sigterm_drains_a_put_in_flight_then_exits_0(tmp_path):
+    with Daemon(tmp_path) as d:
+        s = raw_connect(d.port)
+        k = encode_key(key(1))
+        payload = content(1, 1 << 20)
+        hdr = encode_frame_header(Opcode.PUT, 7, header=messages.encode_put_request(k, len(payload)),
+                                  payload_length=len(payload))
+        s.sendall(hdr + payload[:1000])           # the PUT is in flight, its payload half sent
+        time.sleep(0.3)
+        d.send(signal.SIGTERM)
+        time.sleep(0.3)
+        assert d.proc.poll() is None              # still draining: it waits for our PUT
+        s.sendall(payload[1000:])
+        frames = read_frames(s, 1)
+        assert frames and frames[0].request_id == 7 and frames[0].status == 0
+        assert d.wait(30) == 0
+        log = d.log()
+        assert "draining 1 in-flight requests" in log and "stopped" in log and "timed out" not in log
+
+
+def test_sighup_reload_applies_guard_mode_and_keeps_serving(tmp_path):
+    with Daemon(tmp_path) as d, Client(d.addr) as c:
+        mine, other_model = key(5, model="m1"), key(5, model="m2")
+        c.put(mine, b"x" * 4096)
+        with pytest.raises(UnsafeReuse) as ei:
+            c.get(other_model)
+        assert ei.value.violation == "model"
+        assert c.info("Guard")["Guard"]["mode"] == "strict"
+        d.write_config(sections={"guard": 'mode = "tenant"'})
+        d.send(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while c.info("Guard")["Guard"]["mode"] != "tenant" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.get(other_model) == b"x" * 4096  # tenant mode: same-tenant reuse is served
+        assert "reload: applied guard.mode" in d.log()
+        # a bad file on reload is logged and the running configuration kept
+        d.config.write_text('[guard]\nmode = "sloppy"\n')
+        d.send(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "reload refused" not in d.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "reload refused" in d.log()
+        assert c.info("Guard")["Guard"]["mode"] == "tenant"
+        assert c.ping() >= 0
+        assert d.stop() == 0
+
+
+def test_sighup_reports_settings_that_need_a_restart(tmp_path):
+    with Daemon(tmp_path) as d:
+        d.write_config(dram="128MiB", sections={"store": 'lease = "20s"'})
+        d.send(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "need a restart" not in d.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        log = d.log()
+        assert "need a restart (not applied): store.dram" in log
+        assert "reload: applied store.lease=20.0" in log
+
+
+def test_sd_notify_ready_and_stopping_reach_a_unix_datagram_socket(tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(30)
+    try:
+        with Daemon(tmp_path, env={"NOTIFY_SOCKET": path}) as d:
+            ready = sock.recv(4096).decode()
+            assert "READY=1" in ready.split("\n") and f"MAINPID={d.proc.pid}" in ready
+            d.send(signal.SIGTERM)
+            assert sock.recv(4096).decode() == "STOPPING=1"
+            assert d.wait(30) == 0
+    finally:
+        sock.close()
+
+
+def test_sd_notify_handles_the_abstract_namespace():
+    name = f"quillcache-test-{os.getpid()}-{time.monotonic_ns()}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name)
+    sock.settimeout(5)
+    try:
+        assert sd_notify("READY=1", {"NOTIFY_SOCKET": "@" + name})
+        assert sock.recv(100) == b"READY=1"
+        assert not sd_notify("READY=1", {})                     # unset: nothing to do
+        assert not sd_notify("READY=1", {"NOTIFY_SOCKET": "@no-such-" + name})   # logged, not raised
+    finally:
+        sock.close()
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_metrics_endpoint_counts_requests_by_opcode_and_status(tmp_path):
+    with Daemon(tmp_path) as d, Client(d.addr) as c:
+        before = metric_value(scrape(d.metrics_port), "quillcache_requests_total", 'opcode="PING",status="OK"')
+        for _ in range(5):
+            c.ping()
+        with pytest.raises(NotFound):
+            c.get(key(999))
+        c.put(key(1), b"abc" * 100)
+        text = scrape(d.metrics_port)
+        assert metric_value(text, "quillcache_requests_total", 'opcode="PING",status="OK"') == before + 5
+        assert metric_value(text, "quillcache_requests_total", 'opcode="GET",status="NOT_FOUND"') == 1
+        assert metric_value(text, "quillcache_request_seconds_count", 'opcode="PUT"') == 1
+        assert metric_value(text, "quillcache_received_bytes_total") >= 300
+        assert 'quillcache_wal_info{backend="none"} 1.0' in text
+        time.sleep(1.3)            # the store snapshot refreshes once a second
+        text = scrape(d.metrics_port)
+        assert metric_value(text, "quillcache_tier_capacity_bytes", 'tier="dram"') == 64 << 20
+        assert metric_value(text, "quillcache_tier_used_bytes", 'tier="dram"') >= 300
+        assert metric_value(text, "quillcache_tier_misses_total", 'tier="dram"') >= 1
+
+
+# --------------------------------------------------------------------------- durability (SSD tier)
+
+
+def test_durable_put_reads_back_after_a_clean_restart(tmp_path):
+    _ssd_or_skip()
+    d = Daemon(tmp_path, ssd=True).start()
+    try:
+        with Client(d.addr) as c:
+            c.put(key(1), content(1, 100_000), durable=True)
+            c.put(key(2), content(2, 5000))          # write_back: DRAM only, lost at restart
+            info = c.info()
+            assert info["WAL"]["backend"] in ("io_uring", "uring", "pwritev")
+        assert d.stop() == 0
+        d.start()
+        with Client(d.addr) as c:
+            assert c.get(key(1)) == content(1, 100_000)
+    finally:
+        d.stop()
+
+
+def _durable_writer(addr: str, start: int, stop: threading.Event, acked: list, errors: list) -> None:
+    i = start
+    try:
+        with Client(addr, timeout=10) as c:
+            while not stop.is_set():
+                size = 1 + (i * 7919) % 60_000
+                c.put(key(i), content(i, size), durable=True)
+                acked.append((i, size))
+                i += 1
+    except Exception as exc:            # the kill -9 ends every writer with ConnectionLost
+        errors.append(exc)
+
+
+def test_kill_9_under_write_through_load_loses_no_acknowledged_put(tmp_path):
+    _ssd_or_skip()
+    d = Daemon(tmp_path, ssd=True, sections={"store": 'policy = "write_through"'}).start()
+    acked: list = []
+    errors: list = []
+    stop = threading.Event()
+    writers = [threading.Thread(target=_durable_writer, args=(d.addr, n * 1_000_000, stop, acked, errors))
+               for n in range(4)]
+    for t in writers:
+        t.start()
+    time.sleep(1.5)
+    d.proc.kill()
+    d.wait(10)
+    stop.set()
+    for t in writers:
+        t.join(15)
+    assert len(acked) > 20, f"too few puts acknowledged before the kill ({len(acked)})"
+    d.start()
+    try:
+        with Client(d.addr) as c:
+            for start in range(0, len(acked), 256):
+                chunk = acked[start:start + 256]
+                got = c.get_many([key(i) for i, _ in chunk])
+                for (i, size), data in zip(chunk, got):
+                    assert data == content(i, size), f"acknowledged durable put {i} lost or wrong"
+    finally:
+        d.stop()
