@@ -111,6 +111,15 @@ def test_ls_lists_the_keys_of_one_scope_and_prefix(client):
     assert client.ls(keys[0].scope, "nothing-here") == []
 
 
+def test_ls_without_prefix_lists_the_whole_scope_and_nothing_else(client):
+    mine = [key(i, prefix=f"scope-{i % 2}", model="ls-model") for i in range(4)]
+    other = key(9, prefix="scope-0", model="ls-other-model")
+    client.put_many([(k, b"y") for k in mine + [other]])
+    listed = client.ls(mine[0].scope)
+    assert sorted(listed, key=lambda k: (k.prefix_hash, k.block_index)) == \
+        sorted(mine, key=lambda k: (k.prefix_hash, k.block_index))
+
+
 def test_info_and_stats_are_parsed(client):
     info = client.info()
     assert {"Server", "Store", "Tiers", "Guard", "WAL", "Auth"} <= set(info)

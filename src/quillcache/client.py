@@ -31,7 +31,9 @@ from quillcache.errors import (
     STATUS_CLASSES, CapacityError, ConnectionLost, InvalidArgument, NotFound, ProtocolError,
     QuillCacheError, Timeout, UnsafeReuse,
 )
-from quillcache.model import IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope_prefix
+from quillcache.model import (
+    IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope, encode_scope_prefix,
+)
 from quillcache.protocol import messages
 from quillcache.protocol.connection import ClientProtocolConnection, Reply
 from quillcache.protocol.opcodes import FLAG_DURABLE, InfoFormat, Opcode, PinMode, ProtocolLimits
@@ -311,11 +313,13 @@ class _Ops:
         return _Req(Opcode.PING, b"", (), 0, None, lambda r: None)
 
     @staticmethod
-    def _scope_prefix(scope, prefix_hash: str) -> bytes:
+    def _scope_prefix(scope, prefix_hash: "str | None") -> bytes:
         if isinstance(scope, KvBlockKey):
             scope = scope.scope
         if not isinstance(scope, IdentityScope):
             raise InvalidArgument("ls: scope must be an IdentityScope or a KvBlockKey")
+        if prefix_hash is None:                 # every block of the scope
+            return encode_scope(scope)
         return encode_scope_prefix(scope, prefix_hash)
 
 
@@ -466,7 +470,7 @@ class Client(_Ops):
 
     # ------------------------------------------------------------------ calls with their own loop
 
-    def ls(self, scope, prefix_hash: str) -> list[KvBlockKey]:
+    def ls(self, scope, prefix_hash: "str | None" = None) -> list[KvBlockKey]:
         prefix = self._scope_prefix(scope, prefix_hash)
         out: list[KvBlockKey] = []
         after = b""
@@ -628,7 +632,7 @@ class AsyncClient(_Ops):
             results.append(req.finish(reply))
         return combine(results)
 
-    async def ls(self, scope, prefix_hash: str) -> list[KvBlockKey]:
+    async def ls(self, scope, prefix_hash: "str | None" = None) -> list[KvBlockKey]:
         prefix = self._scope_prefix(scope, prefix_hash)
         out: list[KvBlockKey] = []
         after = b""

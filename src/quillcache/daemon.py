@@ -185,11 +185,18 @@ class Node:
         return st
 
     async def _maintenance(self) -> None:
+        loop = asyncio.get_running_loop()
+        last_checkpoint = loop.time()
         while True:
             await asyncio.sleep(MAINTENANCE_INTERVAL_S)
             try:
                 self.server.expire_slow_writers()
                 await self.store.maintenance()
+                # Periodic checkpoint: bounds WAL replay at restart ([wal] checkpoint_interval,
+                # read from the current config so SIGHUP applies it).
+                if self.ssd is not None and loop.time() - last_checkpoint >= self.cfg.wal.checkpoint_interval:
+                    last_checkpoint = loop.time()
+                    await self.ssd.checkpoint()
                 if self.metrics is not None:
                     self.metrics.update_store(self._snapshot())
             except asyncio.CancelledError:
@@ -246,8 +253,8 @@ class Node:
         store, server = self.store, self.server
         if name == "node.log_level":
             logging.getLogger().setLevel(_LOG_LEVELS[value])
-        elif name == "node.drain_timeout":
-            pass                                    # read from self.cfg at stop
+        elif name in ("node.drain_timeout", "wal.checkpoint_interval"):
+            pass                                    # read from self.cfg where used
         elif name == "store.policy":
             if value == "write_through" and self.ssd is None:
                 raise ConfigError("write_through needs the SSD tier")
@@ -260,7 +267,7 @@ class Node:
         elif name == "store.lease":
             store.lease_s = float(value)
         elif name == "store.put_timeout":
-            store._dram.put_timeout_s = float(value)   # see report: wants a public setter
+            store.put_timeout_s = float(value)
         elif name == "guard.mode":
             from quillcache.store.guard import GUARD_MODES
             if value not in GUARD_MODES:

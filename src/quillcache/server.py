@@ -577,10 +577,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         scope, prefix_hash = _decode_scope_prefix(req.prefix)
         self._own(scope.tenant_id)
         if prefix_hash is None:
-            lister = getattr(self.store, "list_scope", None)
-            if lister is None:
-                raise InvalidArgument("LIST needs a scope and a prefix hash (encode_scope_prefix) on this node")
-            keys = lister(scope)
+            keys = self.store.list_scope(scope)
         else:
             keys = self.store.list_prefix(scope, prefix_hash)
         encoded = sorted(encode_key(k) for k in keys)

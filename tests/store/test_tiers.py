@@ -414,3 +414,22 @@ def test_corrupt_ssd_block_is_a_miss_not_bad_bytes(ssd_mod, tmp_path):
         assert not store.exists(key(1))
         await store.close()
     run(scenario())
+
+
+def test_list_scope_lists_every_prefix_of_one_scope_only():
+    store = make(blocks=8)
+    mine = [key(0, prefix="a"), key(1, prefix="a"), key(2, prefix="b")]
+    other = KvBlockKey("other-model", "tok", None, "acme", "a", "b9", 9)
+    for k in mine + [other]:
+        run(store.put(k, data(k.block_index)))
+    assert store.list_scope(mine[0].scope) == mine
+    assert store.list_scope(other.scope) == [other]
+    assert store.list_scope(KvBlockKey("nobody", "tok", None, "acme", "a", "x").scope) == []
+
+
+def test_put_timeout_setter_refuses_non_positive_and_updates_the_arena():
+    store = make()
+    with pytest.raises(InvalidArgument):
+        store.put_timeout_s = 0
+    store.put_timeout_s = 5.0
+    assert store.put_timeout_s == 5.0 and store._dram.put_timeout_s == 5.0

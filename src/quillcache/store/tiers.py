@@ -511,6 +511,24 @@ class LocalKvStore:
         keys = self._by_prefix.get((scope, prefix_hash), ())
         return sorted(keys, key=lambda k: (k.block_index, k.block_hash, k.token_count))
 
+    def list_scope(self, scope: IdentityScope) -> list[KvBlockKey]:
+        """The resident keys of one identity scope, in encoded-key order (quillctl ls)."""
+        if isinstance(scope, KvBlockKey):
+            scope = scope.scope
+        keys = [k for (sc, _prefix), ks in self._by_prefix.items() if sc == scope for k in ks]
+        return sorted(keys, key=lambda k: (k.prefix_hash, k.block_index, k.block_hash, k.token_count))
+
+    @property
+    def put_timeout_s(self) -> float:
+        """A started put not finished within this many seconds is aborted (reloadable)."""
+        return self._dram.put_timeout_s
+
+    @put_timeout_s.setter
+    def put_timeout_s(self, value: float) -> None:
+        if not value > 0:
+            raise InvalidArgument(f"put_timeout_s {value!r}: must be > 0 seconds")
+        self._dram.put_timeout_s = float(value)
+
     # ------------------------------------------------------------------ remove, pins
 
     async def remove(self, key: KvBlockKey) -> bool:
