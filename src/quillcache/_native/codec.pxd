@@ -1,11 +1,12 @@
 # The contract of the frame codec (see docs/protocol.md for the wire format).
 #
-# Other extensions reach the codec only through this file: ``crc32c_update`` is the
-# CRC32C (Castagnoli) used by the frame header and the optional payload trailer.
+# Other extensions reach the codec only through this file.  ``crc32c_update`` is the
+# CRC32C (Castagnoli) used by the frame header and the optional payload trailer; it lives
+# in quillcache._native.crc and stays reachable here for extensions that cimport it from
+# the codec.
 from cpython.buffer cimport Py_buffer
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
-
-cdef uint32_t crc32c_update(uint32_t crc, const unsigned char* data, size_t n) noexcept nogil
+from quillcache._native.crc cimport crc32c_update
 
 
 cdef class Frame:

@@ -1,24 +1,16 @@
 # cython: language_level=3
-"""The WAL's contract for other extensions (cimport quillcache._native.wal).
+"""The WAL writer's contract for other extensions (cimport quillcache._native.wal).
 
-Format constants (see docs/wal-format.md) and the writer's layout.  Python code
-uses the module: WalWriter, WalReader, set_fault, clear_faults.
+Format constants (walformat.pxd, see docs/wal-format.md) and the writer's layout; the
+reader's contract is walread.pxd.  Python code uses the module: WalWriter, WalReader
+(re-exported from walread), set_fault, clear_faults.
 """
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport uint64_t
 from cpython.pythread cimport PyThread_type_lock
 from posix.uio cimport iovec
 from quillcache._native.includes.liburing cimport io_uring
-
-ctypedef uint32_t (*crc32c_extend_fn)(uint32_t crc, const uint8_t *data, size_t n) noexcept nogil
-
-cdef enum:
-    WAL_BLOCK_C = 32768        # bytes: the block every physical record stays inside
-    WAL_HEADER_C = 7           # bytes: masked crc32c (4) + length (2, LE) + type (1)
-    WAL_ZERO = 0               # never written; a zeroed header
-    WAL_FULL = 1
-    WAL_FIRST = 2
-    WAL_MIDDLE = 3
-    WAL_LAST = 4
+from quillcache._native.walformat cimport (
+    WAL_BLOCK_C, WAL_HEADER_C, WAL_ZERO, WAL_FULL, WAL_FIRST, WAL_MIDDLE, WAL_LAST, _mask, _put32)
 
 
 cdef struct WalChunk:

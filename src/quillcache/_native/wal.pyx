@@ -9,19 +9,15 @@ FIRST / MIDDLE / LAST fragments.  Segments are files named 000000000001.log.
 LSN: a 64-bit position, ``segment_seq << 32 | offset just past the record``.
 It only grows, and a record is durable iff its lsn <= ``durable_lsn``.
 
-CRC32C: google_crc32c bundles the C library libcrc32c and it exports
-``crc32c_extend``; we look its address up once (ctypes, at import), check it
-against ``google_crc32c.value`` and call it directly, without the GIL and
-without copying fragments (measured: 23 GB/s at 1 MiB vs 8.4 GB/s for a
-single-stream SSE4.2 loop; see docs/wal-format.md).  If the lookup fails we
-fall back to google_crc32c's Python API.
+CRC32C: ``crc32c_update`` from quillcache._native.crc (libcrc32c's
+``crc32c_extend`` when google_crc32c bundles it, else a table), called over our
+copy of each fragment (without the GIL for appends of WAL_NOGIL_APPEND bytes or more).  The reader (WalReader, list_segments,
+segment_name) lives in quillcache._native.walread and is re-exported here.
 """
 import errno as _errno
 import os
-import re
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
-from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.pythread cimport (PyThread_allocate_lock, PyThread_free_lock, PyThread_acquire_lock,
                                PyThread_release_lock, WAIT_LOCK, NOWAIT_LOCK)
 from libc.errno cimport errno, EINTR, ENOSPC, EIO, ENOMEM, EBUSY
@@ -39,7 +35,12 @@ from quillcache._native.includes.liburing cimport (
     io_uring_prep_fsync, io_uring_sqe_set_flags, io_uring_submit_and_wait, io_uring_wait_cqe,
     io_uring_cqe_seen)
 from quillcache._native.includes.posix_extra cimport flock, LOCK_EX, LOCK_NB, IOV_MAX, ECANCELED, EWOULDBLOCK
+from quillcache._native.crc cimport crc32c_update
+from quillcache._native.walread cimport WalReader as _WalReader
 
+from quillcache._native import crc as _crc
+from quillcache._native.crc import CRC32C_IMPL
+from quillcache._native.walread import WAL_MAX_SEGMENT, WalReader, list_segments, segment_name
 from quillcache.errors import Busy, InvalidArgument, ReadOnlyError
 
 __all__ = [
@@ -56,7 +57,7 @@ WAL_CRC_MASK_DELTA = 0xa282ead8   # LevelDB's mask constant (added after a 15-bi
 FULL, FIRST, MIDDLE, LAST = WAL_FULL, WAL_FIRST, WAL_MIDDLE, WAL_LAST
 WAL_SEGMENT_BYTES = 64 << 20      # bytes: default segment size before rotation
 WAL_MIN_SEGMENT = WAL_BLOCK       # bytes: smallest segment_bytes accepted
-WAL_MAX_SEGMENT = 1 << 31         # bytes: largest segment_bytes (the lsn keeps 32 offset bits)
+# WAL_MAX_SEGMENT (bytes: largest segment_bytes; the lsn keeps 32 offset bits): from walread
 WAL_MAX_SEQ = (1 << 32) - 1       # segments: the lsn keeps 32 bits of segment number
 WAL_MAX_RECORD = 32 << 20         # bytes: default largest payload of one append
 WAL_MAX_PENDING = 256 << 20       # bytes: default limit of framed, not yet committed bytes
@@ -65,29 +66,13 @@ cdef enum:
     WAL_CHUNK = 4 << 20           # bytes: pending buffers are allocated in chunks this big
     WAL_SPARE = 8                 # chunks: recycled pending buffers kept (8 x 4 MiB = 32 MiB at most)
     WAL_URING_ENTRIES = 8         # sqes: a commit has at most 2 in flight
+    WAL_NOGIL_APPEND = 65536      # bytes: an append this large frames (copy + crc) without the GIL
     OP_WRITE = 1
     OP_FSYNC = 2
     UD_WRITE = 1
     UD_FSYNC = 2
 
 HAVE_LIBURING = bool(QC_URING_BUILT)
-_SEGMENT_RE = re.compile(r"^([0-9]{12})\.log$")
-
-
-def segment_name(uint64_t seq):
-    """File name of segment ``seq``: 12 decimal digits + ``.log``."""
-    return "%012d.log" % seq
-
-
-def list_segments(directory):
-    """Sorted [(seq, path)] of the segment files in ``directory``."""
-    out = []
-    for name in os.listdir(directory):
-        m = _SEGMENT_RE.match(name)
-        if m is not None:
-            out.append((int(m.group(1)), os.path.join(directory, name)))
-    out.sort()
-    return out
 
 
 def make_lsn(uint64_t seq, uint64_t offset):
@@ -103,79 +88,11 @@ def lsn_offset(uint64_t lsn):
 
 
 # ---- CRC32C --------------------------------------------------------------------------------
-cdef crc32c_extend_fn _crc_fn = NULL
-cdef crc32c_extend_fn _crc_fn_found = NULL
-import google_crc32c as _gcrc
-
-
-def _find_crc32c_extend():
-    """Address of crc32c_extend in the libcrc32c that google_crc32c's extension links, or 0."""
-    try:
-        import ctypes
-        from google_crc32c import _crc32c
-        fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend
-        return ctypes.cast(fn, ctypes.c_void_p).value or 0
-    except (ImportError, OSError, AttributeError):
-        return 0
-
-
-cdef void _install_crc() except *:
-    global _crc_fn, _crc_fn_found
-    cdef size_t addr = _find_crc32c_extend()
-    cdef crc32c_extend_fn fn = <crc32c_extend_fn>addr
-    cdef bytes probe = bytes(range(256)) * 37
-    if fn != NULL:
-        # trust the symbol only if it computes what the Python API computes
-        if (fn(0, <const uint8_t *>b"123456789", 9) == 0xe3069283
-                and fn(0, <const uint8_t *><char *>probe, len(probe)) == _gcrc.value(probe)):
-            _crc_fn = fn
-            _crc_fn_found = fn
-
-
-_install_crc()
-
-
 def _crc_impl(str which=None):
-    """Test hook: "c" or "python" selects the CRC32C path; returns the one in use."""
-    global _crc_fn
-    if which == "python":
-        _crc_fn = NULL
-    elif which == "c":
-        if _crc_fn_found == NULL:
-            raise InvalidArgument("crc32c_extend was not found in google_crc32c")
-        _crc_fn = _crc_fn_found
-    elif which is not None:
-        raise InvalidArgument(f"unknown crc implementation {which!r}")
-    return "c" if _crc_fn != NULL else "python"
-
-
-CRC32C_IMPL = ("google_crc32c: libcrc32c crc32c_extend called from C" if _crc_fn != NULL
-               else "google_crc32c Python API")
-
-
-cdef inline uint32_t _mask(uint32_t crc) noexcept nogil:
-    return <uint32_t>(((crc >> 15) | (crc << 17)) + <uint32_t>0xa282ead8u)
-
-
-cdef uint32_t _crc_py(const char *p, size_t n) except? 0xFFFFFFFF:
-    return _gcrc.value(PyBytes_FromStringAndSize(p, <Py_ssize_t>n))
-
-
-cdef inline uint32_t _crc(const char *p, size_t n) except? 0xFFFFFFFF:
-    if _crc_fn != NULL:
-        return _crc_fn(0, <const uint8_t *>p, n)
-    return _crc_py(p, n)
-
-
-cdef inline void _put32(char *p, uint32_t v) noexcept nogil:
-    p[0] = <char>(v & 0xFF)
-    p[1] = <char>((v >> 8) & 0xFF)
-    p[2] = <char>((v >> 16) & 0xFF)
-    p[3] = <char>((v >> 24) & 0xFF)
-
-
-cdef inline uint32_t _get32(const unsigned char *p) noexcept nogil:
-    return <uint32_t>p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
+    """Test hook: "c" (crc32c_extend) or "table" selects the CRC32C path; returns the one in
+    use.  "python" (the old Python-API fallback, now the table code) means "table".  It
+    switches every CRC32C user in the process (quillcache._native.crc._select_impl)."""
+    return _crc._select_impl("table" if which == "python" else which)
 
 
 # ---- framing ---------------------------------------------------------------------------------
@@ -196,7 +113,7 @@ cdef size_t _framed_size(size_t block_off, size_t n) noexcept nogil:
 
 
 cdef size_t _frame(char *dst, size_t block_off, const char *src, size_t n) noexcept nogil:
-    """Write the framed record into dst; CRCs are filled only when the C crc32c is available."""
+    """Write the framed record (headers with their CRCs, payload fragments) into dst."""
     cdef char *p = dst
     cdef size_t left = n, frag, avail
     cdef bint begin = True, end
@@ -219,11 +136,8 @@ cdef size_t _frame(char *dst, size_t block_off, const char *src, size_t n) noexc
         p[6] = <char>rtype
         if frag:
             memcpy(p + WAL_HEADER_C, src, frag)
-        if _crc_fn != NULL:
-            # over our copy of type + payload: what we checksum is what we write
-            _put32(p, _mask(_crc_fn(0, <const uint8_t *>(p + 6), frag + 1)))
-        else:
-            _put32(p, 0)
+        # over our copy of type + payload: what we checksum is what we write
+        _put32(p, _mask(crc32c_update(0, <const unsigned char *>(p + 6), frag + 1)))
         p += WAL_HEADER_C + frag
         src += frag
         left -= frag
@@ -231,21 +145,6 @@ cdef size_t _frame(char *dst, size_t block_off, const char *src, size_t n) noexc
         begin = False
         if end:
             return <size_t>(p - dst)
-
-
-cdef int _fill_crcs_py(char *dst, size_t block_off, size_t framed) except -1:
-    """Python-API fallback: fill the CRCs of records _frame wrote without them."""
-    cdef size_t q = 0, length
-    while q < framed:
-        if WAL_BLOCK_C - block_off < WAL_HEADER_C:
-            q += WAL_BLOCK_C - block_off
-            block_off = 0
-            continue
-        length = <uint8_t>dst[q + 4] | (<size_t><uint8_t>dst[q + 5] << 8)
-        _put32(dst + q, _mask(_crc_py(dst + q + 6, length + 1)))
-        q += WAL_HEADER_C + length
-        block_off += WAL_HEADER_C + length
-    return 0
 
 
 # ---- test-only faults (also used by the crash harness) ---------------------------------------
@@ -380,7 +279,7 @@ cdef class WalWriter:
             seq, path = segs[len(segs) - 1]
             if seq > WAL_MAX_SEQ:
                 raise InvalidArgument(f"segment number {seq} of {path} exceeds {WAL_MAX_SEQ}")
-            reader = WalReader(path)
+            reader = _WalReader(path)
             for _ in reader:
                 pass
             size = os.path.getsize(path)
@@ -544,13 +443,11 @@ cdef class WalWriter:
                 c.cap = cap
                 c.seq = seq
                 c.off = off
-            if _crc_fn != NULL and n >= 65536:
+            if n >= WAL_NOGIL_APPEND:
                 with nogil:
                     written = _frame(c.buf + c.len, off % WAL_BLOCK_C, src, n)
             else:
                 written = _frame(c.buf + c.len, off % WAL_BLOCK_C, src, n)
-                if _crc_fn == NULL:
-                    _fill_crcs_py(c.buf + c.len, off % WAL_BLOCK_C, written)
             c.len += written
             self._pending_bytes += written
             self._tail_seq = seq
@@ -851,208 +748,3 @@ cdef class WalWriter:
     def __repr__(self):
         return (f"<WalWriter {self.directory!r} backend={self.backend} "
                 f"durable_lsn={self._durable_lsn:#x} appended_lsn={self._appended_lsn:#x}>")
-
-
-
-# ---- the reader ------------------------------------------------------------------------------
-cdef bytes _read_full(f, Py_ssize_t n):
-    cdef bytes data = f.read(n)
-    if data is None:
-        data = b""
-    while len(data) < n:
-        more = f.read(n - len(data))
-        if not more:
-            break
-        data += more
-    return data
-
-
-def _zero_from(f, bytes block, size_t pos, uint64_t next_off, uint64_t limit):
-    """True if block[pos:] and the file from next_off to limit hold only zero bytes."""
-    if block[pos:].strip(b"\0"):
-        return False
-    cdef uint64_t at = next_off
-    try:
-        while at < limit:
-            data = f.read(<Py_ssize_t>min(<uint64_t>(1 << 20), limit - at))
-            if not data:
-                break
-            if data.strip(b"\0"):
-                return False
-            at += len(data)
-        return True
-    finally:
-        f.seek(next_off)
-
-
-cdef class WalReader:
-    """Iterates ``(lsn, payload)`` over a segment file or every segment of a directory.
-
-    Never raises on bad data: dropped bytes are listed in ``corruption`` as
-    ``(bytes_dropped, reason)`` (and where they began in ``corruption_lsns``).  A record cut off
-    at the end of the last segment is the writer dying: it ends the log, is not corruption, and
-    its size is in ``tail_bytes``; ``valid_end`` is the offset in the last segment just past its
-    last complete record (where a writer reopening the log truncates), ``end_lsn`` the lsn there.
-    A single file is read as the last segment of a log.
-    """
-    cdef readonly object path
-    cdef readonly list segments
-    cdef readonly list corruption
-    cdef readonly list corruption_lsns
-    cdef readonly uint64_t tail_bytes
-    cdef readonly uint64_t valid_end
-    cdef readonly uint64_t end_lsn
-    cdef readonly uint64_t max_record_bytes
-
-    def __init__(self, path, *, uint64_t max_record_bytes=WAL_MAX_SEGMENT):
-        path = os.fspath(path)
-        self.path = path
-        self.max_record_bytes = max_record_bytes
-        if os.path.isdir(path):
-            self.segments = list_segments(path)
-        else:
-            m = _SEGMENT_RE.match(os.path.basename(path))
-            self.segments = [(int(m.group(1)) if m is not None else 0, path)]
-        self.corruption = []
-        self.corruption_lsns = []
-
-    cdef _report(self, uint64_t nbytes, str reason, uint64_t lsn):
-        self.corruption.append((nbytes, reason))
-        self.corruption_lsns.append(lsn)
-
-    cdef _cut(self, bint is_last, uint64_t nbytes, uint64_t lsn):
-        if is_last:
-            self.tail_bytes += nbytes        # the writer died mid-record: end of log
-        else:
-            self._report(nbytes, "truncated segment", lsn)
-
-    def __iter__(self):
-        self.corruption = []
-        self.corruption_lsns = []
-        self.tail_bytes = 0
-        self.valid_end = 0
-        self.end_lsn = 0
-        prev = None
-        last = len(self.segments) - 1
-        for k, (seq, path) in enumerate(self.segments):
-            if prev is not None and seq != prev + 1:
-                self._report(0, "missing segment", <uint64_t>(prev + 1) << 32)
-            prev = seq
-            yield from self._segment(seq, path, k == last)
-
-    def _segment(self, uint64_t seq, path, bint is_last):
-        cdef uint64_t base = seq << 32
-        cdef uint64_t size, limit, block_start = 0, frag_phys = 0, frag_start = 0, rec_start, end
-        cdef size_t blen, pos, rem, length, phys
-        cdef const unsigned char *p
-        cdef uint32_t stored
-        cdef uint8_t rtype
-        cdef bint in_frag = False, at_eof
-        cdef bytes block
-        scratch = bytearray()
-        self.valid_end = 0
-        self.end_lsn = base
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            limit = size if size <= WAL_MAX_SEGMENT else WAL_MAX_SEGMENT
-            while block_start < limit:
-                block = _read_full(f, <Py_ssize_t>min(<uint64_t>WAL_BLOCK_C, limit - block_start))
-                blen = len(block)
-                if blen == 0:
-                    break
-                at_eof = block_start + blen >= limit
-                p = <const unsigned char *><const char *>block
-                mv = memoryview(block)
-                pos = 0
-                while pos < blen:
-                    rem = blen - pos
-                    rec_start = block_start + pos
-                    if rem < WAL_HEADER_C:
-                        if blen == WAL_BLOCK_C:
-                            break                 # the zero-filled tail of a block
-                        # the file ends inside a header
-                        self._cut(is_last, rem + (frag_phys if in_frag else 0), base | (frag_start if in_frag else rec_start))
-                        return
-                    stored = _get32(p + pos)
-                    length = p[pos + 4] | (<size_t>p[pos + 5] << 8)
-                    rtype = p[pos + 6]
-                    phys = WAL_HEADER_C + length
-                    if rtype == WAL_ZERO and length == 0 and stored == 0:
-                        if is_last and _zero_from(f, block, pos, block_start + blen, limit):
-                            # zeros to the end: space the writer never filled
-                            self._cut(True, (limit - rec_start) + (frag_phys if in_frag else 0), 0)
-                            return
-                        self._report(rem, "zeroed header", base | rec_start)
-                    elif phys > rem:
-                        if at_eof and pos + phys <= WAL_BLOCK_C:
-                            # the record runs past the end of the file: the writer died mid-write
-                            self._cut(is_last, (limit - rec_start) + (frag_phys if in_frag else 0),
-                                      base | (frag_start if in_frag else rec_start))
-                            return
-                        self._report(rem, "bad record length", base | rec_start)
-                    elif _mask(_crc(<const char *>(p + pos + 6), length + 1)) != stored:
-                        self._report(rem, "checksum mismatch", base | rec_start)
-                    else:
-                        end = rec_start + phys
-                        if rtype == WAL_FULL:
-                            if in_frag:
-                                self._report(frag_phys, "partial record without end", base | frag_start)
-                                in_frag = False
-                                del scratch[:]
-                            if length > self.max_record_bytes:
-                                self._report(phys, "record too large", base | rec_start)
-                            else:
-                                self.valid_end = end
-                                self.end_lsn = base | end
-                                yield (base | end, block[pos + WAL_HEADER_C:pos + phys])
-                        elif rtype == WAL_FIRST:
-                            if in_frag:
-                                self._report(frag_phys, "partial record without end", base | frag_start)
-                            del scratch[:]
-                            if length > self.max_record_bytes:
-                                self._report(phys, "record too large", base | rec_start)
-                                in_frag = False
-                            else:
-                                scratch += mv[pos + WAL_HEADER_C:pos + phys]
-                                in_frag = True
-                                frag_phys = phys
-                                frag_start = rec_start
-                        elif rtype == WAL_MIDDLE or rtype == WAL_LAST:
-                            if not in_frag:
-                                self._report(phys, "missing start of fragmented record", base | rec_start)
-                            elif <uint64_t>len(scratch) + length > self.max_record_bytes:
-                                self._report(frag_phys + phys, "record too large", base | frag_start)
-                                in_frag = False
-                                del scratch[:]
-                            else:
-                                scratch += mv[pos + WAL_HEADER_C:pos + phys]
-                                frag_phys += phys
-                                if rtype == WAL_LAST:
-                                    in_frag = False
-                                    self.valid_end = end
-                                    self.end_lsn = base | end
-                                    payload = bytes(scratch)
-                                    del scratch[:]
-                                    yield (base | end, payload)
-                        else:
-                            self._report(phys, "unknown record type", base | rec_start)
-                            if in_frag:
-                                self._report(frag_phys, "error in middle of record", base | frag_start)
-                                in_frag = False
-                                del scratch[:]
-                        pos += phys
-                        continue
-                    # a bad physical record: the rest of this block is dropped (reported above);
-                    # a record it interrupted is dropped too; resync at the next block
-                    if in_frag:
-                        self._report(frag_phys, "error in middle of record", base | frag_start)
-                        in_frag = False
-                        del scratch[:]
-                    break
-                mv.release()
-                block_start += blen
-            if in_frag:
-                # FIRST (and MIDDLEs) with no LAST before the end of the file
-                self._cut(is_last, frag_phys, base | frag_start)
-            if size > limit:
-                self._report(size - limit, "segment too large", base | limit)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import errno
 import functools
 import logging
@@ -29,11 +28,9 @@ import threading
 import time
 from typing import Iterator, Optional
 
-import google_crc32c
-import numpy as np
-
 from quillcache import faults
 from quillcache._native.alloc import MAX_UNITS, OffsetAllocator
+from quillcache._native.crc import crc32c  # any contiguous buffer, in place, GIL released when large
 from quillcache._native.wal import WAL_SEGMENT_BYTES, WalReader, WalWriter
 from quillcache.errors import InvalidArgument, NotFound, QuillCacheError, ReadOnlyError
 from quillcache.model import KvBlockKey, decode_key, encode_key
@@ -73,38 +70,6 @@ BOUNCE_BUFFERS = 4                # bounce buffers in the mmap'd pool (writes in
 VERIFY_CHUNK = 8 << 20            # bytes: read size of eager verification
 DEFAULT_CHECKPOINT_RECORDS = 65536       # WAL records between periodic checkpoints
 DEFAULT_CHECKPOINT_WAL_BYTES = 64 << 20  # WAL bytes between periodic checkpoints
-
-
-# ---- CRC32C over any contiguous buffer, GIL released --------------------------------------------
-def _load_crc32c_extend():
-    try:
-        from google_crc32c import _crc32c
-        fn = ctypes.CDLL(_crc32c.__file__).crc32c_extend
-        fn.restype = ctypes.c_uint32
-        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        probe = bytes(range(256)) * 17
-        arr = np.frombuffer(probe, dtype=np.uint8)
-        if fn(0, arr.ctypes.data, len(probe)) != google_crc32c.value(probe):
-            return None
-        return fn
-    except (ImportError, OSError, AttributeError):
-        return None
-
-
-_CRC_EXTEND = _load_crc32c_extend()
-
-
-def crc32c(buf) -> int:
-    """CRC32C of a contiguous bytes-like object without copying it (ctypes drops the GIL)."""
-    mv = memoryview(buf)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    if len(mv) == 0:
-        return 0
-    if _CRC_EXTEND is not None:
-        arr = np.frombuffer(mv, dtype=np.uint8)
-        return _CRC_EXTEND(0, arr.ctypes.data, len(mv))
-    return google_crc32c.value(bytes(mv))
 
 
 # ---- records ---------------------------------------------------------------------------------------
@@ -484,8 +449,7 @@ class SsdTier:
                 if _pread_full(self._rfd, bmv[:k], e.offset + done) != k:
                     ok = False
                     break
-                crc = _CRC_EXTEND(crc, np.frombuffer(bmv[:k], np.uint8).ctypes.data, k) if _CRC_EXTEND \
-                    else google_crc32c.extend(crc, bytes(bmv[:k]))
+                crc = crc32c(bmv[:k], crc)
                 done += k
             if ok and crc == e.crc:
                 e.verified = True
