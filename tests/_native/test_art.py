@@ -42,6 +42,12 @@ class TreeMachine(RuleBasedStateMachine):
         assert self.tree.insert(key, value) == self.model.get(key)
         self.model[key] = value
 
+    @rule(batch=st.dictionaries(keys, values, max_size=20))
+    def insert_batch(self, batch):
+        new = sum(1 for k in batch if k not in self.model)
+        assert self.tree.insert_many(list(batch), list(batch.values())) == new
+        self.model.update(batch)
+
     @rule(key=keys)
     def delete(self, key):
         if key in self.model:
@@ -90,10 +96,23 @@ TreeMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=4
 test_tree_matches_dict_and_sorted_list = TreeMachine.TestCase
 
 
+class TreeMachineCheckedAtEnd(TreeMachine):
+    """The same rules; the full oracle comparison (check(), items(), min/max) runs once at
+    the end of each example instead of after every step, so 10k examples stay affordable."""
+
+    def matches_oracle(self):          # not an @invariant here
+        TreeMachine.matches_oracle(self)
+
+    def teardown(self):
+        self.matches_oracle()
+        self.tree.clear()
+        assert self.tree.memory_bytes() == 0 and len(self.tree) == 0
+
+
 @pytest.mark.slow
 def test_tree_matches_oracle_over_10k_examples():
-    run_state_machine_as_test(TreeMachine, settings=settings(
-        max_examples=10_000, stateful_step_count=60, deadline=None,
+    run_state_machine_as_test(TreeMachineCheckedAtEnd, settings=settings(
+        max_examples=10_000, stateful_step_count=12, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
 
 
@@ -247,3 +266,27 @@ def test_mutation_during_a_batch_read_in_another_thread_is_refused():
         t.join()
     tree.check()
     assert len(tree) == len(ks) + 2000 - len(errors)
+
+
+def test_scan_prefix_beyond_the_inline_buffer_and_of_a_leaf_or_a_missing_prefix():
+    tree = AdaptiveRadixTree()
+    ks = [b"grp/" + i.to_bytes(2, "big") for i in range(1000)] + [b"grp0", b"gr", b"other"]
+    tree.insert_many(ks, range(len(ks)))
+    d = dict(zip(ks, range(len(ks))))
+    for p in [b"grp/", b"grp", b"gr", b"g", b"", b"grp/\x01", b"grp/\x03\xe7", b"other", b"otherwise", b"grq", b"x"]:
+        assert tree.scan_prefix(p) == oracle_prefix(d, p), p
+    assert len(tree.scan_prefix(b"grp/")) == 1000      # grows past the 64-entry stack buffer
+
+
+def test_get_many_interleaved_lookups_keep_batch_order_with_misses():
+    tree = AdaptiveRadixTree()
+    ks = [i.to_bytes(4, "big") * 3 for i in range(5000)]
+    tree.insert_many(ks, range(5000))
+    batch = []
+    for i in range(0, 5000, 7):
+        batch += [ks[i], ks[i][:-1], ks[i] + b"!", ks[i][:4]]
+    expect = [i if j == 0 else -1 for i in range(0, 5000, 7) for j in range(4)]
+    assert tree.get_many(batch, -1) == expect
+    assert tree.get_many(batch[:5], -1) == expect[:5]        # below the no-GIL threshold
+    with pytest.raises(ValueError):                           # like get(): refused, not a miss
+        tree.get_many(batch[:20] + [b"z" * (MAX_KEY_BYTES + 1)])

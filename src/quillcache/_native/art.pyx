@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, binding=False
 """An adaptive radix tree (Leis, Kemper, Neumann, ICDE 2013): byte-string keys -> uint64.
 
 * Node4 / Node16 / Node48 / Node256 inner nodes that grow when full and shrink when
@@ -17,11 +17,19 @@ bounded by the key length and is cheaper than releasing it); batch calls and ord
 walks release it, and mutations are refused (RuntimeError) while one runs.
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.long cimport PyLong_Check
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.long cimport PyLong_Check, PyLong_FromUnsignedLongLong
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_New, PyTuple_SET_ITEM
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
+
+from quillcache._native.includes.builtins cimport (
+    __builtin_ctz, __builtin_expect, __builtin_prefetch, __m128i, _mm_cmpeq_epi8, _mm_loadu_si128,
+    _mm_movemask_epi8, _mm_set1_epi8,
+)
 
 __all__ = ["AdaptiveRadixTree", "MAX_KEY_BYTES", "MAX_PREFIX_INLINE"]
 
@@ -32,8 +40,10 @@ cdef enum:
     LEAF_HEADER = 12          # bytes before a leaf's key (value u64 + key_len u32)
     LEAF_MIN_ALLOC = 16       # bytes: a leaf allocation is never smaller than its struct
     ITER_CHUNK = 256          # entries fetched per refill of an items() iterator
-    SCAN_INITIAL = 32         # entries: first capacity of a scan_prefix result buffer
+    SCAN_INLINE = 64          # entries: scan_prefix result buffer on the stack (beyond it: malloc)
     BATCH_NOGIL_MIN = 16      # keys: smaller get_many batches keep the GIL
+    BATCH_WAYS = 8            # lookups in flight in a batch: each step of one hides a cache miss of another
+    PREFETCH_LINES = 3        # cache lines prefetched per node (a Node16 is 176 bytes)
     SHRINK_256 = 37           # children: Node256 at or below this becomes a Node48
     SHRINK_48 = 12            # children: Node48 -> Node16
     SHRINK_16 = 3             # children: Node16 -> Node4
@@ -118,33 +128,26 @@ cdef inline void copy_header(art_node* dst, const art_node* src) noexcept nogil:
 cdef inline size_t min_size(size_t a, size_t b) noexcept nogil:
     return a if a < b else b
 
-cdef void** find_child(art_node* n, uint8_t c) noexcept nogil:
-    cdef int i
-    cdef art_node4* p4
-    cdef art_node16* p16
-    cdef art_node48* p48
-    cdef art_node256* p256
+cdef inline void** find_child(art_node* n, uint8_t c) noexcept nogil:
+    """The slot of the child under byte c, or NULL."""
+    cdef unsigned int bits
     cdef uint8_t idx
-    if n.type == ART_NODE4:
-        p4 = <art_node4*>n
-        for i in range(n.num_children):
-            if p4.keys[i] == c:
-                return &p4.children[i]
-    elif n.type == ART_NODE16:
-        p16 = <art_node16*>n
-        for i in range(n.num_children):
-            if p16.keys[i] == c:
-                return &p16.children[i]
-    elif n.type == ART_NODE48:
-        p48 = <art_node48*>n
-        idx = p48.child_index[c]
-        if idx:
-            return &p48.children[idx - 1]
-    else:
-        p256 = <art_node256*>n
-        if p256.children[c] != NULL:
-            return &p256.children[c]
-    return NULL
+    if n.type <= ART_NODE16:
+        # Node4 and Node16 keep keys[] at the same offset and a Node4 has 16 readable
+        # bytes there (its children follow), so one SSE2 compare serves both; the mask
+        # drops stale bytes past num_children.
+        bits = <unsigned int>_mm_movemask_epi8(_mm_cmpeq_epi8(
+            _mm_set1_epi8(<char>c), _mm_loadu_si128(<const __m128i*>(<art_node4*>n).keys)))
+        bits &= (<unsigned int>1 << n.num_children) - 1
+        if bits == 0:
+            return NULL
+        if n.type == ART_NODE4:
+            return &(<art_node4*>n).children[__builtin_ctz(bits)]
+        return &(<art_node16*>n).children[__builtin_ctz(bits)]
+    if n.type == ART_NODE48:
+        idx = (<art_node48*>n).child_index[c]
+        return &(<art_node48*>n).children[idx - 1] if idx else NULL
+    return &(<art_node256*>n).children[c] if (<art_node256*>n).children[c] != NULL else NULL
 
 cdef void* first_child(art_node* n) noexcept nogil:
     cdef int b
@@ -411,7 +414,7 @@ cdef void collapse(art_tree* t, void** ref, art_node* n) noexcept nogil:
 
 # --------------------------------------------------------------------------- operations
 
-cdef art_leaf* art_search(art_tree* t, const uint8_t* key, size_t klen) noexcept nogil:
+cdef inline art_leaf* art_search(art_tree* t, const uint8_t* key, size_t klen) noexcept nogil:
     cdef void* p = t.root
     cdef art_node* n
     cdef art_leaf* l
@@ -439,6 +442,90 @@ cdef art_leaf* art_search(art_tree* t, const uint8_t* key, size_t klen) noexcept
         p = slot[0]
         depth += 1
     return NULL
+
+ctypedef struct probe:
+    void* p                   # next node or tagged leaf to visit (prefetched)
+    const uint8_t* key
+    size_t klen
+    size_t depth
+    Py_ssize_t idx            # position in the batch, -1 = slot idle
+
+cdef inline void prefetch_node(const void* p) noexcept nogil:
+    cdef const char* a = <const char*>as_leaf(p)
+    cdef int i
+    for i in range(PREFETCH_LINES):
+        __builtin_prefetch(a + 64 * i, 0, 3)
+
+cdef inline int probe_step(probe* s) noexcept nogil:
+    """One node of a lookup: 0 = went down (s.p now prefetched), 1 = done, s.p = the leaf
+    found (untagged) or NULL."""
+    cdef art_node* n
+    cdef void** slot
+    cdef void* p = s.p
+    if p == NULL:
+        return 1
+    if is_leaf(p):
+        s.p = as_leaf(p) if leaf_matches(as_leaf(p), s.key, s.klen) else NULL
+        return 1
+    n = <art_node*>p
+    if n.prefix_len:
+        if s.depth + n.prefix_len > s.klen or memcmp(
+                n.prefix, s.key + s.depth, min_size(n.prefix_len, ART_MAX_PREFIX)) != 0:
+            s.p = NULL
+            return 1
+        s.depth += n.prefix_len
+    if s.depth == s.klen:
+        s.p = as_leaf(n.term) if n.term != NULL and leaf_matches(as_leaf(n.term), s.key, s.klen) else NULL
+        return 1
+    slot = find_child(n, s.key[s.depth])
+    if slot == NULL:
+        s.p = NULL
+        return 1
+    s.p = slot[0]
+    s.depth += 1
+    prefetch_node(s.p)
+    return 0
+
+cdef Py_ssize_t search_batch(art_tree* t, const uint8_t* const* keys, const size_t* lens,
+                             Py_ssize_t n, uint64_t* values, char* found) noexcept nogil:
+    """art_search for n keys, BATCH_WAYS at a time round-robin (asynchronous memory access
+    chaining): while one lookup waits for its next node, the others make progress."""
+    cdef probe s[BATCH_WAYS]
+    cdef Py_ssize_t nxt = 0, hits = 0
+    cdef int j, active = 0
+    cdef art_leaf* l
+    for j in range(BATCH_WAYS):
+        s[j].idx = -1
+    while True:
+        for j in range(BATCH_WAYS):
+            if s[j].idx < 0:
+                # idle slot: start the next key (too long = simply not found)
+                while nxt < n and lens[nxt] > ART_MAX_KEY:
+                    found[nxt] = 0
+                    nxt += 1
+                if nxt == n:
+                    continue
+                s[j].idx = nxt
+                s[j].key = keys[nxt]
+                s[j].klen = lens[nxt]
+                s[j].depth = 0
+                s[j].p = t.root
+                active += 1
+                nxt += 1
+                if nxt + BATCH_WAYS < n:
+                    __builtin_prefetch(keys[nxt + BATCH_WAYS], 0, 3)
+            if probe_step(&s[j]):
+                l = <art_leaf*>s[j].p
+                if l != NULL:
+                    values[s[j].idx] = l.value
+                    found[s[j].idx] = 1
+                    hits += 1
+                else:
+                    found[s[j].idx] = 0
+                s[j].idx = -1
+                active -= 1
+        if active == 0 and nxt == n:
+            return hits
 
 cdef size_t prefix_mismatch(art_node* n, const uint8_t* key, size_t klen, size_t depth) noexcept nogil:
     """How many bytes of n's compressed path match key[depth:] (pessimistic: checks all)."""
@@ -639,26 +726,12 @@ ctypedef struct collector:
     art_leaf** out
     size_t n
     size_t cap
-    bint grow                 # realloc when full (else stop: the caller resumes later)
-    const uint8_t* pfx        # stop at the first leaf without this prefix (pfx_len 0: never)
-    size_t pfx_len
-    int status                # 0 go on, 1 stopped, -1 out of memory
+    int status                # 0 go on, 1 stopped (full)
 
 cdef void emit(collector* c, art_leaf* l) noexcept nogil:
-    cdef art_leaf** bigger
-    if c.pfx_len and (l.key_len < c.pfx_len or memcmp(leaf_key(l), c.pfx, c.pfx_len) != 0):
-        c.status = 1
-        return
     if c.n == c.cap:
-        if not c.grow:
-            c.status = 1
-            return
-        bigger = <art_leaf**>realloc(c.out, 2 * c.cap * sizeof(art_leaf*))
-        if bigger == NULL:
-            c.status = -1
-            return
-        c.out = bigger
-        c.cap *= 2
+        c.status = 1          # full: the caller resumes after the last key
+        return
     c.out[c.n] = l
     c.n += 1
 
@@ -734,110 +807,135 @@ cdef void walk(collector* c, void* p, const uint8_t* key, size_t klen, size_t de
                     return
 
 
-# --------------------------------------------------------------------------- introspection
+# --------------------------------------------------------------------------- prefix scans
 
-ctypedef struct census:
-    size_t counts[5]          # index 0 = leaves, else by node type
-    size_t mem
-    const char* error         # first invariant broken, or NULL
+ctypedef struct leafbuf:
+    art_leaf** out            # inline, or malloc'ed once it outgrows inline
+    size_t n
+    size_t cap
+    art_leaf* inline[SCAN_INLINE]
 
-cdef void check_node(census* s, void* p, size_t depth, const uint8_t* path, size_t plen) noexcept nogil:
-    """Counts nodes and checks invariants.  p sits at key depth `depth`; every key below
-    must start with path[:plen] (bytes of a leaf under the parent)."""
-    cdef art_node* n
-    cdef art_leaf* l
-    cdef art_leaf* lo
-    cdef int i, b, seen
-    cdef size_t entries
-    cdef uint8_t* keys = NULL
-    cdef void** children = NULL
-    if s.error != NULL:
-        return
-    if p == NULL:
-        s.error = "NULL child pointer"
-        return
-    if is_leaf(p):
-        l = as_leaf(p)
-        s.counts[0] += 1
-        s.mem += leaf_alloc(l.key_len)
-        if l.key_len < depth or (plen and memcmp(leaf_key(l), path, plen) != 0):
-            s.error = "leaf key does not match its path"
-        return
-    n = <art_node*>p
-    s.counts[n.type] += 1
-    s.mem += node_size(n.type)
-    lo = minimum(n)
-    if lo == NULL:
-        s.error = "inner node without keys"
-        return
-    if plen and memcmp(leaf_key(lo), path, plen) != 0:
-        s.error = "inner node's keys do not match its path"
-        return
-    path = leaf_key(lo)
-    if memcmp(n.prefix, path + depth, min_size(n.prefix_len, ART_MAX_PREFIX)) != 0:
-        s.error = "inline prefix differs from the keys below"
-        return
-    entries = n.num_children + (1 if n.term != NULL else 0)
-    if entries < 2:
-        s.error = "inner node with fewer than two entries (not collapsed)"
-        return
-    depth += n.prefix_len
-    if n.term != NULL:
-        if as_leaf(n.term).key_len != depth:
-            s.error = "term leaf length differs from node depth"
-            return
-        check_node(s, n.term, depth, path, depth)
-    if n.type == ART_NODE4 or n.type == ART_NODE16:
-        if n.type == ART_NODE4:
-            keys = (<art_node4*>n).keys
-            children = (<art_node4*>n).children
-            if n.num_children > 4:
-                s.error = "Node4 over capacity"
+cdef int push_leaf(leafbuf* b, art_leaf* l) noexcept nogil:
+    """Append l; -1 (buffer unchanged) when out of memory."""
+    cdef art_leaf** bigger
+    if b.n == b.cap:
+        if b.out == b.inline:
+            bigger = <art_leaf**>malloc(2 * b.cap * sizeof(art_leaf*))
+            if bigger != NULL:
+                memcpy(bigger, b.inline, b.n * sizeof(art_leaf*))
         else:
-            keys = (<art_node16*>n).keys
+            bigger = <art_leaf**>realloc(b.out, 2 * b.cap * sizeof(art_leaf*))
+        if bigger == NULL:
+            return -1
+        b.out = bigger
+        b.cap *= 2
+    __builtin_prefetch(l, 0, 3)       # the list is built from it right after the walk
+    b.out[b.n] = l
+    b.n += 1
+    return 0
+
+cdef int gather(leafbuf* b, void* p) noexcept nogil:
+    """Every leaf below p, in key order (term first: it is a prefix of the rest)."""
+    cdef art_node* n
+    cdef void** children
+    cdef void* c
+    cdef int i
+    cdef uint8_t idx
+    if is_leaf(p):
+        return push_leaf(b, as_leaf(p))
+    n = <art_node*>p
+    if n.term != NULL and push_leaf(b, as_leaf(n.term)) < 0:
+        return -1
+    if n.type <= ART_NODE16:
+        if n.type == ART_NODE4:
+            children = (<art_node4*>n).children
+        else:
             children = (<art_node16*>n).children
-            if n.num_children <= SHRINK_16 or n.num_children > 16:
-                s.error = "Node16 child count out of range"
         for i in range(n.num_children):
-            if i and keys[i - 1] >= keys[i]:
-                s.error = "node keys not sorted"
-            if s.error != NULL:
-                return
-            if not is_leaf(children[i]) or as_leaf(children[i]).key_len > depth:
-                if minimum(children[i]) == NULL or leaf_key(minimum(children[i]))[depth] != keys[i]:
-                    s.error = "child under the wrong byte"
-                    return
-            check_node(s, children[i], depth + 1, path, depth)
+            c = children[i]
+            if (push_leaf(b, as_leaf(c)) if is_leaf(c) else gather(b, c)) < 0:
+                return -1
     elif n.type == ART_NODE48:
-        seen = 0
-        if n.num_children <= SHRINK_48 or n.num_children > 48:
-            s.error = "Node48 child count out of range"
-            return
-        for b in range(256):
-            if (<art_node48*>n).child_index[b]:
-                seen += 1
-                p = (<art_node48*>n).children[(<art_node48*>n).child_index[b] - 1]
-                if p == NULL or leaf_key(minimum(p))[depth] != b:
-                    s.error = "Node48 index inconsistent"
-                    return
-                check_node(s, p, depth + 1, path, depth)
-        if seen != n.num_children:
-            s.error = "Node48 child count wrong"
+        for i in range(256):
+            idx = (<art_node48*>n).child_index[i]
+            if idx and gather(b, (<art_node48*>n).children[idx - 1]) < 0:
+                return -1
     else:
-        seen = 0
-        if n.num_children <= SHRINK_256:
-            s.error = "Node256 child count out of range"
-            return
-        for b in range(256):
-            p = (<art_node256*>n).children[b]
-            if p != NULL:
-                seen += 1
-                if leaf_key(minimum(p))[depth] != b:
-                    s.error = "Node256 child under the wrong byte"
-                    return
-                check_node(s, p, depth + 1, path, depth)
-        if seen != n.num_children:
-            s.error = "Node256 child count wrong"
+        for i in range(256):
+            c = (<art_node256*>n).children[i]
+            if c != NULL and gather(b, c) < 0:
+                return -1
+    return 0
+
+cdef void* prefix_subtree(art_tree* t, const uint8_t* pfx, size_t plen) noexcept nogil:
+    """The node or leaf holding exactly the keys that start with pfx, or NULL if there are
+    none.  Optimistic past the inline prefix bytes: the caller checks one leaf below."""
+    cdef void* p = t.root
+    cdef art_node* n
+    cdef void** slot
+    cdef size_t depth = 0
+    while p != NULL:
+        if depth == plen or is_leaf(p):
+            return p
+        n = <art_node*>p
+        if n.prefix_len:
+            if memcmp(n.prefix, pfx + depth, min_size(min_size(n.prefix_len, plen - depth), ART_MAX_PREFIX)) != 0:
+                return NULL
+            if n.prefix_len >= plen - depth:
+                return p              # pfx ends inside (or at the end of) n's compressed path
+            depth += n.prefix_len
+        slot = find_child(n, pfx[depth])
+        if slot == NULL:
+            return NULL
+        p = slot[0]
+        depth += 1
+    return NULL
+
+cdef list leaf_list(art_leaf** leaves, size_t n):
+    """[(key, value)] of n leaves, built in place (no resizing, no bounds checks)."""
+    cdef list out = PyList_New(n)
+    cdef object k, v
+    cdef tuple item
+    cdef art_leaf* l
+    cdef size_t i
+    for i in range(n):
+        l = leaves[i]
+        k = PyBytes_FromStringAndSize(<char*>leaf_key(l), l.key_len)
+        v = PyLong_FromUnsignedLongLong(l.value)
+        item = PyTuple_New(2)
+        Py_INCREF(k)                     # the SET_ITEMs steal a reference
+        PyTuple_SET_ITEM(item, 0, k)
+        Py_INCREF(v)
+        PyTuple_SET_ITEM(item, 1, v)
+        Py_INCREF(item)
+        PyList_SET_ITEM(out, i, item)
+    return out
+
+cdef list scan(art_tree* t, const uint8_t* pfx, size_t plen):
+    cdef leafbuf b
+    cdef void* sub
+    cdef art_leaf* l
+    cdef int r = 0
+    b.out = b.inline
+    b.n = 0
+    b.cap = SCAN_INLINE
+    with nogil:
+        sub = prefix_subtree(t, pfx, plen)
+        if sub != NULL:
+            # every key below sub shares its first plen bytes: one leaf settles it
+            l = minimum(sub)
+            if l.key_len >= plen and memcmp(leaf_key(l), pfx, plen) == 0:
+                r = gather(&b, sub)
+    try:
+        if r < 0:
+            raise MemoryError("scan_prefix: out of memory")
+        return leaf_list(b.out, b.n)
+    finally:
+        if b.out != b.inline:
+            free(b.out)
+
+
+include "art_check.pxi"
 
 
 # --------------------------------------------------------------------------- Python API
@@ -982,19 +1080,7 @@ cdef class AdaptiveRadixTree:
 
     cdef Py_ssize_t get_many_c(self, const uint8_t* const* keys, const size_t* lens,
                                Py_ssize_t n, uint64_t* values, char* found) noexcept nogil:
-        cdef Py_ssize_t i, hits = 0
-        cdef art_leaf* l
-        for i in range(n):
-            l = NULL
-            if lens[i] <= ART_MAX_KEY:
-                l = art_search(&self._t, keys[i], lens[i])
-            if l != NULL:
-                values[i] = l.value
-                found[i] = 1
-                hits += 1
-            else:
-                found[i] = 0
-        return hits
+        return search_batch(&self._t, keys, lens, n, values, found)
 
     cdef Py_ssize_t insert_many_c(self, const uint8_t* const* keys, const size_t* lens,
                                   const uint64_t* values, Py_ssize_t n) except -1 nogil:
@@ -1086,7 +1172,13 @@ cdef class AdaptiveRadixTree:
         """[(key, value)] for every key starting with prefix, in key order."""
         cdef Py_ssize_t plen
         cdef const uint8_t* pp = key_ptr(prefix, &plen, ART_MAX_KEY)
-        return collect(self, pp, plen, plen > 0, pp, plen, SCAN_INITIAL, True)
+        cdef list out
+        self._readers += 1
+        try:
+            out = scan(&self._t, pp, plen)
+        finally:
+            self._readers -= 1
+        return out
 
     def items(self, start=None):
         """Iterator of (key, value) in key order from the first key >= start.  It fetches
@@ -1107,19 +1199,11 @@ cdef class AdaptiveRadixTree:
 
     def node_counts(self):
         """{"node4": n, "node16": n, "node48": n, "node256": n, "leaf": n}."""
-        cdef census s = tree_census(self)
-        return {"node4": s.counts[ART_NODE4], "node16": s.counts[ART_NODE16],
-                "node48": s.counts[ART_NODE48], "node256": s.counts[ART_NODE256], "leaf": s.counts[0]}
+        return tree_node_counts(self)
 
     def check(self):
         """Verify the structural invariants; raises AssertionError naming the first broken one."""
-        cdef census s = tree_census(self)
-        if s.error != NULL:
-            raise AssertionError(s.error.decode('ascii'))
-        if s.counts[0] != self._t.size:
-            raise AssertionError(f"{s.counts[0]} leaves but size {self._t.size}")
-        if s.mem != self._t.mem:
-            raise AssertionError(f"memory counter {self._t.mem} but nodes and leaves hold {s.mem}")
+        tree_check(self)
 
     def __reduce__(self):
         raise TypeError("AdaptiveRadixTree is not picklable; dump items() instead")
@@ -1127,19 +1211,13 @@ cdef class AdaptiveRadixTree:
 
 # Module functions rather than cdef methods: those would have to be declared in art.pxd.
 
-cdef list collect(AdaptiveRadixTree self, const uint8_t* start, size_t slen, bint bounded, const uint8_t* pfx,
-                   size_t pfx_len, size_t cap, bint grow):
+cdef list collect(AdaptiveRadixTree self, const uint8_t* start, size_t slen, bint bounded, size_t cap):
     cdef collector c
-    cdef list out
-    cdef size_t i
     c.out = <art_leaf**>malloc(cap * sizeof(art_leaf*))
     if c.out == NULL:
         raise MemoryError()
     c.n = 0
     c.cap = cap
-    c.grow = grow
-    c.pfx = pfx
-    c.pfx_len = pfx_len
     c.status = 0
     try:
         if self._t.root != NULL:
@@ -1147,23 +1225,9 @@ cdef list collect(AdaptiveRadixTree self, const uint8_t* start, size_t slen, bin
             with nogil:
                 walk(&c, self._t.root, start, slen, 0, bounded)
             self._readers -= 1
-        if c.status < 0:
-            raise MemoryError()
-        out = [None] * c.n
-        for i in range(c.n):
-            out[i] = leaf_item(c.out[i])
-        return out
+        return leaf_list(c.out, c.n)
     finally:
         free(c.out)
-
-
-cdef census tree_census(AdaptiveRadixTree self):
-    cdef census s
-    memset(&s, 0, sizeof(s))
-    if self._t.root != NULL:
-        with nogil:
-            check_node(&s, self._t.root, 0, NULL, 0)
-    return s
 
 
 cdef class _Items:
@@ -1192,7 +1256,7 @@ cdef class _Items:
             if self.cursor is not None:
                 cp = <const uint8_t*>PyBytes_AS_STRING(self.cursor)
                 clen = PyBytes_GET_SIZE(self.cursor)
-            self.buf = collect(self.tree, cp, clen, self.cursor is not None, NULL, 0, ITER_CHUNK, False)
+            self.buf = collect(self.tree, cp, clen, self.cursor is not None, ITER_CHUNK)
             self.pos = 0
             if len(self.buf) < ITER_CHUNK:
                 self.done = True
