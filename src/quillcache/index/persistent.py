@@ -1,0 +1,888 @@
+"""The persistent ART residency index: ``ArtIndex`` + a write-ahead log + checkpoints.
+
+Directory layout::
+
+    <directory>/wal/000000000001.log ...   the native WAL (docs/wal-format.md)
+    <directory>/checkpoint.qck             the last checkpoint (flat binary, below)
+    <directory>/checkpoint.qck.tmp         a checkpoint being written (deleted on open)
+
+Every state change goes through ``ArtIndex._apply_put / _apply_remove / _apply_clear``;
+this class logs each one as one WAL record *before* applying it (the record is encoded,
+and so validated, before anything changes).  ``sync()`` is the group commit: one write +
+fdatasync for everything appended since the last one.  ``sync_every=True`` commits at the
+end of every mutating call instead.
+
+WAL record payloads (little-endian; the WAL adds its own CRC framing)::
+
+    PUT    u8 op=1 | u16 key_len | encoded key | u8 worker_len | worker (UTF-8)
+                   | u8 tier code | u8 pinned | u32 ref_count | u64 bytes | i64 last_access_ms
+    REMOVE u8 op=2 | u16 key_len | encoded key | u8 worker_len | worker     (all tiers)
+    CLEAR  u8 op=3
+
+``clear_worker``/``remove_block`` log one REMOVE per key they drop (physical, idempotent).
+
+Checkpoint (``checkpoint.qck``), all little-endian, every section 8-byte aligned::
+
+    header (64 bytes): magic "QCARTCK1" | u32 version | u32 header_bytes | u64 wal_lsn
+        | u64 groups G | u64 records R | u32 workers W | u32 block_hashes B | u64 body_bytes
+        | u32 body crc32c | u32 header crc32c (of the 60 bytes before it)
+    body: u64 key_off[G+1] | key blob (encoded keys, ascending)      -- one group per key
+        | u64 rec_off[G+1] | records R x 32 bytes                    -- a group's records
+        | u64 worker_off[W+1] | worker blob                           -- worker id table
+        | u64 bh_off[B+1] | bh blob (distinct block hashes, ascending bytes)
+        | u64 bh_group_off[B+1] | u32 bh_groups[G]                  -- groups by block hash
+    record: u64 bytes | i64 last_access_ms | u32 ref_count | u32 worker | u8 tier | u8 pinned | 6 pad
+
+Recovery = load the checkpoint + replay WAL records with lsn > its wal_lsn.  Both are lazy
+so that 1 M records are serving in about a second of CPU: the tree is bulk-built from the
+key blob (``insert_many``); a key's ``CacheResidency`` objects are decoded on first touch
+(``_COLD`` slots from the checkpoint, ``_RawGroup`` slots replayed from the WAL without
+building model objects); the per-worker and per-block-hash side maps are computed per
+name on first use (numpy over the checkpoint's records, plus what the replay changed).
+``materialize()`` decodes everything.  A checkpoint copies undecoded slots as they are.
+
+Costs to know: the open segment is re-read from its start (records the checkpoint covers
+are skipped), so ``segment_bytes`` bounds that re-read; replay costs some microseconds per
+record, so ``checkpoint_wal_bytes`` bounds the tail (and each checkpoint rewrites the
+whole index: write amplification ~ 1 + checkpoint size / checkpoint_wal_bytes).
+
+A checkpoint whose checksum (or structure) is wrong is refused with ``CorruptCheckpoint``:
+the WAL before it was truncated, so replaying the log alone would silently lose records.
+A torn WAL tail (the writer died mid-record) is dropped and reported in ``recovery``;
+corruption inside the log raises ``CorruptLog`` unless ``strict=False``.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import google_crc32c
+import numpy as np
+
+from quillcache._native.wal import WalReader, WalWriter
+from quillcache.errors import InvalidArgument, QuillCacheError
+from quillcache.index.art import ArtIndex
+from quillcache.model import (
+    KEY_FORMAT_VERSION, CacheResidency, CacheTier, IdentityScope, IndexMetrics, decode_key, encode_key,
+)
+
+__all__ = ["PersistentArtIndex", "CorruptCheckpoint", "CorruptLog", "RecoveryInfo",
+           "encode_put", "MAX_WORKER_ID_BYTES", "CHECKPOINT_NAME"]
+
+OP_PUT = 1
+OP_REMOVE = 2
+OP_CLEAR = 3
+MAX_WORKER_ID_BYTES = 255                 # bytes of UTF-8 (a u8 length in the record)
+MAX_ENCODED_KEY = 0xFFFF                  # bytes (a u16 length in the record)
+U32_MAX = (1 << 32) - 1
+U64_MAX = (1 << 64) - 1
+I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
+
+CHECKPOINT_NAME = "checkpoint.qck"
+CHECKPOINT_MAGIC = b"QCARTCK1"
+CHECKPOINT_VERSION = 1
+CHECKPOINT_HEADER = struct.Struct("<8sIIQQQIIQII")     # 64 bytes
+assert CHECKPOINT_HEADER.size == 64
+DEFAULT_CHECKPOINT_WAL_BYTES = 64 << 20   # bytes of WAL since the last checkpoint
+DEFAULT_SEGMENT_BYTES = 4 << 20           # bytes per WAL segment: truncation granularity, and
+                                          # at most this much already-checkpointed WAL is re-read on open
+
+TIERS = sorted(CacheTier, key=lambda t: t.value)     # code = rank in value order
+TIER_CODE = {t: i for i, t in enumerate(TIERS)}
+RECORD_DTYPE = np.dtype([("bytes", "<u8"), ("last", "<i8"), ("ref", "<u4"), ("worker", "<u4"),
+                         ("tier", "u1"), ("pinned", "u1"), ("pad", "V6")])
+assert RECORD_DTYPE.itemsize == 32
+
+_PUT_TAIL = struct.Struct("<BBIQq")        # tier, pinned, ref_count, bytes, last_access_ms
+_HEAD = struct.Struct("<BH")               # op, key_len
+
+
+class CorruptCheckpoint(QuillCacheError):
+    """The checkpoint file fails its checksum or structure checks: refused."""
+
+
+class CorruptLog(QuillCacheError):
+    """The WAL has corrupt records before its tail (strict recovery refuses them)."""
+
+
+@dataclass
+class RecoveryInfo:
+    checkpoint_records: int = 0
+    checkpoint_lsn: int = 0
+    replayed: int = 0                   # WAL records applied after the checkpoint
+    skipped: int = 0                    # WAL records already covered by the checkpoint
+    tail_bytes: int = 0                 # torn tail dropped (writer died mid-record)
+    corruption: list = field(default_factory=list)   # (bytes_dropped, reason) from the reader
+    seconds: float = 0.0                # the whole open, wall clock
+    cpu_seconds: float = 0.0            # the whole open, CPU time of this process
+    checkpoint_seconds: float = 0.0     # of which: reading + bulk-loading the checkpoint
+    replay_seconds: float = 0.0         # of which: reading + replaying the WAL
+
+
+def _worker_bytes(worker_id: str) -> bytes:
+    if not isinstance(worker_id, str):
+        raise InvalidArgument(f"worker_id {worker_id!r}: must be a string")
+    wb = worker_id.encode("utf-8")
+    if len(wb) > MAX_WORKER_ID_BYTES:
+        raise InvalidArgument(f"worker_id is {len(wb)} bytes: at most {MAX_WORKER_ID_BYTES}")
+    return wb
+
+
+def _encode_put_ek(ek: bytes, r: CacheResidency) -> bytes:
+    wb = _worker_bytes(r.worker_id)
+    if not isinstance(r.tier, CacheTier):
+        raise InvalidArgument(f"tier {r.tier!r}: must be a CacheTier")
+    for name, value, lo, hi in (("bytes", r.bytes, 0, U64_MAX),
+                                ("last_access_ms", r.last_access_ms, I64_MIN, I64_MAX),
+                                ("ref_count", r.ref_count, 0, U32_MAX)):
+        if not isinstance(value, int) or not lo <= value <= hi:
+            raise InvalidArgument(f"{name} {value!r}: must be an integer in {lo}..{hi}")
+    if len(ek) > MAX_ENCODED_KEY:
+        raise InvalidArgument(f"encoded key is {len(ek)} bytes: at most {MAX_ENCODED_KEY}")
+    return b"".join((_HEAD.pack(OP_PUT, len(ek)), ek, bytes((len(wb),)), wb,
+                     _PUT_TAIL.pack(TIER_CODE[r.tier], bool(r.pinned), r.ref_count, r.bytes,
+                                    r.last_access_ms)))
+
+
+def encode_put(residency: CacheResidency) -> bytes:
+    """The PUT record of residency; its length is the logical size of a put (the unit of
+    write amplification in every backend's study)."""
+    return _encode_put_ek(encode_key(residency.key), residency)
+
+
+def _encode_remove(ek: bytes, worker_id: str) -> bytes:
+    wb = _worker_bytes(worker_id)
+    return b"".join((_HEAD.pack(OP_REMOVE, len(ek)), ek, bytes((len(wb),)), wb))
+
+
+# --------------------------------------------------------------------------- lazy structures
+
+_COLD = object()     # a slot whose records are still only in the checkpoint buffer
+
+
+class _RawGroup:
+    """A slot replayed from the WAL but not decoded yet: its encoded key and rows
+    (worker_id, tier code, bytes, last_access_ms, ref_count, pinned) in (worker, tier) order."""
+
+    __slots__ = ("ek", "rows")
+
+    def __init__(self, ek: bytes, rows: list) -> None:
+        self.ek = ek
+        self.rows = rows
+
+    def decode(self) -> list[CacheResidency]:
+        key = decode_key(self.ek)
+        return [CacheResidency(key, w, TIERS[t], b, last, ref, bool(pin))
+                for w, t, b, last, ref, pin in self.rows]
+
+
+class _LazySlots(list):
+    """ArtIndex._slots whose checkpoint-loaded (_COLD) and replayed (_RawGroup) entries are
+    decoded on first access; ``lazy`` counts them."""
+
+    def __init__(self, n: int, decode_cold) -> None:
+        super().__init__()
+        if n:
+            self.extend([_COLD] * n)
+        self.lazy = n
+        self._decode_cold = decode_cold
+
+    def __getitem__(self, i):
+        v = list.__getitem__(self, i)
+        if v is _COLD:
+            v = self._decode_cold(i)
+        elif type(v) is _RawGroup:
+            v = v.decode()
+        else:
+            return v
+        list.__setitem__(self, i, v)
+        self.lazy -= 1
+        return v
+
+    def clear(self) -> None:
+        list.clear(self)
+        self.lazy = 0
+
+
+def _block_hash_of(ek: bytes) -> bytes:
+    """The block_hash field of an encoded key (model.encode_key layout)."""
+    pos = 1
+    for _ in range(3):                      # tenant, model, tokenizer
+        pos += 1 + ek[pos]
+    pos = pos + 1 if ek[pos] == 0 else pos + 2 + ek[pos + 1]    # adapter
+    pos += 1 + ek[pos] + 4                  # prefix_hash, block_index
+    return ek[pos + 1:pos + 1 + ek[pos]]
+
+
+class _LazyMap(dict):
+    """A side map of ArtIndex (name -> set of encoded keys) whose entries are computed on
+    first get/setdefault of a name by ``_cold(name)``; after that the dict entry is exact
+    (every change to those keys reaches the entry through get/setdefault first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._warmed: set = set()
+
+    def _cold(self, name) -> Optional[set]:
+        raise NotImplementedError
+
+    def _warm(self, name) -> None:
+        if name in self._warmed:
+            return
+        self._warmed.add(name)
+        found = self._cold(name)
+        if found:
+            dict.setdefault(self, name, set()).update(found)
+
+    def get(self, key, default=None):
+        self._warm(key)
+        return dict.get(self, key, default)
+
+    def setdefault(self, key, default=None):
+        self._warm(key)
+        return dict.setdefault(self, key, default)
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self._warmed.clear()
+
+
+class _LazyBlockMap(_LazyMap):
+    """ArtIndex._by_block: block hash -> encoded keys in the tree with that block hash;
+    cold entries come from the checkpoint's block-hash table (binary search) plus keys the
+    replay added (``note``), keeping those still in the tree."""
+
+    def __init__(self, ck: "Optional[_Checkpoint]", tree) -> None:
+        super().__init__()
+        self._ck = ck
+        self._tree = tree
+        self._taken = np.zeros(ck.n_blocks if ck is not None else 0, dtype=bool)
+        self._pending: dict[str, set] = {}
+
+    def _cold(self, block_hash) -> Optional[set]:
+        if not isinstance(block_hash, str):
+            return None
+        found = self._pending.pop(block_hash, set())
+        ck = self._ck
+        if ck is not None:
+            i = ck.find_block(block_hash.encode("utf-8"))
+            if i >= 0 and not self._taken[i]:
+                self._taken[i] = True
+                found.update(ck.eks_obj[ck.bh_groups[ck.bh_group_off[i]:ck.bh_group_off[i + 1]]])
+        tree = self._tree
+        return {ek for ek in found if ek in tree}
+
+    def note(self, block_hash: str, ek: bytes) -> None:
+        if block_hash in self._warmed:
+            dict.setdefault(self, block_hash, set()).add(ek)
+        else:
+            self._pending.setdefault(block_hash, set()).add(ek)
+
+    def forget(self, block_hash: str, ek: bytes) -> None:
+        if block_hash in self._warmed:          # else: filtered out when warmed
+            keys = dict.get(self, block_hash)
+            if keys is not None:
+                keys.discard(ek)
+                if not keys:
+                    dict.__delitem__(self, block_hash)
+
+    def warm_all(self) -> dict:
+        ck = self._ck
+        if ck is not None:
+            for i in np.flatnonzero(~self._taken).tolist():
+                self._warm(ck.bh_blob[ck._bh[i]:ck._bh[i + 1]].decode("utf-8"))
+        for bh in list(self._pending):
+            self._warm(bh)
+        return dict(self)
+
+    def clear(self) -> None:
+        super().clear()
+        self._ck = None
+        self._pending.clear()
+        self._taken = np.zeros(0, dtype=bool)
+
+
+class _LazyWorkerMap(_LazyMap):
+    """ArtIndex._by_worker: worker id -> encoded keys where it has a record; cold entries
+    come from the checkpoint's records (grouped by worker with numpy on first use)."""
+
+    def __init__(self, ck: "Optional[_Checkpoint]") -> None:
+        super().__init__()
+        self._ck = ck
+        self._index = {w: i for i, w in enumerate(ck.workers)} if ck is not None else {}
+        self._order = None
+        self._added: dict[str, set] = {}      # replay changes to entries not computed yet
+        self._removed: dict[str, set] = {}
+
+    def note(self, worker: str, ek: bytes) -> None:
+        """Replay: worker has a record under ek now (without computing the cold entry)."""
+        if worker in self._warmed:
+            dict.setdefault(self, worker, set()).add(ek)
+        else:
+            self._added.setdefault(worker, set()).add(ek)
+            self._removed.get(worker, set()).discard(ek)
+
+    def forget(self, worker: str, ek: bytes) -> None:
+        """Replay: worker has no record under ek any more."""
+        if worker in self._warmed:
+            keys = dict.get(self, worker)
+            if keys is not None:
+                keys.discard(ek)
+                if not keys:
+                    dict.__delitem__(self, worker)
+        else:
+            self._removed.setdefault(worker, set()).add(ek)
+            self._added.get(worker, set()).discard(ek)
+
+    def _cold(self, worker) -> Optional[set]:
+        found = self._added.pop(worker, set())
+        removed = self._removed.pop(worker, set())
+        ck = self._ck
+        i = self._index.get(worker) if ck is not None else None
+        if i is None:
+            return found
+        if self._order is None:
+            wcol = ck.records["worker"]
+            self._order = np.argsort(wcol, kind="stable")
+            self._bounds = np.searchsorted(wcol[self._order], np.arange(ck.n_workers + 1))
+            self._rec_group = np.repeat(np.arange(ck.n_groups, dtype=np.int64),
+                                        np.diff(ck.rec_off.astype(np.int64)))
+        recs = self._order[self._bounds[i]:self._bounds[i + 1]]
+        cold = set(ck.eks_obj[self._rec_group[recs]])
+        cold.difference_update(removed)
+        cold.update(found)
+        return cold
+
+    def warm_all(self) -> dict:
+        for w in list(self._index) + list(self._added):
+            self._warm(w)
+        return dict(self)
+
+    def clear(self) -> None:
+        super().clear()
+        self._ck = None
+        self._added.clear()
+        self._removed.clear()
+
+
+class _Checkpoint:
+    """A parsed checkpoint: numpy views over one bytes buffer."""
+
+    def __init__(self, path: str, head: bytes, data: bytes) -> None:
+        """head: the file's first CHECKPOINT_HEADER.size bytes; data: the rest (the body)."""
+        self.path = path
+        if len(head) < CHECKPOINT_HEADER.size:
+            raise CorruptCheckpoint(f"{path}: {len(head)} bytes, shorter than the header")
+        (magic, version, hbytes, self.wal_lsn, G, R, W, B, body_bytes, body_crc,
+         head_crc) = CHECKPOINT_HEADER.unpack_from(head, 0)
+        if magic != CHECKPOINT_MAGIC:
+            raise CorruptCheckpoint(f"{path}: bad magic {magic!r}")
+        if google_crc32c.value(head[:60]) != head_crc:
+            raise CorruptCheckpoint(f"{path}: header checksum mismatch")
+        if version != CHECKPOINT_VERSION or hbytes != CHECKPOINT_HEADER.size:
+            raise CorruptCheckpoint(f"{path}: version {version} (this build reads {CHECKPOINT_VERSION})")
+        if len(data) != body_bytes:
+            raise CorruptCheckpoint(f"{path}: {hbytes + len(data)} bytes, header says {hbytes + body_bytes}")
+        if google_crc32c.value(data) != body_crc:
+            raise CorruptCheckpoint(f"{path}: body checksum mismatch")
+        self.data = data
+        self.n_groups, self.n_records, self.n_workers, self.n_blocks = G, R, W, B
+        pos = 0
+        try:
+            self.key_off, pos = self._arr(pos, "<u8", G + 1)
+            key_blob, pos = self._blob(pos, self.key_off)
+            self.rec_off, pos = self._arr(pos, "<u8", G + 1)
+            self.records, pos = self._arr(pos, RECORD_DTYPE, R)
+            worker_off, pos = self._arr(pos, "<u8", W + 1)
+            worker_blob, pos = self._blob(pos, worker_off)
+            self.bh_off, pos = self._arr(pos, "<u8", B + 1)
+            self.bh_blob, pos = self._blob(pos, self.bh_off)
+            self.bh_group_off, pos = self._arr(pos, "<u8", B + 1)
+            self.bh_groups, pos = self._arr(pos, "<u4", G)
+            if pos != len(data) or self.rec_off[-1] != R or self.bh_group_off[-1] != G:
+                raise ValueError("section sizes do not add up")
+            if G and (np.any(np.diff(self.rec_off.astype(np.int64)) <= 0)
+                      or np.any(self.bh_groups >= G)):
+                raise ValueError("group tables out of range")
+            if R and (int(self.records["worker"].max()) >= W or int(self.records["tier"].max()) >= len(TIERS)):
+                raise ValueError("record fields out of range")
+            ko = self.key_off.tolist()
+            self.eks = [key_blob[ko[i]:ko[i + 1]] for i in range(G)]
+            wo = worker_off.tolist()
+            self.workers = [worker_blob[wo[i]:wo[i + 1]].decode("utf-8") for i in range(W)]
+        except (ValueError, IndexError, UnicodeDecodeError) as exc:
+            raise CorruptCheckpoint(f"{path}: malformed body: {exc}") from None
+        self.eks_obj = np.empty(G, dtype=object)
+        self.eks_obj[:] = self.eks
+        self._bh = self.bh_off.tolist()
+
+    def _arr(self, pos, dtype, n):
+        dtype = np.dtype(dtype)
+        end = pos + dtype.itemsize * n
+        if end > len(self.data):
+            raise ValueError("section past the end")
+        return np.frombuffer(self.data, dtype=dtype, count=n, offset=pos), _align(end)
+
+    def _blob(self, pos, offsets):
+        n = int(offsets[-1]) if len(offsets) else 0
+        if (len(offsets) and offsets[0] != 0) or np.any(np.diff(offsets.astype(np.int64)) < 0) \
+                or pos + n > len(self.data):
+            raise ValueError("bad blob offsets")
+        return self.data[pos:pos + n], _align(pos + n)
+
+    def find_block(self, bh: bytes) -> int:
+        off, blob = self._bh, self.bh_blob
+        i = bisect_left(range(self.n_blocks), bh, key=lambda j: blob[off[j]:off[j + 1]])
+        if i < self.n_blocks and blob[off[i]:off[i + 1]] == bh:
+            return i
+        return -1
+
+    def group_records(self, g: int) -> list[CacheResidency]:
+        key = decode_key(self.eks[g])
+        rows = self.records[int(self.rec_off[g]):int(self.rec_off[g + 1])].tolist()
+        workers = self.workers
+        return [CacheResidency(key, workers[w], TIERS[t], b, last, ref, bool(pin))
+                for b, last, ref, w, t, pin, _ in rows]
+
+    def group_rows(self, g: int) -> list:
+        workers = self.workers
+        return [(workers[w], t, b, last, ref, pin) for b, last, ref, w, t, pin, _ in
+                self.records[int(self.rec_off[g]):int(self.rec_off[g + 1])].tolist()]
+
+
+def _align(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def _write_checkpoint(path: str, wal_lsn: int, groups) -> int:
+    """groups: iterable of (ek, block hash bytes, rows) in key order, rows as in _RawGroup.
+    Writes path (the caller renames it) and fsyncs it; returns bytes written."""
+    eks: list[bytes] = []
+    rec_counts: list[int] = []
+    worker_ids: dict[str, int] = {}
+    cols = ([], [], [], [], [], [])
+    bh_of_group: list[bytes] = []
+    for ek, bh, rows in groups:
+        eks.append(ek)
+        rec_counts.append(len(rows))
+        bh_of_group.append(bh)
+        for w, t, b, last, ref, pin in rows:
+            wi = worker_ids.get(w)
+            if wi is None:
+                wi = worker_ids[w] = len(worker_ids)
+            cols[0].append(b); cols[1].append(last); cols[2].append(ref)
+            cols[3].append(wi); cols[4].append(t); cols[5].append(pin)
+    G, R, W = len(eks), len(cols[0]), len(worker_ids)
+    rec = np.zeros(R, dtype=RECORD_DTYPE)
+    for name, col in zip(("bytes", "last", "ref", "worker", "tier", "pinned"), cols):
+        rec[name] = col
+    order = sorted(range(G), key=bh_of_group.__getitem__)
+    bh_list: list[bytes] = []
+    bh_group_off = [0]
+    for pos, g in enumerate(order):
+        if not bh_list or bh_list[-1] != bh_of_group[g]:
+            if bh_list:
+                bh_group_off.append(pos)
+            bh_list.append(bh_of_group[g])
+    if bh_list:
+        bh_group_off.append(G)
+    B = len(bh_list)
+
+    def offs(items):
+        o = np.zeros(len(items) + 1, dtype="<u8")
+        np.cumsum([len(x) for x in items], out=o[1:])
+        return o
+
+    def pad(b: bytes) -> bytes:
+        return b + b"\0" * (_align(len(b)) - len(b))
+
+    parts = [offs(eks).tobytes(), pad(b"".join(eks)),
+             np.concatenate(([0], np.cumsum(rec_counts, dtype=np.uint64))).astype("<u8").tobytes(),
+             rec.tobytes(),
+             offs([w.encode("utf-8") for w in worker_ids]).tobytes(),
+             pad(b"".join(w.encode("utf-8") for w in worker_ids)),
+             offs(bh_list).tobytes(), pad(b"".join(bh_list)),
+             np.asarray(bh_group_off, dtype="<u8").tobytes(),
+             pad(np.asarray(order, dtype="<u4").tobytes())]
+    body = b"".join(parts)
+    head = CHECKPOINT_HEADER.pack(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, CHECKPOINT_HEADER.size,
+                                  wal_lsn, G, R, W, B, len(body), google_crc32c.value(body), 0)
+    head = head[:60] + struct.pack("<I", google_crc32c.value(head[:60]))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(head + body)
+        while view:
+            view = view[os.write(fd, view):]
+        # the data must be on disk before the rename publishes the name
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(head) + len(body)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- the index
+
+
+class PersistentArtIndex(ArtIndex):
+    """ArtIndex whose mutations are logged to a WAL and checkpointed; reopen recovers it.
+
+    ``sync_every``: commit at the end of every mutating call (else call ``sync()``).
+    ``checkpoint_wal_bytes``: ``sync()`` takes a checkpoint when this many WAL bytes were
+    written since the last one (0 = only explicit ``checkpoint()``).
+    ``strict``: refuse (CorruptLog) a WAL with corruption before its tail.
+    """
+
+    name = "art-persistent"
+    persistent = True
+
+    def __init__(self, directory, *, sync_every: bool = False,
+                 checkpoint_wal_bytes: int = DEFAULT_CHECKPOINT_WAL_BYTES,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, wal_backend: str = "auto",
+                 strict: bool = True) -> None:
+        if not isinstance(checkpoint_wal_bytes, int) or checkpoint_wal_bytes < 0:
+            raise InvalidArgument(f"checkpoint_wal_bytes {checkpoint_wal_bytes!r}: must be an integer >= 0")
+        super().__init__()
+        self.directory = os.fspath(directory)
+        self.sync_every = bool(sync_every)
+        self.checkpoint_wal_bytes = checkpoint_wal_bytes
+        self._logging = False
+        self._logical_bytes = 0
+        self._checkpoint_bytes = 0
+        self._checkpoints = 0
+        self._ck: Optional[_Checkpoint] = None
+        t0, c0 = time.perf_counter(), time.process_time()
+        os.makedirs(self.directory, exist_ok=True)
+        ck_path = os.path.join(self.directory, CHECKPOINT_NAME)
+        self.recovery = RecoveryInfo()
+        if os.path.exists(ck_path):
+            self._load_checkpoint(ck_path)
+        # read the log before the writer opens it: the writer cuts everything after the
+        # last valid record of the last segment, and strict recovery must see that first
+        self._replay(strict)
+        self._wal = WalWriter(os.path.join(self.directory, "wal"), segment_bytes=segment_bytes,
+                              backend=wal_backend)
+        if self._wal.appended_lsn < self.recovery.checkpoint_lsn:
+            # new records would get lsns the checkpoint claims to cover and be skipped later
+            end = self._wal.appended_lsn
+            self._wal.close()
+            raise CorruptLog(f"{self.directory}/wal ends at lsn {end:#x}, before the checkpoint's "
+                             f"{self.recovery.checkpoint_lsn:#x}: log segments are missing")
+        tmp = ck_path + ".tmp"
+        if os.path.exists(tmp):
+            os.unlink(tmp)              # a checkpoint that never got published (we hold the lock)
+        self._wal_bytes_at_checkpoint = self._wal.stats()["bytes_written"]
+        self._logging = True
+        self.recovery.seconds = time.perf_counter() - t0
+        self.recovery.cpu_seconds = time.process_time() - c0
+
+    # ------------------------------------------------------------------ recovery
+
+    def _load_checkpoint(self, path: str) -> None:
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            head = f.read(CHECKPOINT_HEADER.size)
+            body = f.read()
+        ck = _Checkpoint(path, head, body)
+        self._ck = ck
+        G = ck.n_groups
+        if G:
+            self._tree.insert_many(ck.eks, range(G))
+        self._slots = _LazySlots(G, ck.group_records)
+        self._by_block = _LazyBlockMap(ck, self._tree)
+        self._by_worker = _LazyWorkerMap(ck)
+        if ck.n_records:
+            self._records = ck.n_records
+            self._resident_bytes = int(ck.records["bytes"].sum(dtype=np.uint64))
+        self.recovery.checkpoint_records = ck.n_records
+        self.recovery.checkpoint_lsn = ck.wal_lsn
+        self.recovery.checkpoint_seconds = time.perf_counter() - t0
+
+    def _replay(self, strict: bool) -> None:
+        waldir = os.path.join(self.directory, "wal")
+        if not os.path.isdir(waldir):
+            return
+        t0 = time.perf_counter()
+        if not isinstance(self._slots, _LazySlots):
+            self._slots = _LazySlots(0, None)
+            self._by_block = _LazyBlockMap(None, self._tree)
+            self._by_worker = _LazyWorkerMap(None)
+        reader = WalReader(waldir)
+        after = self.recovery.checkpoint_lsn
+        unpack_head, unpack_tail = _HEAD.unpack_from, _PUT_TAIL.unpack_from
+        for lsn, payload in reader:
+            if lsn <= after:
+                self.recovery.skipped += 1
+                continue
+            try:
+                op = payload[0]
+                if op == OP_CLEAR and len(payload) == 1:
+                    ArtIndex._apply_clear(self)
+                    self._ck = None
+                elif op == OP_PUT or op == OP_REMOVE:
+                    _, klen = unpack_head(payload, 0)
+                    pos = 3 + klen
+                    ek = payload[3:pos]
+                    wlen = payload[pos]
+                    worker = payload[pos + 1:pos + 1 + wlen].decode("utf-8")
+                    pos += 1 + wlen
+                    if op == OP_REMOVE:
+                        if pos != len(payload):
+                            raise ValueError("REMOVE record length mismatch")
+                        self._raw_remove(ek, worker)
+                    else:
+                        if pos + _PUT_TAIL.size != len(payload) or len(ek) != klen:
+                            raise ValueError("PUT record length mismatch")
+                        tier, pinned, ref, nbytes, last = unpack_tail(payload, pos)
+                        if tier >= len(TIERS):
+                            raise ValueError(f"tier code {tier}")
+                        self._raw_put(ek, (worker, tier, nbytes, last, ref, pinned))
+                else:
+                    raise ValueError(f"unknown op {op}")
+            except (ValueError, IndexError, UnicodeDecodeError, struct.error) as exc:
+                reader.corruption.append((len(payload), f"undecodable index record: {exc}"))
+                continue
+            self.recovery.replayed += 1
+        self.recovery.corruption = list(reader.corruption)
+        self.recovery.tail_bytes += reader.tail_bytes
+        self.recovery.replay_seconds = time.perf_counter() - t0
+        if strict and reader.corruption:
+            raise CorruptLog(f"{self.directory}/wal: corrupt records before the tail: "
+                             f"{reader.corruption} (open with strict=False to drop them)")
+
+    def _raw_group(self, slot: int, ek: bytes) -> Optional[_RawGroup]:
+        v = list.__getitem__(self._slots, slot)
+        if v is _COLD:
+            v = _RawGroup(ek, self._ck.group_rows(slot))
+            list.__setitem__(self._slots, slot, v)
+            return v
+        return v if type(v) is _RawGroup else None
+
+    def _raw_put(self, ek: bytes, row: tuple) -> None:
+        """Replay a PUT without building model objects (they are built on first access)."""
+        slot = self._tree.get(ek)
+        worker = row[0]
+        if slot is None:
+            # structural check only (the WAL's CRC covers the bytes); decoded on first access
+            if not ek or ek[0] != KEY_FORMAT_VERSION:
+                raise ValueError("encoded key of another format")
+            block_hash = _block_hash_of(ek).decode("utf-8")
+            slot = self._new_slot(_RawGroup(ek, [row]))
+            self._tree.insert(ek, slot)
+            self._slots.lazy += 1
+            self._by_block.note(block_hash, ek)
+        else:
+            group = self._raw_group(slot, ek)
+            if group is None:               # already decoded: the ordinary path
+                w, t, b, last, ref, pin = row
+                ArtIndex._apply_put(self, CacheResidency(self._slots[slot][0].key, w, TIERS[t], b,
+                                                         last, ref, bool(pin)))
+                return
+            rows = group.rows
+            order = (worker, row[1])
+            for i, r in enumerate(rows):
+                o = (r[0], r[1])
+                if o == order:
+                    self._resident_bytes -= r[2]
+                    self._records -= 1
+                    rows[i] = row
+                    break
+                if o > order:
+                    rows.insert(i, row)
+                    break
+            else:
+                rows.append(row)
+        self._records += 1
+        self._resident_bytes += row[2]
+        self._by_worker.note(worker, ek)
+
+    def _raw_remove(self, ek: bytes, worker: str) -> None:
+        slot = self._tree.get(ek)
+        if slot is None:
+            return
+        group = self._raw_group(slot, ek)
+        if group is None:
+            ArtIndex._apply_remove(self, ek, worker)
+            return
+        keep = [r for r in group.rows if r[0] != worker]
+        removed = len(group.rows) - len(keep)
+        if not removed:
+            return
+        self._records -= removed
+        self._resident_bytes -= sum(r[2] for r in group.rows if r[0] == worker)
+        self._by_worker.forget(worker, ek)
+        if keep:
+            group.rows = keep
+        else:
+            self._tree.delete(ek)
+            self._release_slot(slot)
+            self._slots.lazy -= 1
+            self._by_block.forget(_block_hash_of(ek).decode("utf-8"), ek)
+
+    # ------------------------------------------------------------------ logged state changes
+
+    def _log(self, payload: bytes) -> None:
+        self._wal.append(payload)
+        self._logical_bytes += len(payload)
+
+    def _apply_put(self, residency: CacheResidency) -> None:
+        if self._logging:
+            ek = encode_key(residency.key)
+            self._log(_encode_put_ek(ek, residency))     # validates before anything changes
+        super()._apply_put(residency)
+
+    def _apply_remove(self, ek: bytes, worker_id: str) -> int:
+        if self._logging:
+            slot = self._tree.get(ek)
+            if slot is None or not any(r.worker_id == worker_id for r in self._slots[slot]):
+                return 0
+            self._log(_encode_remove(ek, worker_id))
+        return super()._apply_remove(ek, worker_id)
+
+    def _apply_clear(self) -> None:
+        if self._logging:
+            self._log(bytes((OP_CLEAR,)))
+        super()._apply_clear()
+        self._ck = None
+
+    def _after_mutation(self) -> None:
+        if self.sync_every:
+            self.sync()
+
+    def put(self, residency: CacheResidency) -> None:
+        super().put(residency)
+        self._after_mutation()
+
+    def remove_block(self, scope: IdentityScope, worker_id: str, block_hash: str) -> int:
+        n = super().remove_block(scope, worker_id, block_hash)
+        if n:
+            self._after_mutation()
+        return n
+
+    def clear_worker(self, worker_id: str) -> int:
+        n = super().clear_worker(worker_id)
+        if n:
+            self._after_mutation()
+        return n
+
+    def clear(self) -> None:
+        super().clear()
+        self._after_mutation()
+
+    def load_records(self, records: Iterable[CacheResidency]) -> int:
+        n = super().load_records(records)    # logged like puts: they must survive a reopen
+        self._after_mutation()
+        return n
+
+    # ------------------------------------------------------------------ durability
+
+    def sync(self) -> int:
+        """Group commit: make every mutation so far durable; returns the durable lsn.
+        Takes a checkpoint when checkpoint_wal_bytes of WAL were written since the last."""
+        lsn = self._wal.commit()
+        if (self.checkpoint_wal_bytes
+                and self._wal.stats()["bytes_written"] - self._wal_bytes_at_checkpoint >= self.checkpoint_wal_bytes):
+            self.checkpoint()
+        return lsn
+
+    commit = sync
+
+    def checkpoint(self) -> int:
+        """Snapshot the tree to checkpoint.qck and drop WAL segments it covers; returns
+        the checkpoint's size in bytes.  Records not decoded yet are copied undecoded."""
+        # everything applied so far must be durable in the log before the checkpoint claims it
+        lsn = self._wal.commit()
+        final = os.path.join(self.directory, CHECKPOINT_NAME)
+        tmp = final + ".tmp"
+        try:
+            nbytes = _write_checkpoint(tmp, lsn, self._checkpoint_groups())
+        except BaseException:
+            # a failed write or fsync: that file is never published (the old checkpoint and
+            # the whole WAL stay as they were)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        # rename only after the temp file's data is synced (done in _write_checkpoint)
+        os.replace(tmp, final)
+        # the new name must be durable before the WAL segments it replaces are deleted
+        _fsync_dir(self.directory)
+        # last: the log before lsn is now redundant with a durable checkpoint
+        self._wal.truncate_before(lsn + 1)
+        self._checkpoint_bytes += nbytes
+        self._checkpoints += 1
+        self._wal_bytes_at_checkpoint = self._wal.stats()["bytes_written"]
+        return nbytes
+
+    def _checkpoint_groups(self):
+        slots, ck, code = self._slots, self._ck, TIER_CODE
+        for ek, slot in self._tree.items():
+            v = list.__getitem__(slots, slot)
+            if v is _COLD:
+                yield ek, _block_hash_of(ek), ck.group_rows(slot)
+            elif type(v) is _RawGroup:
+                yield ek, _block_hash_of(ek), v.rows
+            else:
+                yield ek, v[0].key.block_hash.encode("utf-8"), [
+                    (r.worker_id, code[r.tier], r.bytes, r.last_access_ms, r.ref_count, int(r.pinned))
+                    for r in v]
+
+    def materialize(self) -> None:
+        """Decode every lazily loaded record now (later calls skip the lazy path)."""
+        if isinstance(self._slots, _LazySlots):
+            slots = self._slots
+            for _, slot in self._tree.items():
+                slots[slot]
+            self._slots = list(slots)
+        if isinstance(self._by_block, _LazyBlockMap):
+            self._by_block = self._by_block.warm_all()
+        if isinstance(self._by_worker, _LazyWorkerMap):
+            self._by_worker = self._by_worker.warm_all()
+        self._ck = None
+
+    # ------------------------------------------------------------------ reporting
+
+    @property
+    def logical_bytes(self) -> int:
+        """Bytes of index records logged by this process (the PUT/REMOVE/CLEAR payloads)."""
+        return self._logical_bytes
+
+    @property
+    def physical_bytes(self) -> int:
+        """WAL bytes (framed, written by this process) + checkpoint bytes written."""
+        return self._wal.stats()["bytes_written"] + self._checkpoint_bytes
+
+    @property
+    def write_amplification(self) -> float:
+        return self.physical_bytes / self._logical_bytes if self._logical_bytes else 0.0
+
+    def metrics(self) -> IndexMetrics:
+        m = super().metrics()
+        return IndexMetrics(m.resident_blocks, m.resident_bytes, m.puts, m.removes, m.prefix_scans,
+                            bytes_written=self.physical_bytes, memory_bytes=m.memory_bytes)
+
+    def stats(self) -> dict:
+        return {"wal": self._wal.stats(), "logical_bytes": self._logical_bytes,
+                "checkpoint_bytes_written": self._checkpoint_bytes, "checkpoints": self._checkpoints,
+                "write_amplification": self.write_amplification,
+                "lazy_slots": getattr(self._slots, "lazy", 0)}
+
+    def close(self) -> None:
+        """Commit what is pending and release the WAL (and its directory lock)."""
+        self._wal.close()
+
+    def __enter__(self) -> "PersistentArtIndex":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
