@@ -1,14 +1,47 @@
 """quillctl: the admin CLI of a QuillCache node.  Thin: one request per command."""
 import click
 
+from quillcache_cli.ctl_bench import bench_command
 from quillcache_cli.ctl_config import auth_group, config_group
+from quillcache_cli.ctl_data import DATA_COMMANDS
+from quillcache_cli.ctl_wal import wal_group
+
+DEFAULT_ADDR = "127.0.0.1:7470"
+DEFAULT_TIMEOUT = 10.0  # seconds: connect + one request
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--addr", envvar="QUILLCACHE_ADDR", default=DEFAULT_ADDR, show_default=True,
+              help="HOST:PORT of the node (env QUILLCACHE_ADDR).")
+@click.option("--token", envvar="QUILLCACHE_TOKEN", default=None,
+              help="Tenant token sent in HELLO (env QUILLCACHE_TOKEN); none on an open node.")
+@click.option("--timeout", type=click.FloatRange(min=0.001, max=3600.0), default=DEFAULT_TIMEOUT,
+              show_default=True, help="Seconds to wait for the connection and for each reply.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON instead of tables, for scripts (every command also takes --json).")
 @click.version_option(package_name="quillcache")
-def main():
-    """Administer a QuillCache node."""
+@click.pass_context
+def main(ctx, addr, token, timeout, as_json):
+    """Administer a QuillCache node.
+
+    KEYFIELDS (put, get, rm, pin, unpin) name one block with options: --model (env
+    QUILLCACHE_MODEL), --tokenizer (env QUILLCACHE_TOKENIZER, default the model), --adapter
+    (env QUILLCACHE_ADAPTER, default none), --tenant (env QUILLCACHE_TENANT, default the
+    token's tenant), --prefix-hash, --block-hash, --index (default 0), --tokens (default 64).
+    Every field is taken verbatim, so model ids with "/" need no quoting; or --key HEX, the
+    encoded key that `ls --json` prints.
+
+    Exit codes: 0 ok, 1 the node refused the request, 2 bad usage, 3 key not found,
+    4 unsafe reuse refused, 5 permission denied, 6 node full, 65 corrupt data (wal verify),
+    69 node unreachable, 70 protocol or internal error, 74 local file error, 75 timed out,
+    78 bad configuration.
+    """
+    ctx.obj = {"addr": addr, "token": token, "timeout": timeout, "json": as_json}
 
 
 main.add_command(config_group)
 main.add_command(auth_group)
+for _cmd in DATA_COMMANDS:
+    main.add_command(_cmd)
+main.add_command(bench_command)
+main.add_command(wal_group)
