@@ -11,13 +11,19 @@ DEB_PKGS := liburing-dev pkg-config redis-server
 N        ?= 500
 PYTEST_ARGS ?=
 
-.PHONY: all build deps run test bench crash man clean distclean
+.PHONY: all build deps bench-deps _debs run test bench crash man clean distclean
 
 all: build
 
 # Debian packages: installed only when running as root and something is missing.
 deps:
-	@missing=""; for p in $(DEB_PKGS); do \
+	@$(MAKE) --no-print-directory _debs PKGS="$(DEB_PKGS)"
+
+bench-deps:
+	@$(MAKE) --no-print-directory _debs PKGS="$(DEB_PKGS) libibverbs1"
+
+_debs:
+	@missing=""; for p in $(PKGS); do \
 	    dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -48,10 +54,11 @@ run: build
 test: build
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-bench: build
+# asv on the current commit (offline: the existing venv), then the standalone ratio scripts.
+bench: build bench-deps
 	$(PIP) install -q --no-build-isolation -e '.[test,bench]'
 	$(VENV)/bin/asv machine --yes >/dev/null
-	$(VENV)/bin/asv run --quick --environment existing:$(PY) --set-commit-hash $$(git rev-parse HEAD)
+	$(VENV)/bin/asv run --quick --environment existing:$(abspath $(PY)) --set-commit-hash $$(git rev-parse HEAD)
 	$(PY) bench/native_core.py
 
 crash: build

@@ -14,15 +14,13 @@ import os
 import sys
 
 import click
-import google_crc32c
 
 from quillcache._native.wal import WalReader, list_segments, lsn_offset, lsn_segment, segment_name
 
 from quillcache_cli import exitcodes
 
-# EX_DATAERR (sysexits.h): the input data was incorrect.  exitcodes.py has no name for it yet
 # (asked for in the report); until it does, the sysexits value is used under the same name.
-CORRUPT = getattr(exitcodes, "DATAERR", 65)
+CORRUPT = exitcodes.DATAERR
 
 MAX_DEPTH = 3          # directory levels under DIR searched for log directories
 MAX_LOG_DIRS = 64      # log directories verified in one run (more: the rest are listed, not read)
@@ -169,8 +167,8 @@ class SsdReplay:
                         n = os.preadv(fd, [mv[:min(VERIFY_CHUNK, length - done)]], off + done)
                         if n <= 0:
                             break
-                        # first chunk without a copy; a block over VERIFY_CHUNK extends the CRC
-                        got = google_crc32c.extend(got, bytes(mv[:n])) if done else self.ssd.crc32c(mv[:n])
+                        # a block over VERIFY_CHUNK extends the CRC chunk by chunk, without copies
+                        got = self.ssd.crc32c(mv[:n], got)
                         done += n
                     if done != length or got != crc:
                         out["crc_failures"] += 1

@@ -6,6 +6,7 @@ NOT_FOUND = 3         # the key is not there (or not visible to this tenant)
 UNSAFE_REUSE = 4      # refused: another model, tokenizer or adapter of this tenant
 PERMISSION = 5        # the token does not allow it
 CAPACITY = 6          # the node is full
+DATAERR = 65          # EX_DATAERR: corrupted data found (wal verify)
 UNAVAILABLE = 69      # EX_UNAVAILABLE: cannot connect to the node
 SOFTWARE = 70         # EX_SOFTWARE: a protocol error / internal error
 IOERR = 74            # EX_IOERR: cannot read or write a local file

@@ -112,17 +112,17 @@ def test_file_bytes_match_the_reference_encoding(tmp_path, backend):
         assert f.read() == reference_log(payloads)
 
 
-def test_python_crc_fallback_writes_identical_bytes(tmp_path):
+def test_table_crc_fallback_writes_identical_bytes(tmp_path):
     payloads = [os.urandom(n) for n in (0, 10, BLOCK, 100_000)]
     before = wal._crc_impl()
     try:
-        wal._crc_impl("python")
-        write_log(tmp_path / "py", payloads)
-        records, r = read_all(tmp_path / "py")
+        wal._crc_impl("table")
+        write_log(tmp_path / "table", payloads)
+        records, r = read_all(tmp_path / "table")
     finally:
         wal._crc_impl(before)
     assert [p for _, p in records] == payloads and r.corruption == []
-    with open(seg1(tmp_path / "py"), "rb") as f:
+    with open(seg1(tmp_path / "table"), "rb") as f:
         assert f.read() == reference_log(payloads)
 
 
