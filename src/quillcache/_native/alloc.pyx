@@ -29,7 +29,6 @@ makes concurrent Python calls on the same allocator raise RuntimeError).
 cimport cython
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, free as c_free_mem
-from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from cpython.number cimport PyIndex_Check, PyNumber_Index
 
 from quillcache.errors import CapacityError
@@ -44,8 +43,7 @@ cdef enum:
     LEAF_BINS = 8                    # bins per top bin (2 ** MANTISSA_BITS)
     TOP_BINS = 32
     NUM_BINS = 256
-    MAX_BATCH_ON_STACK = 256         # entries: bench_pairs batch limit
-    DEBRUIJN_CTZ = 0x077CB531        # de Bruijn multipliers for the bit tables below
+    DEBRUIJN_CTZ = 0x077CB531        # de Bruijn multipliers for the bit tables (alloc_bins.pxi)
     DEBRUIJN_MSB = 0x07C4ACDD
 cdef uint64_t C_MAX_UNITS = 0xFFFFFFFF       # units: sizes/offsets are uint32 units
 cdef uint64_t C_MAX_ALLOCS = 1 << 30         # live allocations (2N+1 nodes < 2**32)
@@ -62,87 +60,7 @@ cdef enum NodeState:
     NODE_USED = 2
     NODE_PENDING = 3                 # free_many(): validated, about to be freed
 
-# De Bruijn tables for count-trailing-zeros and highest-set-bit on 32 bits, built
-# at import (pure C arithmetic, no compiler builtins needed).
-cdef uint8_t _ctz_table[32]
-cdef uint8_t _msb_table[32]
-
-
-cdef void _init_tables() noexcept:
-    cdef uint32_t i, v
-    for i in range(32):
-        v = (<uint32_t>1) << i
-        _ctz_table[<uint32_t>(v * <uint32_t>DEBRUIJN_CTZ) >> 27] = <uint8_t>i
-        v = <uint32_t>((<uint64_t>1 << (i + 1)) - 1)
-        _msb_table[<uint32_t>(v * <uint32_t>DEBRUIJN_MSB) >> 27] = <uint8_t>i
-
-
-_init_tables()
-
-
-cdef inline uint32_t _ctz(uint32_t x) noexcept nogil:
-    # x != 0
-    return _ctz_table[<uint32_t>((x & (~x + 1)) * <uint32_t>DEBRUIJN_CTZ) >> 27]
-
-
-cdef inline uint32_t _msb(uint32_t x) noexcept nogil:
-    # x != 0
-    x |= x >> 1
-    x |= x >> 2
-    x |= x >> 4
-    x |= x >> 8
-    x |= x >> 16
-    return _msb_table[<uint32_t>(x * <uint32_t>DEBRUIJN_MSB) >> 27]
-
-
-cdef inline uint32_t _round_down(uint32_t v) noexcept nogil:
-    # bin of a free region: the largest bin whose size <= v (v >= 1)
-    cdef uint32_t shift
-    if v < LEAF_BINS:
-        return v
-    shift = _msb(v) - MANTISSA_BITS
-    return ((shift + 1) << MANTISSA_BITS) | ((v >> shift) & (LEAF_BINS - 1))
-
-
-cdef inline uint32_t _round_up(uint32_t v) noexcept nogil:
-    # bin of a request: the smallest bin whose size >= v (at most 240 for v < 2**32)
-    cdef uint32_t shift, b
-    if v < LEAF_BINS:
-        return v
-    shift = _msb(v) - MANTISSA_BITS
-    b = ((shift + 1) << MANTISSA_BITS) | ((v >> shift) & (LEAF_BINS - 1))
-    if v & ((<uint32_t>1 << shift) - 1):
-        b += 1  # a mantissa carry moves to the next exponent, which is the right bin
-    return b
-
-
-cdef inline uint64_t _bin_size(uint32_t b) noexcept nogil:
-    cdef uint32_t e = b >> MANTISSA_BITS
-    cdef uint64_t m = b & (LEAF_BINS - 1)
-    if e == 0:
-        return m
-    return (m | LEAF_BINS) << (e - 1)
-
-
-def bin_round_down(uint32_t units):
-    """The bin a free region of ``units`` units is filed under (units >= 1)."""
-    if units == 0:
-        raise ValueError("units must be >= 1")
-    return _round_down(units)
-
-
-def bin_round_up(uint32_t units):
-    """The first bin searched for a request of ``units`` units (units >= 1)."""
-    if units == 0:
-        raise ValueError("units must be >= 1")
-    return _round_up(units)
-
-
-def bin_size(uint32_t b):
-    """The size in units that bin ``b`` stands for."""
-    if b >= NUM_BINS:
-        raise ValueError(f"bin must be < {NUM_BINS}, got {b}")
-    return _bin_size(b)
+include "alloc_bins.pxi"
 
 
 @cython.freelist(64)
@@ -181,10 +99,7 @@ cdef inline Allocation _make_allocation(uint64_t offset, uint64_t size, uint64_t
     return a
 
 
-cdef inline uint64_t _now_ns() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return <uint64_t>ts.tv_sec * 1000000000 + <uint64_t>ts.tv_nsec
+include "alloc_bench.pxi"
 
 
 cdef uint64_t _as_u64(object value, str what) except? 0xFFFFFFFFFFFFFFFF:
@@ -819,7 +734,7 @@ cdef class OffsetAllocator:
         return (f"OffsetAllocator(capacity={self.capacity_bytes}, unit={self.unit_bytes}, "
                 f"max_allocs={self.max_live}, live={self.live_count}, used={self.used})")
 
-    # ---- benchmark helper ------------------------------------------------------------
+    # ---- benchmark helper (the loop is _bench_pairs in alloc_bench.pxi) -----------
 
     def bench_pairs(self, uint64_t n_pairs, const uint64_t[::1] sizes not None, uint32_t live,
                     uint32_t batch=64, uint64_t seed=0x9E3779B97F4A7C15):
@@ -831,71 +746,4 @@ cdef class OffsetAllocator:
         c_free_many and allocates the next ``batch`` sizes through c_allocate_many
         (batch=1 uses c_free/c_allocate).  Everything is freed again afterwards; the
         allocator must be empty on entry."""
-        cdef Py_ssize_t ns = sizes.shape[0], failed = 0
-        cdef uint64_t* handles
-        cdef uint64_t offs[MAX_BATCH_ON_STACK]
-        cdef uint64_t bsz[MAX_BATCH_ON_STACK]
-        cdef uint64_t done = 0, cursor = 0, t0 = 0, t1 = 0, x = seed | 1, tmp
-        cdef uint32_t k, b, r, filled = 0
-        cdef uint64_t failed_size = 0
-        cdef int rc = ALLOC_OK
-        self._enter()
-        if ns == 0:
-            raise ValueError("sizes must not be empty")
-        if batch == 0 or batch > MAX_BATCH_ON_STACK or batch > live:
-            raise ValueError(f"batch must be in [1, min(live, {MAX_BATCH_ON_STACK})], got {batch}")
-        if self.live_count != 0:
-            raise ValueError("bench_pairs needs an empty allocator")
-        if live > self.max_live:
-            raise ValueError(f"live={live} exceeds max_allocs={self.max_live}")
-        handles = <uint64_t*>malloc(live * sizeof(uint64_t))
-        if handles == NULL:
-            raise MemoryError()
-        self.busy = True
-        try:
-            with nogil:
-                while filled < live:
-                    rc = self.c_allocate(sizes[cursor % ns], &offs[0], &handles[filled])
-                    if rc != ALLOC_OK:
-                        failed_size = sizes[cursor % ns]
-                        break
-                    filled += 1
-                    cursor += 1
-                if rc == ALLOC_OK:
-                    t0 = _now_ns()
-                    while done < n_pairs:
-                        b = batch if n_pairs - done >= batch else <uint32_t>(n_pairs - done)
-                        # move b random distinct live handles to the tail (partial Fisher-Yates)
-                        for k in range(b):
-                            x ^= x << 13
-                            x ^= x >> 7
-                            x ^= x << 17
-                            r = <uint32_t>(x % (live - k))
-                            tmp = handles[r]
-                            handles[r] = handles[live - 1 - k]
-                            handles[live - 1 - k] = tmp
-                            bsz[k] = sizes[cursor % ns]
-                            cursor += 1
-                        if b == 1:
-                            rc = self.c_free(handles[live - 1])
-                            if rc == ALLOC_OK:
-                                rc = self.c_allocate(bsz[0], &offs[0], &handles[live - 1])
-                        else:
-                            rc = self.c_free_many(&handles[live - b], b, &failed)
-                            if rc == ALLOC_OK:
-                                rc = self.c_allocate_many(bsz, b, offs, &handles[live - b], &failed)
-                        if rc != ALLOC_OK:
-                            failed_size = bsz[failed] if b > 1 else bsz[0]
-                            # the freed tail is gone: only [0, live - b) is still live
-                            filled = live - b
-                            break
-                        done += b
-                    t1 = _now_ns()
-                if filled:
-                    self.c_free_many(handles, filled, &failed)
-        finally:
-            self.busy = False
-            c_free_mem(handles)
-        if rc != ALLOC_OK:
-            raise self._error(rc, failed_size)
-        return t1 - t0
+        return _bench_pairs(self, n_pairs, sizes, live, batch, seed)

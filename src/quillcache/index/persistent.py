@@ -3,7 +3,7 @@
 Directory layout::
 
     <directory>/wal/000000000001.log ...   the native WAL (docs/wal-format.md)
-    <directory>/checkpoint.qck             the last checkpoint (flat binary, below)
+    <directory>/checkpoint.qck             the last checkpoint (flat binary: index/checkpoint.py)
     <directory>/checkpoint.qck.tmp         a checkpoint being written (deleted on open)
 
 Every state change goes through ``ArtIndex._apply_put / _apply_remove / _apply_clear``;
@@ -21,17 +21,7 @@ WAL record payloads (little-endian; the WAL adds its own CRC framing)::
 
 ``clear_worker``/``remove_block`` log one REMOVE per key they drop (physical, idempotent).
 
-Checkpoint (``checkpoint.qck``), all little-endian, every section 8-byte aligned::
-
-    header (64 bytes): magic "QCARTCK1" | u32 version | u32 header_bytes | u64 wal_lsn
-        | u64 groups G | u64 records R | u32 workers W | u32 block_hashes B | u64 body_bytes
-        | u32 body crc32c | u32 header crc32c (of the 60 bytes before it)
-    body: u64 key_off[G+1] | key blob (encoded keys, ascending)      -- one group per key
-        | u64 rec_off[G+1] | records R x 32 bytes                    -- a group's records
-        | u64 worker_off[W+1] | worker blob                           -- worker id table
-        | u64 bh_off[B+1] | bh blob (distinct block hashes, ascending bytes)
-        | u64 bh_group_off[B+1] | u32 bh_groups[G]                  -- groups by block hash
-    record: u64 bytes | i64 last_access_ms | u32 ref_count | u32 worker | u8 tier | u8 pinned | 6 pad
+The checkpoint file (layout, writer, reader and its checks) is ``quillcache.index.checkpoint``.
 
 Recovery = load the checkpoint + replay WAL records with lsn > its wal_lsn.  Both are lazy
 so that 1 M records are serving in about a second of CPU: the tree is bulk-built from the
@@ -56,16 +46,17 @@ from __future__ import annotations
 import os
 import struct
 import time
-from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-import google_crc32c
 import numpy as np
 
 from quillcache._native.wal import WalReader, WalWriter
 from quillcache.errors import InvalidArgument, QuillCacheError
 from quillcache.index.art import ArtIndex
+from quillcache.index.checkpoint import (  # CorruptCheckpoint: re-exported
+    CHECKPOINT_NAME, TIER_CODE, TIERS, Checkpoint, CorruptCheckpoint, read_checkpoint, write_checkpoint,
+)
 from quillcache.model import (
     KEY_FORMAT_VERSION, CacheResidency, CacheTier, IdentityScope, IndexMetrics, decode_key, encode_key,
 )
@@ -82,27 +73,12 @@ U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 
-CHECKPOINT_NAME = "checkpoint.qck"
-CHECKPOINT_MAGIC = b"QCARTCK1"
-CHECKPOINT_VERSION = 1
-CHECKPOINT_HEADER = struct.Struct("<8sIIQQQIIQII")     # 64 bytes
-assert CHECKPOINT_HEADER.size == 64
 DEFAULT_CHECKPOINT_WAL_BYTES = 64 << 20   # bytes of WAL since the last checkpoint
 DEFAULT_SEGMENT_BYTES = 4 << 20           # bytes per WAL segment: truncation granularity, and
                                           # at most this much already-checkpointed WAL is re-read on open
 
-TIERS = sorted(CacheTier, key=lambda t: t.value)     # code = rank in value order
-TIER_CODE = {t: i for i, t in enumerate(TIERS)}
-RECORD_DTYPE = np.dtype([("bytes", "<u8"), ("last", "<i8"), ("ref", "<u4"), ("worker", "<u4"),
-                         ("tier", "u1"), ("pinned", "u1"), ("pad", "V6")])
-assert RECORD_DTYPE.itemsize == 32
-
 _PUT_TAIL = struct.Struct("<BBIQq")        # tier, pinned, ref_count, bytes, last_access_ms
 _HEAD = struct.Struct("<BH")               # op, key_len
-
-
-class CorruptCheckpoint(QuillCacheError):
-    """The checkpoint file fails its checksum or structure checks: refused."""
 
 
 class CorruptLog(QuillCacheError):
@@ -256,7 +232,7 @@ class _LazyBlockMap(_LazyMap):
     cold entries come from the checkpoint's block-hash table (binary search) plus keys the
     replay added (``note``), keeping those still in the tree."""
 
-    def __init__(self, ck: "Optional[_Checkpoint]", tree) -> None:
+    def __init__(self, ck: "Optional[Checkpoint]", tree) -> None:
         super().__init__()
         self._ck = ck
         self._tree = tree
@@ -310,7 +286,7 @@ class _LazyWorkerMap(_LazyMap):
     """ArtIndex._by_worker: worker id -> encoded keys where it has a record; cold entries
     come from the checkpoint's records (grouped by worker with numpy on first use)."""
 
-    def __init__(self, ck: "Optional[_Checkpoint]") -> None:
+    def __init__(self, ck: "Optional[Checkpoint]") -> None:
         super().__init__()
         self._ck = ck
         self._index = {w: i for i, w in enumerate(ck.workers)} if ck is not None else {}
@@ -369,161 +345,6 @@ class _LazyWorkerMap(_LazyMap):
         self._removed.clear()
 
 
-class _Checkpoint:
-    """A parsed checkpoint: numpy views over one bytes buffer."""
-
-    def __init__(self, path: str, head: bytes, data: bytes) -> None:
-        """head: the file's first CHECKPOINT_HEADER.size bytes; data: the rest (the body)."""
-        self.path = path
-        if len(head) < CHECKPOINT_HEADER.size:
-            raise CorruptCheckpoint(f"{path}: {len(head)} bytes, shorter than the header")
-        (magic, version, hbytes, self.wal_lsn, G, R, W, B, body_bytes, body_crc,
-         head_crc) = CHECKPOINT_HEADER.unpack_from(head, 0)
-        if magic != CHECKPOINT_MAGIC:
-            raise CorruptCheckpoint(f"{path}: bad magic {magic!r}")
-        if google_crc32c.value(head[:60]) != head_crc:
-            raise CorruptCheckpoint(f"{path}: header checksum mismatch")
-        if version != CHECKPOINT_VERSION or hbytes != CHECKPOINT_HEADER.size:
-            raise CorruptCheckpoint(f"{path}: version {version} (this build reads {CHECKPOINT_VERSION})")
-        if len(data) != body_bytes:
-            raise CorruptCheckpoint(f"{path}: {hbytes + len(data)} bytes, header says {hbytes + body_bytes}")
-        if google_crc32c.value(data) != body_crc:
-            raise CorruptCheckpoint(f"{path}: body checksum mismatch")
-        self.data = data
-        self.n_groups, self.n_records, self.n_workers, self.n_blocks = G, R, W, B
-        pos = 0
-        try:
-            self.key_off, pos = self._arr(pos, "<u8", G + 1)
-            key_blob, pos = self._blob(pos, self.key_off)
-            self.rec_off, pos = self._arr(pos, "<u8", G + 1)
-            self.records, pos = self._arr(pos, RECORD_DTYPE, R)
-            worker_off, pos = self._arr(pos, "<u8", W + 1)
-            worker_blob, pos = self._blob(pos, worker_off)
-            self.bh_off, pos = self._arr(pos, "<u8", B + 1)
-            self.bh_blob, pos = self._blob(pos, self.bh_off)
-            self.bh_group_off, pos = self._arr(pos, "<u8", B + 1)
-            self.bh_groups, pos = self._arr(pos, "<u4", G)
-            if pos != len(data) or self.rec_off[-1] != R or self.bh_group_off[-1] != G:
-                raise ValueError("section sizes do not add up")
-            if G and (np.any(np.diff(self.rec_off.astype(np.int64)) <= 0)
-                      or np.any(self.bh_groups >= G)):
-                raise ValueError("group tables out of range")
-            if R and (int(self.records["worker"].max()) >= W or int(self.records["tier"].max()) >= len(TIERS)):
-                raise ValueError("record fields out of range")
-            ko = self.key_off.tolist()
-            self.eks = [key_blob[ko[i]:ko[i + 1]] for i in range(G)]
-            wo = worker_off.tolist()
-            self.workers = [worker_blob[wo[i]:wo[i + 1]].decode("utf-8") for i in range(W)]
-        except (ValueError, IndexError, UnicodeDecodeError) as exc:
-            raise CorruptCheckpoint(f"{path}: malformed body: {exc}") from None
-        self.eks_obj = np.empty(G, dtype=object)
-        self.eks_obj[:] = self.eks
-        self._bh = self.bh_off.tolist()
-
-    def _arr(self, pos, dtype, n):
-        dtype = np.dtype(dtype)
-        end = pos + dtype.itemsize * n
-        if end > len(self.data):
-            raise ValueError("section past the end")
-        return np.frombuffer(self.data, dtype=dtype, count=n, offset=pos), _align(end)
-
-    def _blob(self, pos, offsets):
-        n = int(offsets[-1]) if len(offsets) else 0
-        if (len(offsets) and offsets[0] != 0) or np.any(np.diff(offsets.astype(np.int64)) < 0) \
-                or pos + n > len(self.data):
-            raise ValueError("bad blob offsets")
-        return self.data[pos:pos + n], _align(pos + n)
-
-    def find_block(self, bh: bytes) -> int:
-        off, blob = self._bh, self.bh_blob
-        i = bisect_left(range(self.n_blocks), bh, key=lambda j: blob[off[j]:off[j + 1]])
-        if i < self.n_blocks and blob[off[i]:off[i + 1]] == bh:
-            return i
-        return -1
-
-    def group_records(self, g: int) -> list[CacheResidency]:
-        key = decode_key(self.eks[g])
-        rows = self.records[int(self.rec_off[g]):int(self.rec_off[g + 1])].tolist()
-        workers = self.workers
-        return [CacheResidency(key, workers[w], TIERS[t], b, last, ref, bool(pin))
-                for b, last, ref, w, t, pin, _ in rows]
-
-    def group_rows(self, g: int) -> list:
-        workers = self.workers
-        return [(workers[w], t, b, last, ref, pin) for b, last, ref, w, t, pin, _ in
-                self.records[int(self.rec_off[g]):int(self.rec_off[g + 1])].tolist()]
-
-
-def _align(n: int) -> int:
-    return (n + 7) & ~7
-
-
-def _write_checkpoint(path: str, wal_lsn: int, groups) -> int:
-    """groups: iterable of (ek, block hash bytes, rows) in key order, rows as in _RawGroup.
-    Writes path (the caller renames it) and fsyncs it; returns bytes written."""
-    eks: list[bytes] = []
-    rec_counts: list[int] = []
-    worker_ids: dict[str, int] = {}
-    cols = ([], [], [], [], [], [])
-    bh_of_group: list[bytes] = []
-    for ek, bh, rows in groups:
-        eks.append(ek)
-        rec_counts.append(len(rows))
-        bh_of_group.append(bh)
-        for w, t, b, last, ref, pin in rows:
-            wi = worker_ids.get(w)
-            if wi is None:
-                wi = worker_ids[w] = len(worker_ids)
-            cols[0].append(b); cols[1].append(last); cols[2].append(ref)
-            cols[3].append(wi); cols[4].append(t); cols[5].append(pin)
-    G, R, W = len(eks), len(cols[0]), len(worker_ids)
-    rec = np.zeros(R, dtype=RECORD_DTYPE)
-    for name, col in zip(("bytes", "last", "ref", "worker", "tier", "pinned"), cols):
-        rec[name] = col
-    order = sorted(range(G), key=bh_of_group.__getitem__)
-    bh_list: list[bytes] = []
-    bh_group_off = [0]
-    for pos, g in enumerate(order):
-        if not bh_list or bh_list[-1] != bh_of_group[g]:
-            if bh_list:
-                bh_group_off.append(pos)
-            bh_list.append(bh_of_group[g])
-    if bh_list:
-        bh_group_off.append(G)
-    B = len(bh_list)
-
-    def offs(items):
-        o = np.zeros(len(items) + 1, dtype="<u8")
-        np.cumsum([len(x) for x in items], out=o[1:])
-        return o
-
-    def pad(b: bytes) -> bytes:
-        return b + b"\0" * (_align(len(b)) - len(b))
-
-    parts = [offs(eks).tobytes(), pad(b"".join(eks)),
-             np.concatenate(([0], np.cumsum(rec_counts, dtype=np.uint64))).astype("<u8").tobytes(),
-             rec.tobytes(),
-             offs([w.encode("utf-8") for w in worker_ids]).tobytes(),
-             pad(b"".join(w.encode("utf-8") for w in worker_ids)),
-             offs(bh_list).tobytes(), pad(b"".join(bh_list)),
-             np.asarray(bh_group_off, dtype="<u8").tobytes(),
-             pad(np.asarray(order, dtype="<u4").tobytes())]
-    body = b"".join(parts)
-    head = CHECKPOINT_HEADER.pack(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, CHECKPOINT_HEADER.size,
-                                  wal_lsn, G, R, W, B, len(body), google_crc32c.value(body), 0)
-    head = head[:60] + struct.pack("<I", google_crc32c.value(head[:60]))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(head + body)
-        while view:
-            view = view[os.write(fd, view):]
-        # the data must be on disk before the rename publishes the name
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return len(head) + len(body)
-
-
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -561,7 +382,7 @@ class PersistentArtIndex(ArtIndex):
         self._logical_bytes = 0
         self._checkpoint_bytes = 0
         self._checkpoints = 0
-        self._ck: Optional[_Checkpoint] = None
+        self._ck: Optional[Checkpoint] = None
         t0, c0 = time.perf_counter(), time.process_time()
         os.makedirs(self.directory, exist_ok=True)
         ck_path = os.path.join(self.directory, CHECKPOINT_NAME)
@@ -591,10 +412,7 @@ class PersistentArtIndex(ArtIndex):
 
     def _load_checkpoint(self, path: str) -> None:
         t0 = time.perf_counter()
-        with open(path, "rb") as f:
-            head = f.read(CHECKPOINT_HEADER.size)
-            body = f.read()
-        ck = _Checkpoint(path, head, body)
+        ck = read_checkpoint(path)
         self._ck = ck
         G = ck.n_groups
         if G:
@@ -806,14 +624,14 @@ class PersistentArtIndex(ArtIndex):
         final = os.path.join(self.directory, CHECKPOINT_NAME)
         tmp = final + ".tmp"
         try:
-            nbytes = _write_checkpoint(tmp, lsn, self._checkpoint_groups())
+            nbytes = write_checkpoint(tmp, lsn, self._checkpoint_groups())
         except BaseException:
             # a failed write or fsync: that file is never published (the old checkpoint and
             # the whole WAL stay as they were)
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-        # rename only after the temp file's data is synced (done in _write_checkpoint)
+        # rename only after the temp file's data is synced (done in write_checkpoint)
         os.replace(tmp, final)
         # the new name must be durable before the WAL segments it replaces are deleted
         _fsync_dir(self.directory)
