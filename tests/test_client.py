@@ -215,3 +215,164 @@ def test_daemon_stopping_mid_session_gives_connection_lost(tmp_path):
             c.get(key(1))
         with pytest.raises(ConnectionLost):     # and stays failed
             c.ping()
+
+
+# --------------------------------------------------------------------------- data path additions
+
+
+def test_get_many_returns_a_view_of_exactly_each_value(client):
+    items = [(key(i, prefix="gm-mv"), content(i, 5000 + i)) for i in range(20)]
+    client.put_many(items)
+    got = client.get_many([k for k, _ in items] + [key(99, prefix="gm-mv")])
+    assert all(type(v) is memoryview and v.nbytes == len(d) for v, (_, d) in zip(got, items))
+    assert [bytes(v) for v in got[:-1]] == [d for _, d in items] and got[-1] is None
+    got[0][:4] = b"ZZZZ"                                   # views are bounded to their value
+    assert bytes(got[1]) == items[1][1]
+    assert np.frombuffer(got[2], dtype=np.uint8).tobytes() == items[2][1]
+
+
+def test_get_many_into_receives_each_value_into_its_own_buffer(client):
+    items = [(key(i, prefix="gmi"), content(i, 3000 * (i + 1))) for i in range(5)]
+    client.put_many(items)
+    keys = [k for k, _ in items[:2]] + [key(77, prefix="gmi")] + [k for k, _ in items[2:]]
+    bufs = [np.full(16_000, 0xEE, dtype=np.uint8) for _ in keys]
+    sizes = client.get_many_into(keys, bufs)
+    assert sizes == [3000, 6000, None, 9000, 12_000, 15_000]
+    for (k, data), buf in zip(items, bufs[:2] + bufs[3:]):
+        n = len(data)
+        assert buf[:n].tobytes() == data and (buf[n:] == 0xEE).all()   # nothing past the value
+    assert (bufs[2] == 0xEE).all()                                       # the miss touched nothing
+
+
+def test_get_many_into_spans_several_requests_past_max_batch(client):
+    n = client.limits.max_batch + 3
+    items = [(key(i, prefix="gmi-batch"), content(i, 64)) for i in range(n)]
+    client.put_many(items)
+    bufs = [bytearray(64) for _ in range(n)]
+    assert client.get_many_into([k for k, _ in items], bufs) == [64] * n
+    assert [bytes(b) for b in bufs] == [d for _, d in items]
+
+
+def test_get_many_into_checks_every_buffer_before_sending(client):
+    k = key(1, prefix="gmi-check")
+    client.put(k, b"x" * 100)
+    with pytest.raises(InvalidArgument):
+        client.get_many_into([k, k], [bytearray(100)])              # counts differ
+    with pytest.raises(InvalidArgument):
+        client.get_many_into([k], [bytes(100)])                     # read-only
+    with pytest.raises(InvalidArgument):
+        client.get_many_into([k], [np.zeros((10, 20), order="F")])  # not C-contiguous
+    with pytest.raises(InvalidArgument):
+        client.get_many_into([k], [bytearray(99)])                  # smaller than the value
+    assert client.get_many_into([k], [bytearray(100)]) == [100]     # the stream stayed in sync
+
+
+def test_info_text_is_the_servers_info_verbatim(client):
+    from quillcache.client import parse_info
+    text = client.info_text()
+    assert text.startswith("# Server\r\n") and "\r\nmode:open\r\n" in text
+    parsed = parse_info(text)
+    assert set(parsed) == set(client.info())
+    assert client.info_text("Tiers").startswith("# Tiers\r\n")
+    assert set(parse_info(client.info_text("Tiers"))) == {"Tiers"}
+
+
+def test_unpin_hard_drops_a_hard_pin(client):
+    k = key(1, prefix="unpin-hard")
+    client.put(k, b"abc")
+    assert client.pin(k, 0, hard=True) is True
+    assert client.unpin(k, hard=True) is True
+    assert client.unpin(k, hard=True) is False
+    assert client.unpin(key(2, prefix="unpin-hard"), hard=True) is False     # not resident
+
+
+def test_key_cache_gives_the_encoding_of_each_key_and_stays_bounded(daemon, monkeypatch):
+    import quillcache.client as client_mod
+    from quillcache.model import encode_key
+    monkeypatch.setattr(client_mod, "KEY_CACHE_ENTRIES", 8)
+    with Client(daemon.addr) as c:
+        keys = [key(i, prefix="kc") for i in range(30)]
+        for k in keys + keys[::-1]:
+            assert c._ekey(k) == encode_key(k)
+            assert len(c._keys) <= 8
+        # equal keys built separately hit the same entry; values stay right across evictions
+        for i, k in enumerate(keys):
+            c.put(k, content(i, 100))
+        assert [c.get(key(i, prefix="kc")) for i in range(30)] == [content(i, 100) for i in range(30)]
+        with pytest.raises(InvalidArgument):
+            c.get("not a key")
+
+
+def test_sync_wait_neither_ends_early_nor_overruns_its_deadline(daemon):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    peer: list = []
+
+    def relay():            # answers HELLO through the real daemon, then goes mute
+        conn, _ = srv.accept()
+        peer.append(conn)
+        up = socket.create_connection(("127.0.0.1", daemon.port))
+        peer.append(up)
+        hello = conn.recv(65536)
+        up.sendall(hello)
+        conn.sendall(up.recv(65536))
+    t = threading.Thread(target=relay, daemon=True)
+    t.start()
+    try:
+        c = Client(f"127.0.0.1:{srv.getsockname()[1]}", timeout=0.4)
+        t0 = time.monotonic()
+        with pytest.raises(Timeout):
+            c.get(key(1))
+        elapsed = time.monotonic() - t0
+        assert 0.39 <= elapsed < 1.0
+        with pytest.raises(ConnectionLost):                 # the connection was closed
+            c.ping()
+    finally:
+        srv.close()
+        for s in peer:
+            s.close()
+
+
+def test_async_client_timeout_keeps_the_connection_and_drops_the_late_reply(daemon):
+    with Client(daemon.addr) as c:
+        c.put(key(1, prefix="late"), b"late" * 25)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    held: list = []
+
+    def relay():            # forwards request/reply pairs; the second reply (the GET) comes 0.6 s late
+        conn, _ = srv.accept()
+        up = socket.create_connection(("127.0.0.1", daemon.port))
+        held.extend((conn, up))
+        n = 0
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                return
+            up.sendall(data)
+            reply = up.recv(65536)
+            n += 1
+            if n == 2:
+                time.sleep(0.6)
+            conn.sendall(reply)
+
+    async def main(port):
+        loop = asyncio.get_running_loop()
+        async with AsyncClient(f"127.0.0.1:{port}", timeout=0.3) as c:
+            t0 = loop.time()
+            with pytest.raises(Timeout):
+                await c.get(key(1, prefix="late"))
+            assert 0.29 <= loop.time() - t0 < 0.6
+            # the same connection goes on; the late GET reply is matched to its id and dropped
+            c.timeout = 5.0
+            assert await c.ping() >= 0
+            assert await c.get(key(1, prefix="late")) == b"late" * 25
+    threading.Thread(target=relay, daemon=True).start()
+    try:
+        asyncio.run(main(srv.getsockname()[1]))
+    finally:
+        srv.close()
+        for s in held:
+            s.close()

@@ -347,3 +347,164 @@ def test_mixed_load_64_clients_60_s_bounded_rss(tmp_path):
         ops, peak = _load(d, 64, 60.0, dram)
         print(f"\nload: 64 clients x 60 s: {ops} ops, {ops / 60:.0f} ops/s, peak RSS {peak / 2**20:.0f} MiB")
         assert peak <= dram * 1.15
+
+
+# --------------------------------------------------------------------------- hot-path pieces
+
+
+def test_key_cache_returns_exactly_what_decode_key_returns_and_stays_bounded():
+    from quillcache.errors import InvalidArgument as BadArg
+    from quillcache.model import decode_key
+    from quillcache.server import KeyCache
+    cache = KeyCache(4)
+    keys = [key(i, prefix="kc") for i in range(10)]
+    raws = [encode_key(k) for k in keys]
+    for k, raw in zip(keys, raws):
+        assert cache.decode(raw) == k == decode_key(raw)
+        assert len(cache) <= 4
+    assert cache.misses == 10 and cache.hits == 0
+    assert cache.decode(raws[-1]) is cache.decode(bytearray(raws[-1]))      # a hit, by value
+    assert cache.hits == 2
+    cache.decode(raws[6])                 # touch: raws[6] is now the most recent
+    for raw in raws[:3]:                  # three new ones push out the three least recent
+        cache.decode(raw)
+    assert cache.decode(raws[6]) == keys[6]
+    hits = cache.hits
+    cache.decode(raws[7])                 # was evicted: decoded again, still right
+    assert cache.hits == hits and cache.decode(raws[7]) == keys[7]
+    with pytest.raises(BadArg):
+        cache.decode(raws[0][:-1])        # truncated: refused, not cached
+    assert raws[0][:-1] not in cache._map
+    assert len(KeyCache(0).decode(raws[0]).block_hash) and len(KeyCache(0)) == 0
+
+
+def test_keys_differing_in_one_field_are_never_mixed_up_over_the_wire(daemon):
+    from quillcache.model import KvBlockKey
+    base = dict(model_id="m", tokenizer_id="t", adapter_id=None, tenant_id="t0", prefix_hash="p",
+                block_hash="b")
+    variants = [KvBlockKey(**base, block_index=i, token_count=tc) for i in range(3) for tc in (63, 64)]
+    variants.append(KvBlockKey(**{**base, "adapter_id": "a"}, block_index=0, token_count=64))
+    with Client(daemon.addr) as c:
+        for i, k in enumerate(variants):
+            c.put(k, content(i, 1000 + i))
+        for _ in range(3):            # the server's decoded-key cache serves the repeats
+            for i, k in enumerate(variants):
+                assert c.get(k) == content(i, 1000 + i)
+                buf = bytearray(2000)
+                assert c.get_into(k, buf) == 1000 + i and bytes(buf[:1000 + i]) == content(i, 1000 + i)
+
+
+def test_a_malformed_get_body_is_refused_by_the_fast_path_and_the_connection_goes_on(daemon):
+    s = raw_connect(daemon.port)
+    k = encode_key(key(1, prefix="bad-get"))
+    bad_len = (len(k) + 5).to_bytes(2, "little") + k          # declared length past the body
+    s.sendall(encode_frame_header(Opcode.GET, 1, header=bad_len)
+              + encode_frame_header(Opcode.GET, 2, header=b"\x00\x00")          # empty key
+              + encode_frame_header(Opcode.GET, 3, header=(3).to_bytes(2, "little") + b"\x07\x00\x01")
+              + encode_frame_header(Opcode.PING, 4))
+    replies = {r.request_id: r for r in read_frames(s, 4)}
+    assert replies[1].opcode == Opcode.ERROR and replies[1].status == InvalidArgument.status
+    assert replies[2].opcode == Opcode.ERROR and replies[2].status == InvalidArgument.status
+    assert replies[3].opcode == Opcode.ERROR and replies[3].status == InvalidArgument.status
+    assert replies[4].status == 0
+    s.close()
+
+
+def test_request_metrics_are_counted_by_opcode_and_status_at_scrape_time(daemon):
+    from tests.test_daemon import metric_value, scrape
+
+    def snapshot():
+        text = scrape(daemon.metrics_port)
+        return (metric_value(text, "quillcache_requests_total", 'opcode="GET",status="OK"'),
+                metric_value(text, "quillcache_requests_total", 'opcode="GET",status="NOT_FOUND"'),
+                metric_value(text, "quillcache_request_seconds_count", 'opcode="GET"'),
+                metric_value(text, "quillcache_request_seconds_bucket", 'le="+Inf",opcode="GET"'),
+                metric_value(text, "quillcache_sent_bytes_total"))
+    ok0, miss0, count0, inf0, sent0 = snapshot()
+    with Client(daemon.addr) as c:
+        c.put(key(1, prefix="metrics"), b"m" * 10_000)
+        buf = bytearray(10_000)
+        for _ in range(7):
+            c.get_into(key(1, prefix="metrics"), buf)
+        for _ in range(3):
+            with pytest.raises(NotFound):
+                c.get(key(2, prefix="metrics"))
+    ok1, miss1, count1, inf1, sent1 = snapshot()
+    assert (ok1 - ok0, miss1 - miss0) == (7, 3)
+    assert count1 - count0 == 10 and inf1 == count1           # +Inf bucket = count
+    assert sent1 - sent0 >= 70_000
+
+
+def test_request_counters_render_as_prometheus_families():
+    from prometheus_client import generate_latest
+    from quillcache.metrics import LATENCY_BUCKETS_S, NodeMetrics
+    m = NodeMetrics("n1", "v")
+    m.observe(int(Opcode.GET), 0, 30e-6)
+    m.observe(int(Opcode.GET), 0, LATENCY_BUCKETS_S[2])       # on a bound: counted in that bucket
+    m.observe(int(Opcode.GET), 3, 99.0)                        # past the last bound: +Inf only
+    m.add_received(123)
+    m.add_sent(456)
+    text = generate_latest(m.registry).decode()
+    assert 'quillcache_requests_total{opcode="GET",status="OK"} 2.0' in text
+    assert 'quillcache_request_seconds_bucket{le="2e-05",opcode="GET"} 0.0' in text
+    assert 'quillcache_request_seconds_bucket{le="5e-05",opcode="GET"} 1.0' in text
+    assert 'quillcache_request_seconds_bucket{le="0.0001",opcode="GET"} 2.0' in text
+    assert 'quillcache_request_seconds_bucket{le="5.0",opcode="GET"} 2.0' in text
+    assert 'quillcache_request_seconds_bucket{le="+Inf",opcode="GET"} 3.0' in text
+    assert 'quillcache_request_seconds_count{opcode="GET"} 3.0' in text
+    assert "quillcache_received_bytes_total 123.0" in text and "quillcache_sent_bytes_total 456.0" in text
+
+
+def test_a_handler_that_suspends_is_finished_by_a_task_with_its_result_and_its_cancellation():
+    import asyncio
+    from quillcache.server import _finish
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        seen = []
+
+        async def handler():
+            await asyncio.sleep(0)              # a bare yield first
+            v = await fut
+            seen.append(v)
+            return v * 2
+
+        coro = handler()
+        first = coro.send(None)                 # what ServerProtocol._spawn does
+        task = loop.create_task(_finish(coro, first))
+        loop.call_later(0.01, fut.set_result, 21)
+        assert await task == 42 and seen == [21]
+
+        never = loop.create_future()
+
+        async def stuck():
+            try:
+                await never
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+
+        coro = stuck()
+        task = loop.create_task(_finish(coro, coro.send(None)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert seen[-1] == "cancelled" and never.cancelled()
+    asyncio.run(main())
+
+
+def test_put_with_a_size_field_that_disagrees_with_the_payload_is_refused(daemon):
+    s = raw_connect(daemon.port)
+    k = encode_key(key(1, prefix="bad-put"))
+    body = messages.encode_put_request(k, 10)
+    s.sendall(encode_frame_header(Opcode.PUT, 1, header=body, payload_length=12) + b"x" * 12
+              + encode_frame_header(Opcode.PING, 2))
+    replies = {r.request_id: r for r in read_frames(s, 2)}
+    assert replies[1].opcode == Opcode.ERROR and replies[1].status == InvalidArgument.status
+    assert replies[2].status == 0
+    s.close()
+    with Client(daemon.addr) as c:
+        with pytest.raises(NotFound):
+            c.get(key(1, prefix="bad-put"))

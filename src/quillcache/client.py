@@ -15,17 +15,29 @@ status; a dropped connection is ``ConnectionLost``; every wait has a deadline
 hold half a reply); the async one keeps it (a late reply is matched and dropped).
 
 Data handed to ``put``/``put_many`` is sent without a copy and must not change until the
-call returns.  ``get``/``get_many`` return ``bytes`` (one copy out of the receive buffer);
-``get_into`` is the zero-copy path.
+call returns.  ``get`` returns ``bytes`` (one copy out of the receive buffer);
+``get_many`` returns a ``memoryview`` per value over buffers of up to
+``GET_MANY_BUFFER_BYTES`` that consecutive values are received into (no second copy; few
+allocations: each fresh buffer costs an mmap or heap growth and its page faults, and
+buffers larger than glibc's 32 MiB mmap ceiling are never reused from the heap);
+``get_into``/``get_many_into`` receive into the caller's buffers (zero copy).
+
+Hot-path choices: encoded keys are cached per client (``KEY_CACHE_ENTRIES``, by key); the
+sync client's socket is blocking with ``SO_RCVTIMEO``/``SO_SNDTIMEO`` (one syscall per
+send/recv, no poll, no timeout change per wait: the kernel timeout is lowered only when a
+deadline is nearer than it); a single GET first reads just the reply's fixed header so the
+payload goes from the socket straight into the destination.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
+import struct
 import time
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
+from quillcache._native.codec import FRAME_OVERHEAD
 from quillcache.config import parse_hostport
 from quillcache.errors import (
     STATUS_CLASSES, CapacityError, ConnectionLost, InvalidArgument, NotFound, ProtocolError,
@@ -38,12 +50,17 @@ from quillcache.protocol import messages
 from quillcache.protocol.connection import ClientProtocolConnection, Reply
 from quillcache.protocol.opcodes import FLAG_DURABLE, InfoFormat, Opcode, PinMode, ProtocolLimits
 
-__all__ = ["Client", "AsyncClient", "parse_info", "DEFAULT_ADDRESS", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Client", "AsyncClient", "parse_info", "DEFAULT_ADDRESS", "DEFAULT_TIMEOUT_S",
+           "KEY_CACHE_ENTRIES", "GET_MANY_BUFFER_BYTES"]
 
 DEFAULT_ADDRESS = "127.0.0.1:7470"
 DEFAULT_TIMEOUT_S = 10.0         # seconds: connect and every wait for a reply
 LIST_PAGE = 1024                 # keys asked per LIST request (capped at the server's max_batch)
 CLIENT_NAME = "quillcache-py"
+KEY_CACHE_ENTRIES = 16384        # encoded keys kept per client (KvBlockKey -> bytes), oldest dropped
+GET_MANY_BUFFER_BYTES = 8 << 20  # bytes: get_many packs consecutive values into buffers of at most this
+MIN_SOCKET_TIMEOUT_S = 0.001     # seconds: the smallest SO_RCVTIMEO set (0 would mean "forever")
+_U16 = struct.Struct("<H")
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -86,10 +103,37 @@ def _dest(buffer) -> memoryview:
     return mv
 
 
-def _key(key) -> bytes:
-    if not isinstance(key, KvBlockKey):
-        raise InvalidArgument(f"key {key!r}: must be a KvBlockKey")
-    return encode_key(key)
+def _timeval(seconds: float) -> bytes:
+    seconds = max(seconds, MIN_SOCKET_TIMEOUT_S)
+    sec = int(seconds)
+    return struct.pack("@ll", sec, int((seconds - sec) * 1e6))
+
+
+def _pack_buffers(sizes: list[int]) -> list[tuple[bytearray, list[memoryview]]]:
+    """Consecutive values packed into buffers of at most GET_MANY_BUFFER_BYTES (a larger
+    value gets its own): ``[(buffer, [view of each value in it])]``, in order."""
+    out: list = []
+    group: list[int] = []
+    total = 0
+
+    def close() -> None:
+        buf = bytearray(total)
+        mv = memoryview(buf)
+        views, pos = [], 0
+        for n in group:
+            views.append(mv[pos:pos + n])
+            pos += n
+        out.append((buf, views))
+
+    for n in sizes:
+        if group and total + n > GET_MANY_BUFFER_BYTES:
+            close()
+            group, total = [], 0
+        group.append(n)
+        total += n
+    if group:
+        close()
+    return out
 
 
 def _status_error(status: int, what: str) -> QuillCacheError:
@@ -146,22 +190,43 @@ class _Ops:
     """Request builders shared by Client and AsyncClient; ``_exec``/``_exec_many`` run them."""
 
     _conn: Optional[ClientProtocolConnection]
+    _keys: dict
 
     @property
     def limits(self) -> ProtocolLimits:
         """The server's limits (from HELLO)."""
         return self._conn.peer_limits if self._conn is not None else ProtocolLimits()
 
+    def _ekey(self, key) -> bytes:
+        """``encode_key(key)``, cached (a key is immutable and its encoding a pure function of it)."""
+        if not isinstance(key, KvBlockKey):
+            raise InvalidArgument(f"key {key!r}: must be a KvBlockKey")
+        cache = self._keys
+        raw = cache.get(key)
+        if raw is None:
+            raw = encode_key(key)
+            if len(cache) >= KEY_CACHE_ENTRIES:
+                del cache[next(iter(cache))]       # the oldest insertion
+            cache[key] = raw
+        return raw
+
+    def _get_header(self, key) -> bytes:
+        """The GET request body of ``key`` (u16 length + key) within the server's limits."""
+        raw = self._ekey(key)
+        if not 0 < len(raw) <= self.limits.max_key_bytes:
+            return messages.encode_get_request(raw, self.limits)     # raises the checked error
+        return _U16.pack(len(raw)) + raw
+
     # each returns the result (Client) or an awaitable of it (AsyncClient)
 
     def put(self, key: KvBlockKey, data, durable: bool = False):
         mv = _payload(data)
-        hdr = messages.encode_put_request(_key(key), mv.nbytes, self.limits)
+        hdr = messages.encode_put_request(self._ekey(key), mv.nbytes, self.limits)
         return self._exec(_Req(Opcode.PUT, hdr, [mv] if mv.nbytes else [],
                                FLAG_DURABLE if durable else 0, None, lambda r: None))
 
     def get(self, key: KvBlockKey):
-        hdr = messages.encode_get_request(_key(key), self.limits)
+        hdr = self._get_header(key)
         holder: list = []
 
         def into(frame):                     # one buffer of the exact size, received into by recv_into
@@ -173,7 +238,7 @@ class _Ops:
 
     def get_into(self, key: KvBlockKey, buffer):
         dst = _dest(buffer)
-        hdr = messages.encode_get_request(_key(key), self.limits)
+        hdr = self._get_header(key)
 
         def into(frame):
             if frame.payload_length > dst.nbytes:
@@ -187,12 +252,12 @@ class _Ops:
         return self._exec(_Req(Opcode.GET, hdr, (), 0, into, finish))
 
     def exists(self, key: KvBlockKey):
-        hdr = messages.encode_keys_request([_key(key)], self.limits, "EXISTS")
+        hdr = messages.encode_keys_request([self._ekey(key)], self.limits, "EXISTS")
         return self._exec(_Req(Opcode.EXISTS, hdr, (), 0, None,
                                lambda r: messages.decode_exists_reply(r.header, self.limits).present[0]))
 
     def exists_many(self, keys: Iterable[KvBlockKey]):
-        keys = [_key(k) for k in keys]
+        keys = [self._ekey(k) for k in keys]
         reqs = [_Req(Opcode.EXISTS, messages.encode_keys_request(c, self.limits, "EXISTS"), (), 0, None,
                      lambda r: messages.decode_exists_reply(r.header, self.limits))
                 for c in _chunks(keys, self.limits.max_batch)]
@@ -207,7 +272,7 @@ class _Ops:
         return self._exec_many(reqs, combine)
 
     def remove(self, key: KvBlockKey):
-        hdr = messages.encode_keys_request([_key(key)], self.limits, "REMOVE")
+        hdr = messages.encode_keys_request([self._ekey(key)], self.limits, "REMOVE")
         return self._exec(_Req(Opcode.REMOVE, hdr, (), 0, None,
                                lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
 
@@ -215,18 +280,20 @@ class _Ops:
         if not isinstance(ttl, (int, float)) or ttl < 0:
             raise InvalidArgument(f"pin ttl {ttl!r}: seconds >= 0 (0 = until unpin)")
         ttl_ms = 0 if ttl == 0 else max(1, int(round(ttl * 1000)))
-        hdr = messages.encode_pin_request([_key(key)], PinMode.HARD if hard else PinMode.SOFT, ttl_ms, self.limits)
+        hdr = messages.encode_pin_request([self._ekey(key)], PinMode.HARD if hard else PinMode.SOFT, ttl_ms, self.limits)
         return self._exec(_Req(Opcode.PIN, hdr, (), 0, None,
                                lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
 
-    def unpin(self, key: KvBlockKey):
-        hdr = messages.encode_unpin_request([_key(key)], PinMode.SOFT, self.limits)
+    def unpin(self, key: KvBlockKey, hard: bool = False):
+        """Drop the key's pin; ``hard`` names the pin mode to drop (sent as the UNPIN mode)."""
+        hdr = messages.encode_unpin_request([self._ekey(key)], PinMode.HARD if hard else PinMode.SOFT,
+                                            self.limits)
         return self._exec(_Req(Opcode.UNPIN, hdr, (), 0, None,
                                lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
 
     def put_many(self, items: Iterable[tuple[KvBlockKey, Any]], durable: bool = False):
         """Store every (key, data); raises the first item's error (after all were tried)."""
-        prepared = [(_key(k), _payload(d)) for k, d in items]
+        prepared = [(self._ekey(k), _payload(d)) for k, d in items]
         lim = self.limits
         reqs, starts = [], []
         i = 0
@@ -256,26 +323,67 @@ class _Ops:
         return self._exec_many(reqs, combine)
 
     def get_many(self, keys: Iterable[KvBlockKey]):
-        """``list[bytes | None]`` in key order: None where the key is not served (not found,
-        or refused by the identity guard)."""
-        keys = [_key(k) for k in keys]
+        """``list[memoryview | None]`` in key order; None where the key is not served (not
+        found, or refused by the identity guard).  Each value is a writable memoryview of
+        exactly its bytes, over one buffer per GET_MANY request that the reply was received
+        into (no copy); it compares equal to the same ``bytes``; ``bytes(v)`` makes an
+        independent copy.  The shared buffer lives as long as any of its views."""
+        return self._get_many(keys, None)
+
+    def get_many_into(self, keys: Iterable[KvBlockKey], buffers: Sequence[Any]):
+        """Receive each key's value straight into the buffer at the same position (writable,
+        C-contiguous; numpy arrays welcome).  Returns ``list[int | None]``: the bytes written
+        into each buffer, None where the key is not served.  Every buffer is checked before
+        anything is sent; a value larger than its buffer raises InvalidArgument (the values of
+        that GET_MANY request are then dropped, other requests' buffers may be filled)."""
+        return self._get_many(keys, buffers)
+
+    def _get_many(self, keys, buffers):
+        keys = [self._ekey(k) for k in keys]
+        dsts = None
+        if buffers is not None:
+            dsts = [_dest(b) for b in buffers]
+            if len(dsts) != len(keys):
+                raise InvalidArgument(f"get_many_into: {len(keys)} keys and {len(dsts)} buffers")
         lim = self.limits
+        mb = lim.max_batch
         reqs = []
-        for chunk in _chunks(keys, lim.max_batch):
+        for start in range(0, len(keys), mb) if keys else (0,):
+            chunk = keys[start:start + mb]
             holder: dict = {}
 
-            def into(frame, holder=holder):
+            def into(frame, holder=holder, start=start, count=len(chunk)):
                 items = messages.decode_get_many_reply(frame.header, frame.payload_length, lim)
-                holder["bufs"] = [bytearray(nb) for st, nb in items if st == 0 and nb]
-                return holder["bufs"]
+                if len(items) != count:
+                    raise ProtocolError(f"GET_MANY reply has {len(items)} items for {count} keys")
+                holder["items"] = items
+                if dsts is None:
+                    bufs = holder["bufs"] = _pack_buffers([nb for st, nb in items if st == 0 and nb])
+                    return [b for b, _ in bufs]
+                views = []
+                for j, (st, nb) in enumerate(items):
+                    if st == 0 and nb:
+                        d = dsts[start + j]
+                        if nb > d.nbytes:
+                            raise InvalidArgument(f"get_many_into: buffer {start + j} has {d.nbytes} bytes, "
+                                                  f"its block is {nb} bytes")
+                        views.append(d[:nb])
+                return views
 
-            def finish(r: Reply, holder=holder):
-                items = messages.decode_get_many_reply(r.header, None, lim)
-                bufs = iter(holder.get("bufs", ()))
-                out = []
+            def finish(r: Reply, holder=holder, count=len(chunk)):
+                items = holder.get("items")
+                if items is None:                   # no payload phase: every value empty or missing
+                    items = messages.decode_get_many_reply(r.header, None, lim)
+                if len(items) != count:
+                    raise ProtocolError(f"GET_MANY reply has {len(items)} items for {count} keys")
+                views = iter([v for _, vs in holder.get("bufs", ()) for v in vs])
+                out: list = []
                 for st, nb in items:
                     if st == 0:
-                        out.append(bytes(next(bufs)) if nb else b"")
+                        if dsts is not None:
+                            out.append(nb)
+                        else:
+                            out.append(next(views) if nb else memoryview(b""))
                     elif st in (NotFound.status, UnsafeReuse.status):
                         out.append(None)
                     else:
@@ -291,15 +399,21 @@ class _Ops:
         hdr = messages.encode_list_request(prefix, min(LIST_PAGE, lim.max_batch), start_after, lim)
         return _Req(Opcode.LIST, hdr, (), 0, None, lambda r: messages.decode_list_reply(r.header, lim))
 
-    def _stats_req(self, fmt: InfoFormat, section: str) -> _Req:
+    def _stats_req(self, fmt: InfoFormat, section: str, raw: bool = False) -> _Req:
         def finish(r: Reply):
             text = bytes(r.payload).decode("utf-8") if r.payload is not None else ""
+            if raw:
+                return text
             return json.loads(text) if fmt == InfoFormat.JSON else parse_info(text)
         return _Req(Opcode.STATS, messages.encode_stats_request(fmt, section), (), 0, None, finish)
 
     def info(self, section: str = ""):
         """INFO sections as ``{"Server": {...}, "Store": {...}, ...}``."""
         return self._exec(self._stats_req(InfoFormat.TEXT, section))
+
+    def info_text(self, section: str = ""):
+        """INFO exactly as the server rendered it (redis-style ``# Section`` / ``key:value`` text)."""
+        return self._exec(self._stats_req(InfoFormat.TEXT, section, raw=True))
 
     def stats(self, section: str = ""):
         return self._exec(self._stats_req(InfoFormat.JSON, section))
@@ -333,9 +447,12 @@ class _SyncConnection(ClientProtocolConnection):
         self.replies: dict[int, Reply] = {}
 
     def _write(self, data: list) -> None:
-        views = [memoryview(b).cast("B") for b in data]
-        views = [v for v in views if v.nbytes]
         try:
+            if len(data) == 1:                  # a request without payload: one bytes object
+                self.sock.sendall(data[0])
+                return
+            views = [memoryview(b).cast("B") for b in data]
+            views = [v for v in views if v.nbytes]
             while views:
                 n = self.sock.sendmsg(views[:1024])     # IOV_MAX
                 while n:
@@ -346,8 +463,9 @@ class _SyncConnection(ClientProtocolConnection):
                     else:
                         views[0] = head[n:]
                         n = 0
-        except socket.timeout:
-            raise Timeout("timed out sending a request") from None
+        except (BlockingIOError, socket.timeout):   # SO_SNDTIMEO expired: part of a frame may be out
+            self.connection_lost(None)
+            raise Timeout("timed out sending a request (connection closed)") from None
         except OSError as exc:
             self.connection_lost(exc)
             raise ConnectionLost(f"connection lost while sending: {exc}") from None
@@ -365,6 +483,7 @@ class Client(_Ops):
         self.address = _address(address)
         self.timeout = float(timeout)
         self._conn: Optional[_SyncConnection] = None
+        self._keys: dict = {}
         self.tenant: Optional[str] = None
         self.server_name = ""
         try:
@@ -375,6 +494,12 @@ class Client(_Ops):
             raise ConnectionLost(f"cannot connect to {self.address[0]}:{self.address[1]}: "
                                  f"{exc.strerror or exc}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Blocking socket, timeouts in the kernel: a recv/send is one syscall (CPython's
+        # timeout mode polls before each one and settimeout() costs an ioctl).
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout))
+        self._recv_timeout = max(self.timeout, MIN_SOCKET_TIMEOUT_S)
         self._sock = sock
         self._conn = _SyncConnection(sock)
         try:
@@ -415,22 +540,38 @@ class Client(_Ops):
         conn = self._check()
         return conn.send_request(req.opcode, req.header, req.views, flags=req.flags, into=req.into)
 
-    def _wait(self, rid: int, deadline: float) -> Reply:
+    def _set_recv_timeout(self, seconds: float) -> None:
+        seconds = max(seconds, MIN_SOCKET_TIMEOUT_S)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+        self._recv_timeout = seconds
+
+    def _wait(self, rid: int, deadline: float, first_read: int = 0) -> Reply:
+        """Receive until the reply to ``rid`` is in; ``first_read`` > 0: when nothing is
+        buffered, read at most that many bytes first (the fixed header of a payload reply,
+        so that the payload then lands straight in its destination)."""
         conn = self._conn
+        replies = conn.replies
         sock = self._sock
-        while rid not in conn.replies:
-            self._check()
+        parser = conn._parser
+        slack = max(MIN_SOCKET_TIMEOUT_S, 0.05 * self.timeout)     # how late a recv may return
+        while rid not in replies:
+            if conn.failed is not None or conn.closed:
+                self._check()
             left = deadline - time.monotonic()
             if left <= 0:
                 self.close()
                 raise Timeout(f"no reply within {self.timeout} s (connection closed)")
-            sock.settimeout(left)
+            r = self._recv_timeout
+            if r > left + slack or r < left - slack:   # the kernel timeout must not outlast the deadline
+                self._set_recv_timeout(left)
             buf = conn.get_buffer(-1)
+            if first_read and parser.buffered == 0 and not parser.in_payload:
+                buf = buf[:first_read]
             try:
                 n = sock.recv_into(buf)
-            except socket.timeout:
-                self.close()
-                raise Timeout(f"no reply within {self.timeout} s (connection closed)") from None
+            except (BlockingIOError, socket.timeout):  # SO_RCVTIMEO expired
+                conn.buffer_updated(0)
+                continue                               # the deadline check above decides
             except OSError as exc:
                 conn.connection_lost(exc)
                 raise ConnectionLost(f"connection lost: {exc}") from None
@@ -439,7 +580,27 @@ class Client(_Ops):
                 conn.connection_lost(None)
                 self._check()
             conn.buffer_updated(n)
-        return conn.replies.pop(rid)
+        return replies.pop(rid)
+
+    def get_into(self, key: KvBlockKey, buffer) -> int:
+        """Receive the block straight into ``buffer`` (writable, C-contiguous); returns its size."""
+        dst = _dest(buffer)
+        hdr = self._get_header(key)
+        cap = dst.nbytes
+
+        def into(frame):
+            if frame.payload_length > cap:
+                raise InvalidArgument(f"get_into: buffer of {cap} bytes, block is "
+                                      f"{frame.payload_length} bytes")
+            return dst
+
+        conn = self._check()
+        rid = conn.send_request(Opcode.GET, hdr, (), into=into)
+        reply = self._wait(rid, time.monotonic() + self.timeout, FRAME_OVERHEAD)
+        if reply.error is not None:
+            raise reply.error
+        p = reply.payload
+        return 0 if p is None else memoryview(p).nbytes
 
     def _exec(self, req: _Req):
         rid = self._send(req)
@@ -490,6 +651,11 @@ class Client(_Ops):
 # --------------------------------------------------------------------------- async client
 
 
+def _expire(fut: asyncio.Future, timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(Timeout(f"no reply within {timeout} s"))
+
+
 class _AsyncConnection(ClientProtocolConnection, asyncio.BufferedProtocol):
     def __init__(self) -> None:
         super().__init__()
@@ -519,9 +685,13 @@ class _AsyncConnection(ClientProtocolConnection, asyncio.BufferedProtocol):
             self.transport.close()
 
     def _write(self, data: list) -> None:
-        if self.transport is None or self.transport.is_closing():
+        t = self.transport
+        if t is None or t.is_closing():
             raise ConnectionLost("connection is closed")
-        self.transport.writelines(data)
+        if len(data) == 1:
+            t.write(data[0])            # a request without payload: no list join
+        else:
+            t.writelines(data)
 
     def _on_reply(self, reply: Reply) -> None:
         fut = self.futures.pop(reply.request_id, None)
@@ -552,6 +722,7 @@ class AsyncClient(_Ops):
         self.timeout = float(timeout)
         self._token = _token(token)
         self._name = client_name
+        self._keys: dict = {}
         self._conn: Optional[_AsyncConnection] = None
         self.tenant: Optional[str] = None
         self.server_name = ""
@@ -600,11 +771,17 @@ class AsyncClient(_Ops):
         return fut
 
     async def _wait(self, fut: asyncio.Future, deadline: float) -> Reply:
-        left = deadline - time.monotonic()
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), max(left, 0.0))
-        except asyncio.TimeoutError:
-            raise Timeout(f"no reply within {self.timeout} s") from None
+        """The reply in ``fut`` by ``deadline``: one timer on the future itself (no
+        wait_for/shield task per request).  On Timeout the request stays pending on the
+        connection: its late reply is matched and dropped."""
+        if not fut.done():
+            left = deadline - time.monotonic()
+            timer = asyncio.get_running_loop().call_later(max(left, 0.0), _expire, fut, self.timeout)
+            try:
+                await fut
+            finally:
+                timer.cancel()
+        return fut.result()
 
     async def _exec(self, req: _Req):
         fut = self._send(req)

@@ -2,9 +2,11 @@
 
 Two kinds of metrics:
 
-* request metrics (requests by opcode and status, latency histograms, bytes in/out,
-  connections, refused HELLOs) are prometheus_client Counters/Histograms updated on the
-  event loop thread as requests complete;
+* request metrics (requests by opcode and status, latency histograms, bytes in/out) are
+  plain Python ints and lists bumped on the event loop thread as requests complete (no
+  lock, no prometheus_client call per request) and turned into metric families by a
+  custom collector at scrape time (``RequestCounters``); connection counts and refused
+  HELLOs (rare events) are ordinary prometheus_client Counters/Gauges;
 * store metrics (tier occupancy, hits/misses, evictions, guard refusals, WAL backend and
   commit latency) come from ``store.stats()``: the daemon calls ``update_store(stats)``
   about once a second on the loop thread and the scrape (prometheus_client's HTTP thread)
@@ -16,14 +18,16 @@ thread) and ``close()`` stops it.
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from quillcache.protocol.opcodes import Opcode, Status
 
-__all__ = ["NodeMetrics", "LATENCY_BUCKETS_S"]
+__all__ = ["NodeMetrics", "RequestCounters", "LATENCY_BUCKETS_S"]
 
 # seconds: request latency buckets, 20 us .. 5 s
 LATENCY_BUCKETS_S = (20e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
@@ -33,6 +37,8 @@ _TIER_COUNTERS = ("hits", "misses", "evictions", "demotions", "promotions")
 _GUARD_REFUSALS = ("tenant", "model", "tokenizer", "adapter")
 _OP_NAMES = {int(op): op.name for op in Opcode if op.name != "INFO"}
 _STATUS_NAMES = {int(s): s.name for s in Status}
+_BUCKET_LABELS = tuple(floatToGoString(b) for b in LATENCY_BUCKETS_S) + ("+Inf",)
+_LATENCY_DOC = "Request latency from its last byte in to its reply handed to the transport"
 
 
 def _num(value) -> Optional[float]:
@@ -103,19 +109,72 @@ class _StoreCollector:
         yield commit
 
 
+class RequestCounters:
+    """Request counts, latency histograms and byte totals kept in plain ints on the loop thread.
+
+    ``observe`` is the only writer (the loop thread); ``collect`` (the scrape thread) copies
+    each dict/list in one C-level call under the GIL, so it sees every counter at some value
+    it had, never a torn one.  A histogram's count is the sum of its bucket copies, so count
+    and buckets always agree (its sum may be one observation ahead or behind).
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, int], int] = {}       # (opcode, status) -> requests
+        self.buckets: dict[int, list[int]] = {}            # opcode -> per-bucket counts (+Inf last)
+        self.sums: dict[int, float] = {}                   # opcode -> seconds observed
+        self.received_bytes = 0
+        self.sent_bytes = 0
+
+    def observe(self, opcode: int, status: int, seconds: float) -> None:
+        key = (opcode, status)
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+        b = self.buckets.get(opcode)
+        if b is None:
+            b = self.buckets[opcode] = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        b[bisect_left(LATENCY_BUCKETS_S, seconds)] += 1   # first bucket with le >= seconds
+        self.sums[opcode] = self.sums.get(opcode, 0.0) + seconds
+
+    def describe(self):
+        yield CounterMetricFamily("quillcache_requests", "Requests answered, by opcode and status",
+                                  labels=["opcode", "status"])
+        yield HistogramMetricFamily("quillcache_request_seconds", _LATENCY_DOC, labels=["opcode"])
+        yield CounterMetricFamily("quillcache_received_bytes", "Bytes received from clients")
+        yield CounterMetricFamily("quillcache_sent_bytes", "Bytes handed to client transports")
+
+    def collect(self):
+        counts = self.counts.copy()
+        buckets = {op: list(b) for op, b in self.buckets.copy().items()}
+        sums = self.sums.copy()
+        req = CounterMetricFamily("quillcache_requests", "Requests answered, by opcode and status",
+                                  labels=["opcode", "status"])
+        for (op, st), n in sorted(counts.items()):
+            req.add_metric([_OP_NAMES.get(op, str(op)), _STATUS_NAMES.get(st, str(st))], n)
+        yield req
+        lat = HistogramMetricFamily("quillcache_request_seconds", _LATENCY_DOC, labels=["opcode"])
+        for op, b in sorted(buckets.items()):
+            cumulative, acc = [], 0
+            for le, n in zip(_BUCKET_LABELS, b):
+                acc += n
+                cumulative.append((le, acc))
+            lat.add_metric([_OP_NAMES.get(op, str(op))], cumulative, sums.get(op, 0.0))
+        yield lat
+        for name, doc, value in (("quillcache_received_bytes", "Bytes received from clients", self.received_bytes),
+                                 ("quillcache_sent_bytes", "Bytes handed to client transports", self.sent_bytes)):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+
+
 class NodeMetrics:
     """Every metric of one node on its own registry (never the global one)."""
 
     def __init__(self, node_id: str = "", version: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("quillcache_requests", "Requests answered, by opcode and status",
-                                ["opcode", "status"], registry=r)
-        self.latency = Histogram("quillcache_request_seconds", "Request latency from its last byte "
-                                 "in to its reply handed to the transport", ["opcode"],
-                                 buckets=LATENCY_BUCKETS_S, registry=r)
-        self.bytes_in = Counter("quillcache_received_bytes", "Bytes received from clients", registry=r)
-        self.bytes_out = Counter("quillcache_sent_bytes", "Bytes handed to client transports", registry=r)
+        # Per-request metrics: plain ints bumped on the loop thread, read at scrape time.
+        self.requests = RequestCounters()
+        r.register(self.requests)
         self.connections = Gauge("quillcache_connections", "Client connections open", registry=r)
         self.connections_total = Counter("quillcache_connections_accepted", "Connections accepted",
                                          registry=r)
@@ -131,23 +190,19 @@ class NodeMetrics:
         self.wal_backend.info({"backend": "none"})
         self._store = _StoreCollector()
         r.register(self._store)
-        self._req_children: dict = {}
-        self._lat_children: dict = {}
         self._server = None
         self._thread: Optional[threading.Thread] = None
 
     def observe(self, opcode: int, status: int, seconds: float) -> None:
-        """One request answered (called on the loop thread)."""
-        key = (opcode, status)
-        child = self._req_children.get(key)
-        if child is None:
-            child = self._req_children[key] = self.requests.labels(
-                _OP_NAMES.get(opcode, str(opcode)), _STATUS_NAMES.get(status, str(status)))
-        child.inc()
-        lat = self._lat_children.get(opcode)
-        if lat is None:
-            lat = self._lat_children[opcode] = self.latency.labels(_OP_NAMES.get(opcode, str(opcode)))
-        lat.observe(seconds)
+        """One request answered (called on the loop thread; the server's hot paths call
+        ``requests.observe`` directly)."""
+        self.requests.observe(opcode, status, seconds)
+
+    def add_received(self, nbytes: int) -> None:
+        self.requests.received_bytes += nbytes
+
+    def add_sent(self, nbytes: int) -> None:
+        self.requests.sent_bytes += nbytes
 
     def set_wal_backend(self, backend: str) -> None:
         self.wal_backend.info({"backend": backend})

@@ -31,30 +31,40 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 from quillcache.auth import Authenticator
+from quillcache._native.codec import encode_frame_header
 from quillcache.errors import (
     Busy, InvalidArgument, NotFound, PermissionDenied, ProtocolError, QuillCacheError, UnsafeReuse,
 )
 from quillcache.model import (
     KEY_FORMAT_VERSION, IdentityScope, KeyError_, KvBlockKey, decode_key, encode_key,
 )
+from quillcache.metrics import RequestCounters
 from quillcache.protocol import messages
 from quillcache.protocol.connection import ProtocolConnection
 from quillcache.protocol.opcodes import (
-    FLAG_DURABLE, FLAG_PAYLOAD_CRC, PROTOCOL_VERSION, InfoFormat, Opcode, PinMode, ProtocolLimits,
+    FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode, PinMode,
+    ProtocolLimits,
 )
 
-__all__ = ["NodeServer", "ServerProtocol", "render_info", "WRITE_HIGH_BYTES", "LEASE_MARGIN_S"]
+__all__ = ["NodeServer", "ServerProtocol", "KeyCache", "render_info", "WRITE_HIGH_BYTES", "LEASE_MARGIN_S",
+           "KEY_CACHE_ENTRIES", "SEND_BUFFER_BYTES"]
 
 log = logging.getLogger("quillcache.server")
 
 WRITE_HIGH_BYTES = 64 << 20      # bytes waiting in a transport before reading pauses
 LEASE_MARGIN_S = 2.0             # seconds: abort a writer whose held lease expires this soon
 PIN_FOREVER_S = 7 * 24 * 3600.0  # seconds: what ttl_ms 0 ("until UNPIN") becomes (store maximum)
+SEND_BUFFER_BYTES = 4 << 20      # SO_SNDBUF of a client connection (the kernel doubles it, caps at wmem_max)
+KEY_CACHE_ENTRIES = 16384        # decoded keys kept per node (encoded bytes -> KvBlockKey), LRU
 _PAYLOAD_OPS = (Opcode.PUT, Opcode.PUT_MANY)
+_GET = int(Opcode.GET)
+_GET_REPLY_FLAGS = FLAG_REPLY
 
 
 # --------------------------------------------------------------------------- helpers
@@ -116,6 +126,58 @@ def _flatten(prefix: str, d: dict, out: dict) -> None:
             out[f"{prefix}{k}"] = "" if v is None else v
 
 
+def _wmem_max() -> int:
+    """net.core.wmem_max (bytes), 0 where it cannot be read."""
+    try:
+        with open("/proc/sys/net/core/wmem_max") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+class KeyCache:
+    """The last ``capacity`` keys decoded, by their encoded bytes (LRU).
+
+    ``decode_key`` is a pure function of the bytes and ``KvBlockKey`` is immutable, so a
+    hit is exactly what decoding again would give; only keys that decoded are kept.  The
+    tenant check stays per request (it depends on the connection, not the bytes).
+    """
+
+    __slots__ = ("capacity", "_map", "hits", "misses")
+
+    def __init__(self, capacity: int = KEY_CACHE_ENTRIES) -> None:
+        if not isinstance(capacity, int) or capacity < 0:
+            raise InvalidArgument(f"key cache capacity {capacity!r}: an integer >= 0")
+        self.capacity = capacity
+        self._map: OrderedDict[bytes, KvBlockKey] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def decode(self, raw: bytes) -> KvBlockKey:
+        """``decode_key(raw)``, from the cache when it was seen lately; raises InvalidArgument."""
+        if type(raw) is not bytes:
+            raw = bytes(raw)
+        m = self._map
+        key = m.get(raw)
+        if key is not None:
+            m.move_to_end(raw)
+            self.hits += 1
+            return key
+        self.misses += 1
+        try:
+            key = decode_key(raw)
+        except KeyError_ as exc:
+            raise InvalidArgument(f"bad key: {exc}") from None
+        if self.capacity:
+            m[raw] = key
+            if len(m) > self.capacity:
+                m.popitem(last=False)
+        return key
+
+
 # --------------------------------------------------------------------------- the node server
 
 
@@ -141,6 +203,12 @@ class NodeServer:
         self.draining = False
         self.protocol_errors = 0
         self.requests = 0
+        self.keys = KeyCache()
+        # A fixed SO_SNDBUF turns the kernel's autotuning off: set it only where the cap
+        # (net.core.wmem_max) lets it be that large, else autotuning does better.
+        self.send_buffer = SEND_BUFFER_BYTES if _wmem_max() >= SEND_BUFFER_BYTES else 0
+        # per-request counters: the metrics' own (read at scrape time) or private ones
+        self.request_counters = metrics.requests if metrics is not None else RequestCounters()
 
     def protocol_factory(self) -> "ServerProtocol":
         return ServerProtocol(self)
@@ -231,6 +299,8 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self._reading_paused = False
         self._tasks: set[asyncio.Task] = set()
         self._metrics = node.metrics
+        self._counters = node.request_counters
+        self._keys = node.keys
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -240,6 +310,12 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         transport.set_write_buffer_limits(high=0, low=0)     # pause/resume = "buffer non-empty/empty"
         node = self.node
+        sock = transport.get_extra_info("socket")
+        if sock is not None and node.send_buffer:
+            try:     # a 4 MiB reply leaves in one writev instead of a write + EPOLLOUT + write
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, node.send_buffer)
+            except OSError:
+                pass
         if len(node.connections) >= node.max_connections:
             if self._metrics is not None:
                 self._metrics.connections_refused.labels("max_connections").inc()
@@ -266,8 +342,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self._release_held()
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._metrics is not None:
-            self._metrics.bytes_in.inc(nbytes)
+        self._counters.received_bytes += nbytes
         super().buffer_updated(nbytes)
         if self.close_requested and self.transport is not None:
             self.transport.close()
@@ -295,8 +370,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         if t is None or t.is_closing():
             return
         t.writelines(data)
-        if self._metrics is not None:
-            self._metrics.bytes_out.inc(sum(memoryview(b).nbytes for b in data))
+        self._counters.sent_bytes += sum([memoryview(b).nbytes for b in data])
         if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
             self._reading_paused = True
             t.pause_reading()
@@ -312,7 +386,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------------ leases held by the transport
 
-    def _hold(self, leases: list) -> None:
+    def _hold(self, leases) -> None:
         t = self.transport
         if t is None or t.is_closing() or t.get_write_buffer_size() == 0:
             for lease in leases:            # written synchronously (or dropped): nothing refers to them
@@ -346,8 +420,8 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
     def _done(self, rid: int, opcode: int, status: int) -> None:
         self.node.requests += 1
         t0 = self._started.pop(rid, None)
-        if self._metrics is not None and t0 is not None:
-            self._metrics.observe(opcode, status, time.perf_counter() - t0)
+        if t0 is not None:
+            self._counters.observe(opcode, status, time.perf_counter() - t0)
 
     def _ok(self, rid: int, opcode: int, body: bytes = b"", views=(), *, crc: bool = False) -> None:
         self.reply_ok(rid, opcode, body, views, payload_crc=crc)
@@ -360,7 +434,20 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self._done(rid, opcode, exc.status if isinstance(exc, QuillCacheError) else 1)
 
     def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+        """Run ``coro`` now, up to its first real suspension; only then give it a task.
+
+        A non-durable PUT's ``put_end`` and most REMOVEs never suspend: they finish (and
+        reply) in this loop turn, without a Task and the loop turn it costs.  The handlers
+        catch their own errors; anything else escaping is logged, as a task's would be.
+        """
+        try:
+            fut = coro.send(None)
+        except StopIteration:
+            return
+        except Exception:
+            log.exception("internal error in a request handler from %s", self.peer)
+            return
+        task = asyncio.get_running_loop().create_task(_finish(coro, fut))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -373,10 +460,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             raise PermissionDenied("authenticate with HELLO first (this node has tenants)")
 
     def _key(self, raw: bytes) -> KvBlockKey:
-        try:
-            key = decode_key(raw)
-        except KeyError_ as exc:
-            raise InvalidArgument(f"bad key: {exc}") from None
+        key = self._keys.decode(raw)
         self._own(key.tenant_id)
         return key
 
@@ -395,8 +479,14 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             self._check_access()
             durable = bool(frame.flags & FLAG_DURABLE)
             if frame.opcode == Opcode.PUT:
-                item = messages.decode_put_request(frame.header, frame.payload_length, self.limits)
-                items = [(self._key(item.key), item.nbytes)]
+                hdr = frame.header
+                n = len(hdr) - 10               # u16 key length + key + u64 nbytes
+                if (0 < n <= self.limits.max_key_bytes and hdr[0] | hdr[1] << 8 == n
+                        and int.from_bytes(hdr[n + 2:], "little") == frame.payload_length):
+                    items = [(self._key(hdr[2:n + 2]), frame.payload_length)]
+                else:                           # the checked way, for its error
+                    item = messages.decode_put_request(hdr, frame.payload_length, self.limits)
+                    items = [(self._key(item.key), item.nbytes)]
             else:
                 decoded = messages.decode_put_many_request(frame.header, frame.payload_length, self.limits)
                 items = [(self._key(i.key), i.nbytes) for i in decoded]
@@ -458,6 +548,9 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
     def _on_request(self, frame) -> None:
         rid = frame.request_id
         op = frame.opcode
+        if op == _GET:
+            self._get(frame)
+            return
         if op in _PAYLOAD_OPS:
             try:
                 self._put_empty(frame)
@@ -509,13 +602,47 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
                  crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
 
     def _get(self, frame) -> None:
-        key = self._key(messages.decode_get_request(frame.header, self.limits))
-        lease = self.store.get(key)
+        """GET, the hot path: no per-request closure, task or dict entry; one writelines."""
+        t0 = time.perf_counter()
+        rid = frame.request_id
         try:
-            self._ok(frame.request_id, Opcode.GET, b"", [lease.view],
-                     crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
+            node = self.node
+            if node.draining or (not self.tenant and not node.auth.open_mode):
+                self._check_access()
+            hdr = frame.header
+            n = len(hdr) - 2
+            # the body is u16 key length + key: anything else goes the checked way for its error
+            if 0 < n <= self.limits.max_key_bytes and hdr[0] | hdr[1] << 8 == n:
+                key = self._keys.decode(hdr[2:])
+            else:
+                key = self._keys.decode(messages.decode_get_request(hdr, self.limits))
+            if not node.auth.open_mode and key.tenant_id != self.tenant:
+                self._own(key.tenant_id)
+            lease = self.store.get(key)
+        except Exception as exc:
+            if self.is_in_flight(rid):
+                self._started[rid] = t0
+                self._err(rid, _GET, exc)
+            return
+        try:
+            if frame.flags & FLAG_PAYLOAD_CRC or self.failed is not None or self.closed:
+                self._started[rid] = t0
+                self._ok(rid, _GET, b"", [lease.view], crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
+                return
+            self._take(rid)
+            size = lease.size
+            head = encode_frame_header(_GET, rid, flags=_GET_REPLY_FLAGS, payload_length=size)
+            t = self.transport
+            if t is not None and not t.is_closing():
+                t.writelines([head, lease.view])
+                self._counters.sent_bytes += len(head) + size
+                if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
+                    self._reading_paused = True
+                    t.pause_reading()
+            node.requests += 1
+            self._counters.observe(_GET, 0, time.perf_counter() - t0)
         finally:
-            self._hold([lease])
+            self._hold((lease,))
 
     def _get_many(self, frame) -> None:
         keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_MANY")]
@@ -601,6 +728,38 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             text = render_info(sections)
         raw = text.encode("utf-8")
         self._ok(frame.request_id, Opcode.STATS, messages.encode_stats_reply(req.format), [raw])
+
+
+class _Resume:
+    """Awaitable that finishes a coroutine which already yielded ``fut`` to its runner: the
+    task waits on ``fut`` and then drives the rest, as if it had run the coroutine itself."""
+
+    __slots__ = ("coro", "fut")
+
+    def __init__(self, coro, fut) -> None:
+        self.coro = coro
+        self.fut = fut
+
+    def __await__(self):
+        coro, fut = self.coro, self.fut
+        self.coro = self.fut = None
+        while True:
+            try:
+                value = yield fut
+            except BaseException as exc:        # the task was cancelled (or the wait raised)
+                try:
+                    fut = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    fut = coro.send(value)
+                except StopIteration as stop:
+                    return stop.value
+
+
+async def _finish(coro, fut):
+    return await _Resume(coro, fut)
 
 
 _HANDLERS: dict[int, Callable[[ServerProtocol, Any], None]] = {
