@@ -16,11 +16,12 @@ import time
 
 import click
 
-from quillcache.config import ConversionError, parse_byte_size, parse_duration
+from quillcache.config import ConversionError, parse_byte_size
 from quillcache.errors import NotFound, QuillCacheError
 
 from quillcache_cli import exitcodes
 from quillcache_cli.ctl_data import exit_code_for, fail
+from quillcache_cli.params import cli_duration
 
 MIN_BLOCK = 16                  # bytes: the (key, version) header every block carries
 MAX_BLOCK = 64 << 20            # bytes: largest --block-size (the node's default max_block)
@@ -43,10 +44,7 @@ def _size(_ctx, _param, value):
 
 
 def _duration(_ctx, _param, value):
-    try:
-        s = parse_duration(value)
-    except ConversionError as exc:
-        raise click.BadParameter(str(exc)) from None
+    s = cli_duration(value)
     if not 0 < s <= MAX_DURATION:
         raise click.BadParameter("must be more than 0 and at most 1h")
     return s

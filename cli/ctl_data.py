@@ -27,7 +27,6 @@ from contextlib import contextmanager
 
 import click
 
-from quillcache.config import ConversionError, parse_duration
 from quillcache.errors import (
     Busy, CapacityError, ConnectionLost, InvalidArgument, NotFound, PermissionDenied,
     ProtocolError, QuillCacheError, ReadOnlyError, Timeout, UnsafeReuse,
@@ -38,6 +37,7 @@ from quillcache.model import (
 )
 
 from quillcache_cli import exitcodes
+from quillcache_cli.params import cli_duration
 
 MAX_INPUT_BYTES = 1 << 30     # bytes: largest block `put` reads (the node's max_payload default)
 READ_CHUNK = 1 << 20          # bytes: stdin is read in chunks of this size
@@ -410,10 +410,7 @@ def rm_cmd(ctx, as_json, **kw):
 # --------------------------------------------------------------------------- pin, unpin
 
 def _ttl(value):
-    try:
-        seconds = parse_duration(value)
-    except ConversionError as exc:
-        raise click.BadParameter(str(exc)) from None
+    seconds = cli_duration(value)
     if not 0 < seconds <= MAX_PIN_TTL:
         raise click.BadParameter("must be more than 0 and at most 7 days (e.g. 60s, 10m, 2h)")
     return seconds

@@ -320,3 +320,12 @@ def test_token_binds_the_tenant_and_a_bad_token_exits_permission(tmp_path):
         assert r.returncode == exitcodes.PERMISSION and b"Traceback" not in r.stderr
     finally:
         n.stop()
+
+
+def test_cli_durations_take_units_or_bare_seconds():
+    import click
+    from quillcache_cli.params import cli_duration
+    assert cli_duration("2") == 2.0 and cli_duration("1.5") == 1.5
+    assert cli_duration("200ms") == pytest.approx(0.2) and cli_duration("2m") == 120.0
+    with pytest.raises(click.BadParameter, match="bare number means seconds"):
+        cli_duration("soon")
