@@ -9,8 +9,8 @@ the p50/p99 latency of one request.  Every GET is checked byte for byte, outside
 
 Servers, each started here on free loopback ports and stopped at the end:
   quillcache   quillcached (the real daemon, DRAM tier) + quillcache.client.Client;
-               single GET lands in a preallocated buffer (get_into); batch GET uses get_many
-               (bytes per value: the client has no get_many_into)
+               single GET lands in a preallocated buffer (get_into); batch GET in slices of
+               one preallocated buffer (get_many_into)
   redis        redis-server --save '' --appendonly no; redis-py with hiredis (pipelines for batch)
   mooncake     mooncake_master (with its HTTP metadata server) + a separate process lending a
                segment, MC_TCP_BIND_ADDRESS=127.0.0.1, protocol tcp; put/get_batch (bytes API)
@@ -245,8 +245,11 @@ class QuillCacheAdapter:
         return self.mv[:n]
 
     def get_many(self, ks):
-        # the client has no get_many_into yet: GET_MANY returns one bytes object per value
-        return self.client.get_many([self._key(k) for k in ks])
+        # GET_MANY straight into slices of one preallocated buffer, as Mooncake's batch_get_into
+        size = self.size
+        views = [self.mv[i * size:(i + 1) * size] for i in range(len(ks))]
+        ns = self.client.get_many_into([self._key(k) for k in ks], views)
+        return [v[:n] for v, n in zip(views, ns)]
 
     def clear(self, keys):
         for k in keys:
