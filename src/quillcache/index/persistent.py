@@ -51,6 +51,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from quillcache.fsutil import fsync_dir
 from quillcache._native.wal import WalReader, WalWriter
 from quillcache.errors import InvalidArgument, QuillCacheError
 from quillcache.index.art import ArtIndex
@@ -345,14 +346,6 @@ class _LazyWorkerMap(_LazyMap):
         self._removed.clear()
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # --------------------------------------------------------------------------- the index
 
 
@@ -634,7 +627,7 @@ class PersistentArtIndex(ArtIndex):
         # rename only after the temp file's data is synced (done in write_checkpoint)
         os.replace(tmp, final)
         # the new name must be durable before the WAL segments it replaces are deleted
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         # last: the log before lsn is now redundant with a durable checkpoint
         self._wal.truncate_before(lsn + 1)
         self._checkpoint_bytes += nbytes

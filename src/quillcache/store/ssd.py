@@ -29,6 +29,7 @@ import time
 from typing import Iterator, Optional
 
 from quillcache import faults
+from quillcache.fsutil import fsync_dir
 from quillcache._native.alloc import MAX_UNITS, OffsetAllocator
 from quillcache._native.crc import crc32c  # any contiguous buffer, in place, GIL released when large
 from quillcache._native.wal import WAL_SEGMENT_BYTES, WalReader, WalWriter
@@ -110,14 +111,6 @@ class _Entry:
         self.handle = handle
         self.lsn = lsn
         self.verified = verified
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _pread_full(fd: int, dst: memoryview, offset: int) -> int:
@@ -227,7 +220,7 @@ class SsdTier:
         if not os.path.isdir(self.directory):
             os.makedirs(self.directory, exist_ok=True)
             # the directory's name must be durable before the files in it are
-            _fsync_dir(os.path.dirname(os.path.abspath(self.directory)))
+            fsync_dir(os.path.dirname(os.path.abspath(self.directory)))
         # the WAL first: its flock makes this the only tier on the directory, and it cuts a
         # torn tail (never acknowledged) before we read the log
         self._wal = WalWriter(wal_dir, segment_bytes=segment_bytes, backend=wal_backend)
@@ -257,7 +250,7 @@ class SsdTier:
             os.posix_fallocate(self._fd, 0, self.capacity)
             os.fsync(self._fd)               # the new size must be durable before extents in it are used
         if created:
-            _fsync_dir(os.path.dirname(os.path.abspath(self.data_path)))   # and the new name
+            fsync_dir(os.path.dirname(os.path.abspath(self.data_path)))   # and the new name
         self._rfd = os.open(self.data_path, os.O_RDONLY | os.O_CLOEXEC)   # buffered reads
         self.direct_io = False
         if direct_io and self.unit >= MIN_DIRECT_UNIT and hasattr(os, "O_DIRECT"):
@@ -483,7 +476,7 @@ class SsdTier:
             os.close(fd)
         faults.killpoint("mid_checkpoint")
         os.rename(tmp, self.checkpoint_path)  # atomic: a crash leaves the old or the new one
-        _fsync_dir(d)                        # the rename is durable before the WAL it covers goes
+        fsync_dir(d)                        # the rename is durable before the WAL it covers goes
         self._wal.truncate_before(lsn + 1)   # only records with lsn <= the checkpoint's are covered
         self._ckpt_base_records = self._committer.records
         self._ckpt_wal_bytes = self._wal.stats()["bytes_written"]
