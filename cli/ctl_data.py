@@ -247,17 +247,8 @@ def info_cmd(ctx, section, as_json):
         if _want_json(ctx, as_json):
             click.echo(json.dumps(client.stats(section), indent=2))
         else:
-            click.echo(render_info(client.info(section)), nl=False)
-
-
-def render_info(sections: dict) -> str:
-    """``{section: {key: value}}`` back to INFO text (the client hands INFO over parsed)."""
-    out = []
-    for name, values in sections.items():
-        out.append(f"# {name}")
-        out += [f"{k}:{v}" for k, v in values.items()]
-        out.append("")
-    return "\n".join(out)
+            # the node's own text, verbatim but for its CRLF line ends
+            click.echo(client.info_text(section).replace("\r\n", "\n"), nl=False)
 
 
 @click.command("stats")
