@@ -388,14 +388,7 @@ def rm_cmd(ctx, as_json, **kw):
     with node(ctx) as client:
         key = build_key(client, kw)
         removed = client.remove(key)
-    if _want_json(ctx, as_json):
-        click.echo(json.dumps({"removed": bool(removed), **key_json(key)}))
-    elif removed:
-        click.echo("removed", err=True)
-    if not removed:
-        if not _want_json(ctx, as_json):
-            click.echo("quillctl: not found", err=True)
-        sys.exit(exitcodes.NOT_FOUND)
+    _report_flag(ctx, as_json, "removed", removed, key)
 
 
 # --------------------------------------------------------------------------- pin, unpin
