@@ -22,7 +22,7 @@ START_TIMEOUT_S = 30.0
 
 
 def base_toml(port: int, metrics_port: int, data_dir: Path, *, ssd: bool = False, dram: str = "64MiB",
-              max_block: str = "8MiB", extra: str = "") -> str:
+              max_block: str = "8MiB", ssd_capacity: str = "64MiB", extra: str = "") -> str:
     text = f"""
 [node]
 listen = "127.0.0.1:{port}"
@@ -36,7 +36,7 @@ max_block = "{max_block}"
 
 [ssd]
 enabled = {"true" if ssd else "false"}
-capacity = "64MiB"
+capacity = "{ssd_capacity}"
 direct_io = false
 
 [metrics]
@@ -63,13 +63,14 @@ class Daemon:
 
     def __init__(self, tmp_path: Path, *, ssd: bool = False, sections: dict[str, str] | None = None,
                  dram: str = "64MiB", max_block: str = "8MiB", env: dict | None = None,
-                 data_dir: Path | None = None, port: int | None = None) -> None:
+                 data_dir: Path | None = None, port: int | None = None, ssd_capacity: str = "64MiB") -> None:
         self.tmp = Path(tmp_path)
         self.port = port or free_port()
         self.metrics_port = free_port()
         self.data_dir = data_dir or self.tmp / "data"
         self.config = self.tmp / f"quillcache-{self.port}.toml"
         self.log_path = self.tmp / f"quillcached-{self.port}.log"
+        self.ssd_capacity = ssd_capacity
         self.write_config(ssd=ssd, sections=sections, dram=dram, max_block=max_block)
         self.env = dict(os.environ, **(env or {}))
         self.proc: subprocess.Popen | None = None
@@ -80,10 +81,13 @@ class Daemon:
 
     def write_config(self, *, ssd: bool = False, sections: dict[str, str] | None = None,
                      dram: str = "64MiB", max_block: str = "8MiB") -> None:
-        text = base_toml(self.port, self.metrics_port, self.data_dir, ssd=ssd, dram=dram, max_block=max_block)
+        text = base_toml(self.port, self.metrics_port, self.data_dir, ssd=ssd, dram=dram, max_block=max_block,
+                         ssd_capacity=self.ssd_capacity)
         self.config.write_text(merge_toml(text, dict(sections or {})))
 
     def start(self, wait: bool = True) -> "Daemon":
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("this Daemon is already running (a second start would leak it)")
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([QUILLCACHED, "--config", str(self.config)], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=self.env)
@@ -375,14 +379,27 @@ def test_durable_put_reads_back_after_a_clean_restart(tmp_path):
         d.stop()
 
 
+KILL9_SSD_CAPACITY = 256 << 20      # bytes
+KILL9_WRITERS = 4
+# Each writer stops at this many bytes, so the SSD tier can never fill up and evict: an
+# acknowledged put missing after the restart is then a loss, never a cache eviction.  At
+# ~40 MB/s here the writers are still busy at the kill (1.5 s); padding to 4 KiB units
+# adds at most 4 KiB a put (a few MiB in all), well inside the margin.
+KILL9_WRITER_BYTES = KILL9_SSD_CAPACITY * 3 // 4 // KILL9_WRITERS
+
+
 def _durable_writer(addr: str, start: int, stop: threading.Event, acked: list, errors: list) -> None:
     i = start
+    written = 0
     try:
         with Client(addr, timeout=10) as c:
             while not stop.is_set():
                 size = 1 + (i * 7919) % 60_000
+                if written + size > KILL9_WRITER_BYTES:
+                    return
                 c.put(key(i), content(i, size), durable=True)
                 acked.append((i, size))
+                written += size
                 i += 1
     except Exception as exc:            # the kill -9 ends every writer with ConnectionLost
         errors.append(exc)
@@ -390,12 +407,13 @@ def _durable_writer(addr: str, start: int, stop: threading.Event, acked: list, e
 
 def test_kill_9_under_write_through_load_loses_no_acknowledged_put(tmp_path):
     _ssd_or_skip()
-    d = Daemon(tmp_path, ssd=True, sections={"store": 'policy = "write_through"'}).start()
+    d = Daemon(tmp_path, ssd=True, sections={"store": 'policy = "write_through"'},
+               ssd_capacity=f"{KILL9_SSD_CAPACITY >> 20}MiB").start()
     acked: list = []
     errors: list = []
     stop = threading.Event()
     writers = [threading.Thread(target=_durable_writer, args=(d.addr, n * 1_000_000, stop, acked, errors))
-               for n in range(4)]
+               for n in range(KILL9_WRITERS)]
     for t in writers:
         t.start()
     time.sleep(1.5)
