@@ -276,6 +276,13 @@ SETTINGS: tuple[Setting, ...] = (
        "Write block bytes with O_DIRECT where the filesystem allows it."),
     _s("ssd", "verify", _choice("lazy", "eager"), "lazy", False,
        "When recovery checks each block's CRC32C: on its first read (lazy) or at start (eager)."),
+    _s("ssd", "promote_on_get", _bool, True, True,
+       "A get of a block only on SSD copies it into DRAM when there is room; false: DRAM is left "
+       "to puts and such gets are sent from the data file (sendfile, checked end to end by the "
+       "stored CRC32C)."),
+    _s("ssd", "sendfile", _bool, True, False,
+       "Send a GET served from the data file with sendfile(2); false: preadv into a buffer, then "
+       "write (for filesystems whose sendfile is slow or missing)."),
     _s("wal", "sync", _choice("group", "always"), "group", False,
        "group: one vectored write and one fsync per commit window; always: one per record."),
     _s("wal", "commit_window", parse_duration, "1ms", True,

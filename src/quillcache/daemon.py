@@ -146,7 +146,8 @@ class Node:
             high_watermark=cfg.store.high_watermark, low_watermark=cfg.store.low_watermark,
             demote_after_s=cfg.store.demote_after or None, lease_s=cfg.store.lease,
             guard_mode=cfg.guard.mode, max_block_bytes=cfg.store.max_block,
-            put_timeout_s=cfg.store.put_timeout, hugepages=cfg.store.hugepages, prefault=cfg.store.prefault)
+            put_timeout_s=cfg.store.put_timeout, hugepages=cfg.store.hugepages, prefault=cfg.store.prefault,
+            promote_on_get=cfg.ssd.promote_on_get)
         limits = ProtocolLimits(max_header_bytes=cfg.limits.max_header, max_payload_bytes=cfg.limits.max_payload,
                                 max_batch=cfg.limits.max_batch, max_in_flight=cfg.limits.max_inflight)
         auth = Authenticator(cfg.auth.tenants, cfg.auth.max_failed_hellos)
@@ -159,7 +160,8 @@ class Node:
             self.metrics.set_wal_backend(wal_backend)
         self.server = NodeServer(self.store, limits=limits, auth=auth, metrics=self.metrics,
                                  max_connections=cfg.limits.max_connections, node_id=self.node_id,
-                                 version=__version__, ssd=self.ssd)
+                                 version=__version__, ssd=self.ssd,
+                                 sendfile=cfg.ssd.sendfile)
         self.server.wal_backend = wal_backend
         loop = asyncio.get_running_loop()
         host, port = cfg.node.listen
@@ -268,6 +270,8 @@ class Node:
             store.lease_s = float(value)
         elif name == "store.put_timeout":
             store.put_timeout_s = float(value)
+        elif name == "ssd.promote_on_get":
+            store.promote_on_get = bool(value)
         elif name == "guard.mode":
             from quillcache.store.guard import GUARD_MODES
             if value not in GUARD_MODES:

@@ -1,7 +1,7 @@
 """Small filesystem helpers shared by the durable parts (SSD tier, persistent index)."""
 import os
 
-__all__ = ["fsync_dir"]
+__all__ = ["fsync_dir", "pread_full"]
 
 
 def fsync_dir(path: str) -> None:
@@ -11,3 +11,14 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def pread_full(fd: int, dst: memoryview, offset: int) -> int:
+    """Read ``len(dst)`` bytes at ``offset`` into ``dst``; fewer only at the end of the file."""
+    done, want = 0, len(dst)
+    while done < want:
+        n = os.preadv(fd, [dst[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done

@@ -109,6 +109,9 @@ class _StoreCollector:
         yield commit
 
 
+_SENDFILE_DOC = "Of the bytes sent, those sent from the SSD data file by sendfile"
+
+
 class RequestCounters:
     """Request counts, latency histograms and byte totals kept in plain ints on the loop thread.
 
@@ -124,6 +127,7 @@ class RequestCounters:
         self.sums: dict[int, float] = {}                   # opcode -> seconds observed
         self.received_bytes = 0
         self.sent_bytes = 0
+        self.sendfile_bytes = 0                            # of sent_bytes: by sendfile from the SSD file
 
     def observe(self, opcode: int, status: int, seconds: float) -> None:
         key = (opcode, status)
@@ -141,6 +145,7 @@ class RequestCounters:
         yield HistogramMetricFamily("quillcache_request_seconds", _LATENCY_DOC, labels=["opcode"])
         yield CounterMetricFamily("quillcache_received_bytes", "Bytes received from clients")
         yield CounterMetricFamily("quillcache_sent_bytes", "Bytes handed to client transports")
+        yield CounterMetricFamily("quillcache_sendfile_bytes", _SENDFILE_DOC)
 
     def collect(self):
         counts = self.counts.copy()
@@ -160,7 +165,8 @@ class RequestCounters:
             lat.add_metric([_OP_NAMES.get(op, str(op))], cumulative, sums.get(op, 0.0))
         yield lat
         for name, doc, value in (("quillcache_received_bytes", "Bytes received from clients", self.received_bytes),
-                                 ("quillcache_sent_bytes", "Bytes handed to client transports", self.sent_bytes)):
+                                 ("quillcache_sent_bytes", "Bytes handed to client transports", self.sent_bytes),
+                                 ("quillcache_sendfile_bytes", _SENDFILE_DOC, self.sendfile_bytes)):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c

@@ -9,6 +9,13 @@ Zero copy on both paths:
   the payload is complete and ``put_abort`` on an error or a disconnect.
 * GET/GET_MANY replies are ``transport.writelines([header, lease.view, ...])``: the
   payload goes from the arena to the transport without a Python copy.
+* A GET served from the SSD tier without promotion (``[ssd] promote_on_get = false``, or
+  no DRAM room) is sent from the data file with ``os.sendfile`` on the socket, when the
+  transport has nothing buffered (else bytes written directly would overtake the buffered
+  ones).  Whatever the socket does not take at once is read (``preadv``) in the same step
+  and handed to the transport behind it.  Such a reply always carries the block's stored
+  CRC32C as its payload CRC trailer: the node does not look at sendfile'd bytes, the
+  client checks them against the CRC taken at put time.
 
 Lease lifetime on the GET path (the decision): a lease is held until the transport has
 handed every byte of it to the kernel.  The write-buffer limits are set to 0, so the
@@ -32,11 +39,13 @@ import json
 import logging
 import os
 import socket
+import struct
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 from quillcache.auth import Authenticator
+from quillcache.fsutil import pread_full
 from quillcache._native.codec import encode_frame_header
 from quillcache.errors import (
     Busy, InvalidArgument, NotFound, PermissionDenied, ProtocolError, QuillCacheError, UnsafeReuse,
@@ -48,8 +57,8 @@ from quillcache.metrics import RequestCounters
 from quillcache.protocol import messages
 from quillcache.protocol.connection import ProtocolConnection
 from quillcache.protocol.opcodes import (
-    FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode, PinMode,
-    ProtocolLimits,
+    FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, FRAME_OVERHEAD, PROTOCOL_VERSION, InfoFormat, Opcode,
+    PinMode, ProtocolLimits,
 )
 
 __all__ = ["NodeServer", "ServerProtocol", "KeyCache", "render_info", "WRITE_HIGH_BYTES", "LEASE_MARGIN_S",
@@ -65,6 +74,8 @@ KEY_CACHE_ENTRIES = 16384        # decoded keys kept per node (encoded bytes -> 
 _PAYLOAD_OPS = (Opcode.PUT, Opcode.PUT_MANY)
 _GET = int(Opcode.GET)
 _GET_REPLY_FLAGS = FLAG_REPLY
+_EXTENT_REPLY_FLAGS = FLAG_REPLY | FLAG_PAYLOAD_CRC
+_U32 = struct.Struct("<I")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -186,7 +197,7 @@ class NodeServer:
 
     def __init__(self, store, *, limits: Optional[ProtocolLimits] = None, auth: Optional[Authenticator] = None,
                  metrics=None, max_connections: int = 4096, node_id: str = "", version: str = "",
-                 ssd=None, lease_margin_s: float = LEASE_MARGIN_S) -> None:
+                 ssd=None, lease_margin_s: float = LEASE_MARGIN_S, sendfile: bool = True) -> None:
         self.store = store
         self.limits = limits or ProtocolLimits()
         self.auth = auth or Authenticator()
@@ -209,6 +220,7 @@ class NodeServer:
         self.send_buffer = SEND_BUFFER_BYTES if _wmem_max() >= SEND_BUFFER_BYTES else 0
         # per-request counters: the metrics' own (read at scrape time) or private ones
         self.request_counters = metrics.requests if metrics is not None else RequestCounters()
+        self.sendfile = sendfile and hasattr(os, "sendfile")   # GETs of SSD extents by sendfile
 
     def protocol_factory(self) -> "ServerProtocol":
         return ServerProtocol(self)
@@ -256,7 +268,9 @@ class NodeServer:
             "listen": self.listen, "mode": "open" if self.auth.open_mode else "auth",
             "connections": len(self.connections), "requests": self.requests,
             "requests_in_flight": self.in_flight, "protocol_errors": self.protocol_errors,
-            "draining": self.draining,
+            "draining": self.draining, "received_bytes": self.request_counters.received_bytes,
+            "sent_bytes": self.request_counters.sent_bytes,
+            "sendfile_bytes": self.request_counters.sendfile_bytes,
         }
         if self.auth.open_mode:
             server["mode_note"] = "open mode (no tenants configured)"
@@ -301,6 +315,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self._metrics = node.metrics
         self._counters = node.request_counters
         self._keys = node.keys
+        self._fd = -1                             # the socket's fd, for sendfile (-1: not available)
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -311,6 +326,11 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=0, low=0)     # pause/resume = "buffer non-empty/empty"
         node = self.node
         sock = transport.get_extra_info("socket")
+        if sock is not None and node.sendfile and sock.family in (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX):
+            try:
+                self._fd = sock.fileno()
+            except (OSError, ValueError):
+                self._fd = -1
         if sock is not None and node.send_buffer:
             try:     # a 4 MiB reply leaves in one writev instead of a write + EPOLLOUT + write
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, node.send_buffer)
@@ -618,11 +638,21 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
                 key = self._keys.decode(messages.decode_get_request(hdr, self.limits))
             if not node.auth.open_mode and key.tenant_id != self.tenant:
                 self._own(key.tenant_id)
-            lease = self.store.get(key)
+            lease = self.store.get(key, extent_ok=self._fd >= 0)
         except Exception as exc:
             if self.is_in_flight(rid):
                 self._started[rid] = t0
                 self._err(rid, _GET, exc)
+            return
+        if lease.extent is not None:
+            try:
+                self._take(rid)
+                if self.failed is None and not self.closed:
+                    self._send_extent(rid, *lease.extent)
+            finally:
+                lease.release()             # everything was read from the file in this step
+            node.requests += 1
+            self._counters.observe(_GET, 0, time.perf_counter() - t0)
             return
         try:
             if frame.flags & FLAG_PAYLOAD_CRC or self.failed is not None or self.closed:
@@ -643,6 +673,52 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             self._counters.observe(_GET, 0, time.perf_counter() - t0)
         finally:
             self._hold((lease,))
+
+    def _send_extent(self, rid: int, fd: int, offset: int, length: int, crc: int) -> None:
+        """The GET reply for a verified SSD extent: header, sendfile, then whatever the socket
+        did not take (preadv, to the transport), then the stored CRC32C as the trailer."""
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        head = encode_frame_header(_GET, rid, flags=_EXTENT_REPLY_FLAGS, payload_length=length)
+        sent = 0
+        sock = self._fd
+        if sock >= 0 and t.get_write_buffer_size() == 0:
+            # Nothing is queued in the transport, so bytes written to the socket here are in
+            # order; from the first byte it does not take, the rest goes through the transport.
+            try:
+                w = os.write(sock, head)
+                head = head[w:]
+                while not head and sent < length:
+                    n = os.sendfile(sock, fd, offset + sent, length - sent)
+                    if n == 0:
+                        break                          # past the end of the file: preadv says so below
+                    sent += n
+            except BlockingIOError:
+                pass
+            except OSError:
+                pass          # a broken connection: the transport's own write reports it below
+        parts = [head] if head else []
+        rest = length - sent
+        if rest:
+            buf = bytearray(rest)
+            got = pread_full(fd, memoryview(buf), offset + sent)
+            if got != rest:
+                # The reply's length is promised (and maybe partly sent): the stream cannot
+                # be continued.  A preallocated data file makes this an I/O fault.
+                log.error("SSD data file short read (%d of %d bytes at %d): closing the connection from %s",
+                          got, rest, offset + sent, self.peer)
+                t.abort()
+                return
+            parts.append(buf)
+        parts.append(_U32.pack(crc))
+        t.writelines(parts)
+        counters = self._counters
+        counters.sent_bytes += FRAME_OVERHEAD + length + 4
+        counters.sendfile_bytes += sent
+        if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
+            self._reading_paused = True
+            t.pause_reading()
 
     def _get_many(self, frame) -> None:
         keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_MANY")]

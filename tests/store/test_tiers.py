@@ -433,3 +433,44 @@ def test_put_timeout_setter_refuses_non_positive_and_updates_the_arena():
         store.put_timeout_s = 0
     store.put_timeout_s = 5.0
     assert store.put_timeout_s == 5.0 and store._dram.put_timeout_s == 5.0
+
+
+def test_ssd_only_block_comes_as_a_verified_extent_only_when_asked_and_not_promoted(ssd_mod, tmp_path):
+    async def scenario():
+        ssd = await _open_ssd(tmp_path, 64 * BLOCK)
+        store = LocalKvStore(2 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through",
+                             promote_on_get=False)
+        for i in (1, 2, 3):
+            await store.put(key(i), data(i))            # 3 evicts clean 1 from DRAM: SSD only
+        with store.get(key(1), extent_ok=True) as lease:
+            fd, offset, length, crc = lease.extent
+            assert lease.view is None and lease.tier == "ssd" and lease.size == length == BLOCK
+            assert os.pread(fd, length, offset) == data(1) and crc == ssd_mod.crc32c(data(1))
+        with store.get(key(1)) as lease:                # not asked: bytes, still not promoted
+            assert lease.extent is None and bytes(lease.view) == data(1)
+        assert store.stats()["ssd"]["extent_leases"] == 1 and store.stats()["ssd"]["promotions"] == 0
+        with store.get(key(2), extent_ok=True) as lease:   # in DRAM: a view, never an extent
+            assert lease.extent is None and lease.tier == "dram"
+        store.promote_on_get = True                        # room now (2 leases released): promoted
+        await store.remove(key(3))
+        with store.get(key(1), extent_ok=True) as lease:
+            assert lease.extent is None and lease.tier == "dram" and bytes(lease.view) == data(1)
+        assert store.stats()["store"]["leases"] == 0
+        await store.close()
+    run(scenario())
+
+
+def test_unverified_ssd_block_is_read_and_checked_before_it_is_offered_as_an_extent(ssd_mod, tmp_path):
+    async def scenario():
+        ssd = await _open_ssd(tmp_path, 64 * BLOCK)
+        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through")
+        await store.put(key(1), data(1))
+        await store.close()
+        ssd = ssd_mod.SsdTier(str(tmp_path / "ssd"), 64 * BLOCK, verify="lazy")   # recovered: unverified
+        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, promote_on_get=False)
+        with store.get(key(1), extent_ok=True) as lease:
+            assert lease.extent is None and bytes(lease.view) == data(1)     # read + CRC checked
+        with store.get(key(1), extent_ok=True) as lease:
+            assert lease.extent is not None and lease.extent[3] == ssd_mod.crc32c(data(1))
+        await store.close()
+    run(scenario())

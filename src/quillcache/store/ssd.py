@@ -29,7 +29,7 @@ import time
 from typing import Iterator, Optional
 
 from quillcache import faults
-from quillcache.fsutil import fsync_dir
+from quillcache.fsutil import fsync_dir, pread_full
 from quillcache._native.alloc import MAX_UNITS, OffsetAllocator
 from quillcache._native.crc import crc32c  # any contiguous buffer, in place, GIL released when large
 from quillcache._native.wal import WAL_SEGMENT_BYTES, WalReader, WalWriter
@@ -111,16 +111,6 @@ class _Entry:
         self.handle = handle
         self.lsn = lsn
         self.verified = verified
-
-
-def _pread_full(fd: int, dst: memoryview, offset: int) -> int:
-    done = 0
-    while done < len(dst):
-        n = os.preadv(fd, [dst[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
 
 
 class _BouncePool:
@@ -439,7 +429,7 @@ class SsdTier:
             ok = True
             while done < e.length:
                 k = min(len(buf), e.length - done)
-                if _pread_full(self._rfd, bmv[:k], e.offset + done) != k:
+                if pread_full(self._rfd, bmv[:k], e.offset + done) != k:
                     ok = False
                     break
                 crc = crc32c(bmv[:k], crc)
@@ -642,7 +632,7 @@ class SsdTier:
         if len(mv) < e.length:
             raise InvalidArgument(f"buffer of {len(mv)} bytes is smaller than the {e.length}-byte block")
         dst = mv[:e.length]
-        n = _pread_full(self._rfd, dst, e.offset)
+        n = pread_full(self._rfd, dst, e.offset)
         if n != e.length or crc32c(dst) != e.crc:
             dst[:] = bytes(e.length)
             self._drop(key, e, "short read" if n != e.length else "CRC32C mismatch")
@@ -661,15 +651,19 @@ class SsdTier:
         return memoryview(buf)
 
     def extent_of(self, key: KvBlockKey):
-        """(fd, offset, length) for sendfile, or None when absent or not verified yet.
+        """(fd, offset, length, crc32c) for sendfile, or None when absent or not verified yet.
 
         Only blocks whose bytes were checked (written by this process, verified at recovery
-        or by a read) are offered: call read_into once first.  The extent stays valid until
-        the key is removed or overwritten (which can happen at the caller's next await)."""
+        or by a read) are offered: call read_into once first.  A sendfile copy is not checked
+        again here: send ``crc32c`` along (the protocol's payload CRC trailer) so that the
+        receiver does.  The extent stays valid until the key is removed or overwritten (which
+        can happen at the caller's next await); read it within one synchronous step."""
+        if self._closed:
+            return None
         e = self._map.get(key)
         if e is None or not e.verified:
             return None
-        return (self._rfd, e.offset, e.length)
+        return (self._rfd, e.offset, e.length, e.crc)
 
     def contains(self, key: KvBlockKey) -> bool:
         return key in self._map

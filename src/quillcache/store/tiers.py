@@ -82,15 +82,18 @@ class PutHandle:
 class Lease:
     """A get's hold on a block: ``view`` (read-only) is valid until release or expiry."""
 
-    __slots__ = ("key", "view", "size", "tier", "expires_at", "_store", "_slot", "_id")
+    __slots__ = ("key", "view", "extent", "size", "tier", "expires_at", "_store", "_slot", "_id")
 
-    def __init__(self, store: "LocalKvStore", key: KvBlockKey, view: memoryview, tier: str,
-                 slot: Optional[Slot], expires_at: float, lease_id: int):
+    def __init__(self, store: "LocalKvStore", key: KvBlockKey, view: Optional[memoryview], tier: str,
+                 slot: Optional[Slot], expires_at: float, lease_id: int, extent: Optional[tuple] = None):
         self._store = store
         self.key = key                   # the key served (another identity's only in modes tenant/off)
-        self.view = view
-        self.size = len(view)
-        self.tier = tier                 # "dram" or "ssd" (read into a temporary buffer)
+        self.view = view                 # None for an extent lease
+        # (fd, offset, length, crc32c) of a verified SSD extent, instead of a view: only for
+        # get(extent_ok=True).  Read it (sendfile) before the next await; send the CRC along.
+        self.extent = extent
+        self.size = len(view) if view is not None else extent[2]
+        self.tier = tier                 # "dram", or "ssd" (a temporary buffer or an extent)
         self._slot = slot
         self.expires_at = expires_at
         self._id = lease_id
@@ -122,7 +125,8 @@ class LocalKvStore:
                  put_timeout_s: float = DEFAULT_PUT_TIMEOUT_S, hugepages: bool = False,
                  prefault: bool = False, max_leases: int = DEFAULT_MAX_LEASES,
                  max_inflight_puts: int = DEFAULT_MAX_INFLIGHT_PUTS,
-                 max_hard_pin_fraction: float = DEFAULT_MAX_HARD_PIN_FRACTION):
+                 max_hard_pin_fraction: float = DEFAULT_MAX_HARD_PIN_FRACTION,
+                 promote_on_get: bool = True):
         if policy not in WRITE_POLICIES:
             raise InvalidArgument(f"policy {policy!r}: must be one of {', '.join(WRITE_POLICIES)}")
         if policy == "write_through" and ssd is None:
@@ -152,6 +156,9 @@ class LocalKvStore:
         self.demote_after_s = demote_after_s
         self.lease_s = float(lease_s)
         self.max_leases = max_leases
+        # A get of an SSD-only block copies it into DRAM when there is room (True), or leaves
+        # DRAM to puts and serves it from the SSD tier each time (False; reloadable).
+        self.promote_on_get = bool(promote_on_get)
         self.max_inflight_puts = max_inflight_puts
         self.max_hard_pin_bytes = int(self._dram.capacity * max_hard_pin_fraction)
         self._dram_lru = make_policy(eviction)
@@ -166,6 +173,7 @@ class LocalKvStore:
         self._busy: set[KvBlockKey] = set()               # demotion / SSD write in flight
         self._ssd_garbage: set[KvBlockKey] = set()        # stale SSD copies to remove
         self._stats = {"dram": dict.fromkeys(_TIER_COUNTERS, 0), "ssd": dict.fromkeys(_TIER_COUNTERS, 0)}
+        self._stats["ssd"]["extent_leases"] = 0           # SSD hits handed out as extents (sendfile)
         self._counters = {"puts": 0, "puts_aborted": 0, "puts_reaped": 0, "leases_expired": 0,
                           "dropped_dirty": 0, "removes": 0, "unsafe_served": 0}
         self.closed = False
@@ -393,8 +401,13 @@ class LocalKvStore:
             self._counters["unsafe_served"] += 1
         return self._entries[served]
 
-    def get(self, key: KvBlockKey) -> Lease:
-        """A lease on the block's bytes (read-only view); release it (or use ``with``)."""
+    def get(self, key: KvBlockKey, *, extent_ok: bool = False) -> Lease:
+        """A lease on the block's bytes (read-only view); release it (or use ``with``).
+
+        ``extent_ok``: the caller can send from a file (sendfile).  Then a block served from
+        the SSD tier without being promoted (``promote_on_get`` off, or no DRAM room now)
+        whose bytes were verified in this process comes as a lease with ``view`` None and
+        ``extent`` = (fd, offset, length, crc32c), valid until the caller's next await."""
         self._check_open()
         self._check_key(key)
         if len(self._leases) >= self.max_leases:
@@ -409,15 +422,26 @@ class LocalKvStore:
             self._dram_lru.touch(served)
             return self._new_lease(served, self._dram.acquire(slot), "dram", slot, now)
         self._stats["dram"]["misses"] += 1
-        return self._get_from_ssd(entry, now)
+        return self._get_from_ssd(entry, now, extent_ok)
 
-    def _get_from_ssd(self, entry: _Entry, now: float) -> Lease:
+    def _get_from_ssd(self, entry: _Entry, now: float, extent_ok: bool = False) -> Lease:
         key = entry.key
         ssd = self._ssd
-        try:
-            pending = self._dram.put_start(key, entry.size)   # promote only if there is room now
-        except CapacityError:
-            pending = None
+        pending = None
+        if self.promote_on_get:
+            try:
+                pending = self._dram.put_start(key, entry.size)   # promote only if there is room now
+            except CapacityError:
+                pass
+        if pending is None and extent_ok:
+            extent = ssd.extent_of(key)        # None until its bytes were verified: read below
+            if extent is not None and extent[2] == entry.size:
+                self._stats["ssd"]["hits"] += 1
+                self._stats["ssd"]["extent_leases"] += 1
+                self._ssd_lru.touch(key)
+                lease = Lease(self, key, None, "ssd", None, now + self.lease_s, next(self._lease_ids), extent)
+                self._leases[lease._id] = lease
+                return lease
         try:
             if pending is not None:
                 n = ssd.read_into(key, pending.view)
@@ -455,6 +479,8 @@ class LocalKvStore:
 
     def _end_lease(self, lease: Lease) -> None:
         self._leases.pop(lease._id, None)
+        if lease.view is None:
+            return                        # an extent lease: nothing held
         try:
             lease.view.release()          # a view used after its lease ends raises ValueError
         except BufferError:
@@ -729,7 +755,8 @@ class LocalKvStore:
                      "used": dram.used if not dram.closed else 0, "largest_free": largest,
                      **self._stats["dram"]},
             "guard": self.guard.stats(),
-            "store": {"policy": self.policy, "entries": len(self._entries), "leases": len(self._leases),
+            "store": {"policy": self.policy, "promote_on_get": self.promote_on_get,
+                      "entries": len(self._entries), "leases": len(self._leases),
                       "puts_in_flight": len(self._handles), "pinned": len(self._pinned),
                       **self._counters},
         }

@@ -1,0 +1,169 @@
+"""GETs sent from the SSD data file with sendfile, through a real quillcached.
+
+A block only on the SSD tier, with ``[ssd] promote_on_get = false`` (or no DRAM room), is
+sent from the data file: header by ``write``, payload by ``sendfile``, whatever the socket
+does not take at once by ``preadv`` through the transport, and the stored CRC32C as the
+payload CRC trailer.  These tests check the bytes, the order of pipelined replies when the
+socket fills in the middle of a sendfile, that a block rotting on disk after its first
+check is caught by the client instead of used, and the reloadable switch.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from quillcache import Client
+from quillcache.client import AsyncClient
+from quillcache.errors import ProtocolError
+from quillcache.model import encode_key
+from quillcache.protocol import messages
+from quillcache.protocol.opcodes import FLAG_PAYLOAD_CRC, Opcode
+from quillcache._native.codec import encode_frame_header
+from quillcache._native.crc import crc32c
+from tests.test_daemon import Daemon, content, key, raw_connect, read_frames
+
+MiB = 1 << 20
+SIZES = (1, 4095, 4096, 65537, MiB, 3 * MiB + 7)
+
+
+def _sections(promote: bool, sendfile: bool = True) -> dict[str, str]:
+    return {"store": 'policy = "write_through"',
+            "ssd": f"promote_on_get = {str(promote).lower()}\nsendfile = {str(sendfile).lower()}",
+            "limits": 'max_payload = "64MiB"'}
+
+
+def _server(c: Client) -> dict:
+    return c.info("Server")["Server"]
+
+
+def _restarted_with_ssd_only_blocks(tmp_path, blocks: dict, *, promote: bool = False,
+                                    sendfile: bool = True) -> Daemon:
+    """A stopped daemon whose blocks were put durably: started again (``with``), every block
+    is on SSD only (recovered lazily: each is read and checked once before it can go by
+    sendfile)."""
+    d = Daemon(tmp_path, ssd=True, sections=_sections(promote, sendfile), max_block="16MiB").start()
+    with Client(d.addr) as c:
+        for k, v in blocks.items():
+            c.put(k, v, durable=True)
+    assert d.stop() == 0
+    return d
+
+
+def test_ssd_only_blocks_go_by_sendfile_byte_for_byte_and_dram_stays_empty(tmp_path):
+    blocks = {key(i): content(i, n) for i, n in enumerate(SIZES)}
+    with _restarted_with_ssd_only_blocks(tmp_path, blocks) as d, Client(d.addr) as c:
+        for k, v in blocks.items():                   # first read: preadv + CRC check (verifies)
+            assert c.get(k) == v
+        assert _server(c)["sendfile_bytes"] == 0
+        for k, v in blocks.items():                   # then from the file
+            assert c.get(k) == v
+            buf = bytearray(len(v) + 3)
+            assert c.get_into(k, buf) == len(v) and bytes(buf[:len(v)]) == v
+
+        async def via_async():
+            ac = await AsyncClient(d.addr).connect()
+            try:
+                got = await asyncio.gather(*(ac.get(k) for k in blocks))   # pipelined on one connection
+            finally:
+                await ac.close()
+            return got
+        assert asyncio.run(via_async()) == list(blocks.values())
+        info = c.info()
+        assert info["Server"]["sendfile_bytes"] == 3 * sum(SIZES)
+        assert info["Tiers"]["ssd_extent_leases"] == 3 * len(SIZES)
+        assert info["Tiers"]["dram_used"] == 0 and info["Tiers"]["ssd_promotions"] == 0
+        assert info["Store"]["leases"] == 0
+
+
+def test_a_reply_the_socket_cannot_take_at_once_is_finished_in_order_by_the_transport(tmp_path):
+    big = {key(100 + i): content(100 + i, 12 * MiB + i) for i in range(4)}
+    small = {key(200): content(200, 777)}
+    with _restarted_with_ssd_only_blocks(tmp_path, big) as d, Client(d.addr) as c:
+        for k, v in big.items():
+            assert c.get(k) == v                      # verified: later GETs go from the file
+        for k, v in small.items():
+            c.put(k, v)                               # in DRAM: a view, between file replies
+        before = _server(c)["sendfile_bytes"]
+        s = raw_connect(d.port)
+        order = [*big, *small, *big]
+        want = {**big, **small}
+        frames = b"".join(encode_frame_header(Opcode.GET, rid, header=messages.encode_get_request(encode_key(k)))
+                          for rid, k in enumerate(order, 1))
+        s.sendall(frames)
+        time.sleep(0.5)              # the socket fills in the middle of the first sendfile
+        replies = read_frames(s, len(order), timeout=30)
+        s.close()
+        assert [r.request_id for r in replies] == list(range(1, len(order) + 1))
+        for r in replies:
+            k = order[r.request_id - 1]
+            assert r.status == 0 and bytes(r.payload) == want[k]
+            assert bool(r.flags & FLAG_PAYLOAD_CRC) == (k in big)   # file replies carry the stored CRC
+        sent = _server(c)["sendfile_bytes"] - before
+        total = 2 * sum(len(v) for v in big.values())
+        assert 0 < sent < total      # part went by sendfile, the rest through the transport
+
+
+def test_a_block_that_rots_on_disk_after_its_check_is_caught_by_the_client_never_used(tmp_path):
+    v = content(7, 256 * 1024)
+    blocks = {key(7): v, key(8): content(8, 4096)}
+    with _restarted_with_ssd_only_blocks(tmp_path, blocks) as d:
+        with Client(d.addr) as c:
+            assert c.get(key(7)) == v                 # checked once on the node
+            data_file = d.data_dir / "ssd" / "blocks.dat"
+            raw = data_file.read_bytes()
+            at = raw.find(v)
+            assert at >= 0 and raw.find(v, at + 1) < 0
+            with open(data_file, "r+b") as f:         # the page cache the daemon reads now rots too
+                f.seek(at + 1000)
+                f.write(bytes([raw[at + 1000] ^ 0x40]))
+            with pytest.raises(ProtocolError, match="(?i)crc"):
+                c.get(key(7))
+        with Client(d.addr) as c:                     # other blocks and connections are unaffected
+            assert c.get(key(8)) == blocks[key(8)]
+        s = raw_connect(d.port)                       # what the node sent: the rotten bytes with
+        s.sendall(encode_frame_header(Opcode.GET, 1, header=messages.encode_get_request(encode_key(key(7)))))
+        s.settimeout(10)
+        data = b""
+        while len(data) < 32 + len(v) + 4:
+            chunk = s.recv(1 << 20)
+            assert chunk
+            data += chunk
+        s.close()
+        payload, trailer = data[32:32 + len(v)], data[32 + len(v):]
+        assert payload != v and int.from_bytes(trailer, "little") == crc32c(v) != crc32c(payload)
+
+
+def test_promote_on_get_is_reloadable(tmp_path):
+    blocks = {key(i): content(i, 64 * 1024) for i in range(4)}
+    with _restarted_with_ssd_only_blocks(tmp_path, blocks, promote=True) as d, Client(d.addr) as c:
+        k0, k1, k2, _ = blocks
+        assert c.get(k0) == blocks[k0] and c.get(k0) == blocks[k0]
+        info = c.info()
+        assert info["Tiers"]["ssd_promotions"] == 1 and info["Server"]["sendfile_bytes"] == 0
+        d.write_config(ssd=True, sections=_sections(False), max_block="16MiB")
+        d.send(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while c.info("Store")["Store"]["promote_on_get"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.info("Store")["Store"]["promote_on_get"] == 0
+        for _ in range(2):
+            assert c.get(k1) == blocks[k1]
+        info = c.info()
+        assert info["Tiers"]["ssd_promotions"] == 1 and info["Server"]["sendfile_bytes"] == len(blocks[k1])
+        assert c.get(k0) == blocks[k0]                # promoted earlier: still served from DRAM
+        assert c.info("Server")["Server"]["sendfile_bytes"] == len(blocks[k1])
+
+
+def test_with_sendfile_off_ssd_only_blocks_are_read_and_written_and_never_promoted(tmp_path):
+    blocks = {key(i): content(i, n) for i, n in enumerate(SIZES)}
+    with _restarted_with_ssd_only_blocks(tmp_path, blocks, sendfile=False) as d, Client(d.addr) as c:
+        for _ in range(2):
+            for k, v in blocks.items():
+                assert c.get(k) == v
+        info = c.info()
+        assert info["Server"]["sendfile_bytes"] == 0 and info["Tiers"]["ssd_extent_leases"] == 0
+        assert info["Tiers"]["dram_used"] == 0 and info["Tiers"]["ssd_promotions"] == 0
+        assert info["Tiers"]["ssd_hits"] == 2 * len(SIZES)
