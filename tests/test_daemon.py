@@ -22,7 +22,8 @@ START_TIMEOUT_S = 30.0
 
 
 def base_toml(port: int, metrics_port: int, data_dir: Path, *, ssd: bool = False, dram: str = "64MiB",
-              max_block: str = "8MiB", ssd_capacity: str = "64MiB", extra: str = "") -> str:
+              max_block: str = "8MiB", ssd_capacity: str = "64MiB", direct_io: bool = False,
+              extra: str = "") -> str:
     text = f"""
 [node]
 listen = "127.0.0.1:{port}"
@@ -37,7 +38,7 @@ max_block = "{max_block}"
 [ssd]
 enabled = {"true" if ssd else "false"}
 capacity = "{ssd_capacity}"
-direct_io = false
+direct_io = {"true" if direct_io else "false"}
 
 [metrics]
 listen = "127.0.0.1:{metrics_port}"
@@ -63,7 +64,8 @@ class Daemon:
 
     def __init__(self, tmp_path: Path, *, ssd: bool = False, sections: dict[str, str] | None = None,
                  dram: str = "64MiB", max_block: str = "8MiB", env: dict | None = None,
-                 data_dir: Path | None = None, port: int | None = None, ssd_capacity: str = "64MiB") -> None:
+                 data_dir: Path | None = None, port: int | None = None, ssd_capacity: str = "64MiB",
+                 direct_io: bool = False) -> None:
         self.tmp = Path(tmp_path)
         self.port = port or free_port()
         self.metrics_port = free_port()
@@ -71,6 +73,7 @@ class Daemon:
         self.config = self.tmp / f"quillcache-{self.port}.toml"
         self.log_path = self.tmp / f"quillcached-{self.port}.log"
         self.ssd_capacity = ssd_capacity
+        self.direct_io = direct_io
         self.write_config(ssd=ssd, sections=sections, dram=dram, max_block=max_block)
         self.env = dict(os.environ, **(env or {}))
         self.proc: subprocess.Popen | None = None
@@ -82,7 +85,7 @@ class Daemon:
     def write_config(self, *, ssd: bool = False, sections: dict[str, str] | None = None,
                      dram: str = "64MiB", max_block: str = "8MiB") -> None:
         text = base_toml(self.port, self.metrics_port, self.data_dir, ssd=ssd, dram=dram, max_block=max_block,
-                         ssd_capacity=self.ssd_capacity)
+                         ssd_capacity=self.ssd_capacity, direct_io=self.direct_io)
         self.config.write_text(merge_toml(text, dict(sections or {})))
 
     def start(self, wait: bool = True) -> "Daemon":

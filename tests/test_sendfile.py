@@ -10,6 +10,8 @@ check is caught by the client instead of used, and the reloadable switch.
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
 import signal
 import time
 
@@ -39,12 +41,36 @@ def _server(c: Client) -> dict:
     return c.info("Server")["Server"]
 
 
+def _o_direct_works(directory) -> bool:
+    probe = os.path.join(directory, "o_direct_probe")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        buf = mmap.mmap(-1, 4096)
+        try:
+            os.pwrite(fd, buf, 0)
+            return True
+        except OSError:
+            return False
+        finally:
+            buf.close()
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
 def _restarted_with_ssd_only_blocks(tmp_path, blocks: dict, *, promote: bool = False,
-                                    sendfile: bool = True) -> Daemon:
+                                    sendfile: bool = True, direct_io: bool = True) -> Daemon:
     """A stopped daemon whose blocks were put durably: started again (``with``), every block
     is on SSD only (recovered lazily: each is read and checked once before it can go by
-    sendfile)."""
-    d = Daemon(tmp_path, ssd=True, sections=_sections(promote, sendfile), max_block="16MiB").start()
+    sendfile).  With ``direct_io`` (the only mode that sends by sendfile) the test is skipped
+    where tmp_path's filesystem refuses O_DIRECT."""
+    if direct_io and not _o_direct_works(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT (tmpfs?): no sendfile there")
+    d = Daemon(tmp_path, ssd=True, sections=_sections(promote, sendfile), max_block="16MiB",
+               direct_io=direct_io).start()
     with Client(d.addr) as c:
         for k, v in blocks.items():
             c.put(k, v, durable=True)
@@ -167,3 +193,42 @@ def test_with_sendfile_off_ssd_only_blocks_are_read_and_written_and_never_promot
         assert info["Server"]["sendfile_bytes"] == 0 and info["Tiers"]["ssd_extent_leases"] == 0
         assert info["Tiers"]["dram_used"] == 0 and info["Tiers"]["ssd_promotions"] == 0
         assert info["Tiers"]["ssd_hits"] == 2 * len(SIZES)
+
+
+def _recv_exactly(s, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = s.recv(min(1 << 20, n - len(out)))
+        assert chunk, f"connection closed after {len(out)} of {n} bytes"
+        out += chunk
+    return bytes(out)
+
+
+@pytest.mark.parametrize("direct_io", [False, True], ids=["buffered", "o_direct"])
+def test_a_reply_still_unread_keeps_its_bytes_when_the_extent_is_freed_and_rewritten(tmp_path, direct_io):
+    """sendfile hands the socket page-cache pages, not copies: a buffered write into a reused
+    extent would change a reply that still sits unread in the socket buffers (the client's
+    CRC check would then fail the GET).  With O_DIRECT writes the kernel drops those pages
+    from the cache and the reply keeps them; with buffered writes no extent goes by sendfile."""
+    old, new = content(300, 12 * MiB), content(301, 12 * MiB)
+    k_old, k_new = key(300), key(301)
+    with _restarted_with_ssd_only_blocks(tmp_path, {k_old: old}, direct_io=direct_io) as d, Client(d.addr) as c:
+        assert c.info("WAL")["WAL"]["direct_io"] == int(direct_io)
+        assert c.get(k_old) == old                    # checked once: later GETs may go by sendfile
+        data_file = d.data_dir / "ssd" / "blocks.dat"
+        at = data_file.read_bytes().find(old[:4096])
+        s = raw_connect(d.port)
+        s.sendall(encode_frame_header(Opcode.GET, 1, header=messages.encode_get_request(encode_key(k_old))))
+        time.sleep(0.5)                               # the reply fills the socket buffers, unread
+        sent = _server(c)["sendfile_bytes"]
+        assert (sent > 0) == direct_io                # sendfile only over O_DIRECT writes
+        c.remove(k_old)
+        c.put(k_new, new, durable=True)               # same size: the freed extent comes back
+        assert data_file.read_bytes().find(new[:4096]) == at
+        data = _recv_exactly(s, 32 + len(old) + (4 if direct_io else 0))   # a sendfile reply has a CRC trailer
+        s.close()
+        payload, trailer = data[32:32 + len(old)], data[32 + len(old):]
+        assert payload == old
+        if direct_io:
+            assert int.from_bytes(trailer, "little") == crc32c(old)
+        assert c.get(k_new) == new

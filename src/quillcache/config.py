@@ -282,7 +282,9 @@ SETTINGS: tuple[Setting, ...] = (
        "stored CRC32C)."),
     _s("ssd", "sendfile", _bool, True, False,
        "Send a GET served from the data file with sendfile(2); false: preadv into a buffer, then "
-       "write (for filesystems whose sendfile is slow or missing)."),
+       "write (for filesystems whose sendfile is slow or missing). Used only while the tier writes "
+       "with O_DIRECT (direct_io): a buffered write into a reused extent would change the pages of "
+       "a reply still unread in a socket."),
     _s("wal", "sync", _choice("group", "always"), "group", False,
        "group: one vectored write and one fsync per commit window; always: one per record."),
     _s("wal", "commit_window", parse_duration, "1ms", True,

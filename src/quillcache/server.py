@@ -10,7 +10,8 @@ Zero copy on both paths:
 * GET/GET_MANY replies are ``transport.writelines([header, lease.view, ...])``: the
   payload goes from the arena to the transport without a Python copy.
 * A GET served from the SSD tier without promotion (``[ssd] promote_on_get = false``, or
-  no DRAM room) is sent from the data file with ``os.sendfile`` on the socket, when the
+  no DRAM room) is sent from the data file with ``os.sendfile`` on the socket (only when
+  the tier writes with O_DIRECT: ``SsdTier.extent_of`` says why), when the
   transport has nothing buffered (else bytes written directly would overtake the buffered
   ones).  Whatever the socket does not take at once is read (``preadv``) in the same step
   and handed to the transport behind it.  Such a reply always carries the block's stored

@@ -155,6 +155,12 @@ def test_corrupted_block_is_dropped_counted_and_never_returned(tmp_path):
     r.close_sync()
 
 
+def _need_direct_io(tier) -> None:
+    if not tier.direct_io:
+        tier.close_sync()
+        pytest.skip("this filesystem refuses O_DIRECT (tmpfs?): no sendfile extents")
+
+
 def test_eager_verification_drops_corrupt_block_at_open(tmp_path):
     t = SsdTier(tmp_path, CAP)
     t.put_sync(key(1), data(1))
@@ -163,6 +169,7 @@ def test_eager_verification_drops_corrupt_block_at_open(tmp_path):
     t.close_sync()
     r = SsdTier(tmp_path, CAP, verify="eager")
     assert r.keys() == [key(1)] and r.stats()["crc_failures"] == 1 and len(extents(r)) == 1
+    _need_direct_io(r)
     assert r.extent_of(key(1))[1:3] == (dict((k, o) for k, o, _, _ in r.entries())[key(1)], 5000)
     r.close_sync()
 
@@ -172,6 +179,7 @@ def test_lazy_recovery_offers_sendfile_extent_only_after_a_verified_read(tmp_pat
     t.put_sync(key(1), data(1))
     t.close_sync()
     r = SsdTier(tmp_path, CAP, verify="lazy")
+    _need_direct_io(r)
     assert r.extent_of(key(1)) is None
     read(r, key(1))
     fd, off, n, crc = r.extent_of(key(1))
@@ -267,6 +275,9 @@ def test_buffered_io_when_direct_io_is_off_reads_back_the_same(tmp_path):
     t = SsdTier(tmp_path, CAP, direct_io=False, sync="always")
     t.put_sync(key(1), data(1, 10))
     assert not t.direct_io and read(t, key(1)) == data(1, 10)
+    # verified, but written through the page cache: never offered for sendfile (a later
+    # buffered write into the reused extent would change a reply still in a socket)
+    assert t.extent_of(key(1)) is None
     t.close_sync()
     r = SsdTier(tmp_path, CAP)
     assert read(r, key(1)) == data(1, 10)

@@ -438,6 +438,9 @@ def test_put_timeout_setter_refuses_non_positive_and_updates_the_arena():
 def test_ssd_only_block_comes_as_a_verified_extent_only_when_asked_and_not_promoted(ssd_mod, tmp_path):
     async def scenario():
         ssd = await _open_ssd(tmp_path, 64 * BLOCK)
+        if not ssd.direct_io:
+            await ssd.close()
+            pytest.skip("this filesystem refuses O_DIRECT (tmpfs?): no sendfile extents")
         store = LocalKvStore(2 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through",
                              promote_on_get=False)
         for i in (1, 2, 3):
@@ -467,6 +470,9 @@ def test_unverified_ssd_block_is_read_and_checked_before_it_is_offered_as_an_ext
         await store.put(key(1), data(1))
         await store.close()
         ssd = ssd_mod.SsdTier(str(tmp_path / "ssd"), 64 * BLOCK, verify="lazy")   # recovered: unverified
+        if not ssd.direct_io:
+            ssd.close_sync()
+            pytest.skip("this filesystem refuses O_DIRECT (tmpfs?): no sendfile extents")
         store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, promote_on_get=False)
         with store.get(key(1), extent_ok=True) as lease:
             assert lease.extent is None and bytes(lease.view) == data(1)     # read + CRC checked

@@ -651,14 +651,21 @@ class SsdTier:
         return memoryview(buf)
 
     def extent_of(self, key: KvBlockKey):
-        """(fd, offset, length, crc32c) for sendfile, or None when absent or not verified yet.
+        """(fd, offset, length, crc32c) for sendfile, or None when absent, not verified yet,
+        or when this tier does not write with O_DIRECT.
 
         Only blocks whose bytes were checked (written by this process, verified at recovery
         or by a read) are offered: call read_into once first.  A sendfile copy is not checked
         again here: send ``crc32c`` along (the protocol's payload CRC trailer) so that the
         receiver does.  The extent stays valid until the key is removed or overwritten (which
-        can happen at the caller's next await); read it within one synchronous step."""
-        if self._closed:
+        can happen at the caller's next await); read it within one synchronous step.
+
+        sendfile queues references to page-cache pages, not copies, and a reply can sit unread
+        in socket buffers long after the extent was freed and given to another block.  An
+        O_DIRECT write drops the old pages from the cache (the reply keeps them, unchanged);
+        a buffered write would overwrite them under the reply.  So without O_DIRECT no extent
+        is offered and callers read (copy) the bytes instead."""
+        if self._closed or not self.direct_io:
             return None
         e = self._map.get(key)
         if e is None or not e.verified:
