@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import random
 import signal
+import struct
+import threading
 import time
 
 import pytest
 
 from quillcache import Client
 from quillcache.client import AsyncClient
-from quillcache.errors import ProtocolError
+from quillcache.errors import NotFound, ProtocolError
 from quillcache.model import encode_key
 from quillcache.protocol import messages
 from quillcache.protocol.opcodes import FLAG_PAYLOAD_CRC, Opcode
@@ -232,3 +235,71 @@ def test_a_reply_still_unread_keeps_its_bytes_when_the_extent_is_freed_and_rewri
         if direct_io:
             assert int.from_bytes(trailer, "little") == crc32c(old)
         assert c.get(k_new) == new
+
+
+CHURN_KEYS = 24
+CHURN_SECONDS = 4.0
+_VERSION = struct.Struct("<QQ")          # (key index, version) at the head of every churn block
+
+
+def _churn_block(i: int, version: int) -> bytes:
+    size = 256 * 1024 + i * 4099          # one size per key: an overwrite can take back the freed extent
+    return _VERSION.pack(i, version) + content(i * 1_000_003 + version, size - _VERSION.size)
+
+
+def test_sendfile_gets_under_overwrite_churn_read_only_whole_versions(tmp_path):
+    """Readers GET SSD-only blocks (by sendfile) while writers overwrite the same keys with
+    blocks of the same size, so freed extents are taken back at once: every reply must be
+    one whole version of its key, byte for byte, and pass the client's CRC check."""
+    blocks = {key(i, prefix="churn"): _churn_block(i, 0) for i in range(CHURN_KEYS)}
+    d = _restarted_with_ssd_only_blocks(tmp_path, blocks)
+    d.write_config(ssd=True, sections=_sections(False), dram="4MiB", max_block="1MiB")
+    errors: list = []
+    reads: list = []
+    stop = threading.Event()
+
+    def reader(n: int) -> None:
+        rng = random.Random(n)
+        count = 0
+        try:
+            with Client(d.addr, timeout=30) as c:
+                while not stop.is_set():
+                    i = rng.randrange(CHURN_KEYS)
+                    try:
+                        got = c.get(key(i, prefix="churn"))
+                    except NotFound:
+                        continue
+                    gi, version = _VERSION.unpack_from(got)
+                    if gi != i or got != _churn_block(i, version):
+                        errors.append(f"key {i}: a reply that is no whole version (head says {gi} v{version})")
+                    count += 1
+        except Exception as exc:
+            errors.append(f"reader {n}: {exc!r}")
+        reads.append(count)
+
+    def writer(n: int) -> None:
+        rng = random.Random(100 + n)
+        version = n
+        try:
+            with Client(d.addr, timeout=30) as c:
+                while not stop.is_set():
+                    version += 2                  # writer 0 even versions, writer 1 odd ones
+                    i = rng.randrange(CHURN_KEYS)
+                    c.put(key(i, prefix="churn"), _churn_block(i, version))
+        except Exception as exc:
+            errors.append(f"writer {n}: {exc!r}")
+
+    with d:
+        threads = [threading.Thread(target=reader, args=(n,)) for n in range(3)]
+        threads += [threading.Thread(target=writer, args=(n,)) for n in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(CHURN_SECONDS)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        with Client(d.addr) as c:
+            info = c.info()
+    assert not errors, errors[:5]
+    assert sum(reads) > 50
+    assert info["Server"]["sendfile_bytes"] > 0 and info["Tiers"]["ssd_extent_leases"] > 0
