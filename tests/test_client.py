@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from quillcache import AsyncClient, Client, KvBlockKey
-from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, QuillCacheError, Timeout
+from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout
 from quillcache.store.tiers import LocalKvStore
 from tests.conftest import free_port
 from tests.test_daemon import Daemon, content, key
@@ -375,6 +375,101 @@ def test_async_client_timeout_keeps_the_connection_and_drops_the_late_reply(daem
     threading.Thread(target=relay, daemon=True).start()
     try:
         asyncio.run(main(srv.getsockname()[1]))
+    finally:
+        srv.close()
+        for s in held:
+            s.close()
+
+
+# --------------------------------------------------------------------------- get_into's own path
+#
+# With nothing else in flight, get_into drives the frame parser itself and hands any event
+# it does not expect to the connection's handler.  These tests hold it to what the general
+# way does: every outcome, then the next request on the same connection.
+
+
+def test_get_into_stays_in_step_across_hits_misses_and_refusals(client):
+    blocks = {i: content(i, size) for i, size in enumerate((1, 4096, 70_000, 1 << 20))}
+    for i, v in blocks.items():
+        client.put(key(i, prefix="into"), v)
+    buf = bytearray((1 << 20) + 5)
+    for _ in range(2):
+        for i, v in blocks.items():
+            assert client.get_into(key(i, prefix="into"), buf) == len(v) and buf[:len(v)] == v
+            with pytest.raises(NotFound):                        # an ERROR reply, no payload
+                client.get_into(key(100 + i, prefix="into"), buf)
+            if len(v) > 1:
+                with pytest.raises(InvalidArgument):             # does not fit: the payload is skipped
+                    client.get_into(key(i, prefix="into"), bytearray(len(v) - 1))
+            assert client.get(key(i, prefix="into")) == v        # the general way, same connection
+            assert client._conn.in_flight == 0                   # nothing left pending
+    assert client.ping() >= 0
+
+
+def _relay_then(daemon, after_hello):
+    """A listener between the client and the daemon: HELLO goes through, then
+    ``after_hello(conn, up, request)`` answers the next request."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    held: list = []
+
+    def run():
+        try:
+            conn, _ = srv.accept()
+            up = socket.create_connection(("127.0.0.1", daemon.port))
+            held.extend((conn, up))
+            up.sendall(conn.recv(65536))
+            conn.sendall(up.recv(65536))
+            after_hello(conn, up, conn.recv(65536))
+        except OSError:
+            return          # the test closed the sockets: it is over
+    threading.Thread(target=run, daemon=True).start()
+    return srv, held
+
+
+def _reply_cut_short(conn, up, request):
+    up.sendall(request)
+    time.sleep(0.2)
+    conn.sendall(up.recv(40_000)[:30_000])      # header and part of the payload, then gone
+    conn.close()
+
+
+def _garbage(conn, up, request):
+    conn.sendall(bytes(range(64)))
+
+
+@pytest.mark.parametrize("behaviour, error", [(_reply_cut_short, ConnectionLost), (_garbage, ProtocolError)],
+                         ids=["cut_short", "garbage"])
+def test_get_into_of_a_broken_reply_raises_and_ends_the_connection(daemon, behaviour, error):
+    with Client(daemon.addr) as c:
+        c.put(key(1, prefix="broken"), content(1, 200_000))
+    srv, held = _relay_then(daemon, behaviour)
+    try:
+        c = Client(f"127.0.0.1:{srv.getsockname()[1]}", timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(error):
+            c.get_into(key(1, prefix="broken"), bytearray(200_000))
+        assert time.monotonic() - t0 < 4
+        with pytest.raises(QuillCacheError):                     # ConnectionLost, or the parse error again
+            c.ping()
+        c.close()
+    finally:
+        srv.close()
+        for s in held:
+            s.close()
+
+
+def test_get_into_times_out_on_a_mute_server_within_its_deadline(daemon):
+    srv, held = _relay_then(daemon, lambda conn, up, request: time.sleep(3))
+    try:
+        c = Client(f"127.0.0.1:{srv.getsockname()[1]}", timeout=0.4)
+        t0 = time.monotonic()
+        with pytest.raises(Timeout):
+            c.get_into(key(1), bytearray(100))
+        assert 0.39 <= time.monotonic() - t0 < 1.0
+        with pytest.raises(ConnectionLost):                     # the connection was closed
+            c.ping()
     finally:
         srv.close()
         for s in held:
