@@ -79,9 +79,11 @@ def quillcached_page() -> str:
     lines += [".SH SIGNALS", ".TP", "\\fBSIGTERM\\fR, \\fBSIGINT\\fR",
               "Stop accepting, drain in-flight requests, flush the write-ahead log, exit 0.",
               ".TP", "\\fBSIGHUP\\fR", "Reload the settings marked reloadable in quillcache.toml(5).",
-              ".SH EXIT STATUS", ".TP", "\\fB0\\fR", "clean stop", ".TP", "\\fB78\\fR",
-              "invalid configuration (the message names file, section, key and value)",
-              ".SH SEE ALSO", "quillctl(1), quillcache.toml(5)"]
+              ".SH EXIT STATUS"]
+    from quillcache.daemon import EXIT_CODES
+    for code, meaning in EXIT_CODES:
+        lines += [".TP", f"\\fB{code}\\fR", _esc(meaning)]
+    lines += [".SH SEE ALSO", "quillctl(1), quillcache.toml(5)"]
     return "\n".join(lines) + "\n"
 
 

@@ -237,6 +237,37 @@ def test_write_through_without_ssd_tier_exits_78(tmp_path):
     assert "write_through" in d.log()
 
 
+def test_a_second_daemon_on_a_locked_data_dir_exits_75_with_one_line_not_a_traceback(tmp_path):
+    _ssd_or_skip()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with Daemon(tmp_path / "a", ssd=True, data_dir=tmp_path / "shared") as first:
+        second = Daemon(tmp_path / "b", ssd=True, data_dir=tmp_path / "shared")
+        second.start(wait=False)
+        assert second.wait(60) == 75
+        log = second.log()
+        assert "cannot start" in log and "locked by another writer" in log and "Traceback" not in log
+        with Client(first.addr) as c:                 # the running node is untouched
+            c.put(key(1), b"still here", durable=True)
+            assert c.get(key(1)) == b"still here"
+
+
+def test_a_corrupt_ssd_checkpoint_exits_65_naming_the_file(tmp_path):
+    _ssd_or_skip()
+    d = Daemon(tmp_path, ssd=True).start()
+    with Client(d.addr) as c:
+        c.put(key(1), content(1, 5000), durable=True)
+    assert d.stop() == 0                              # a clean stop writes the checkpoint
+    ckpt = d.data_dir / "ssd" / "blocks.dat.checkpoint"
+    raw = bytearray(ckpt.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    ckpt.write_bytes(bytes(raw))
+    d.start(wait=False)
+    assert d.wait(60) == 65
+    log = d.log()
+    assert f"checkpoint {ckpt}" in log and "corrupt" in log and "Traceback" not in log
+
+
 def test_data_dir_is_created_with_mode_0700_and_open_mode_is_logged(tmp_path):
     data = tmp_path / "fresh" / "var"
     with Daemon(tmp_path, data_dir=data) as d:

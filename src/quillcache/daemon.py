@@ -27,21 +27,35 @@ from typing import Any, Mapping, Optional
 from quillcache import __version__
 from quillcache.auth import Authenticator
 from quillcache.config import SETTINGS, Config, ConfigError, format_hostport, load_config
+from quillcache.errors import Busy, InvalidArgument, QuillCacheError
 from quillcache.metrics import NodeMetrics
 from quillcache.protocol.opcodes import ProtocolLimits
 from quillcache.server import NodeServer
 from quillcache.store.tiers import LocalKvStore
 
 __all__ = ["Node", "run", "sd_notify", "setup_logging", "MAINTENANCE_INTERVAL_S", "EX_OK", "EX_CONFIG",
-           "EX_SOFTWARE"]
+           "EX_SOFTWARE", "EX_DATAERR", "EX_TEMPFAIL", "EXIT_CODES"]
 
 log = logging.getLogger("quillcache.daemon")
 
 MAINTENANCE_INTERVAL_S = 1.0     # seconds between store.maintenance() calls
 LISTEN_BACKLOG = 1024            # pending TCP connections the kernel queues
 EX_OK = 0
+EX_DATAERR = 65                  # sysexits.h: the data dir holds state it refuses to trust
 EX_SOFTWARE = 70                 # sysexits.h: internal error
+EX_TEMPFAIL = 75                 # sysexits.h: the data dir is in use by another process
 EX_CONFIG = 78                   # sysexits.h: configuration error
+# (code, meaning) for quillcached(8); systemd restarts on 70 and 75, not on 65 or 78
+EXIT_CODES = (
+    (EX_OK, "clean stop (SIGTERM or SIGINT)"),
+    (EX_DATAERR, "the data directory holds state the node refuses to trust (a corrupt SSD checkpoint): "
+                 "the log line names the file and what to do"),
+    (EX_SOFTWARE, "internal error (the log has a traceback)"),
+    (EX_TEMPFAIL, "the data directory is locked by another running quillcached"),
+    (EX_CONFIG, "invalid configuration (the message names file, section, key and value), or one that the "
+                "machine or the data directory contradicts: the address is in use, permission denied, "
+                "an SSD capacity or unit that does not fit the data already there"),
+)
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
                "error": logging.ERROR}
 
@@ -357,10 +371,18 @@ async def _main(cfg: Config, config_path: Optional[str], overrides: Mapping[str,
     node = Node(cfg, config_path=config_path, overrides=overrides)
     try:
         await node.start()
-    except ConfigError as exc:
-        log.error("%s", exc)
+    except (ConfigError, InvalidArgument) as exc:     # InvalidArgument: a capacity or unit the data contradicts
+        log.error("cannot start: %s", exc)
         await node.stop()
         return EX_CONFIG
+    except Busy as exc:
+        log.error("cannot start: %s (another quillcached on data_dir %s?)", exc, cfg.node.data_dir)
+        await node.stop()
+        return EX_TEMPFAIL
+    except QuillCacheError as exc:
+        log.error("cannot start: %s", exc)
+        await node.stop()
+        return EX_DATAERR
     except OSError as exc:
         log.error("cannot start: %s", exc)
         await node.stop()
