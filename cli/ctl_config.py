@@ -42,8 +42,8 @@ def auth_group():
 @auth_group.command("hash-token")
 @click.argument("token", required=False)
 def auth_hash_token(token):
-    """Print the hashed form of TOKEN for [[auth.tenants]] (read from stdin if omitted)."""
-    if token is None:
+    """Print the hashed form of TOKEN for [[auth.tenants]] (read from stdin if omitted or -)."""
+    if token is None or token == "-":
         token = sys.stdin.readline().rstrip("\n")
     if not token:
         raise click.UsageError("empty token")

@@ -99,6 +99,8 @@ def node(ctx):
     except (TimeoutError, Timeout):
         fail(exitcodes.TEMPFAIL, f"cannot connect to {addr}: timed out")
     except PermissionDenied as exc:
+        if obj.get("token") is None:
+            fail(exitcodes.PERMISSION, f"{addr} has tenants and needs a token (--token or QUILLCACHE_TOKEN): {exc}")
         fail(exitcodes.PERMISSION, f"{addr} refused the token: {exc}")
     except QuillCacheError as exc:
         fail(exit_code_for(exc), f"{addr}: {exc}")

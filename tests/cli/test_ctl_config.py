@@ -44,3 +44,6 @@ def test_hash_token_matches_library():
     from quillcache.config import hash_token
     r = run(["quillctl", "auth", "hash-token", "abc"])
     assert r.returncode == 0 and r.stdout.strip() == hash_token("abc")
+    for args in (["-"], []):                       # "-" and no argument both read stdin
+        r = run(["quillctl", "auth", "hash-token", *args], input="abc\n")
+        assert r.returncode == 0 and r.stdout.strip() == hash_token("abc")

@@ -318,6 +318,9 @@ def test_token_binds_the_tenant_and_a_bad_token_exits_permission(tmp_path):
         assert r.returncode == exitcodes.PERMISSION             # another tenant's key space
         r = n.ctl("get", "-p", "p", "-b", "b", env={**env, "QUILLCACHE_TOKEN": "wrong"})
         assert r.returncode == exitcodes.PERMISSION and b"Traceback" not in r.stderr
+        assert b"refused the token" in r.stderr
+        r = n.ctl("ping", env={})                                # no token at all: say what is missing
+        assert r.returncode == exitcodes.PERMISSION and b"needs a token (--token or QUILLCACHE_TOKEN)" in r.stderr
     finally:
         n.stop()
 
