@@ -303,34 +303,43 @@ def test_key_cache_gives_the_encoding_of_each_key_and_stays_bounded(daemon, monk
             c.get("not a key")
 
 
-def test_sync_wait_neither_ends_early_nor_overruns_its_deadline(daemon):
+def _relay_then(daemon, after_hello):
+    """A listener between the client and the daemon: HELLO goes through, then
+    ``after_hello(conn, up, request)`` answers the next request."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
-    peer: list = []
+    held: list = []
 
-    def relay():            # answers HELLO through the real daemon, then goes mute
-        conn, _ = srv.accept()
-        peer.append(conn)
-        up = socket.create_connection(("127.0.0.1", daemon.port))
-        peer.append(up)
-        hello = conn.recv(65536)
-        up.sendall(hello)
-        conn.sendall(up.recv(65536))
-    t = threading.Thread(target=relay, daemon=True)
-    t.start()
+    def run():
+        try:
+            conn, _ = srv.accept()
+            up = socket.create_connection(("127.0.0.1", daemon.port))
+            held.extend((conn, up))
+            up.sendall(conn.recv(65536))
+            conn.sendall(up.recv(65536))
+            after_hello(conn, up, conn.recv(65536))
+        except OSError:
+            return          # the test closed the sockets: it is over
+    threading.Thread(target=run, daemon=True).start()
+    return srv, held
+
+
+@pytest.mark.parametrize("op", ["get", "get_into"])
+def test_sync_wait_neither_ends_early_nor_overruns_its_deadline(daemon, op):
+    srv, held = _relay_then(daemon, lambda conn, up, request: time.sleep(3))   # HELLO, then mute
     try:
         c = Client(f"127.0.0.1:{srv.getsockname()[1]}", timeout=0.4)
         t0 = time.monotonic()
         with pytest.raises(Timeout):
-            c.get(key(1))
+            c.get(key(1)) if op == "get" else c.get_into(key(1), bytearray(100))
         elapsed = time.monotonic() - t0
         assert 0.39 <= elapsed < 1.0
         with pytest.raises(ConnectionLost):                 # the connection was closed
             c.ping()
     finally:
         srv.close()
-        for s in peer:
+        for s in held:
             s.close()
 
 
@@ -406,28 +415,6 @@ def test_get_into_stays_in_step_across_hits_misses_and_refusals(client):
     assert client.ping() >= 0
 
 
-def _relay_then(daemon, after_hello):
-    """A listener between the client and the daemon: HELLO goes through, then
-    ``after_hello(conn, up, request)`` answers the next request."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    held: list = []
-
-    def run():
-        try:
-            conn, _ = srv.accept()
-            up = socket.create_connection(("127.0.0.1", daemon.port))
-            held.extend((conn, up))
-            up.sendall(conn.recv(65536))
-            conn.sendall(up.recv(65536))
-            after_hello(conn, up, conn.recv(65536))
-        except OSError:
-            return          # the test closed the sockets: it is over
-    threading.Thread(target=run, daemon=True).start()
-    return srv, held
-
-
 def _reply_cut_short(conn, up, request):
     up.sendall(request)
     time.sleep(0.2)
@@ -454,22 +441,6 @@ def test_get_into_of_a_broken_reply_raises_and_ends_the_connection(daemon, behav
         with pytest.raises(QuillCacheError):                     # ConnectionLost, or the parse error again
             c.ping()
         c.close()
-    finally:
-        srv.close()
-        for s in held:
-            s.close()
-
-
-def test_get_into_times_out_on_a_mute_server_within_its_deadline(daemon):
-    srv, held = _relay_then(daemon, lambda conn, up, request: time.sleep(3))
-    try:
-        c = Client(f"127.0.0.1:{srv.getsockname()[1]}", timeout=0.4)
-        t0 = time.monotonic()
-        with pytest.raises(Timeout):
-            c.get_into(key(1), bytearray(100))
-        assert 0.39 <= time.monotonic() - t0 < 1.0
-        with pytest.raises(ConnectionLost):                     # the connection was closed
-            c.ping()
     finally:
         srv.close()
         for s in held:
