@@ -45,7 +45,7 @@ EX_DATAERR = 65                  # sysexits.h: the data dir holds state it refus
 EX_SOFTWARE = 70                 # sysexits.h: internal error
 EX_TEMPFAIL = 75                 # sysexits.h: the data dir is in use by another process
 EX_CONFIG = 78                   # sysexits.h: configuration error
-# (code, meaning) for quillcached(8); systemd restarts on 70 and 75, not on 65 or 78
+# (code, meaning) for quillcached(8); the systemd unit does not restart on 65 or 78
 EXIT_CODES = (
     (EX_OK, "clean stop (SIGTERM or SIGINT)"),
     (EX_DATAERR, "the data directory holds state the node refuses to trust (a corrupt SSD checkpoint): "
@@ -367,22 +367,24 @@ def _merge(old: Config, new: Config, applied: list[str]) -> Config:
 # --------------------------------------------------------------------------- entry point
 
 
+def _start_failure_code(exc: QuillCacheError) -> int:
+    if isinstance(exc, (ConfigError, InvalidArgument)):   # InvalidArgument: a capacity or unit the data contradicts
+        return EX_CONFIG
+    if isinstance(exc, Busy):                              # the data dir's lock is held
+        return EX_TEMPFAIL
+    return EX_DATAERR                                      # e.g. a corrupt SSD checkpoint
+
+
 async def _main(cfg: Config, config_path: Optional[str], overrides: Mapping[str, Any]) -> int:
     node = Node(cfg, config_path=config_path, overrides=overrides)
     try:
         await node.start()
-    except (ConfigError, InvalidArgument) as exc:     # InvalidArgument: a capacity or unit the data contradicts
-        log.error("cannot start: %s", exc)
-        await node.stop()
-        return EX_CONFIG
-    except Busy as exc:
-        log.error("cannot start: %s (another quillcached on data_dir %s?)", exc, cfg.node.data_dir)
-        await node.stop()
-        return EX_TEMPFAIL
     except QuillCacheError as exc:
-        log.error("cannot start: %s", exc)
+        code = _start_failure_code(exc)
+        hint = f" (another quillcached on data_dir {cfg.node.data_dir}?)" if code == EX_TEMPFAIL else ""
+        log.error("cannot start: %s%s", exc, hint)
         await node.stop()
-        return EX_DATAERR
+        return code
     except OSError as exc:
         log.error("cannot start: %s", exc)
         await node.stop()

@@ -58,8 +58,8 @@ from quillcache.metrics import RequestCounters
 from quillcache.protocol import messages
 from quillcache.protocol.connection import ProtocolConnection
 from quillcache.protocol.opcodes import (
-    FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, FRAME_OVERHEAD, PROTOCOL_VERSION, InfoFormat, Opcode,
-    PinMode, ProtocolLimits,
+    FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode, PinMode,
+    ProtocolLimits,
 )
 
 __all__ = ["NodeServer", "ServerProtocol", "KeyCache", "render_info", "WRITE_HIGH_BYTES", "LEASE_MARGIN_S",
@@ -682,13 +682,14 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         if t is None or t.is_closing():
             return
         head = encode_frame_header(_GET, rid, flags=_EXTENT_REPLY_FLAGS, payload_length=length)
-        sent = 0
+        sent = direct = 0                       # payload bytes by sendfile, header bytes by write
         sock = self._fd
         if sock >= 0 and t.get_write_buffer_size() == 0:
             # Nothing is queued in the transport, so bytes written to the socket here are in
             # order; from the first byte it does not take, the rest goes through the transport.
             try:
                 w = os.write(sock, head)
+                direct = w
                 head = head[w:]
                 while not head and sent < length:
                     n = os.sendfile(sock, fd, offset + sent, length - sent)
@@ -713,13 +714,10 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
                 return
             parts.append(buf)
         parts.append(_U32.pack(crc))
-        t.writelines(parts)
+        self._write(parts)                      # counts its parts and applies flow control
         counters = self._counters
-        counters.sent_bytes += FRAME_OVERHEAD + length + 4
+        counters.sent_bytes += direct + sent    # what went to the socket directly
         counters.sendfile_bytes += sent
-        if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
-            self._reading_paused = True
-            t.pause_reading()
 
     def _get_many(self, frame) -> None:
         keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_MANY")]
