@@ -439,9 +439,7 @@ class LocalKvStore:
                 self._stats["ssd"]["hits"] += 1
                 self._stats["ssd"]["extent_leases"] += 1
                 self._ssd_lru.touch(key)
-                lease = Lease(self, key, None, "ssd", None, now + self.lease_s, next(self._lease_ids), extent)
-                self._leases[lease._id] = lease
-                return lease
+                return self._new_lease(key, None, "ssd", None, now, extent)
         try:
             if pending is not None:
                 n = ssd.read_into(key, pending.view)
@@ -472,8 +470,8 @@ class LocalKvStore:
         self._stats["ssd"]["promotions"] += 1
         return self._new_lease(key, self._dram.acquire(slot), "dram", slot, now)
 
-    def _new_lease(self, key, view, tier, slot, now) -> Lease:
-        lease = Lease(self, key, view, tier, slot, now + self.lease_s, next(self._lease_ids))
+    def _new_lease(self, key, view, tier, slot, now, extent=None) -> Lease:
+        lease = Lease(self, key, view, tier, slot, now + self.lease_s, next(self._lease_ids), extent)
         self._leases[lease._id] = lease
         return lease
 
