@@ -85,11 +85,6 @@ def test_exit_codes_are_defined_only_in_quillcache_exitcodes():
     assert not offenders, "exit codes belong in src/quillcache/exitcodes.py:\n" + "\n".join(offenders)
 
 
-def test_the_native_extension_list_is_every_pyx():
-    from quillcache._native import EXTENSIONS
-    assert sorted(EXTENSIONS) == sorted(p.stem for p in (SRC / "_native").glob("*.pyx"))
-
-
 def test_no_test_skips_when_a_native_extension_or_the_ssd_tier_is_missing():
     """A broken build fails the store tests loudly instead of skipping them."""
     offenders = []

@@ -6,7 +6,7 @@ import sys
 import textwrap
 
 from quillcache import exitcodes
-from quillcache._native import missing_extensions
+from quillcache._native import extension_names, missing_extensions
 
 # Runs quillcached's main() in a fresh interpreter where one extension cannot be imported,
 # as when its .so is missing or was built for another Python.
@@ -24,6 +24,8 @@ _BROKEN = textwrap.dedent("""
 
 
 def test_this_build_has_every_native_extension():
+    names = extension_names()
+    assert {"quillcache._native.codec", "quillcache._native.alloc", "quillcache._native.wal"} <= set(names)
     assert missing_extensions() == []
 
 
