@@ -141,3 +141,11 @@ def test_the_info_format_and_the_status_map_have_one_home():
                                                     for t in node.targets) and path != SRC / "errors.py":
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: STATUS_CLASSES =")
     assert not offenders, "\n".join(offenders)
+
+
+def test_every_reloadable_setting_has_exactly_one_reload_hook_and_nothing_else_does():
+    """A setting is declared reloadable once, in the registry; the daemon applies it through
+    its one hook table (a reloadable setting without a hook, or a hook for a fixed one, fails)."""
+    from quillcache.config import SETTINGS
+    from quillcache.daemon import RELOAD_HOOKS
+    assert set(RELOAD_HOOKS) == {s.qualname for s in SETTINGS if s.reloadable}
