@@ -71,12 +71,15 @@ def sd_notify(message: str, env: Optional[Mapping[str, str]] = None) -> bool:
     return True
 
 
+class _StderrHandler(logging.StreamHandler):
+    """The daemon's own log handler (added once however often setup_logging runs)."""
+
+
 def setup_logging(level: str) -> None:
     root = logging.getLogger()
-    if not any(getattr(h, "_quillcache", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+        handler = _StderrHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler._quillcache = True      # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(_LOG_LEVELS[level])
 
