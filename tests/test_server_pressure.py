@@ -85,12 +85,12 @@ def test_eight_clients_bursting_ten_times_dram_lose_no_block(tmp_path):
 
 
 def test_issue_repro_160_puts_of_1mib_into_64mib_of_dram_all_read_back(tmp_path):
-    with Daemon(tmp_path, ssd=True, dram="64MiB", ssd_capacity="1GiB", direct_io=True) as d:
-        with Client(d.addr, timeout=60) as c:
-            for i in range(160):
-                c.put(key(i), content(i, MiB))
-            assert sum(c.get(key(i)) == content(i, MiB) for i in range(160)) == 160
-            assert c.info()["Store"]["dropped_dirty"] == 0
+    with Daemon(tmp_path, ssd=True, dram="64MiB", ssd_capacity="1GiB", direct_io=True) as d, \
+            Client(d.addr, timeout=60) as c:
+        for i in range(160):
+            c.put(key(i), content(i, MiB))
+        assert sum(c.get(key(i)) == content(i, MiB) for i in range(160)) == 160
+        assert c.info()["Store"]["dropped_dirty"] == 0
 
 
 @pytest.mark.parametrize("policy,durable", [("write_through", False), ("write_back", True)])
