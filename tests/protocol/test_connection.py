@@ -359,7 +359,7 @@ class DeferringServer(StoreServer):
 @pytest.mark.parametrize("sizes", [None, [7, 100, 65536]])
 def test_a_deferred_put_holds_the_input_until_resume_put_then_everything_goes_on_in_order(sizes):
     client, server = Client(), DeferringServer()
-    rid = client.send_request(Opcode.HELLO, m.encode_hello_request(TOKEN, client_name="test"))
+    client.send_request(Opcode.HELLO, m.encode_hello_request(TOKEN, client_name="test"))
     pump(client, server, sizes)
     blob = os.urandom(100_000)
     put = client.send_request(Opcode.PUT, m.encode_put_request(key(1), len(blob)), [blob])
