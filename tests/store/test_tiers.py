@@ -354,14 +354,15 @@ def test_demotion_under_pressure_then_promotion_keeps_the_bytes(ssd_mod, tmp_pat
         store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, high_watermark=0.7, low_watermark=0.4)
         for i in range(8):
             await store.put(key(i), data(i))
-        done = await store.maintenance()
-        assert done["demoted"] >= 3
-        s = store.stats()
-        assert s["dram"]["used"] <= 0.4 * 8 * BLOCK and s["ssd"]["blocks"] == done["demoted"]
+        await store.maintenance()
+        s = store.stats()                                   # puts above the high watermark demote ahead too
+        demoted = s["dram"]["demotions"]
+        assert demoted >= 5 and s["ssd"]["blocks"] == demoted
+        assert s["dram"]["used"] <= 0.4 * 8 * BLOCK
         for i in range(8):                                  # every block still reads back exactly
             with store.get(key(i)) as lease:
                 assert bytes(lease.view) == data(i)
-        assert store.stats()["dram"]["promotions"] == done["demoted"]
+        assert store.stats()["dram"]["promotions"] == demoted
         await store.close()
     run(scenario())
 
