@@ -99,3 +99,24 @@ def test_persistent_reopen_keeps_holders_pages_and_block_lookups_but_not_volatil
 def test_page_refuses_a_limit_below_one():
     with pytest.raises(ValueError):
         ArtIndex().page(b"", b"", 0)
+
+
+def test_holder_sizes_without_decoding_matches_the_decoded_answer(tmp_path):
+    with PersistentArtIndex(tmp_path) as index:
+        for i in range(30):
+            k = key(i)
+            index.set_holder(k, encode_key(k), "me" if i % 3 else "node-b", (SSD,), 100 + i)
+        index.put(CacheResidency(key(1), "node-b", SSD, 5))     # two holders of one key
+        index.checkpoint()
+        for i in (2, 30):                                        # replayed after the checkpoint
+            k = key(i)
+            index.set_holder(k, encode_key(k), "me", (SSD,), 7)
+        index.sync()
+    with PersistentArtIndex(tmp_path) as again:
+        again.locate(key(4))                                     # one record decoded, the rest lazy
+        lazy = again.holder_sizes("me")
+        assert lazy[encode_key(key(2))] == 7 and lazy[encode_key(key(30))] == 7
+        assert lazy[encode_key(key(4))] == 104 and lazy[encode_key(key(1))] == 101
+        again.materialize()
+        assert lazy == ArtIndex.holder_sizes(again, "me")
+        assert len(lazy) == 21

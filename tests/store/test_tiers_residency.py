@@ -145,7 +145,8 @@ def test_persistent_index_recovers_the_ssd_blocks_and_agrees_with_the_ssd_tier(t
         assert index.recovery.checkpoint_records == 6      # DRAM records were never persisted
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
         store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=index, holder=NODE)
-        assert store.reconciled == {"index_added": 0, "index_dropped": 0, "index_agreed": 6}
+        assert store.reconciled == {"index_added": 0, "index_dropped": 0, "index_resized": 0,
+                                   "index_agreed": 6}
         store.check_residency()
         assert [k.block_index for k in store.list_scope(key(0).scope)] == list(range(6))
         with store.get(key(3)) as lease:
@@ -170,6 +171,7 @@ def test_on_disagreement_the_ssd_tier_wins_and_each_mismatch_is_counted_and_logg
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
         assert await ssd.remove(key(1))
         await ssd.put(key(7), data(7))
+        await ssd.put(key(2), data(2, 512))                 # rewritten at another size
         await ssd.close()
         # and the index gains a record the SSD tier never had
         index = _persistent(tmp_path)
@@ -183,9 +185,12 @@ def test_on_disagreement_the_ssd_tier_wins_and_each_mismatch_is_counted_and_logg
         index = _persistent(tmp_path)
         with caplog.at_level(logging.WARNING, logger="quillcache.store"):
             store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=index, holder=NODE)
-        assert store.reconciled == {"index_added": 1, "index_dropped": 2, "index_agreed": 3}
+        assert store.reconciled == {"index_added": 1, "index_dropped": 2, "index_resized": 1,
+                                    "index_agreed": 2}
         text = caplog.text
         assert "1 SSD blocks had no record in the index: added" in text
+        assert "1 records had another size than their SSD block: corrected" in text
+        assert tiers_of(store, key(2)) == (512, (CacheTier.LOCAL_SSD,))
         assert "2 records of this node name no block of the SSD tier: dropped" in text
         store.check_residency()
         listed = [k.block_index for k in store.list_scope(key(0).scope)]
@@ -196,7 +201,8 @@ def test_on_disagreement_the_ssd_tier_wins_and_each_mismatch_is_counted_and_logg
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
         store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=_persistent(tmp_path),
                              holder=NODE)
-        assert store.reconciled == {"index_added": 0, "index_dropped": 0, "index_agreed": 4}
+        assert store.reconciled == {"index_added": 0, "index_dropped": 0, "index_resized": 0,
+                                    "index_agreed": 4}
         await store.close()
     run(first())
     run(behind_its_back())

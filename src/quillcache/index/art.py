@@ -290,6 +290,11 @@ class ArtIndex:
         """The encoded keys where worker_id holds a record (a copy)."""
         return set(self._by_worker.get(worker_id, ()))
 
+    def holder_sizes(self, worker_id: str) -> dict[bytes, int]:
+        """encoded key -> bytes of worker_id's record, for every key where it holds one
+        (the store's start-up check against the SSD tier)."""
+        return {ek: self.holder(ek, worker_id)[0] for ek in self._by_worker.get(worker_id, ())}
+
     # ------------------------------------------------------------------ dump / load
 
     def iter_records(self) -> Iterator[CacheResidency]:

@@ -668,6 +668,34 @@ class PersistentArtIndex(ArtIndex):
                 if rows:                    # a key held only in volatile tiers is not persisted
                     yield ek, v[0].key.block_hash.encode("utf-8"), rows
 
+    def holder_sizes(self, worker_id: str) -> dict[bytes, int]:
+        """ArtIndex.holder_sizes without decoding a key: records still only in the
+        checkpoint are read from its record table with numpy, replayed ones from their rows."""
+        out: dict[bytes, int] = {}
+        slots, ck, tree = self._slots, self._ck, self._tree
+        lazy = isinstance(slots, _LazySlots)
+        if lazy and ck is not None and ck.n_records and worker_id in ck.workers:
+            G = ck.n_groups
+            recs = ck.records
+            mask = recs["worker"] == ck.workers.index(worker_id)
+            groups = np.repeat(np.arange(G, dtype=np.int64), np.diff(ck.rec_off.astype(np.int64)))[mask]
+            nbytes = recs["bytes"][mask]
+            # only groups untouched since the load still speak for the checkpoint
+            cold = np.fromiter((list.__getitem__(slots, g) is _COLD for g in range(G)), bool, G)
+            keep = cold[groups]
+            groups, nbytes = groups[keep], nbytes[keep]
+            _, first = np.unique(groups, return_index=True)      # one size per key
+            out = dict(zip(ck.eks_obj[groups[first]].tolist(), nbytes[first].tolist()))
+        for ek in self._by_worker.get(worker_id, ()):
+            if ek in out:
+                continue
+            v = list.__getitem__(slots, tree[ek]) if lazy else slots[tree[ek]]
+            if type(v) is _RawGroup:
+                out[ek] = next(r[2] for r in v.rows if r[0] == worker_id)
+            else:
+                out[ek] = self.holder(ek, worker_id)[0]
+        return out
+
     def materialize(self) -> None:
         """Decode every lazily loaded record now (later calls skip the lazy path)."""
         if isinstance(self._slots, _LazySlots):

@@ -213,7 +213,7 @@ class LocalKvStore:
             log.warning("IDENTITY GUARD OFF: blocks are reused by content hash across models, "
                         "tokenizers, adapters and TENANTS. This serves wrong KV and leaks data "
                         "between tenants; use it only for studies.")
-        self.reconciled = {"index_added": 0, "index_dropped": 0, "index_agreed": 0}
+        self.reconciled = {"index_added": 0, "index_dropped": 0, "index_resized": 0, "index_agreed": 0}
         self._adopt_ssd(ssd)
 
     # ------------------------------------------------------------------ index upkeep
@@ -225,30 +225,36 @@ class LocalKvStore:
         an SSD block is dropped, an SSD block without a record is added; each kind of
         mismatch is counted (``reconciled``) and logged."""
         index, holder = self._index, self.holder
-        stale = index.keys_of(holder)        # this node's records as the index recovered them
+        recorded = index.holder_sizes(holder)   # this node's records as the index recovered them
         if ssd is None:
-            self._adopt_dropped(stale)
+            self._adopt_dropped(set(recorded))
             return
         now = self._clock()
-        added = agreed = 0
+        added = agreed = resized = 0
         entries, lru, versions = self._entries, self._ssd_lru, self._versions
         for key, kb, size in ssd.blocks():
             entry = _Entry(key, size, next(versions), now, kb)
             entry.ssd_version = entry.version
             entries[key] = entry
             lru.insert(key)
-            if kb in stale:
-                stale.discard(kb)
+            was = recorded.pop(kb, None)
+            if was == size:
                 agreed += 1
-            else:
-                index.set_holder(key, kb, holder, (CacheTier.LOCAL_SSD,), size)
+                continue
+            index.set_holder(key, kb, holder, _IN_SSD, size)
+            if was is None:
                 added += 1
-        self.reconciled["index_agreed"] = agreed
+            else:
+                resized += 1
+        self.reconciled.update(index_agreed=agreed, index_resized=resized,
+                               index_added=added if index.persistent else 0)
         if index.persistent and added:
             log.warning("residency index: %d SSD blocks had no record in the index: added "
                         "(the SSD tier's data wins)", added)
-        self.reconciled["index_added"] = added if index.persistent else 0
-        self._adopt_dropped(stale)
+        if resized:
+            log.warning("residency index: %d records had another size than their SSD block: "
+                        "corrected (the SSD tier's data wins)", resized)
+        self._adopt_dropped(set(recorded))
 
     def _adopt_dropped(self, stale: set) -> None:
         if not stale:
