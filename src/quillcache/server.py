@@ -47,9 +47,9 @@ from typing import Any, Callable, Optional
 
 from quillcache.auth import Authenticator
 from quillcache.fsutil import pread_full
-from quillcache._native.codec import encode_frame_header
+from quillcache._native.codec import decode_key_body, decode_put_body, encode_frame_header
 from quillcache.errors import (
-    Busy, InvalidArgument, NotFound, PermissionDenied, ProtocolError, QuillCacheError, UnsafeReuse,
+    Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse,
 )
 from quillcache.model import (
     KEY_FORMAT_VERSION, IdentityScope, KeyError_, KvBlockKey, decode_key,
@@ -501,14 +501,8 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             self._check_access()
             durable = bool(frame.flags & FLAG_DURABLE)
             if frame.opcode == Opcode.PUT:
-                hdr = frame.header
-                n = len(hdr) - 10               # u16 key length + key + u64 nbytes
-                if (0 < n <= self.limits.max_key_bytes and hdr[0] | hdr[1] << 8 == n
-                        and int.from_bytes(hdr[n + 2:], "little") == frame.payload_length):
-                    items = [(self._key(hdr[2:n + 2]), frame.payload_length)]
-                else:                           # the checked way, for its error
-                    item = messages.decode_put_request(hdr, frame.payload_length, self.limits)
-                    items = [(self._key(item.key), item.nbytes)]
+                raw, nbytes = decode_put_body(frame.header, frame.payload_length, self.limits.max_key_bytes)
+                items = [(self._key(raw), nbytes)]
             else:
                 decoded = messages.decode_put_many_request(frame.header, frame.payload_length, self.limits)
                 items = [(self._key(i.key), i.nbytes) for i in decoded]
@@ -661,13 +655,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             node = self.node
             if node.draining or (not self.tenant and not node.auth.open_mode):
                 self._check_access()
-            hdr = frame.header
-            n = len(hdr) - 2
-            # the body is u16 key length + key: anything else goes the checked way for its error
-            if 0 < n <= self.limits.max_key_bytes and hdr[0] | hdr[1] << 8 == n:
-                key = self._keys.decode(hdr[2:])
-            else:
-                key = self._keys.decode(messages.decode_get_request(hdr, self.limits))
+            key = self._keys.decode(decode_key_body(frame.header, self.limits.max_key_bytes))
             if not node.auth.open_mode and key.tenant_id != self.tenant:
                 self._own(key.tenant_id)
             lease = self.store.get_nowait(key, extent_ok=self._fd >= 0)
@@ -698,7 +686,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         node = self.node
         if lease.extent is not None:
             try:
-                self._take(rid)
+                self.take_request(rid)
                 if self.failed is None and not self.closed:
                     self._send_extent(rid, *lease.extent)
             finally:
@@ -711,7 +699,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
                 self._started[rid] = t0
                 self._ok(rid, _GET, b"", [lease.view], crc=bool(flags & FLAG_PAYLOAD_CRC))
                 return
-            self._take(rid)
+            self.take_request(rid)
             size = lease.size
             head = encode_frame_header(_GET, rid, flags=_GET_REPLY_FLAGS, payload_length=size)
             t = self.transport

@@ -12,10 +12,14 @@ the policy; the short version:
   durable publish; the block is then in both tiers and DRAM can drop it without I/O.
 * A get of an SSD-only block promotes it into a new DRAM slot when the arena has room
   without evicting; otherwise it is read into a temporary buffer that the lease owns.
-* A put that finds no room evicts DRAM blocks in LRU order (unpinned first, then soft
-  pins); a block with a current SSD copy stays readable from SSD, any other is dropped.
-  Leased, hard-pinned and in-flight blocks are never evicted; when nothing can go the put
+* A put that finds no room evicts DRAM copies that cost no I/O (a current SSD copy, or any
+  block in a store without SSD) in policy order (unpinned first, then soft pins); when only
+  dirty blocks hold the room it waits (``await reserve``, up to ``put_timeout_s``) while
+  they are demoted: nothing is dropped while the SSD tier can take it (``dropped_dirty``
+  counts the blocks it could not).  ``_may_evict`` is the one rule for every victim:
+  leased, hard-pinned and in-flight blocks are never evicted; when nothing can go the put
   fails with CapacityError and nothing changes.
+* SSD reads run off the event loop (``get_nowait`` / ``await get_async``).
 * remove of a leased block unpublishes it at once (no new reader finds it); its slot is
   freed when the last lease ends.
 """
@@ -201,6 +205,7 @@ class LocalKvStore:
         self._waiting: list[_Waiter] = []                 # reserves waiting for room, oldest first
         self._demoting: dict[KvBlockKey, int] = {}        # key -> bytes: demotions started for room
         self._demoting_bytes = 0
+        self._demotion_tasks: set[asyncio.Task] = set()
         self._put_wait_s = 0.0                            # seconds reserves spent waiting, summed
         self._reads: dict[KvBlockKey, asyncio.Future] = {}  # SSD reads in flight (get_async)
         self._stats = {"dram": dict.fromkeys(_TIER_COUNTERS, 0), "ssd": dict.fromkeys(_TIER_COUNTERS, 0)}
@@ -343,8 +348,8 @@ class LocalKvStore:
         waiter = _Waiter(sum(size for _, size in items))
         self._waiting.append(waiter)
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        deadline = t0 + self.put_timeout_s
+        t0 = time.perf_counter()
+        deadline = loop.time() + self.put_timeout_s
         self._counters["put_waits"] += 1
         try:
             while True:
@@ -363,7 +368,7 @@ class LocalKvStore:
                     return handles
         finally:
             self._waiting.remove(waiter)
-            self._put_wait_s += loop.time() - t0
+            self._put_wait_s += time.perf_counter() - t0
             if self._waiting:
                 self._wake()                # the room this waiter did not take is for the next
 
@@ -406,8 +411,8 @@ class LocalKvStore:
                 return self._dram.put_start(key, size)
             except CapacityError:
                 pass                        # fragmented: what is left needs demotions
-        if self._ssd is not None and (self._demoting or self._evictable_bytes(now, 1, no_io=False)):
-            return None
+        if self._ssd is not None and (self._demoting or self._busy or self._evictable_bytes(now, 1, no_io=False)):
+            return None                     # demotions (or SSD writes in flight) will free it: wait
         free, largest = self._dram.report()
         raise CapacityError(size, free, largest,
                             f"dram full: cannot place {size} bytes ({free} bytes free, largest "
@@ -504,8 +509,9 @@ class LocalKvStore:
         if self._ssd is None or self.closed:
             return
         dram = self._dram
-        need = sum(w.size for w in self._waiting) - dram.report()[0]
-        need = max(need, dram.used - int(self.high_watermark * dram.capacity))
+        # Free bytes are not counted for the waiters: they could not place their blocks in
+        # them (fragmentation), so the room must come from blocks that go.
+        need = max(sum(w.size for w in self._waiting), dram.used - int(self.high_watermark * dram.capacity))
         need -= self._demoting_bytes
         if need <= 0 or len(self._demoting) >= MAX_DEMOTIONS_IN_FLIGHT:
             return
@@ -523,9 +529,11 @@ class LocalKvStore:
             self._demoting[key] = size
             self._demoting_bytes += size
             task = loop.create_task(self._demote(key, for_room=True))
+            self._demotion_tasks.add(task)
             task.add_done_callback(functools.partial(self._demotion_done, key))
 
     def _demotion_done(self, key: KvBlockKey, task: asyncio.Task) -> None:
+        self._demotion_tasks.discard(task)
         self._demoting_bytes -= self._demoting.pop(key, 0)
         if not task.cancelled() and task.exception() is not None:
             log.error("demotion of %r failed: %r", key, task.exception())
@@ -684,7 +692,7 @@ class LocalKvStore:
         """``get`` that reads SSD-only blocks off the event loop (the tier's read pool).
 
         Concurrent gets of one SSD-only block share one read: the later ones wait for it
-        and then find the block promoted (or read it again when it was not)."""
+        and then find the block promoted, or share the buffer it was read into."""
         while True:
             entry = self._lookup(key)
             lease = self._lease_now(entry, False)
@@ -692,10 +700,17 @@ class LocalKvStore:
                 return lease
             other = self._reads.get(entry.key)
             if other is not None:
-                await asyncio.shield(other)            # its outcome is the first reader's to report
+                shared = await asyncio.shield(other)   # its errors are the first reader's to report
+                if shared is not None and shared[0] is entry and shared[1] == entry.version \
+                        and self._entries.get(entry.key) is entry and self._dram.lookup(entry.key) is None:
+                    self._stats["dram"]["misses"] += 1
+                    self._stats["ssd"]["hits"] += 1
+                    return self._new_lease(entry.key, memoryview(shared[2]).toreadonly(), "ssd", None,
+                                           self._clock())
                 continue
             fut = asyncio.get_running_loop().create_future()
             self._reads[entry.key] = fut
+            lease = None
             try:
                 read = self._ssd_read_start(entry)
                 try:
@@ -706,7 +721,9 @@ class LocalKvStore:
                     lease = self._ssd_read_end(entry, read, n)
             finally:
                 del self._reads[entry.key]
-                fut.set_result(None)
+                # a buffer read (not promoted) is shared, read-only, with the gets that waited
+                fut.set_result((entry, read[2], read[1]) if lease is not None and lease.tier == "ssd"
+                               else None)
             if lease is not None:
                 return lease                           # else: rewritten meanwhile, look again
 
@@ -1029,6 +1046,8 @@ class LocalKvStore:
         self._dram_lru.remove(key)
         self._stats["dram"]["demotions"] += 1
         self._stats["ssd"]["demotions"] += 1
+        if self._waiting:
+            self._wake()
         return True
 
     def _demotion_victims(self, now: float, target_used: int) -> list[KvBlockKey]:
@@ -1060,8 +1079,10 @@ class LocalKvStore:
             return {}
         now = self._clock() if now is None else now
         done = {"reaped": 0, "leases_expired": 0, "pins_expired": 0, "demoted": 0, "audit_lines": 0}
-        for key in self._dram.reap_stale(now):
+        for _key in self._dram.reap_stale(now):
             done["reaped"] += 1
+        if done["reaped"] and self._waiting:
+            self._wake()
         if done["reaped"]:
             for seq in [s for s, h in self._handles.items() if not self._dram.is_pending(h._pending)]:
                 del self._handles[seq]
@@ -1115,11 +1136,14 @@ class LocalKvStore:
     async def close(self) -> None:
         if self.closed:
             return
+        self.closed = True                  # no new demotion starts; waiting reserves fail
+        self._wake()
+        if self._demotion_tasks:            # the SSD writes in flight end before the tiers close
+            await asyncio.gather(*self._demotion_tasks, return_exceptions=True)
         for lease in list(self._leases.values()):
             lease.release()
         for handle in list(self._handles.values()):
             self.put_abort(handle)
-        self.closed = True
         self._dram.close()
         if self._ssd is not None:
             result = self._ssd.close()
