@@ -36,7 +36,9 @@ from typing import Callable, Iterable, Optional
 
 from quillcache.errors import Busy, CapacityError, InvalidArgument, NotFound, QuillCacheError
 from quillcache.index.art import ArtIndex
-from quillcache.model import CacheTier, IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope, encode_scope_prefix
+from quillcache.model import (
+    CacheTier, IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope, encode_scope_prefix,
+)
 from quillcache.store.dram import ARENA_UNIT, DEFAULT_PUT_TIMEOUT_S, DramTier, PendingPut, Slot
 from quillcache.store.guard import LOCAL_HOLDER, IdentityGuard, miss_error
 from quillcache.store.policy import make_policy
