@@ -190,10 +190,7 @@ def ssd_tier_of(log_dir: str, root: str, ssd_path=None):
     the daemon's (<data_dir>/wal with the data file at [ssd] path, default
     <data_dir>/ssd/blocks.dat, its checkpoint beside it as <file>.checkpoint) and an SsdTier
     directory (data.qc, checkpoint and wal/ together)."""
-    try:
-        from quillcache.store import ssd  # noqa: PLC0415
-    except ImportError:
-        return None
+    from quillcache.store import ssd  # noqa: PLC0415
     if os.path.basename(log_dir) != ssd.WAL_DIR_NAME:
         return None
     parent = os.path.dirname(log_dir)

@@ -55,3 +55,43 @@ def test_no_test_module_imports_another_test_module():
                 if parts[0] == "tests" and any(p.startswith("test_") or p == "conftest" for p in parts[1:]):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {name}")
     assert not offenders, "\n".join(offenders)
+
+
+# --------------------------------------------------------------------------- one place for each fact
+
+
+def _int_assignments(path: Path) -> dict[str, int]:
+    """Module-level ``NAME = <int literal>`` of ``path``."""
+    out = {}
+    for node in _tree(path).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                and type(node.value.value) is int:
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    out[target.id] = node.value.value
+    return out
+
+
+def test_exit_codes_are_defined_only_in_quillcache_exitcodes():
+    from quillcache import exitcodes
+    codes = {getattr(exitcodes, n) for n in exitcodes.__all__ if isinstance(getattr(exitcodes, n), int)}
+    offenders = []
+    for path in [*SRC.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]:
+        if path == SRC / "exitcodes.py":
+            continue
+        for name, value in _int_assignments(path).items():
+            if name.startswith("EX_") or (path.name == "exitcodes.py" and value in codes):
+                offenders.append(f"{path.relative_to(ROOT)}: {name} = {value}")
+    assert not offenders, "exit codes belong in src/quillcache/exitcodes.py:\n" + "\n".join(offenders)
+
+
+def test_no_test_skips_when_a_native_extension_or_the_ssd_tier_is_missing():
+    """A broken build fails the store tests loudly instead of skipping them."""
+    offenders = []
+    for path in TESTS.rglob("*.py"):
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "importorskip" and node.args \
+                    and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("quillcache"):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, "\n".join(offenders)

@@ -24,10 +24,6 @@ from tests._support.metrics import metric_value, scrape
 from tests._support.net import raw_connect, read_frames
 
 
-def _ssd_or_skip():
-    return pytest.importorskip("quillcache.store.ssd")
-
-
 # --------------------------------------------------------------------------- start-up and exit codes
 
 
@@ -48,7 +44,6 @@ def test_write_through_without_ssd_tier_exits_78(tmp_path):
 
 
 def test_a_second_daemon_on_a_locked_data_dir_exits_75_with_one_line_not_a_traceback(tmp_path):
-    _ssd_or_skip()
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with Daemon(tmp_path / "a", ssd=True, data_dir=tmp_path / "shared") as first:
@@ -63,7 +58,6 @@ def test_a_second_daemon_on_a_locked_data_dir_exits_75_with_one_line_not_a_trace
 
 
 def test_a_corrupt_ssd_checkpoint_exits_65_naming_the_file(tmp_path):
-    _ssd_or_skip()
     d = Daemon(tmp_path, ssd=True).start()
     with Client(d.addr) as c:
         c.put(key(1), content(1, 5000), durable=True)
@@ -207,7 +201,6 @@ def test_metrics_endpoint_counts_requests_by_opcode_and_status(tmp_path):
 
 
 def test_durable_put_reads_back_after_a_clean_restart(tmp_path):
-    _ssd_or_skip()
     d = Daemon(tmp_path, ssd=True).start()
     try:
         with Client(d.addr) as c:
@@ -250,7 +243,6 @@ def _durable_writer(addr: str, start: int, stop: threading.Event, acked: list, e
 
 
 def test_kill_9_under_write_through_load_loses_no_acknowledged_put(tmp_path):
-    _ssd_or_skip()
     d = Daemon(tmp_path, ssd=True, sections={"store": 'policy = "write_through"'},
                ssd_capacity=f"{KILL9_SSD_CAPACITY >> 20}MiB").start()
     acked: list = []

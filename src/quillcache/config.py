@@ -22,14 +22,13 @@ from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
 from quillcache.errors import ConfigError
+from quillcache.exitcodes import CONFIG as EX_CONFIG  # the exit code of a bad config
 
 __all__ = [
     "Setting", "SETTINGS", "SECTIONS", "Config", "ConfigError", "load_config", "parse_config",
     "render_sample", "parse_byte_size", "parse_duration", "parse_hostport", "format_byte_size",
     "format_duration", "hash_token", "EX_CONFIG",
 ]
-
-EX_CONFIG = 78  # sysexits.h: configuration error
 
 
 class ConversionError(ValueError):

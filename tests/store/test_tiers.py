@@ -9,9 +9,7 @@ import pytest
 
 from quillcache.errors import Busy, CapacityError, InvalidArgument, NotFound
 from quillcache.model import IdentityScope, KvBlockKey
-
-pytest.importorskip("quillcache._native.alloc")
-from quillcache.store.tiers import LocalKvStore  # noqa: E402
+from quillcache.store.tiers import LocalKvStore
 
 BLOCK = 1024
 SCOPE = IdentityScope("m", "tok", None, "t")
@@ -347,7 +345,8 @@ async def _open_ssd(tmp_path, capacity):
 
 @pytest.fixture
 def ssd_mod():
-    return pytest.importorskip("quillcache.store.ssd")
+    from quillcache.store import ssd
+    return ssd
 
 
 def test_demotion_under_pressure_then_promotion_keeps_the_bytes(ssd_mod, tmp_path):
