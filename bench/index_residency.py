@@ -163,7 +163,8 @@ print(json.dumps(out))
 def baseline_tree(rev: str) -> tuple[str, str]:
     """A git archive of rev's src/ with this build's native extensions; (dir, commit)."""
     commit = subprocess.check_output(["git", "rev-parse", rev], cwd=ROOT, text=True).strip()
-    diff = subprocess.run(["git", "diff", "--quiet", commit, "HEAD", "--", "src/quillcache/_native"], cwd=ROOT)
+    diff = subprocess.run(["git", "diff", "--quiet", commit, "HEAD", "--", "src/quillcache/_native/*.pyx",
+                           "src/quillcache/_native/*.pxd", "src/quillcache/_native/*.pxi"], cwd=ROOT)
     if diff.returncode != 0:
         raise SystemExit(f"native code differs between {commit[:10]} and HEAD: the baseline cannot reuse this build")
     tmp = tempfile.mkdtemp(prefix="qc-baseline-")
