@@ -216,6 +216,28 @@ def test_durable_put_reads_back_after_a_clean_restart(tmp_path):
         d.stop()
 
 
+def test_persistent_index_lists_the_ssd_blocks_after_a_restart_and_reports_the_check(tmp_path):
+    d = Daemon(tmp_path, ssd=True, sections={"index": "persistent = true"}).start()
+    try:
+        with Client(d.addr) as c:
+            for i in range(1, 6):
+                c.put(key(i), content(i, 3000), durable=True)
+            c.put(key(9), content(9, 3000))           # write_back: DRAM only, gone at restart
+            assert [k.block_hash for k in c.ls(key(1).scope)] == ["b1", "b2", "b3", "b4", "b5", "b9"]
+        assert d.stop() == 0
+        assert [p.parent.name for p in tmp_path.rglob("checkpoint.qck")] == ["index"]   # written at stop
+        d.start()
+        with Client(d.addr) as c:
+            assert [k.block_hash for k in c.ls(key(1).scope)] == ["b1", "b2", "b3", "b4", "b5"]
+            store = c.info("Store")["Store"]
+            assert int(store["index_agreed_at_start"]) == 5
+            assert int(store["index_added_at_start"]) == 0 and int(store["index_dropped_at_start"]) == 0
+            assert c.get(key(3)) == content(3, 3000)
+        assert "residency index" in d.log() and "5 agreed" in d.log()
+    finally:
+        d.stop()
+
+
 KILL9_SSD_CAPACITY = 256 << 20      # bytes
 KILL9_WRITERS = 4
 # Each writer stops at this many bytes, so the SSD tier can never fill up and evict: an

@@ -233,6 +233,7 @@ SECTIONS = {
     "auth": "Tenants and their tokens. With no tenants the node runs open (dev mode).",
     "router": "The routing module hosted by this node.",
     "guard": "The identity guard: who may reuse a block.",
+    "index": "The residency index: the store's record of which blocks are resident in which tier.",
 }
 
 SETTINGS: tuple[Setting, ...] = (
@@ -296,6 +297,10 @@ SETTINGS: tuple[Setting, ...] = (
        "auto uses io_uring where the kernel allows it, else pwritev + fdatasync."),
     _s("wal", "checkpoint_interval", parse_duration, "60s", True,
        "How often the residency index is checkpointed and the log truncated."),
+    _s("index", "persistent", _bool, False, False,
+       "Keep the residency index in a write-ahead log and checkpoints under <data_dir>/index, "
+       "so a restart finds its records without rebuilding them; at start it is checked against "
+       "the SSD tier, whose data wins where they disagree."),
     _s("limits", "max_header", _size_range(64, 1 << 24), "64KiB", False,
        "Largest frame header (keys and batch descriptors)."),
     _s("limits", "max_payload", _size_range(1, 1 << 40), "1GiB", False,

@@ -28,6 +28,8 @@ from quillcache import __version__, exitcodes
 from quillcache.auth import Authenticator
 from quillcache.config import SETTINGS, Config, ConfigError, format_hostport, load_config
 from quillcache.errors import Busy, InvalidArgument, QuillCacheError
+from quillcache.index.persistent import PersistentArtIndex
+from quillcache.model import CacheTier
 from quillcache.metrics import NodeMetrics
 from quillcache.protocol.opcodes import ProtocolLimits
 from quillcache.server import NodeServer
@@ -126,6 +128,13 @@ class Node:
                  st.get("recovered_blocks", 0), st.get("dropped_blocks", 0), time.monotonic() - t0)
         return tier
 
+    def _open_index(self, data_dir: Path):
+        """The persistent residency index ([index] persistent): its records of DRAM copies
+        are never logged (they do not outlive the process)."""
+        cfg = self.cfg
+        return PersistentArtIndex(data_dir / "index", volatile_tiers=(CacheTier.CPU_DRAM,),
+                                  wal_backend=cfg.wal.backend)
+
     async def start(self) -> None:
         cfg = self.cfg
         data_dir = Path(cfg.node.data_dir)
@@ -137,13 +146,22 @@ class Node:
                               "([ssd] enabled = true)")
         wal_backend = str(self.ssd.stats().get("wal_backend")) if self.ssd is not None else "none"
         log.info("WAL backend: %s%s", wal_backend, "" if self.ssd is not None else " (SSD tier disabled)")
+        index = None
+        if cfg.index.persistent:
+            index = await asyncio.to_thread(self._open_index, data_dir)
         self.store = LocalKvStore(
-            cfg.store.dram, ssd=self.ssd, policy=cfg.store.policy,
+            cfg.store.dram, ssd=self.ssd, policy=cfg.store.policy, index=index, holder=self.node_id,
             high_watermark=cfg.store.high_watermark, low_watermark=cfg.store.low_watermark,
             demote_after_s=cfg.store.demote_after or None, lease_s=cfg.store.lease,
             guard_mode=cfg.guard.mode, max_block_bytes=cfg.store.max_block,
             put_timeout_s=cfg.store.put_timeout, hugepages=cfg.store.hugepages, prefault=cfg.store.prefault,
             promote_on_get=cfg.ssd.promote_on_get)
+        if index is not None:
+            r = self.store.reconciled
+            log.info("residency index %s: %d records recovered in %.3f s CPU; against the SSD tier: "
+                     "%d agreed, %d added, %d dropped", index.directory, index.recovery.checkpoint_records
+                     + index.recovery.replayed, index.recovery.cpu_seconds, r["index_agreed"],
+                     r["index_added"], r["index_dropped"])
         limits = ProtocolLimits(max_header_bytes=cfg.limits.max_header, max_payload_bytes=cfg.limits.max_payload,
                                 max_batch=cfg.limits.max_batch, max_in_flight=cfg.limits.max_inflight)
         auth = Authenticator(cfg.auth.tenants, cfg.auth.max_failed_hellos)

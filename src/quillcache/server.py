@@ -837,17 +837,10 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
 
     def _list(self, frame) -> None:
         req = messages.decode_list_request(frame.header, self.limits)
-        scope, prefix_hash = _decode_scope_prefix(req.prefix)
+        scope, _prefix_hash = _decode_scope_prefix(req.prefix)     # validates it
         self._own(scope.tenant_id)
-        if prefix_hash is None:
-            keys = self.store.list_scope(scope)
-        else:
-            keys = self.store.list_prefix(scope, prefix_hash)
-        encoded = sorted(encode_key(k) for k in keys)
-        if req.start_after:
-            encoded = [k for k in encoded if k > req.start_after]
-        page = encoded[:req.limit]
-        more = len(encoded) > req.limit
+        # a walk of the store's residency index from the cursor: no sort of the scope
+        page, more = self.store.list_page(req.prefix, req.start_after, req.limit)
         self._ok(frame.request_id, Opcode.LIST, messages.encode_list_reply(page, more, self.limits))
 
     def _stats(self, frame) -> None:

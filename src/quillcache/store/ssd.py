@@ -729,6 +729,11 @@ class SsdTier:
     def allocator(self) -> OffsetAllocator:
         return self._allocator
 
+    def blocks(self) -> Iterator[tuple]:
+        """(key, encoded key, length) of every published block (the store adopts them at start)."""
+        for k, e in self._map.items():
+            yield k, e.kb, e.length
+
     def entries(self) -> Iterator[tuple]:
         """(key, offset, length, crc) of every published block (tools and the crash checker)."""
         for k, e in self._map.items():

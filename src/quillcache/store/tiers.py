@@ -35,9 +35,13 @@ import time
 from typing import Callable, Iterable, Optional
 
 from quillcache.errors import Busy, CapacityError, InvalidArgument, NotFound, QuillCacheError
-from quillcache.model import MAX_PIN_TTL_S, IdentityScope, KvBlockKey
+from quillcache.index.art import ArtIndex
+from quillcache.model import (
+    MAX_PIN_TTL_S, CacheTier, IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope,
+    encode_scope_prefix,
+)
 from quillcache.store.dram import ARENA_UNIT, DEFAULT_PUT_TIMEOUT_S, DramTier, PendingPut, Slot
-from quillcache.store.guard import IdentityGuard, miss_error
+from quillcache.store.guard import LOCAL_HOLDER, IdentityGuard, miss_error
 from quillcache.store.policy import make_policy
 
 __all__ = ["LocalKvStore", "Lease", "PutHandle", "WRITE_POLICIES"]
@@ -51,19 +55,27 @@ DEFAULT_MAX_LEASES = 65_536          # leases alive at once
 DEFAULT_MAX_INFLIGHT_PUTS = 4_096    # puts between start and end at once
 MAX_LEASE_S = 3600.0                 # seconds: longest lease
 MAX_PREFIX_KEYS = 65_536             # keys in one exists_prefix call
+MAX_LIST_PAGE = 65_536               # keys in one list_page call
 DEFAULT_MAX_HARD_PIN_FRACTION = 0.5  # of the dram capacity that hard pins may hold
 MAX_DEMOTIONS_IN_FLIGHT = 8          # SSD writes started at once to make room for waiting puts
+
+_IN_DRAM = (CacheTier.CPU_DRAM,)
+_IN_SSD = (CacheTier.LOCAL_SSD,)
+_IN_BOTH = (CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD)
 
 _TIER_COUNTERS = ("hits", "misses", "demotions", "promotions", "evictions", "lease_waits")
 
 
 class _Entry:
-    """One resident block: its size, the version of its bytes and where copies are."""
+    """The hot per-key state of a resident block (the version of its bytes, pins, last
+    access), cached by exact key for GET/PUT.  What is resident where (tier, size,
+    identity) is recorded in the residency index; ``_record`` keeps the two in step."""
 
-    __slots__ = ("key", "size", "version", "ssd_version", "pin_until", "hard", "last_access")
+    __slots__ = ("key", "ek", "size", "version", "ssd_version", "pin_until", "hard", "last_access")
 
-    def __init__(self, key: KvBlockKey, size: int, version: int, now: float):
+    def __init__(self, key: KvBlockKey, size: int, version: int, now: float, ek: Optional[bytes] = None):
         self.key = key
+        self.ek = encode_key(key) if ek is None else ek    # the index key, encoded once
         self.size = size
         self.version = version           # bumped by every publish of new bytes for the key
         self.ssd_version: Optional[int] = None   # the version the SSD copy holds, or None
@@ -142,7 +154,8 @@ class LocalKvStore:
                  prefault: bool = False, max_leases: int = DEFAULT_MAX_LEASES,
                  max_inflight_puts: int = DEFAULT_MAX_INFLIGHT_PUTS,
                  max_hard_pin_fraction: float = DEFAULT_MAX_HARD_PIN_FRACTION,
-                 promote_on_get: bool = True):
+                 promote_on_get: bool = True, index: Optional[ArtIndex] = None,
+                 holder: str = LOCAL_HOLDER):
         if policy not in WRITE_POLICIES:
             raise InvalidArgument(f"policy {policy!r}: must be one of {', '.join(WRITE_POLICIES)}")
         if policy == "write_through" and ssd is None:
@@ -161,7 +174,11 @@ class LocalKvStore:
             raise InvalidArgument(f"max_hard_pin_fraction {max_hard_pin_fraction!r}: must be in [0, 1]")
         if max_block_bytes is None and isinstance(dram_capacity, int):
             max_block_bytes = min(DEFAULT_MAX_BLOCK_BYTES, dram_capacity - dram_capacity % 256)
-        self.guard = IdentityGuard(guard_mode)      # validates the mode before allocating the arena
+        # The residency index: the one record of what is resident where (index/art.py,
+        # docs/residency-index.md).  ``holder`` names this node's records in it.
+        self._index = index if index is not None else ArtIndex()
+        self.holder = holder
+        self.guard = IdentityGuard(guard_mode, self._index, holder)   # checks the mode before the arena
         self._clock = clock
         self._dram = DramTier(dram_capacity, max_block_bytes=max_block_bytes, put_timeout_s=put_timeout_s,
                               hugepages=hugepages, prefault=prefault, clock=clock)
@@ -179,8 +196,7 @@ class LocalKvStore:
         self.max_hard_pin_bytes = int(self._dram.capacity * max_hard_pin_fraction)
         self._dram_lru = make_policy(eviction)
         self._ssd_lru = make_policy(eviction)
-        self._entries: dict[KvBlockKey, _Entry] = {}
-        self._by_prefix: dict[tuple[IdentityScope, str], set[KvBlockKey]] = {}
+        self._entries: dict[KvBlockKey, _Entry] = {}      # exact-key cache of the index's local records
         self._handles: dict[int, PutHandle] = {}          # slot seq -> in-flight put
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
@@ -204,36 +220,79 @@ class LocalKvStore:
             log.warning("IDENTITY GUARD OFF: blocks are reused by content hash across models, "
                         "tokenizers, adapters and TENANTS. This serves wrong KV and leaks data "
                         "between tenants; use it only for studies.")
-        if ssd is not None:
-            now = clock()
-            for key in list(ssd.keys()):      # blocks recovered by the SSD tier are resident
-                size = ssd.size_of(key)
-                if size is None:
-                    continue
-                entry = _Entry(key, size, next(self._versions), now)
-                entry.ssd_version = entry.version
-                self._add_entry(entry)
-                self._ssd_lru.insert(key)
+        self.reconciled = {"index_added": 0, "index_dropped": 0, "index_resized": 0, "index_agreed": 0}
+        self._adopt_ssd(ssd)
 
     # ------------------------------------------------------------------ index upkeep
 
+    def _adopt_ssd(self, ssd) -> None:
+        """At start: the blocks the SSD tier recovered (CRC-checked per its ``verify``) are
+        resident, and the index must say exactly that.  A persistent index comes back with
+        its own records; where the two disagree the SSD tier wins: a local record without
+        an SSD block is dropped, an SSD block without a record is added; each kind of
+        mismatch is counted (``reconciled``) and logged."""
+        index, holder = self._index, self.holder
+        recorded = index.holder_sizes(holder)   # this node's records as the index recovered them
+        if ssd is None:
+            self._adopt_dropped(set(recorded))
+            return
+        now = self._clock()
+        added = agreed = resized = 0
+        entries, lru, versions = self._entries, self._ssd_lru, self._versions
+        for key, kb, size in ssd.blocks():
+            entry = _Entry(key, size, next(versions), now, kb)
+            entry.ssd_version = entry.version
+            entries[key] = entry
+            lru.insert(key)
+            was = recorded.pop(kb, None)
+            if was == size:
+                agreed += 1
+                continue
+            index.set_holder(key, kb, holder, _IN_SSD, size)
+            if was is None:
+                added += 1
+            else:
+                resized += 1
+        self.reconciled.update(index_agreed=agreed, index_resized=resized,
+                               index_added=added if index.persistent else 0)
+        if index.persistent and added:
+            log.warning("residency index: %d SSD blocks had no record in the index: added "
+                        "(the SSD tier's data wins)", added)
+        if resized:
+            log.warning("residency index: %d records had another size than their SSD block: "
+                        "corrected (the SSD tier's data wins)", resized)
+        self._adopt_dropped(set(recorded))
+
+    def _adopt_dropped(self, stale: set) -> None:
+        if not stale:
+            return
+        index, holder = self._index, self.holder
+        for ek in stale:
+            index.set_holder(None, ek, holder, (), 0)
+        self.reconciled["index_dropped"] = len(stale)
+        log.warning("residency index: %d records of this node name no block of the SSD tier: "
+                    "dropped (the SSD tier's data wins)", len(stale))
+
+    def _record(self, entry: _Entry, gone: bool = False) -> None:
+        """Write entry's residency (tiers, size) to the index: call after every change of
+        where a block is (DRAM publish/unpublish, SSD copy made/dropped, entry gone)."""
+        if gone:
+            tiers = ()
+        elif entry.ssd_version is None:
+            tiers = _IN_DRAM if self._dram.lookup(entry.key) is not None else ()
+        else:
+            tiers = _IN_BOTH if self._dram.lookup(entry.key) is not None else _IN_SSD
+        self._index.set_holder(entry.key, entry.ek, self.holder, tiers, entry.size)
+
     def _add_entry(self, entry: _Entry) -> None:
-        key = entry.key
-        self._entries[key] = entry
-        self.guard.add(key)
-        self._by_prefix.setdefault((key.scope, key.prefix_hash), set()).add(key)
+        self._entries[entry.key] = entry
+        self._record(entry)
 
     def _drop_entry(self, key: KvBlockKey) -> Optional[_Entry]:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
-        self.guard.discard(key)
-        pk = (key.scope, key.prefix_hash)
-        keys = self._by_prefix.get(pk)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._by_prefix[pk]
+        self._record(entry, gone=True)
         self._pinned.discard(key)
         self._dram_lru.remove(key)
         self._ssd_lru.remove(key)
@@ -432,6 +491,7 @@ class LocalKvStore:
         self._dram_lru.remove(key)
         self._stats["dram"]["evictions"] += 1
         if entry.ssd_version is not None and entry.ssd_version == entry.version:
+            self._record(entry)
             return                                  # still readable from SSD
         if entry.ssd_version is not None:
             self._ssd_garbage.add(key)              # stale copy of older bytes
@@ -512,7 +572,7 @@ class LocalKvStore:
         stale_ssd = False
         if entry is None:
             entry = _Entry(key, handle.size, version, now)
-            self._add_entry(entry)
+            self._entries[key] = entry                 # recorded in the index below
         else:
             stale_ssd = entry.ssd_version is not None and not ssd_written
             entry.size = handle.size
@@ -532,7 +592,10 @@ class LocalKvStore:
             # The SSD holds older bytes of the key: drop them so they are never served.
             entry.ssd_version = None
             self._ssd_lru.remove(key)
+            self._record(entry)
             await self._ssd_remove_if_unowned(key)
+            return
+        self._record(entry)
 
     def put_abort(self, handle: PutHandle) -> bool:
         pending = handle._pending
@@ -719,6 +782,7 @@ class LocalKvStore:
         if pending is None:
             return self._new_lease(key, memoryview(buf).toreadonly(), "ssd", None, now)
         self._dram.put_end(pending)
+        self._record(entry)
         slot = self._dram.lookup(key)
         self._dram_lru.insert(key)
         self._stats["dram"]["promotions"] += 1
@@ -785,19 +849,52 @@ class LocalKvStore:
             n += 1
         return n
 
+    def list_page(self, prefix: bytes, start_after: bytes = b"", limit: int = MAX_LIST_PAGE
+                  ) -> tuple[list[bytes], bool]:
+        """LIST: up to ``limit`` encoded keys resident on this node that start with ``prefix``
+        (``encode_scope`` or ``encode_scope_prefix`` bytes) and sort after ``start_after``,
+        in key order, and whether more follow.  A walk of the residency index from the
+        cursor: its cost follows the page, not the size of the scope."""
+        if not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_PAGE:
+            raise InvalidArgument(f"list limit {limit!r}: must be in 1..{MAX_LIST_PAGE}")
+        return self._index.page(prefix, start_after, limit, self.holder)
+
     def list_prefix(self, scope: IdentityScope, prefix_hash: str) -> list[KvBlockKey]:
-        """The resident keys of exactly this scope and prefix hash, by block_index."""
-        if isinstance(scope, KvBlockKey):
-            scope = scope.scope
-        keys = self._by_prefix.get((scope, prefix_hash), ())
-        return sorted(keys, key=lambda k: (k.block_index, k.block_hash, k.token_count))
+        """The resident keys of exactly this scope and prefix hash, in encoded-key order
+        (block_index, then block_hash, then token_count)."""
+        return self._list_all(encode_scope_prefix(scope, prefix_hash))
 
     def list_scope(self, scope: IdentityScope) -> list[KvBlockKey]:
         """The resident keys of one identity scope, in encoded-key order (quillctl ls)."""
-        if isinstance(scope, KvBlockKey):
-            scope = scope.scope
-        keys = [k for (sc, _prefix), ks in self._by_prefix.items() if sc == scope for k in ks]
-        return sorted(keys, key=lambda k: (k.prefix_hash, k.block_index, k.block_hash, k.token_count))
+        return self._list_all(encode_scope(scope))
+
+    def _list_all(self, prefix: bytes) -> list[KvBlockKey]:
+        out, cursor, more = [], b"", True
+        while more:
+            page, more = self.list_page(prefix, cursor, MAX_LIST_PAGE)
+            out.extend(decode_key(ek) for ek in page)
+            if page:
+                cursor = page[-1]
+        return out
+
+    def check_residency(self) -> None:
+        """Assert that the index's records of this node are exactly what the tiers hold
+        (tests and QC_DEBUG): the exact-key cache, the DRAM and SSD tiers and the index
+        must name the same keys, tiers and sizes.  O(resident blocks)."""
+        index, holder = self._index, self.holder
+        held = index.keys_of(holder)
+        cached = {e.ek: e for e in self._entries.values()}
+        assert held == set(cached), (f"index holds {len(held - set(cached))} keys the store does not, "
+                                     f"misses {len(set(cached) - held)}")
+        for ek, entry in cached.items():
+            size, tiers = index.holder(ek, holder)
+            want = set()
+            if self._dram.lookup(entry.key) is not None:
+                want.add(CacheTier.CPU_DRAM)
+            if entry.ssd_version is not None:
+                want.add(CacheTier.LOCAL_SSD)
+                assert self._ssd is not None and entry.key in self._ssd, f"{entry.key}: no SSD block"
+            assert set(tiers) == want and size == entry.size, (entry.key, tiers, size, want, entry.size)
 
     @property
     def put_timeout_s(self) -> float:
@@ -888,6 +985,7 @@ class LocalKvStore:
             else:
                 entry.ssd_version = None            # the DRAM copy stays, now dirty
                 self._ssd_lru.remove(key)
+                self._record(entry)
             self._stats["ssd"]["evictions"] += 1
             self._busy.add(key)
             try:
@@ -942,9 +1040,11 @@ class LocalKvStore:
                 return False
             entry.ssd_version = version
             self._ssd_lru.insert(key)
+            self._record(entry)
         if self._dram.lookup(key) is not slot or slot.refs > 0:
             return False                           # leased meanwhile: stays in DRAM, now clean
         self._dram.unpublish(key)
+        self._record(entry)
         self._dram_lru.remove(key)
         self._stats["dram"]["demotions"] += 1
         self._stats["ssd"]["demotions"] += 1
@@ -997,6 +1097,10 @@ class LocalKvStore:
             self.unpin(key)
             done["pins_expired"] += 1
         done["audit_lines"] = self.guard.flush_audit()
+        if self._index.persistent:
+            # group commit of the index's log (it may lag the SSD tier by one interval: at
+            # start the SSD tier's records win, see _adopt_ssd)
+            self._index.sync()
         if self._ssd is not None:
             for key in list(self._ssd_garbage):
                 await self._ssd_remove_if_unowned(key)
@@ -1020,6 +1124,8 @@ class LocalKvStore:
             "guard": self.guard.stats(),
             "store": {"policy": self.policy, "promote_on_get": self.promote_on_get,
                       "entries": len(self._entries), "leases": len(self._leases),
+                      "index_records": len(self._index), "index_persistent": self._index.persistent,
+                      **{f"{k}_at_start": v for k, v in self.reconciled.items()},
                       "puts_in_flight": len(self._handles), "pinned": len(self._pinned),
                       "puts_waiting": len(self._waiting), "demotions_in_flight": len(self._demoting),
                       "put_wait_seconds": round(self._put_wait_s, 6), **self._counters},
@@ -1045,3 +1151,6 @@ class LocalKvStore:
             result = self._ssd.close()
             if inspect.isawaitable(result):
                 await result
+        if self._index.persistent:
+            self._index.checkpoint()        # the next start loads it instead of replaying the log
+            self._index.close()
