@@ -52,7 +52,7 @@ from quillcache.errors import (
     Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse,
 )
 from quillcache.model import (
-    KEY_FORMAT_VERSION, MAX_PIN_TTL_S, IdentityScope, KeyError_, KvBlockKey, decode_key, encode_key,
+    KEY_FORMAT_VERSION, MAX_PIN_TTL_S, IdentityScope, KeyError_, KvBlockKey, decode_key,
 )
 from quillcache.metrics import RequestCounters
 from quillcache.protocol import messages
