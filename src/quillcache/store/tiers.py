@@ -21,6 +21,8 @@ the policy; the short version:
 """
 from __future__ import annotations
 
+import asyncio
+
 import inspect
 import itertools
 import logging
@@ -78,6 +80,11 @@ class PutHandle:
         self.durable = durable
         self.view = pending.view
 
+    @property
+    def offset(self) -> int:
+        """Where the reserved slot starts in the DRAM arena (for a client that mapped it)."""
+        return self._pending.slot.offset
+
 
 class Lease:
     """A get's hold on a block: ``view`` (read-only) is valid until release or expiry."""
@@ -101,6 +108,11 @@ class Lease:
     @property
     def released(self) -> bool:
         return self._store is None
+
+    @property
+    def offset(self) -> Optional[int]:
+        """Where the block starts in the DRAM arena; None unless it is held there."""
+        return self._slot.offset if self._slot is not None else None
 
     def release(self) -> None:
         store, self._store = self._store, None
@@ -485,6 +497,66 @@ class LocalKvStore:
             pass                          # the caller made a derived view; documented hazard
         if lease._slot is not None and not self._dram.closed:
             self._dram.release(lease._slot)
+
+    # ------------------------------------------------------------------ the shared arena
+
+    @property
+    def arena_fd(self) -> int:
+        """The DRAM arena's memfd (a trusted client maps it: docs/shm.md)."""
+        return self._dram.fd
+
+    @property
+    def arena_bytes(self) -> int:
+        return self._dram.capacity
+
+    def needs_promotion(self, key: KvBlockKey) -> bool:
+        """The key is resident (for this identity) only on the SSD tier."""
+        try:
+            entry = self._locate(key)
+        except QuillCacheError:
+            return False
+        return self._dram.lookup(entry.key) is None
+
+    async def promote(self, key: KvBlockKey) -> bool:
+        """Copy an SSD-only block into the arena, reading the file in a worker thread (off
+        the event loop).  True when the block is in DRAM afterwards; False when there is no
+        room or it is gone (the caller's get then decides: a miss or a copy)."""
+        self._check_open()
+        try:
+            entry = self._locate(key)
+        except QuillCacheError:
+            return False
+        served = entry.key
+        if self._dram.lookup(served) is not None:
+            return True
+        if served in self._busy or self._ssd is None or entry.ssd_version != entry.version:
+            return False
+        try:
+            pending = self._dram.put_start(served, entry.size)   # only if there is room now
+        except CapacityError:
+            return False
+        version = entry.version
+        pending.slot.started = math.inf         # being filled: the reaper must not free the slot
+        self._busy.add(served)                  # no demotion or SSD rewrite while the thread reads
+        try:
+            n = await asyncio.to_thread(self._ssd.read_into, served, pending.view)
+        except BaseException:
+            self._dram.put_abort(pending)
+            self._busy.discard(served)
+            if self._entries.get(served) is entry and self._ssd.size_of(served) is None:
+                self._drop_entry(served)        # the SSD tier dropped it (CRC): gone for everyone
+            return False
+        self._busy.discard(served)
+        # A put or remove that ran while the thread read made these bytes old: drop them.
+        if (n != entry.size or self._entries.get(served) is not entry or entry.version != version
+                or self._dram.lookup(served) is not None):
+            self._dram.put_abort(pending)
+            return self._dram.lookup(served) is not None
+        self._dram.put_end(pending)
+        self._dram_lru.insert(served)
+        self._stats["dram"]["promotions"] += 1
+        self._stats["ssd"]["promotions"] += 1
+        return True
 
     def get_into(self, key: KvBlockKey, buffer) -> int:
         """Copy the block into ``buffer`` (writable, large enough); returns its size."""
