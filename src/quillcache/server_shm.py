@@ -33,6 +33,12 @@ NS = 1_000_000_000               # nanoseconds per second (lease and reserve exp
 _MISS = (NotFound, UnsafeReuse, Busy)
 
 
+def _release_all(got: list) -> None:
+    for lease in got:
+        if lease is not None and not isinstance(lease, int):
+            lease.release()
+
+
 class LocatedMixin:
     """Located requests and the per-connection state they hold (leases, reserves)."""
 
@@ -110,50 +116,52 @@ class LocatedMixin:
         self._need_mapped()
         keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_LOCATED")]
         store = self.store
-        ssd_only = [k for k in keys if store.needs_promotion(k)]
-        if ssd_only:
-            self._spawn(self._promote_then_locate(frame.request_id, keys, ssd_only))
-        else:
-            self._locate(frame.request_id, keys)
-
-    async def _promote_then_locate(self, rid: int, keys: list, ssd_only: list) -> None:
-        try:
-            for key in ssd_only:
-                await self.store.promote(key)        # the file is read in a worker thread
-        except Exception as exc:
-            self._err(rid, Opcode.GET_LOCATED, exc)
-            return
-        if self.closed or self.failed is not None:
-            self._take(rid)
-            return
-        try:
-            self._locate(rid, keys)
-        except Exception as exc:
-            self._err(rid, Opcode.GET_LOCATED, exc)
-
-    def _locate(self, rid: int, keys: list) -> None:
-        store = self.store
-        held, items = [], []
-        expires = 0.0
+        got: list = []             # per key: a Lease, a miss status, or None (read the SSD first)
         try:
             for key in keys:
                 try:
-                    lease = store.get(key)
+                    got.append(store.get_nowait(key))
                 except _MISS as exc:
-                    items.append((exc.status, 0, 0))
-                    continue
-                off = lease.offset
-                if off is None:                      # served from the SSD tier: not in the arena
-                    lease.release()
-                    items.append((NotFound.status, 0, 0))
-                    continue
+                    got.append(exc.status)
+        except BaseException:
+            _release_all(got)
+            raise
+        if None in got:
+            self._spawn(self._located_after_ssd(frame.request_id, keys, got))
+        else:
+            self._reply_located(frame.request_id, got)
+
+    async def _located_after_ssd(self, rid: int, keys: list, got: list) -> None:
+        """SSD-only blocks are read (and promoted into the arena) off the event loop first."""
+        try:
+            for i, lease in enumerate(got):
+                if lease is None:
+                    try:
+                        got[i] = await self.store.get_async(keys[i])
+                    except _MISS as exc:
+                        got[i] = exc.status
+        except Exception as exc:
+            _release_all(got)
+            self._err(rid, Opcode.GET_LOCATED, exc)
+            return
+        if self.closed or self.failed is not None:
+            _release_all(got)                  # the connection went meanwhile: nobody to hold them
+            return
+        self._reply_located(rid, got)
+
+    def _reply_located(self, rid: int, got: list) -> None:
+        held, items = [], []
+        expires = 0.0
+        for lease in got:
+            if isinstance(lease, int):
+                items.append((lease, 0, 0))
+            elif lease.offset is None:         # served from an SSD buffer (no room): not in the arena
+                lease.release()
+                items.append((NotFound.status, 0, 0))
+            else:
                 held.append(lease)
                 expires = lease.expires_at
-                items.append((0, off, lease.size))
-        except BaseException:
-            for lease in held:
-                lease.release()
-            raise
+                items.append((0, lease.offset, lease.size))
         lease_id = 0
         if held:
             lease_id = next(self._ids)
@@ -178,19 +186,29 @@ class LocatedMixin:
         durable = bool(frame.flags & FLAG_DURABLE)
         items = [(self._key(i.key), i.nbytes)
                  for i in messages.decode_put_many_request(frame.header, None, self.limits)]
-        store = self.store
-        handles = []
+        handles = self.store.reserve_nowait(items, durable)        # all or nothing
+        if handles is None:              # room needs demotions (SSD writes): wait for them
+            self._spawn(self._reserve_waiting(frame.request_id, items, durable))
+        else:
+            self._reply_reserved(frame.request_id, handles)
+
+    async def _reserve_waiting(self, rid: int, items: list, durable: bool) -> None:
         try:
-            for key, nbytes in items:
-                handles.append(store.put_start(key, nbytes, durable))
-        except BaseException:
-            for h in handles:                       # all or nothing: the request changes nothing
-                store.put_abort(h)
-            raise
+            handles = await self.store.reserve(items, durable)     # up to put_timeout, then Busy
+        except Exception as exc:
+            self._err(rid, Opcode.RESERVE, exc)
+            return
+        if self.closed or self.failed is not None:
+            for h in handles:
+                self.store.put_abort(h)
+            return
+        self._reply_reserved(rid, handles)
+
+    def _reply_reserved(self, rid: int, handles: list) -> None:
         reserve_id = next(self._ids)
         self._reserves[reserve_id] = handles
-        expires = time.monotonic() + store.put_timeout_s
-        self._ok(frame.request_id, Opcode.RESERVE,
+        expires = time.monotonic() + self.store.put_timeout_s
+        self._ok(rid, Opcode.RESERVE,
                  located.encode_reserve_reply(reserve_id, int(expires * NS), [h.offset for h in handles]))
 
     def _commit(self, frame) -> None:
