@@ -19,7 +19,7 @@ from quillcache import AsyncClient, Client, KvBlockKey
 from quillcache.client_shm import check_lease
 from quillcache.config import hash_token
 from quillcache.errors import ConnectionLost, NotFound, PermissionDenied, Timeout
-from tests.test_daemon import Daemon
+from tests._support.daemon import Daemon
 
 BLOCK = 64 << 10
 

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from quillcache import Client, KvBlockKey  # noqa: E402
 from quillcache.gpu import ArenaCopier, _runs  # noqa: E402
-from tests.test_daemon import Daemon  # noqa: E402
+from tests._support.daemon import Daemon  # noqa: E402
 
 pytestmark = pytest.mark.engines
 

@@ -26,8 +26,8 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from quillcache.errors import (
-    STATUS_CLASSES, CapacityError, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout,
-    UnsafeReuse,
+    STATUS_CLASSES, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout, UnsafeReuse,
+    error_for_status,
 )
 from quillcache.protocol import located, messages
 from quillcache.protocol.opcodes import FLAG_DURABLE, Opcode
@@ -106,10 +106,8 @@ def check_lease(expires_ns: int, what: str) -> None:
 
 
 def _status_error(status: int, what: str) -> QuillCacheError:
-    cls = STATUS_CLASSES.get(status, QuillCacheError)
-    if cls is CapacityError:
-        return CapacityError(message=f"{what}: out of capacity")
-    return cls(f"{what}: status {status} ({cls.__name__})")
+    name = STATUS_CLASSES.get(status, QuillCacheError).__name__
+    return error_for_status(status, f"{what}: status {status} ({name})")
 
 
 # --------------------------------------------------------------------------- flows

@@ -103,7 +103,7 @@ class LocatedMixin:
             raise Busy(f"MAP: could not send the arena fd ({exc})") from None
         finally:
             sock.close()
-        self._take(rid)
+        self.take_request(rid)
         if n < len(head):
             self._write([head[n:]])         # the rest of the frame, in order behind it
         self.mapped = True

@@ -20,8 +20,9 @@ from quillcache.protocol.opcodes import ProtocolLimits
 
 __all__ = ["MapReply", "LocatedReply", "ReserveReply", "encode_map_reply", "decode_map_reply",
            "encode_located_reply", "decode_located_reply", "encode_release_request",
-           "decode_release_request", "encode_release_count", "decode_release_count", "encode_reserve_reply", "decode_reserve_reply", "encode_id",
-           "decode_id", "LOCATED_ITEM", "MAP_REPLY_BYTES"]
+           "decode_release_request", "encode_release_count", "decode_release_count",
+           "encode_reserve_reply", "decode_reserve_reply", "encode_id", "decode_id", "LOCATED_ITEM",
+           "MAP_REPLY_BYTES"]
 
 _MAP = struct.Struct("<QQQQ")         # arena_bytes, arena_id, lease_ns, put_timeout_ns
 _LEASE = struct.Struct("<QQI")        # lease id, expires (monotonic ns), count
