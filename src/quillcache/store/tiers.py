@@ -12,10 +12,14 @@ the policy; the short version:
   durable publish; the block is then in both tiers and DRAM can drop it without I/O.
 * A get of an SSD-only block promotes it into a new DRAM slot when the arena has room
   without evicting; otherwise it is read into a temporary buffer that the lease owns.
-* A put that finds no room evicts DRAM blocks in LRU order (unpinned first, then soft
-  pins); a block with a current SSD copy stays readable from SSD, any other is dropped.
-  Leased, hard-pinned and in-flight blocks are never evicted; when nothing can go the put
+* A put that finds no room evicts DRAM copies that cost no I/O (a current SSD copy, or any
+  block in a store without SSD) in policy order (unpinned first, then soft pins); when only
+  dirty blocks hold the room it waits (``await reserve``, up to ``put_timeout_s``) while
+  they are demoted: nothing is dropped while the SSD tier can take it (``dropped_dirty``
+  counts the blocks it could not).  ``_may_evict`` is the one rule for every victim:
+  leased, hard-pinned and in-flight blocks are never evicted; when nothing can go the put
   fails with CapacityError and nothing changes.
+* SSD reads run off the event loop (``get_nowait`` / ``await get_async``).
 * remove of a leased block unpublishes it at once (no new reader finds it); its slot is
   freed when the last lease ends.
 """
