@@ -58,6 +58,7 @@ from quillcache.metrics import RequestCounters
 from quillcache.protocol import messages
 from quillcache.protocol.connection import DEFER, ProtocolConnection
 from quillcache.protocol.info import render_info
+from quillcache.server_shm import LOCATED_HANDLERS, LocatedMixin
 from quillcache.protocol.opcodes import (
     FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode, PinMode,
     ProtocolLimits,
@@ -183,7 +184,8 @@ class NodeServer:
 
     def __init__(self, store, *, limits: Optional[ProtocolLimits] = None, auth: Optional[Authenticator] = None,
                  metrics=None, max_connections: int = 4096, node_id: str = "", version: str = "",
-                 ssd=None, lease_margin_s: float = LEASE_MARGIN_S, sendfile: bool = True) -> None:
+                 ssd=None, lease_margin_s: float = LEASE_MARGIN_S, sendfile: bool = True,
+                 shm: bool = True) -> None:
         self.store = store
         self.limits = limits or ProtocolLimits()
         self.auth = auth or Authenticator()
@@ -207,9 +209,18 @@ class NodeServer:
         # per-request counters: the metrics' own (read at scrape time) or private ones
         self.request_counters = metrics.requests if metrics is not None else RequestCounters()
         self.sendfile = sendfile and hasattr(os, "sendfile")   # GETs of SSD extents by sendfile
+        self.shm = bool(shm)             # MAP allowed on the Unix socket (for trusted principals)
+        self.unix_path = ""              # the Unix socket's path, when the daemon listens on one
+        self.arena_id = int.from_bytes(os.urandom(8), "little") or 1   # tells one arena from the next
 
     def protocol_factory(self) -> "ServerProtocol":
         return ServerProtocol(self)
+
+    def unix_protocol_factory(self) -> "ServerProtocol":
+        """A connection of the Unix socket: it may MAP the arena (docs/shm.md)."""
+        conn = ServerProtocol(self)
+        conn.unix = True
+        return conn
 
     @property
     def in_flight(self) -> int:
@@ -236,10 +247,13 @@ class NodeServer:
         return n
 
     def reauthorize(self) -> int:
-        """After a tenant reload: close connections bound to a tenant that is gone."""
+        """After a tenant reload: close connections bound to a tenant that is gone, and
+        mapped connections whose tenant may no longer map (a mapping cannot be revoked
+        otherwise: closing ends its leases; the client process keeps the pages mapped)."""
         n = 0
         for conn in list(self.connections):
-            if conn.tenant and not self.auth.has_tenant(conn.tenant):
+            if (conn.tenant and not self.auth.has_tenant(conn.tenant)) or \
+                    (conn.mapped and not self.auth.may_map(conn.tenant or "")):
                 conn.close()
                 n += 1
         return n
@@ -251,7 +265,11 @@ class NodeServer:
         server = {
             "node_id": self.node_id, "version": self.version, "protocol_version": PROTOCOL_VERSION,
             "process_id": os.getpid(), "uptime_s": round(time.time() - self.started, 3),
-            "listen": self.listen, "mode": "open" if self.auth.open_mode else "auth",
+            "listen": self.listen, "unix_socket": self.unix_path, "shm": self.shm,
+            "mapped_connections": sum(1 for c in self.connections if c.mapped),
+            "located_leases": sum(c.located_leases for c in self.connections),
+            "located_reserves": sum(c.located_reserves for c in self.connections),
+            "mode": "open" if self.auth.open_mode else "auth",
             "connections": len(self.connections), "requests": self.requests,
             "requests_in_flight": self.in_flight, "protocol_errors": self.protocol_errors,
             "draining": self.draining, "received_bytes": self.request_counters.received_bytes,
@@ -282,7 +300,7 @@ class NodeServer:
 # --------------------------------------------------------------------------- one connection
 
 
-class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
+class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol):
     """One client connection: the sans-I/O ProtocolConnection bound to a transport."""
 
     def __init__(self, node: NodeServer) -> None:
@@ -303,6 +321,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self._keys = node.keys
         self._fd = -1                             # the socket's fd, for sendfile (-1: not available)
         self._deferred_task: Optional[asyncio.Task] = None   # a PUT waiting for DRAM room (DEFER)
+        self._located_init()                      # located leases and reserves (server_shm)
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -350,6 +369,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             self._deferred_task.cancel()        # a PUT waiting for room: its client is gone
             self._deferred_task = None
         self._release_held()
+        self._located_close()
 
     def buffer_updated(self, nbytes: int) -> None:
         self._counters.received_bytes += nbytes
@@ -909,4 +929,5 @@ _HANDLERS: dict[int, Callable[[ServerProtocol, Any], None]] = {
     Opcode.UNPIN: ServerProtocol._unpin,
     Opcode.LIST: ServerProtocol._list,
     Opcode.STATS: ServerProtocol._stats,
+    **LOCATED_HANDLERS,
 }

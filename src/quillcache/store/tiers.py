@@ -106,6 +106,11 @@ class PutHandle:
         self.durable = durable
         self.view = pending.view
 
+    @property
+    def offset(self) -> int:
+        """Where the reserved slot starts in the DRAM arena (for a client that mapped it)."""
+        return self._pending.slot.offset
+
 
 class Lease:
     """A get's hold on a block: ``view`` (read-only) is valid until release or expiry."""
@@ -120,7 +125,7 @@ class Lease:
         # (fd, offset, length, crc32c) of a verified SSD extent, instead of a view: only for
         # get(extent_ok=True).  Read it (sendfile) before the next await; send the CRC along.
         self.extent = extent
-        self.size = len(view) if view is not None else extent[2]
+        self.size = len(view) if view is not None else extent[2] if extent is not None else slot.size
         self.tier = tier                 # "dram", or "ssd" (a temporary buffer or an extent)
         self._slot = slot
         self.expires_at = expires_at
@@ -129,6 +134,11 @@ class Lease:
     @property
     def released(self) -> bool:
         return self._store is None
+
+    @property
+    def offset(self) -> Optional[int]:
+        """Where the block starts in the DRAM arena; None unless it is held there."""
+        return self._slot.offset if self._slot is not None else None
 
     def release(self) -> None:
         store, self._store = self._store, None
@@ -796,16 +806,42 @@ class LocalKvStore:
 
     def _end_lease(self, lease: Lease) -> None:
         self._leases.pop(lease._id, None)
-        if lease.view is None:
-            return                        # an extent lease: nothing held
-        try:
-            lease.view.release()          # a view used after its lease ends raises ValueError
-        except BufferError:
-            pass                          # the caller made a derived view; documented hazard
+        if lease.view is not None:
+            try:
+                lease.view.release()      # a view used after its lease ends raises ValueError
+            except BufferError:
+                pass                      # the caller made a derived view; documented hazard
         if lease._slot is not None and not self._dram.closed:
             self._dram.release(lease._slot)
             if self._waiting:
                 self._wake()              # the block may be evictable (or its slot freed) now
+
+    # ------------------------------------------------------------------ the shared arena
+
+    def located_nowait(self, key: KvBlockKey) -> Optional[Lease]:
+        """``get_nowait`` for a client that mapped the arena (docs/shm.md): a lease that holds
+        the DRAM slot in place, without a view (the client reads it by ``offset``); None
+        when the block is only on SSD (``await get_async`` promotes it where there is room)."""
+        entry = self._lookup(key)
+        served = entry.key
+        slot = self._dram.lookup(served)
+        if slot is None:
+            return None
+        now = self._clock()
+        entry.last_access = now
+        self._stats["dram"]["hits"] += 1
+        self._dram_lru.touch(served)
+        self._dram.hold(slot)
+        return self._new_lease(served, None, "dram", slot, now)
+
+    @property
+    def arena_fd(self) -> int:
+        """The DRAM arena's memfd (a trusted client maps it: docs/shm.md)."""
+        return self._dram.fd
+
+    @property
+    def arena_bytes(self) -> int:
+        return self._dram.capacity
 
     def get_into(self, key: KvBlockKey, buffer) -> int:
         """Copy the block into ``buffer`` (writable, large enough); returns its size."""
