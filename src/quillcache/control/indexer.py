@@ -31,7 +31,7 @@ from quillcache.control.events import AllBlocksCleared, BlockHash, BlockRemoved,
 from quillcache.model import IdentityScope
 
 __all__ = [
-    "DEVICE", "HOST", "DISK", "POOL", "TIER_NAMES", "tier_of_medium", "chain_hashes",
+    "DEVICE", "HOST", "DISK", "POOL", "TIER_NAMES", "tier_of_medium", "chain_hashes", "engine_hash_text",
     "Match", "ArtIndexer", "DictIndexer", "IndexerLimits",
 ]
 
@@ -47,6 +47,12 @@ _MEDIUM_TIER = {
 
 _KEY = struct.Struct(">Iq")  # scope id, hash
 _MASK64 = (1 << 64) - 1
+
+
+def engine_hash_text(h: BlockHash) -> bytes:
+    """An engine's block hash as a QuillCache key names it (``KvBlockKey.block_hash``): hex
+    of a bytes hash, decimal of an int one; a pool node publishes it as these bytes."""
+    return h.hex().encode() if isinstance(h, bytes) else str(h).encode()
 
 
 def tier_of_medium(medium: Optional[str]) -> int:
@@ -173,8 +179,9 @@ class _Base:
                 self.bad_events += 1
                 n = min(len(local), len(hashes))
                 local, hashes = local[:n], hashes[:n]
-            if len(self._alias) < self.limits.max_aliases:
-                self._alias.update(zip(hashes, local))
+            if self._pool_sources and len(self._alias) < self.limits.max_aliases:
+                # what a pool node calls these blocks: the engine hash as text (residency.py)
+                self._alias.update(zip(map(engine_hash_text, hashes), local))
         else:
             # No tokens (pool residency, or an engine that leaves them out): translate the
             # engine's hashes through what the engines' events taught us.
