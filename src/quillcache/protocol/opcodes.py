@@ -54,6 +54,8 @@ class Opcode(enum.IntEnum):
     RESERVE = 0x33      # n keys + sizes, reply: reserve id + per-key slot offset
     COMMIT = 0x34       # reserve id (+ DURABLE), reply: per-key status
     ABORT = 0x35        # reserve id, reply: empty
+    ROUTE = 0x50        # tokens or block hashes + identity, reply: worker + per-block plan
+    ROUTE_UPDATE = 0x51  # a routed request's first token or end (the router's load feedback)
     ERROR = OP_ERROR    # reply only: status in the fixed header, message in the body
 
     INFO = 0x20         # alias of STATS
