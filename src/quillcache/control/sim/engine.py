@@ -11,7 +11,7 @@ The model, in the way vLLM V1 schedules:
 
 * The KV cache is ``capacity_blocks`` pages of ``block_size`` tokens.  A full prompt block,
   once computed, is stored under a chain hash of (parent hash, content, identity) and can be
-  shared by later requests of the SAME identity (model, adapter, tenant): the identity enters
+  shared by later requests of the SAME identity (model, tokenizer, adapter, tenant): the identity enters
   every block's hash, the way vLLM's ``cache_salt`` and LoRA name enter its ``extra_keys``, so
   a prefix cached for tenant A is a miss for tenant B.  Stored blocks no running request holds
   are evicted in LRU order when pages are needed (each eviction is a ``removed`` event).
@@ -36,14 +36,14 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
-from quillcache.model import CacheTier, CostModel
+from quillcache.model import CacheTier, CostModel, IdentityScope, encode_scope
 
 __all__ = [
-    "Identity", "EngineConfig", "SimRequest", "SimEngine", "StepPlan", "StepResult",
-    "StoredBlock", "SimPool", "chain_hashes", "H200_LLAMA3_8B", "KV_BYTES_PER_TOKEN_LLAMA3_8B",
+    "EngineConfig", "SimRequest", "SimEngine", "StepPlan", "StepResult",
+    "StoredBlock", "SimPool", "chain_hashes", "cost_with", "H200_LLAMA3_8B", "KV_BYTES_PER_TOKEN_LLAMA3_8B",
     "SimEngineError",
 ]
 
@@ -65,6 +65,22 @@ H200_LLAMA3_8B = CostModel(
     cpu_dram_us_per_mb=38,
 )
 
+
+
+def cost_with(base: CostModel = H200_LLAMA3_8B, **knobs: Optional[int]) -> CostModel:
+    """``base`` with the given knobs replaced (None keeps the base's value)."""
+    fields = {}
+    for name, value in knobs.items():
+        if name not in ("prefill_us_per_token", "decode_us_per_token",
+                        "running_decode_penalty_us", "cpu_dram_us_per_mb"):
+            raise SimEngineError(f"unknown cost knob {name!r}")
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SimEngineError(f"{name} {value!r}: must be an integer >= 0")
+            fields[name] = value
+    return replace(base, **fields)
+
+
 HASH_BYTES = 32            # block hashes are 32-byte digests, as real engines publish them
 
 
@@ -72,28 +88,11 @@ class SimEngineError(ValueError):
     """A request the engine cannot take (too large for the cache, empty, bad field)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """Who may reuse a cached block: model, LoRA adapter (or none) and tenant."""
-
-    model: str
-    adapter: Optional[str] = None
-    tenant: str = ""
-
-    def salt(self) -> bytes:
-        # Length-prefixed fields: no two identities give the same bytes.
-        out = bytearray()
-        for part in (self.model, self.adapter or "", self.tenant):
-            raw = part.encode("utf-8")
-            out += len(raw).to_bytes(2, "big") + raw
-        out.append(1 if self.adapter is not None else 0)
-        return bytes(out)
-
-
-def chain_hashes(identity: Identity, contents: Iterable[bytes]) -> list[bytes]:
+def chain_hashes(identity: IdentityScope, contents: Iterable[bytes]) -> list[bytes]:
     """The engine's block hashes: each covers its parent's hash, its content and the
-    identity, so equal content under two identities never shares a block."""
-    salt = identity.salt()
+    identity (model, tokenizer, adapter, tenant), so equal content under two identities
+    never shares a block."""
+    salt = encode_scope(identity)
     parent = b""
     out = []
     for content in contents:
@@ -133,8 +132,8 @@ class EngineConfig:
 class SimPool(Protocol):
     """A KV pool the engine can load prefixes from (a QuillCache node, or a model of one)."""
 
-    def match(self, identity: Identity, hashes: Sequence[bytes]) -> int: ...   # leading blocks held
-    def offer(self, identity: Identity, blocks: Sequence["StoredBlock"]) -> None: ...
+    def match(self, identity: IdentityScope, hashes: Sequence[bytes]) -> int: ...   # leading blocks held
+    def offer(self, identity: IdentityScope, blocks: Sequence["StoredBlock"]) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -143,7 +142,7 @@ class SimRequest:
     (``chain_hashes``); ``block_tokens`` (optional) their token ids, for the KV events."""
 
     request_id: str
-    identity: Identity
+    identity: IdentityScope
     prompt_tokens: int
     block_hashes: Sequence[bytes]
     max_tokens: int
@@ -198,7 +197,7 @@ class StepResult:
 
 @dataclass(slots=True)
 class _Block:
-    identity: Identity
+    identity: IdentityScope
     refs: int = 0
 
 
