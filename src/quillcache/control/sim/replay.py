@@ -130,9 +130,13 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
     heap: list = []        # (time_us, kind, key, engine); kind 0 = iteration end, 1 = arrival
     seq = 0
 
+    arrivals = [r.arrival_us for r in requests]
+    next_arrival = 0                        # index of the next request to arrive
+
     def start(e: int, now: int) -> None:
         nonlocal seq
-        plan = sims[e].plan_step(now)
+        until = arrivals[next_arrival] if next_arrival < len(arrivals) else now + (1 << 50)
+        plan = sims[e].plan_step(now, until)
         if plan is None:
             running[e] = False
             return
@@ -146,6 +150,7 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
     while heap:
         now, kind, key, e = heapq.heappop(heap)
         if kind == 1:
+            next_arrival = key + 1
             r = requests[key]
             rid = f"r{r.trace.index}"
             d = router.route(r.scope, hashes=r.router_hashes, request_tokens=r.trace.input_length,
