@@ -7,8 +7,9 @@ and as fast as the engine model allows.  Events reach the router at the end of t
 iteration that produced them (a real router sees them a little later: the best case for
 every cache-aware policy alike).
 
-The content of trace block ``h`` is the token ids ``h * B .. h * B + B - 1`` (B tokens per
-block): equal ids are equal tokens, different ids different tokens, as the trace means.
+The content of trace block ``h`` is the token ids ``h, 1, 2, .., B - 1`` (B tokens per block):
+equal ids are equal tokens, different ids different tokens, as the trace means (the shared
+tail keeps building them cheap).
 """
 from __future__ import annotations
 
@@ -32,8 +33,14 @@ __all__ = ["ReplayRequest", "PolicyResult", "build_requests", "run_policy", "per
 REPLAY_MODEL = "llama-3-8b"
 
 
-def block_token_ids(hash_id: int, block_tokens: int) -> range:
-    return range(hash_id * block_tokens, (hash_id + 1) * block_tokens)
+_TAILS: dict[int, tuple[int, ...]] = {}
+
+
+def block_token_ids(hash_id: int, block_tokens: int) -> tuple[int, ...]:
+    tail = _TAILS.get(block_tokens)
+    if tail is None:
+        tail = _TAILS[block_tokens] = tuple(range(1, block_tokens))
+    return (hash_id,) + tail
 
 
 @dataclass(frozen=True, slots=True)
