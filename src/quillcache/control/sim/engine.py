@@ -226,7 +226,8 @@ class SimEngine:
         self.hit_tokens_total = 0
         self.pool_tokens_total = 0
         self.cross_identity_hits = 0       # hits on a block stored for another identity: must stay 0
-        self.busy_us = 0
+        self.busy_us = 0                  # modelled time in iterations
+        self.prefill_busy_us = 0          # ... in iterations with prefill work running or waiting
 
     # ------------------------------------------------------------------ queries
 
@@ -344,6 +345,8 @@ class SimEngine:
         self._plan = None
         end = self._plan_start + plan.duration_us
         self.busy_us += plan.duration_us
+        if plan.prefill_tokens or self._waiting:
+            self.prefill_busy_us += plan.duration_us
         self.step_index += plan.steps
         step = self.step_index
         bs = self.config.block_size

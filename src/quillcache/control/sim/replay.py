@@ -87,14 +87,18 @@ class PolicyResult:
     refused_requests: int = 0
     makespan_us: int = 0
     busy_us: list[int] = field(default_factory=list)
+    prefill_busy_us: list[int] = field(default_factory=list)
     decision_us: list[float] = field(default_factory=list)
 
     def summary(self, ttft_slo_ms: float, tpot_slo_ms: float) -> dict:
         n = len(self.ttft_ms)
         good = sum(1 for a, b in zip(self.ttft_ms, self.tpot_ms)
                    if a <= ttft_slo_ms and b <= tpot_slo_ms)
-        util = (sum(self.busy_us) / (len(self.busy_us) * self.makespan_us)
-                if self.makespan_us and self.busy_us else 0.0)
+        span = len(self.busy_us) * self.makespan_us
+        # Load: the share of time an engine had prefill work running or queued, i.e. the
+        # chance that an arriving request waits behind another's prefill (decode-only
+        # iterations take a new request at once).
+        util = sum(self.prefill_busy_us) / span if span else 0.0
         return {
             "requests": n,
             "ttft_p50_ms": percentile(self.ttft_ms, 50),
@@ -107,7 +111,7 @@ class PolicyResult:
             "refused_blocks": self.refused_blocks,
             "credited_blocks": self.credited_blocks,
             "refused_requests": self.refused_requests,
-            "utilization": util,
+            "load": util,
             "decision_p50_us": percentile(self.decision_us, 50),
         }
 
@@ -200,5 +204,6 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
         start(e, res.end_us)
     result.makespan_us = now
     result.busy_us = [s.busy_us for s in sims]
+    result.prefill_busy_us = [s.prefill_busy_us for s in sims]
     result.cross_identity_served_blocks = sum(s.cross_identity_hits for s in sims)
     return result
