@@ -119,9 +119,9 @@ def plot(doc: dict, path: str) -> None:
     panels = (("TTFT (ms)", ("ttft_p50_ms", "ttft_p99_ms"), ("p50", "p99")),
               ("goodput (share meeting the SLO)", ("goodput",), ("goodput",)),
               ("prefix hit rate (tokens)", ("hit_rate",), ("hit rate",)))
-    for ax, (title, keys, labels) in zip(axes, panels):
+    for ax, (title, keys, labels) in zip(axes, panels, strict=False):
         width = 0.8 / len(keys)
-        for i, (key, label) in enumerate(zip(keys, labels)):
+        for i, (key, label) in enumerate(zip(keys, labels, strict=False)):
             xs = [j + i * width for j in range(len(names))]
             ax.bar(xs, [pols[n][key] for n in names], width, label=label)
         ax.set_xticks([j + width * (len(keys) - 1) / 2 for j in range(len(names))])

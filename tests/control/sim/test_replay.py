@@ -71,7 +71,7 @@ def test_tenants_follow_conversations_and_keep_content_shared():
     assert len(set(keys)) == 24
     split = assign_tenants(trace, 4, seed=3)
     by_key = {}
-    for req, key in zip(split, keys):
+    for req, key in zip(split, keys, strict=False):
         by_key.setdefault(key, set()).add(req.tenant)
     assert all(len(t) == 1 for t in by_key.values())          # one tenant per conversation
     assert len({r.tenant for r in split}) == 4

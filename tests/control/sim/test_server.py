@@ -134,7 +134,8 @@ def test_kv_events_are_vllm_batches_with_tokens_hashes_and_identity():
             time.sleep(0.2)
             prompt = "0123456789abcdef!"                # 4 full blocks
             eng.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "cache_salt": "acme"})
-            stored = lambda: [e for _, b in got for e in b.events if isinstance(e, BlockStored)]
+            def stored():
+                return [e for _, b in got for e in b.events if isinstance(e, BlockStored)]
             assert collect(consumer, lambda: sum(len(e.block_hashes) for e in stored()) >= 4)
             events = stored()
             tokens = [t for e in events for t in e.token_ids]
@@ -147,8 +148,9 @@ def test_kv_events_are_vllm_batches_with_tokens_hashes_and_identity():
             # A second prompt needs the pages: the first one's blocks are evicted and reported.
             eng.post("/v1/completions", {"prompt": "zyxwvutsrqponmlk!", "max_tokens": 8,
                                          "cache_salt": "acme"})
-            removed = lambda: [h for _, b in got for e in b.events if isinstance(e, BlockRemoved)
-                               for h in e.block_hashes]
+            def removed():
+                return [h for _, b in got for e in b.events if isinstance(e, BlockRemoved)
+                                           for h in e.block_hashes]
             assert collect(consumer, lambda: len(removed()) >= 1)
             assert set(removed()) <= set(first_hashes)
             seqs = [s for s, _ in got]

@@ -92,7 +92,7 @@ class PolicyResult:
 
     def summary(self, ttft_slo_ms: float, tpot_slo_ms: float) -> dict:
         n = len(self.ttft_ms)
-        good = sum(1 for a, b in zip(self.ttft_ms, self.tpot_ms)
+        good = sum(1 for a, b in zip(self.ttft_ms, self.tpot_ms, strict=False)
                    if a <= ttft_slo_ms and b <= tpot_slo_ms)
         span = len(self.busy_us) * self.makespan_us
         # Load: the share of time an engine had prefill work running or queued, i.e. the

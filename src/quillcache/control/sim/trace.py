@@ -111,7 +111,7 @@ def conversation_keys(requests: Sequence[TraceRequest]) -> list[tuple[int, ...]]
             node = child
         paths.append(path)
     keys = []
-    for req, path in zip(requests, paths):
+    for req, path in zip(requests, paths, strict=False):
         cut = 1
         for depth, node in enumerate(path):
             if fanout[node] > HUB_CHILDREN:
@@ -129,7 +129,7 @@ def assign_tenants(requests: Sequence[TraceRequest], tenants: int, seed: int) ->
         return [_with_tenant(r, "t0") for r in requests]
     out = []
     salt = seed.to_bytes(8, "big", signed=True)
-    for req, key in zip(requests, conversation_keys(requests)):
+    for req, key in zip(requests, conversation_keys(requests), strict=False):
         digest = hashlib.blake2b(salt + b",".join(str(h).encode() for h in key),
                                  digest_size=8).digest()
         out.append(_with_tenant(req, f"t{int.from_bytes(digest, 'big') % tenants}"))
