@@ -421,6 +421,29 @@ class _Ops:
     def stats(self, section: str = ""):
         return self._exec(self._stats_req(InfoFormat.JSON, section))
 
+    def route(self, scope: IdentityScope, token_ids=None, *, hashes=None, policy: "str | None" = None,
+              request_id: "str | None" = None, request_tokens: int = 0, track: bool = True):
+        """Ask the node's hosted router where to send a request (its token ids, or the
+        router's block hashes): a ``messages.RouteReply`` with the worker and the per-block
+        plan (0 device, 1 host, 2 disk, 3 pool, 4 recompute).  With ``track`` report the
+        request's first token and end with ``route_update``."""
+        if (token_ids is None) == (hashes is None):
+            raise InvalidArgument("route: give token_ids or hashes")
+        kind, items = (messages.ROUTE_TOKENS, token_ids) if hashes is None else (messages.ROUTE_HASHES, hashes)
+        hdr = messages.encode_route_request(
+            kind, scope.tenant_id, scope.model_id, scope.tokenizer_id, scope.adapter_id, items,
+            policy=policy, track=track, request_id=request_id, request_tokens=request_tokens,
+            limits=self.limits)
+        return self._exec(_Req(Opcode.ROUTE, hdr, (), 0, None,
+                               lambda r: messages.decode_route_reply(r.header)))
+
+    def route_update(self, request_id: str, *, first_token: bool = False):
+        """The routed request produced its first token (``first_token=True``) or ended, was
+        aborted or lost its client; returns whether the router knew the request."""
+        event = messages.ROUTE_FIRST_TOKEN if first_token else messages.ROUTE_FREE
+        return self._exec(_Req(Opcode.ROUTE_UPDATE, messages.encode_route_update(event, request_id),
+                               (), 0, None, lambda r: bool(r.header[:1] == b"\x01")))
+
     def _hello_req(self, token: bytes, name: str) -> _Req:
         return _Req(Opcode.HELLO, messages.encode_hello_request(token, client_name=name), (), 0, None,
                     lambda r: messages.decode_hello_reply(r.header))

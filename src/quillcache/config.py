@@ -179,6 +179,26 @@ def hash_token(token: str) -> str:
     return "sha256:" + hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
+def _router_module(value: Any) -> str:
+    # The names come from the router-module registry (one place: quillcache.control.modules).
+    from quillcache.control.modules import ROUTER_MODULES
+    if isinstance(value, str) and value in ROUTER_MODULES:
+        return value
+    raise ConversionError("unknown router module; known: " + ", ".join(f'"{m}"' for m in ROUTER_MODULES))
+
+
+def _nonneg_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1e9:
+        raise ConversionError("not a number >= 0 (e.g. 0.75)")
+    return float(value)
+
+
+def _engines(value: Any) -> tuple:
+    # The fields and their checks live with the router module (quillcache.control.modules).
+    from quillcache.control.modules import parse_engines
+    return parse_engines(value, ConversionError)
+
+
 def _tenants(value: Any) -> tuple[tuple[str, str], ...]:
     example = '[[auth.tenants]] name = "acme" token = "sha256:<64 hex>" (quillctl auth hash-token)'
     if not isinstance(value, list):
@@ -230,7 +250,10 @@ SECTIONS = {
     "limits": "Protocol limits, enforced before anything is allocated.",
     "metrics": "The Prometheus /metrics endpoint.",
     "auth": "Tenants and their tokens. With no tenants the node runs open (dev mode).",
-    "router": "The routing module hosted by this node.",
+    "router": "The routing module hosted by this node: it consumes the engines' KV events and "
+              "answers ROUTE requests (docs/protocol.md).",
+    "events": "This node's own KV events: its residency changes published in vLLM's KV-event "
+              "format (medium cpu, topic = node id), so routers see the pool as a tier.",
     "guard": "The identity guard: who may reuse a block.",
 }
 
@@ -313,8 +336,39 @@ SETTINGS: tuple[Setting, ...] = (
        "Tenants as [[auth.tenants]] tables with name and token (a hash: quillctl auth hash-token)."),
     _s("auth", "max_failed_hellos", _int_range(1, 1 << 20), 10, True,
        "Failed HELLOs per peer address per minute before that peer is refused."),
-    _s("router", "module", _choice("none"), "none", False,
-       "Routing module hosted by this node (none: a plain store node)."),
+    _s("router", "module", _router_module, "none", False,
+       "Routing module hosted by this node: none (a plain store node), dynamo (Dynamo's cost "
+       "function as shipped, identity-blind) or quillcache (identity-scoped credit plus pool credit)."),
+    _s("router", "engines", _engines, [], False,
+       "The engines to route to, as [[router.engines]] tables: id, endpoint (their ZMQ KV-event "
+       "PUB socket), replay_endpoint, model, tokenizer, tenant, adapter; pool = true marks a "
+       "QuillCache node's residency publisher (its blocks count as the pool tier)."),
+    _s("router", "block_size", _int_range(1, 1 << 16), 16, False,
+       "Tokens per block of the router's own hash chain (the engines' block size)."),
+    _s("router", "prefill_load_scale", _nonneg_float, 1.0, False,
+       "Weight of the prefill blocks a worker would still compute (Dynamo's prefill_load_scale)."),
+    _s("router", "active_request_weight", _nonneg_float, 0.0, False,
+       "Cost per active request (Dynamo's decode_active_request_weight)."),
+    _s("router", "host_weight", _nonneg_float, 0.75, False,
+       "Credit per overlap block in the worker's host (CPU) cache; a device block earns 1.0."),
+    _s("router", "disk_weight", _nonneg_float, 0.25, False,
+       "Credit per overlap block in the worker's disk cache."),
+    _s("router", "pool_weight", _nonneg_float, 0.5, False,
+       "Credit per block any worker can fetch from the QuillCache pool (module quillcache only)."),
+    _s("router", "temperature", _nonneg_float, 0.0, False,
+       "0: the cheapest worker, ties broken at random; > 0: softmax sampling over the costs."),
+    _s("router", "approximate", _bool, False, False,
+       "Predict residency from routing decisions, for engines that publish no KV events."),
+    _s("router", "approx_ttl", parse_duration, "120s", False,
+       "How long a predicted block is believed in approximate mode."),
+    _s("events", "publish", _bool, False, False,
+       "Publish this node's residency changes (block stored, block removed)."),
+    _s("events", "endpoint", _string, "tcp://127.0.0.1:7480", False,
+       "ZMQ PUB endpoint the residency events are published on."),
+    _s("events", "replay_endpoint", _string, "tcp://127.0.0.1:7481", False,
+       "ZMQ ROUTER endpoint that replays missed batches (empty: no replay)."),
+    _s("events", "buffer_steps", _int_range(1, 1 << 22), 10000, False,
+       "Batches kept for replay."),
     _s("guard", "mode", _choice("strict", "tenant", "off"), "strict", True,
        "strict: serve only an exact model, tokenizer, adapter and tenant match; tenant: tenant "
        "isolation only; off: content-hash reuse (for studies; logged loudly)."),

@@ -113,6 +113,8 @@ class Node:
         self.store: Optional[LocalKvStore] = None
         self.server: Optional[NodeServer] = None
         self.metrics: Optional[NodeMetrics] = None
+        self.router = None              # control.host.RouterHost when [router] module is not "none"
+        self.residency = None           # control.residency.ResidencyPublisher when [events] publish
         self.address: Optional[tuple[str, int]] = None
         self.metrics_address: Optional[tuple[str, int]] = None
         self.node_id = cfg.node.id or socket.gethostname()
@@ -172,10 +174,11 @@ class Node:
         if cfg.metrics.enabled:
             self.metrics = NodeMetrics(self.node_id, __version__)
             self.metrics.set_wal_backend(wal_backend)
+        self._start_control()
         self.server = NodeServer(self.store, limits=limits, auth=auth, metrics=self.metrics,
                                  max_connections=cfg.limits.max_connections, node_id=self.node_id,
                                  version=__version__, ssd=self.ssd,
-                                 sendfile=cfg.ssd.sendfile)
+                                 sendfile=cfg.ssd.sendfile, router=self.router)
         self.server.wal_backend = wal_backend
         loop = asyncio.get_running_loop()
         host, port = cfg.node.listen
@@ -191,6 +194,28 @@ class Node:
                  f", metrics on http://{format_hostport(self.metrics_address)}/metrics"
                  if self.metrics_address else "")
         sd_notify(f"READY=1\nSTATUS=serving on {self.server.listen}\nMAINPID={os.getpid()}")
+
+    def _start_control(self) -> None:
+        """The hosted router ([router]) and the residency publisher ([events]), if configured."""
+        cfg = self.cfg
+        if cfg.router.module != "none":
+            from quillcache.control.host import build_router_host
+            self.router = build_router_host(cfg.router)
+            if self.metrics is not None:
+                self.router.export_metrics(self.metrics.registry)
+            log.info("router module %s: %d engines", cfg.router.module, len(cfg.router.engines))
+        if cfg.events.publish:
+            from quillcache.control.residency import ResidencyPublisher
+            try:
+                self.residency = ResidencyPublisher(
+                    self.node_id, cfg.events.endpoint, cfg.events.replay_endpoint or None,
+                    buffer_steps=cfg.events.buffer_steps)
+            except Exception as exc:          # zmq.ZMQError: a bad or busy endpoint
+                raise ConfigError(f"{cfg.source}: [events] endpoint = {cfg.events.endpoint!r}: "
+                                  f"cannot bind ({exc})") from None
+            self.store.on_residency = self.residency
+            log.info("residency events on %s (replay %s)", self.residency.endpoint,
+                     self.residency.replay_endpoint)
 
     def _snapshot(self) -> dict:
         st = self.store.stats()
@@ -338,6 +363,10 @@ class Node:
             await self.store.close()            # closes the SSD tier: WAL committed, checkpoint written
         elif self.ssd is not None:
             await self.ssd.close()
+        if self.router is not None:
+            self.router.close()
+        if self.residency is not None:
+            self.residency.close()
         if self.metrics is not None:
             self.metrics.close()
         log.info("stopped%s", "" if drained else " (drain timed out)")

@@ -198,8 +198,10 @@ class NodeServer:
 
     def __init__(self, store, *, limits: Optional[ProtocolLimits] = None, auth: Optional[Authenticator] = None,
                  metrics=None, max_connections: int = 4096, node_id: str = "", version: str = "",
-                 ssd=None, lease_margin_s: float = LEASE_MARGIN_S, sendfile: bool = True) -> None:
+                 ssd=None, lease_margin_s: float = LEASE_MARGIN_S, sendfile: bool = True,
+                 router=None) -> None:
         self.store = store
+        self.router = router            # a control.host.RouterHost answering ROUTE, or None
         self.limits = limits or ProtocolLimits()
         self.auth = auth or Authenticator()
         self.metrics = metrics
@@ -291,7 +293,10 @@ class NodeServer:
                 wal["stats_error"] = str(exc)
         auth = self.auth.stats()
         auth["connection_tenant"] = (conn.tenant or "") if conn is not None else ""
-        return {"Server": server, "Store": store, "Tiers": tiers, "Guard": guard, "WAL": wal, "Auth": auth}
+        sections = {"Server": server, "Store": store, "Tiers": tiers, "Guard": guard, "WAL": wal, "Auth": auth}
+        if self.router is not None:
+            sections["Router"] = self.router.info()
+        return sections
 
 
 # --------------------------------------------------------------------------- one connection
@@ -804,6 +809,27 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         raw = text.encode("utf-8")
         self._ok(frame.request_id, Opcode.STATS, messages.encode_stats_reply(req.format), [raw])
 
+    # ------------------------------------------------------------------ ROUTE (the hosted router)
+
+    def _hosted_router(self):
+        if self.node.router is None:
+            raise InvalidArgument('ROUTE: this node hosts no router ([router] module = "none")')
+        return self.node.router
+
+    def _route(self, frame) -> None:
+        router = self._hosted_router()
+        req = messages.decode_route_request(frame.header, self.limits)
+        self._own(req.tenant)
+        d = router.route(req)
+        self._ok(frame.request_id, Opcode.ROUTE, messages.encode_route_reply(
+            d.worker, d.request_id, router.router.config.block_size, d.credited_blocks, d.overlap,
+            d.refused_blocks, d.cross_identity_credited_blocks, d.plan, d.logits))
+
+    def _route_update(self, frame) -> None:
+        router = self._hosted_router()
+        event, rid = messages.decode_route_update(frame.header)
+        self._ok(frame.request_id, Opcode.ROUTE_UPDATE, bytes((router.update(event, rid),)))
+
 
 class _Resume:
     """Awaitable that finishes a coroutine which already yielded ``fut`` to its runner: the
@@ -848,4 +874,6 @@ _HANDLERS: dict[int, Callable[[ServerProtocol, Any], None]] = {
     Opcode.UNPIN: ServerProtocol._unpin,
     Opcode.LIST: ServerProtocol._list,
     Opcode.STATS: ServerProtocol._stats,
+    Opcode.ROUTE: ServerProtocol._route,
+    Opcode.ROUTE_UPDATE: ServerProtocol._route_update,
 }

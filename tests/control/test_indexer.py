@@ -71,10 +71,12 @@ def test_medium_names_map_to_tiers():
 
 def test_pool_residency_events_translate_engine_hashes_learnt_from_engines():
     idx = ArtIndexer()
+    idx.worker("node1", pool=True)
     toks = list(range(12))
-    idx.apply("w0", EventBatch(0, (stored(toks, [7, 8, 9]),)), A)
-    # the node publishes the engine's hashes without tokens, medium cpu, with the scope
-    pool_ev = BlockStored((7, 8), None, (), 0, None, "cpu", None, ("acme", "m", "t", None))
+    idx.apply("w0", EventBatch(0, (stored(toks, [7, b"\x08" * 32, 9]),)), A)
+    # the node publishes the engine's hashes as its keys name them (text), without tokens,
+    # medium cpu, with the scope
+    pool_ev = BlockStored((b"7", b"08" * 32), None, (), 0, None, "cpu", None, ("acme", "m", "t", None))
     idx.apply("node1", EventBatch(0, (pool_ev,)), B, pool=True)
     idx.apply("w1", EventBatch(0, ()), A)
     m = idx.find_matches(A, chain_hashes(toks, BS))

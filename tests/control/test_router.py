@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
-from quillcache.control.indexer import DEVICE, DISK, HOST, POOL, DictIndexer, chain_hashes
+from quillcache.control.indexer import _KEY, DEVICE, DISK, HOST, POOL, DictIndexer, chain_hashes
 from quillcache.control.router import POLICIES, NoWorkers, Router, RouterConfig
 from quillcache.model import IdentityScope
 
@@ -25,7 +25,7 @@ def tokens(n_blocks, salt=0):
 def brute_logits(router, scope, hashes, n_tokens, identity_aware, pool_aware):
     """Dynamo's formula written out block by block over a plain dict of residency."""
     cfg = router.config
-    blocks = router.indexer._blocks            # DictIndexer: (scope id, hash) -> {worker: bits}
+    blocks = {_KEY.unpack(k): v for k, v in router.indexer._blocks.items()}   # (sid, hash) -> {w: bits}
     sids = router.indexer._scope_ids
     pool_src = router.indexer._pool_sources
     out = {}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from array import array
 import threading
 import time
 from dataclasses import dataclass, field
@@ -175,8 +176,10 @@ def _event(raw: object, limits: EventLimits, index: int) -> Optional[KvEvent]:
             raise EventDecodeError(f"{what}: token_ids must be an array")
         if len(tokens) > limits.max_tokens:
             raise EventDecodeError(f"{what}: {len(tokens)} token ids (at most {limits.max_tokens})")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-            raise EventDecodeError(f"{what}: token_ids must be non-negative integers")
+        try:
+            array("I", tokens)            # C-speed check: unsigned 32-bit integers
+        except (OverflowError, TypeError):
+            raise EventDecodeError(f"{what}: token_ids must be integers in 0..2**32-1") from None
         block_size = _opt_int(fields.get("block_size"), what + " block_size") or 0
         if block_size < 0:
             raise EventDecodeError(f"{what}: block_size {block_size} is negative")
@@ -212,7 +215,7 @@ def decode_batch(payload: bytes, limits: EventLimits = DEFAULT_LIMITS) -> EventB
     if len(payload) > limits.max_payload_bytes:
         raise EventDecodeError(f"payload of {len(payload)} bytes (at most {limits.max_payload_bytes})")
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False,
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False,
                               max_array_len=max(limits.max_events, limits.max_hashes, limits.max_tokens),
                               max_map_len=1024, max_bin_len=limits.max_payload_bytes,
                               max_str_len=1 << 20)

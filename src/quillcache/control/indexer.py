@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
 from quillcache._native.art import AdaptiveRadixTree
+from quillcache._native.kvindex import chain_hashes, mask_add, mask_remove
 from quillcache.control.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from quillcache.model import IdentityScope
 
 __all__ = [
-    "DEVICE", "HOST", "DISK", "POOL", "TIER_NAMES", "tier_of_medium", "chain_hashes",
+    "DEVICE", "HOST", "DISK", "POOL", "TIER_NAMES", "tier_of_medium", "chain_hashes", "engine_hash_text",
     "Match", "ArtIndexer", "DictIndexer", "IndexerLimits",
 ]
 
@@ -43,30 +45,20 @@ _MEDIUM_TIER = {
     "disk": DISK, "ssd": DISK, "local_ssd": DISK, "nvme": DISK,
 }
 
-_ROOT = 0x51C0FFEE          # chain seed of a block with no parent
 _KEY = struct.Struct(">Iq")  # scope id, hash
 _MASK64 = (1 << 64) - 1
+
+
+def engine_hash_text(h: BlockHash) -> bytes:
+    """An engine's block hash as a QuillCache key names it (``KvBlockKey.block_hash``): hex
+    of a bytes hash, decimal of an int one; a pool node publishes it as these bytes."""
+    return h.hex().encode() if isinstance(h, bytes) else str(h).encode()
 
 
 def tier_of_medium(medium: Optional[str]) -> int:
     """The tier of an event's ``medium`` (vLLM: GPU by default, CPU for offloaded blocks)."""
     tier = _MEDIUM_TIER.get(medium.lower() if medium else medium)
     return DISK if tier is None else tier        # an unknown medium is treated as the slowest
-
-
-def chain_hashes(tokens: Sequence[int], block_size: int, parent: Optional[int] = None) -> list[int]:
-    """The router's hash of each full block of ``tokens``: each one covers its block's tokens
-    and its parent's hash, so equal hashes mean equal prefixes.  Deterministic across
-    processes (hashes of int tuples are not randomised)."""
-    if block_size <= 0:
-        raise ValueError(f"block_size {block_size}: must be positive")
-    toks = tuple(tokens)
-    h = _ROOT if parent is None else parent
-    out = []
-    for start in range(0, len(toks) - block_size + 1, block_size):
-        h = hash((h, toks[start:start + block_size]))
-        out.append(h)
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +99,8 @@ class _Base:
         self._worker_names: list[str] = []
         self._pool_sources: set[int] = set()
         self._scope_ids: dict[IdentityScope, int] = {}
-        # per worker: engine hash -> (scope id, router hash, tier bitmask held)
-        self._engine: list[dict[BlockHash, list]] = []
+        # per worker and tier: engine hash -> (scope id, router hash)
+        self._engine: list[tuple[dict[BlockHash, tuple[int, int]], ...]] = []
         self._alias: dict[tuple[int, BlockHash], int] = {}
         self.orphans = 0          # stored blocks whose parent this indexer never saw
         self.bad_events = 0       # events with a token count that does not match
@@ -122,7 +114,7 @@ class _Base:
             w = len(self._worker_names)
             self._worker_ids[name] = w
             self._worker_names.append(name)
-            self._engine.append({})
+            self._engine.append(tuple({} for _ in range(_N_TIERS)))
         if pool:
             self._pool_sources.add(w)
         return w
@@ -169,88 +161,72 @@ class _Base:
             scope = IdentityScope(scope.model_id, scope.tokenizer_id, event.lora_name, scope.tenant_id)
         sid = self.scope_id(scope)
         tier = self._tier(w, event.medium)
-        emap = self._engine[w]
+        emaps = self._engine[w]
         hashes = event.block_hashes
         if event.token_ids and event.block_size > 0:
             parent = None
             if event.parent_block_hash is not None:
-                rec = emap.get(event.parent_block_hash)
-                if rec is None:
+                for emap in emaps:
+                    key = emap.get(event.parent_block_hash)
+                    if key is not None:
+                        parent = _KEY.unpack(key)[1]
+                        break
+                else:
                     self.orphans += 1
                     parent = hash(("orphan", event.parent_block_hash))
-                else:
-                    parent = rec[1]
             local = chain_hashes(event.token_ids, event.block_size, parent)
             if len(local) != len(hashes):
                 self.bad_events += 1
                 n = min(len(local), len(hashes))
                 local, hashes = local[:n], hashes[:n]
-            alias = self._alias
-            if len(alias) < self.limits.max_aliases:
-                for eh, lh in zip(hashes, local):
-                    alias[(sid, eh)] = lh
+            if self._pool_sources and len(self._alias) < self.limits.max_aliases:
+                # what a pool node calls these blocks: the engine hash as text (residency.py)
+                self._alias.update(zip(map(engine_hash_text, hashes), local))
         else:
             # No tokens (pool residency, or an engine that leaves them out): translate the
             # engine's hashes through what the engines' events taught us.
-            local = [self._alias.get((sid, eh)) or hash(("engine", eh)) for eh in hashes]
-        bit = 1 << tier
-        for eh, lh in zip(hashes, local):
-            rec = emap.get(eh)
-            if rec is None:
-                emap[eh] = [sid, lh, bit]
-            else:
-                rec[0], rec[1] = sid, lh
-                rec[2] |= bit
-        self._add(sid, local, w, tier)
-        return len(local)
+            alias = self._alias
+            local = [alias.get(eh) or hash(("engine", eh)) for eh in hashes]
+        keys = list(map(_KEY.pack, repeat(sid), local))
+        emaps[tier].update(zip(hashes, keys))
+        self._add_keys(keys, w, tier)
+        return len(keys)
 
     def removed(self, w: int, hashes: Iterable[BlockHash], tier: int) -> int:
-        emap = self._engine[w]
-        bit = 1 << tier
-        by_scope: dict[int, list[int]] = {}
-        for eh in hashes:
-            rec = emap.get(eh)
-            if rec is None or not rec[2] & bit:
-                continue
-            rec[2] &= ~bit
-            if not rec[2]:
-                del emap[eh]
-            by_scope.setdefault(rec[0], []).append(rec[1])
-        n = 0
-        for sid, local in by_scope.items():
-            self._remove(sid, local, w, tier)
-            n += len(local)
-        return n
+        pop = self._engine[w][tier].pop
+        keys = [k for k in (pop(eh, None) for eh in hashes) if k is not None]
+        if keys:
+            self._remove_keys(keys, w, tier)
+        return len(keys)
 
     def clear_worker(self, worker: str) -> int:
         w = self._worker_ids.get(worker)
         if w is None:
             return 0
-        emap = self._engine[w]
         n = 0
-        for tier in range(_N_TIERS):
-            n += self.removed(w, [eh for eh, rec in emap.items() if rec[2] & (1 << tier)], tier)
-        emap.clear()
+        for tier, emap in enumerate(self._engine[w]):
+            n += self.removed(w, list(emap), tier)
         return n
 
     # ---- direct use (tests, the approximate mode): router hashes, no engine hashes
     def add_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int], tier: int) -> None:
         w = self.worker(worker, tier == POOL)
-        self._add(self.scope_id(scope), list(hashes), w, tier)
+        self._add_keys(list(map(_KEY.pack, repeat(self.scope_id(scope)), hashes)), w, tier)
 
     def remove_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int], tier: int) -> None:
         w = self._worker_ids.get(worker)
         sid = self._scope_ids.get(scope)
         if w is not None and sid is not None:
-            self._remove(sid, list(hashes), w, tier)
+            self._remove_keys(list(map(_KEY.pack, repeat(sid), hashes)), w, tier)
 
     def find_matches(self, scope: Optional[IdentityScope], hashes: Sequence[int]) -> Match:
         raise NotImplementedError
 
-    def _add(self, sid: int, local: list[int], w: int, tier: int) -> None:
+    # storage: keys are ``_KEY.pack(scope id, router hash)``
+    def _add_keys(self, keys: list[bytes], w: int, tier: int) -> None:
         raise NotImplementedError
 
-    def _remove(self, sid: int, local: list[int], w: int, tier: int) -> None:
+    def _remove_keys(self, keys: list[bytes], w: int, tier: int) -> None:
         raise NotImplementedError
 
 
@@ -271,33 +247,33 @@ class DictIndexer(_Base):
 
     def __init__(self, limits: IndexerLimits = IndexerLimits()) -> None:
         super().__init__(limits)
-        self._blocks: dict[tuple[int, int], dict[int, int]] = {}
+        self._blocks: dict[bytes, dict[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _add(self, sid, local, w, tier):
+    def _add_keys(self, keys, w, tier):
         bit = 1 << tier
-        for h in local:
-            holders = self._blocks.setdefault((sid, h), {})
+        for k in keys:
+            holders = self._blocks.setdefault(k, {})
             holders[w] = holders.get(w, 0) | bit
 
-    def _remove(self, sid, local, w, tier):
+    def _remove_keys(self, keys, w, tier):
         bit = 1 << tier
-        for h in local:
-            holders = self._blocks.get((sid, h))
+        for k in keys:
+            holders = self._blocks.get(k)
             if holders is None or w not in holders:
                 continue
             holders[w] &= ~bit
             if not holders[w]:
                 del holders[w]
             if not holders:
-                del self._blocks[(sid, h)]
+                del self._blocks[k]
 
     def _held(self, sids: Sequence[int], h: int) -> dict[int, int]:
         out: dict[int, int] = {}
         for sid in sids:
-            for w, bits in self._blocks.get((sid, h), {}).items():
+            for w, bits in self._blocks.get(_KEY.pack(sid, h), {}).items():
                 out[w] = out.get(w, 0) | bits
         return out
 
@@ -363,58 +339,19 @@ class ArtIndexer(_Base):
             self._pool_mask[w >> 6] |= np.uint64(1 << (w & 63))
         return w
 
-    def _slots_for(self, keys: list[bytes]) -> np.ndarray:
-        got = self._tree.get_many(keys, -1)
-        missing = [i for i, v in enumerate(got) if v == -1]
-        if missing:
-            first: dict[bytes, int] = {}
-            for i in missing:
-                first.setdefault(keys[i], i)
-            if len(first) < len(missing):          # a hash twice in one event
-                for i in missing:
-                    if first[keys[i]] != i:
-                        got[i] = -2 - first[keys[i]]
-                missing = list(first.values())
-            new = []
-            for _ in missing:
-                if self._free:
-                    new.append(self._free.pop())
-                else:
-                    if self._next == len(self._masks):
-                        grown = np.zeros((len(self._masks) * 2,) + self._masks.shape[1:], np.uint64)
-                        grown[:len(self._masks)] = self._masks
-                        self._masks = grown
-                    new.append(self._next)
-                    self._next += 1
-            self._tree.insert_many([keys[i] for i in missing], new)
-            for i, s in zip(missing, new):
-                got[i] = s
-            for i, v in enumerate(got):
-                if v <= -2:
-                    got[i] = got[-2 - v]
-        return np.fromiter(got, dtype=np.int64, count=len(got))
+    def _add_keys(self, keys, w, tier):
+        need = self._next + len(keys)
+        if need > len(self._masks):
+            size = len(self._masks)
+            while size < need:
+                size *= 2
+            grown = np.zeros((size,) + self._masks.shape[1:], np.uint64)
+            grown[:len(self._masks)] = self._masks
+            self._masks = grown
+        self._next = mask_add(self._tree, keys, self._masks, tier, w, self._free, self._next)
 
-    def _add(self, sid, local, w, tier):
-        if not local:
-            return
-        pack = _KEY.pack
-        keys = [pack(sid, h) for h in local]
-        slots = self._slots_for(keys)
-        self._masks[slots, tier, w >> 6] |= np.uint64(1 << (w & 63))
-
-    def _remove(self, sid, local, w, tier):
-        pack = _KEY.pack
-        keys = [pack(sid, h) for h in local]
-        got = self._tree.get_many(keys, -1)
-        idx = [i for i, v in enumerate(got) if v != -1]
-        if not idx:
-            return
-        slots = np.array([got[i] for i in idx], dtype=np.int64)
-        self._masks[slots, tier, w >> 6] &= np.uint64(_MASK64 ^ (1 << (w & 63)))
-        empty = ~self._masks[slots].reshape(len(slots), -1).any(axis=1)
-        for j in np.flatnonzero(empty):
-            self._tree.delete(keys[idx[j]])
-            self._free.append(int(slots[j]))
+    def _remove_keys(self, keys, w, tier):
+        mask_remove(self._tree, keys, self._masks, tier, w, self._free)
 
     def _rows(self, sids: Sequence[int], hashes: Sequence[int]) -> np.ndarray:
         """Masks of the blocks of ``hashes`` under the scopes ``sids`` (OR-ed), cut at the

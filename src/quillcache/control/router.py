@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
+from quillcache.control.modules import POLICIES
 from quillcache.control.sketch import CountMinSketch
 from quillcache.model import IdentityScope
 
@@ -42,7 +43,6 @@ __all__ = [
     "POLICIES", "RouterConfig", "Router", "Decision", "WorkerLoad", "PLAN_CODES", "NoWorkers",
 ]
 
-POLICIES = ("round_robin", "least_loaded", "prefix", "dynamo", "quillcache")
 
 # per-block plan codes (also the ROUTE reply's plan bytes)
 PLAN_DEVICE, PLAN_HOST, PLAN_DISK, PLAN_POOL, PLAN_RECOMPUTE = range(5)

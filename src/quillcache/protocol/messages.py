@@ -15,8 +15,10 @@ Encoders check the same limits, so a peer never sees a body we would refuse.
 from __future__ import annotations
 
 import struct
+import sys
 from typing import NamedTuple, Sequence
 
+from quillcache.control.modules import POLICIES
 from quillcache.errors import (
     STATUS_CLASSES, CapacityError, InvalidArgument, ProtocolError, QuillCacheError, UnsafeReuse,
 )
@@ -38,6 +40,9 @@ __all__ = [
     "encode_list_request", "decode_list_request", "encode_list_reply", "decode_list_reply",
     "encode_stats_request", "decode_stats_request", "encode_stats_reply", "decode_stats_reply",
     "encode_error", "decode_error",
+    "RouteRequest", "RouteReply", "encode_route_request", "decode_route_request",
+    "encode_route_reply", "decode_route_reply", "encode_route_update", "decode_route_update",
+    "ROUTE_TOKENS", "ROUTE_HASHES", "ROUTE_FIRST_TOKEN", "ROUTE_FREE", "ROUTE_POLICIES",
 ]
 
 DEFAULT_LIMITS = ProtocolLimits()
@@ -683,3 +688,160 @@ def decode_error(status: int, body: BytesLike, limits: ProtocolLimits = DEFAULT_
     if status not in STATUS_CLASSES:
         err.status = status
     return err
+
+
+# --------------------------------------------------------------------------- ROUTE (0x50, 0x51)
+#
+# ROUTE request:  u8 kind (0 token ids, 1 router block hashes) | u8 policy (0 = the node's,
+#   i = ROUTE_POLICIES[i - 1]) | u8 flags (bit 0: track the request's load) | text16 tenant,
+#   model, tokenizer, adapter ("" = none) | text16 request_id ("" = the router names it) |
+#   u32 request_tokens (0 = from the items) | u32 count | count * (u32 token id | i64 hash)
+# ROUTE reply:    text16 worker | text16 request_id | u32 block_size | f64 credited_blocks |
+#   u32 device, host, disk, pool, refused, cross_identity_credited | u32 n + n plan bytes |
+#   u16 workers + workers * (text16 name + f64 logit)
+# ROUTE_UPDATE request: u8 event (1 first token, 2 free) | text16 request_id;  reply: u8 known
+
+ROUTE_TOKENS, ROUTE_HASHES = 0, 1
+ROUTE_TRACK = 0x01
+ROUTE_FIRST_TOKEN, ROUTE_FREE = 1, 2
+ROUTE_POLICIES = POLICIES      # wire order: policy code i names ROUTE_POLICIES[i - 1]
+MAX_ROUTE_TEXT = 255            # bytes of one identity field or request id
+_ROUTE_HEAD = struct.Struct("<BBB")
+_ROUTE_COUNTS = struct.Struct("<II")
+_ROUTE_REPLY = struct.Struct("<Id6I")
+_F64 = struct.Struct("<d")
+
+
+class RouteRequest(NamedTuple):
+    kind: int
+    policy: str | None
+    track: bool
+    tenant: str
+    model: str
+    tokenizer: str
+    adapter: str | None
+    request_id: str | None
+    request_tokens: int
+    items: list[int]
+
+
+class RouteReply(NamedTuple):
+    worker: str
+    request_id: str
+    block_size: int
+    credited_blocks: float
+    device: int
+    host: int
+    disk: int
+    pool: int
+    refused: int
+    cross_identity_credited: int
+    plan: bytes
+    logits: dict[str, float]
+
+
+def _items_array(kind: int):
+    from array import array
+    return array("I" if kind == ROUTE_TOKENS else "q")
+
+
+def encode_route_request(kind: int, tenant: str, model: str, tokenizer: str, adapter: str | None,
+                         items: Sequence[int], *, policy: str | None = None, track: bool = True,
+                         request_id: str | None = None, request_tokens: int = 0,
+                         limits: ProtocolLimits = DEFAULT_LIMITS) -> bytes:
+    what = "ROUTE"
+    if kind not in (ROUTE_TOKENS, ROUTE_HASHES):
+        raise InvalidArgument(f"{what}: kind {kind} (0 token ids, 1 block hashes)")
+    if policy is not None and policy not in ROUTE_POLICIES:
+        raise InvalidArgument(f"{what}: policy {policy!r} (one of {', '.join(ROUTE_POLICIES)})")
+    if not 0 <= request_tokens < (1 << 32):
+        raise InvalidArgument(f"{what}: request_tokens {request_tokens} out of 0..2**32-1")
+    out = bytearray(_ROUTE_HEAD.pack(kind, 0 if policy is None else ROUTE_POLICIES.index(policy) + 1,
+                                     ROUTE_TRACK if track else 0))
+    for field, text in (("tenant", tenant), ("model", model), ("tokenizer", tokenizer),
+                        ("adapter", adapter or ""), ("request_id", request_id or "")):
+        _text16(out, text, MAX_ROUTE_TEXT, what, field)
+    arr = _items_array(kind)
+    try:
+        arr.extend(items)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidArgument(f"{what}: items must be {'u32 token ids' if kind == ROUTE_TOKENS else 'i64 hashes'}"
+                              f" ({exc})") from None
+    if sys.byteorder != "little":
+        arr.byteswap()
+    out += _ROUTE_COUNTS.pack(request_tokens, len(arr))
+    out += arr.tobytes()
+    if len(out) > limits.max_header_bytes:
+        raise InvalidArgument(f"{what}: {len(out)} bytes of header, at most {limits.max_header_bytes} "
+                              "(send the router's block hashes instead of the token ids)")
+    return bytes(out)
+
+
+def decode_route_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> RouteRequest:
+    r = _Reader(body, "ROUTE")
+    kind, policy_code, flags = r.unpack(_ROUTE_HEAD, "head")
+    if kind not in (ROUTE_TOKENS, ROUTE_HASHES):
+        raise InvalidArgument(f"ROUTE: kind {kind} (0 token ids, 1 block hashes)")
+    if policy_code > len(ROUTE_POLICIES):
+        raise InvalidArgument(f"ROUTE: policy code {policy_code} (0..{len(ROUTE_POLICIES)})")
+    tenant, model, tokenizer, adapter, rid = (r.text16(f, MAX_ROUTE_TEXT) for f in
+                                              ("tenant", "model", "tokenizer", "adapter", "request_id"))
+    request_tokens, count = r.unpack(_ROUTE_COUNTS, "counts")
+    width = 4 if kind == ROUTE_TOKENS else 8
+    raw = r.take(count * width, "items")        # checked against the bytes present first
+    r.end()
+    arr = _items_array(kind)
+    arr.frombytes(raw)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return RouteRequest(kind, ROUTE_POLICIES[policy_code - 1] if policy_code else None,
+                        bool(flags & ROUTE_TRACK), tenant, model, tokenizer, adapter or None,
+                        rid or None, request_tokens, arr.tolist())
+
+
+def encode_route_reply(worker: str, request_id: str, block_size: int, credited: float,
+                       overlap: Sequence[int], refused: int, cross: int, plan: bytes,
+                       logits: dict[str, float]) -> bytes:
+    out = bytearray()
+    _text16(out, worker, MAX_ROUTE_TEXT, "ROUTE reply", "worker")
+    _text16(out, request_id, MAX_ROUTE_TEXT, "ROUTE reply", "request_id")
+    out += _ROUTE_REPLY.pack(block_size, credited, *overlap, refused, cross)
+    out += _U32.pack(len(plan))
+    out += plan
+    out += _U16.pack(len(logits))
+    for name, logit in logits.items():
+        _text16(out, name, MAX_ROUTE_TEXT, "ROUTE reply", "worker")
+        out += _F64.pack(logit)
+    return bytes(out)
+
+
+def decode_route_reply(body: BytesLike) -> RouteReply:
+    r = _Reader(body, "ROUTE reply")
+    worker = r.text16("worker", MAX_ROUTE_TEXT)
+    rid = r.text16("request_id", MAX_ROUTE_TEXT)
+    block_size, credited, dev, host, disk, pool, refused, cross = r.unpack(_ROUTE_REPLY, "decision")
+    plan = r.take(r.u32("plan length"), "plan")
+    logits = {}
+    for _ in range(r.u16("workers")):
+        name = r.text16("worker", MAX_ROUTE_TEXT)
+        logits[name] = r.unpack(_F64, "logit")[0]
+    r.end()
+    return RouteReply(worker, rid, block_size, credited, dev, host, disk, pool, refused, cross, plan, logits)
+
+
+def encode_route_update(event: int, request_id: str) -> bytes:
+    if event not in (ROUTE_FIRST_TOKEN, ROUTE_FREE):
+        raise InvalidArgument(f"ROUTE_UPDATE: event {event} (1 first token, 2 free)")
+    out = bytearray((event,))
+    _text16(out, request_id, MAX_ROUTE_TEXT, "ROUTE_UPDATE", "request_id")
+    return bytes(out)
+
+
+def decode_route_update(body: BytesLike) -> tuple[int, str]:
+    r = _Reader(body, "ROUTE_UPDATE")
+    event = r.u8("event")
+    if event not in (ROUTE_FIRST_TOKEN, ROUTE_FREE):
+        raise InvalidArgument(f"ROUTE_UPDATE: event {event} (1 first token, 2 free)")
+    rid = r.text16("request_id", MAX_ROUTE_TEXT)
+    r.end()
+    return event, rid

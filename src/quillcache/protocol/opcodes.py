@@ -44,6 +44,8 @@ class Opcode(enum.IntEnum):
     UNPIN = 0x17        # n keys + mode, reply: bitmap of unpinned
     LIST = 0x18         # scope/prefix scan, reply: keys
     STATS = 0x20        # INFO-style text or JSON, reply payload = UTF-8 body
+    ROUTE = 0x50        # tokens or block hashes + identity, reply: worker + per-block plan
+    ROUTE_UPDATE = 0x51  # a routed request's first token or end (the router's load feedback)
     ERROR = OP_ERROR    # reply only: status in the fixed header, message in the body
 
     INFO = 0x20         # alias of STATS

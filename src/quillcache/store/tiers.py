@@ -159,6 +159,9 @@ class LocalKvStore:
         # A get of an SSD-only block copies it into DRAM when there is room (True), or leaves
         # DRAM to puts and serves it from the SSD tier each time (False; reloadable).
         self.promote_on_get = bool(promote_on_get)
+        # on_residency(resident, key): told when a key becomes resident on this node and
+        # when it leaves (the node's KV-event publisher, control/residency.py); None: off.
+        self.on_residency = None
         self.max_inflight_puts = max_inflight_puts
         self.max_hard_pin_bytes = int(self._dram.capacity * max_hard_pin_fraction)
         self._dram_lru = make_policy(eviction)
@@ -199,12 +202,16 @@ class LocalKvStore:
         self._entries[key] = entry
         self.guard.add(key)
         self._by_prefix.setdefault((key.scope, key.prefix_hash), set()).add(key)
+        if self.on_residency is not None:
+            self.on_residency(True, key)
 
     def _drop_entry(self, key: KvBlockKey) -> Optional[_Entry]:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
         self.guard.discard(key)
+        if self.on_residency is not None:
+            self.on_residency(False, key)
         pk = (key.scope, key.prefix_hash)
         keys = self._by_prefix.get(pk)
         if keys is not None:
