@@ -4,7 +4,7 @@ import pytest
 
 from quillcache.control.model import CostModel
 from quillcache.control.sim.engine import (
-    EngineConfig, SimEngine, SimEngineError, SimRequest, chain_hashes, cost_with,
+    EngineConfig, LruPool, SimEngine, SimEngineError, SimRequest, chain_hashes, cost_with,
 )
 from quillcache.model import IdentityScope
 
@@ -177,3 +177,25 @@ def test_cost_knobs_replace_the_h200_defaults_and_are_checked():
         cost_with(prefill_us_per_token=-1)
     with pytest.raises(SimEngineError):
         cost_with(bogus=1)
+
+
+def test_a_prefix_in_the_pool_is_loaded_at_the_pool_cost_not_computed():
+    pool = LruPool(capacity_blocks=16)
+    cost = CostModel(prefill_us_per_token=1000, decode_us_per_token=1000, running_decode_penalty_us=0,
+                     cpu_dram_us_per_mb=50)
+    cfg = EngineConfig(block_size=4, capacity_blocks=64, max_num_seqs=8, max_batched_tokens=1024,
+                       cost=cost, kv_bytes_per_token=1 << 18)        # 1 MiB per block
+    writer, reader = SimEngine(cfg, pool), SimEngine(cfg, pool)
+    writer.submit(request("w", A, [1, 2, 3], 4, extra_tokens=1, max_tokens=1))
+    run(writer)
+    assert len(pool) == 3                       # write-through of the computed blocks
+    r = request("r", A, [1, 2, 3], 4, extra_tokens=1, max_tokens=1)
+    other = request("o", B, [1, 2, 3], 4, extra_tokens=1, max_tokens=1)
+    reader.submit(r)
+    run(reader)
+    assert r.pool_blocks == 3 and r.hit_blocks == 0
+    assert r.first_token_us == 3 * 50 + 1 * 1000          # 3 MiB loaded, one token computed
+    reader.submit(other)
+    now, _ = run(reader, r.finish_us)
+    assert other.pool_blocks == 0                         # another tenant: computed
+    assert other.first_token_us - r.finish_us == 13 * 1000

@@ -44,7 +44,7 @@ from quillcache.model import CacheTier, IdentityScope, encode_scope
 
 __all__ = [
     "EngineConfig", "SimRequest", "SimEngine", "StepPlan", "StepResult",
-    "StoredBlock", "SimPool", "chain_hashes", "cost_with", "H200_LLAMA3_8B", "KV_BYTES_PER_TOKEN_LLAMA3_8B",
+    "StoredBlock", "SimPool", "LruPool", "chain_hashes", "cost_with", "H200_LLAMA3_8B", "KV_BYTES_PER_TOKEN_LLAMA3_8B",
     "SimEngineError",
 ]
 
@@ -475,3 +475,37 @@ class SimEngine:
                 self._finish_heap = [e for e in self._finish_heap if e[2] is not req]
                 heapq.heapify(self._finish_heap)
             self._finish(req, now_us)
+
+
+class LruPool:
+    """A model of a QuillCache pool the engines share: ``capacity_blocks`` blocks, LRU,
+    keyed by the engines' identity-salted hashes (so, like the node's guard, it serves a
+    block only to its own identity).  Engines offer every block they compute (write-through)
+    and load the longest prefix it holds instead of computing it."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
+            raise SimEngineError(f"pool capacity {capacity_blocks!r}: must be a positive integer")
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.loaded_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, identity: IdentityScope, hashes: Sequence[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            self._blocks.move_to_end(h)
+            n += 1
+        self.loaded_blocks += n
+        return n
+
+    def offer(self, identity: IdentityScope, blocks: Sequence[StoredBlock]) -> None:
+        for b in blocks:
+            self._blocks[b.block_hash] = None
+            self._blocks.move_to_end(b.block_hash)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
