@@ -116,6 +116,7 @@ setup(
         "quillcache.protocol",
         "quillcache.transfer",
         "quillcache.control",
+        "quillcache.control.sim",
         "quillcache_cli",
     ],
     package_data={"quillcache._native": ["*.pyx", "*.pxd", "*.pxi", "includes/*.pxd", "includes/*.h"],
