@@ -115,6 +115,7 @@ setup(
         "quillcache.store",
         "quillcache.protocol",
         "quillcache.transfer",
+        "quillcache.gateway",
         "quillcache_cli",
     ],
     package_data={"quillcache._native": ["*.pxd", "*.pxi", "includes/*.pxd", "includes/*.h"], "quillcache": ["default.toml"]},
