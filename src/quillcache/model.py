@@ -1,4 +1,4 @@
-"""The data model: keys, identity scopes, tiers, residency records, the cost model,
+"""The data model of the store: keys, identity scopes, tiers, residency records,
 and the residency-index protocol with its reference in-memory backend.
 
 Keys are frozen and hashable.  ``encode_key``/``decode_key`` give the canonical
@@ -10,16 +10,12 @@ all blocks of one identity scope and one prefix hash share one byte prefix
 from __future__ import annotations
 
 import enum
-import math
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 __all__ = [
-    "KvBlockKey", "IdentityScope", "CacheTier", "CacheResidency", "WorkerState", "EngineKind",
-    "EngineEndpoint", "BlockHint", "RequestKvHints", "KvEvent", "BlockStored", "BlockRemoved",
-    "AllBlocksCleared", "KvEventBatch", "SloTarget", "RequestShape", "CostModel", "IndexMetrics",
-    "IndexBackend", "MemoryIndex", "sort_residencies", "encode_key", "decode_key", "encode_scope", "encode_scope_prefix",
+    "KvBlockKey", "IdentityScope", "CacheTier", "CacheResidency", "IndexMetrics", "IndexBackend", "MemoryIndex", "sort_residencies", "encode_key", "decode_key", "encode_scope", "encode_scope_prefix",
     "KeyError_", "MAX_ID_BYTES", "KEY_FORMAT_VERSION", "GiB", "MiB",
 ]
 
@@ -241,207 +237,6 @@ class CacheResidency:
     last_access_ms: int = 0
     ref_count: int = 0
     pinned: bool = False
-
-
-# --------------------------------------------------------------------------- workers and requests
-
-
-class EngineKind(enum.Enum):
-    VLLM = "vllm"
-    SGLANG = "sglang"
-    LMCACHE = "lmcache"
-    MOCK = "mock"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse(cls, name: "str | EngineKind") -> "EngineKind":
-        if isinstance(name, EngineKind):
-            return name
-        try:
-            return cls(str(name).strip().lower())
-        except ValueError:
-            raise ValueError(f"unknown engine kind {name!r} (known: vllm, sglang, lmcache, mock)") from None
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerState:
-    id: str
-    locality_domain: str = "default"
-    hbm_capacity_bytes: int = 80 * GiB
-    hbm_used_bytes: int = 0
-    cpu_capacity_bytes: int = 512 * GiB
-    cpu_used_bytes: int = 0
-    running_decodes: int = 0
-    queued_prefill_tokens: int = 0
-
-    def with_load(self, queued_prefill_tokens: int, running_decodes: int) -> "WorkerState":
-        return replace(self, queued_prefill_tokens=queued_prefill_tokens, running_decodes=running_decodes)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineEndpoint:
-    id: str
-    kind: EngineKind
-    base_url: str
-    model_id: str
-    tokenizer_id: str
-    tenant_id: str
-    locality_domain: str = "default"
-
-    def worker_state(self) -> WorkerState:
-        return WorkerState(self.id, self.locality_domain)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockHint:
-    block_hash: str
-    token_count: int = DEFAULT_TOKENS_PER_BLOCK
-    bytes: Optional[int] = None
-
-
-@dataclass(frozen=True, slots=True)
-class RequestKvHints:
-    """What a request says about its prompt's blocks, as the gateway receives it."""
-
-    request_id: Optional[str] = None
-    model_id: Optional[str] = None
-    tokenizer_id: Optional[str] = None
-    adapter_id: Optional[str] = None
-    tenant_id: Optional[str] = None
-    session_id: Optional[str] = None
-    block_hashes: tuple[str, ...] = ()
-    block_tokens: Optional[int] = None
-    estimated_decode_tokens: Optional[int] = None
-    block_bytes: Optional[int] = None
-
-    def to_blocks(self, fallback_model: str, fallback_tokenizer: str,
-                  fallback_tenant: str) -> list[KvBlockKey]:
-        # Prefix hashes chain: the first block's parent is the session (or "root"),
-        # each later block's parent is the previous block's hash.
-        model = self.model_id or fallback_model
-        tokenizer = self.tokenizer_id or fallback_tokenizer
-        tenant = self.tenant_id or fallback_tenant
-        tokens = DEFAULT_TOKENS_PER_BLOCK if self.block_tokens is None else self.block_tokens
-        parent = self.session_id or "root"
-        keys = []
-        for index, block_hash in enumerate(self.block_hashes):
-            keys.append(KvBlockKey(model, tokenizer, self.adapter_id, tenant, parent,
-                                   block_hash, index, tokens))
-            parent = block_hash
-        return keys
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_hashes: tuple[str, ...]
-    block_size: int
-    parent_block_hash: Optional[str] = None
-    token_ids: tuple[int, ...] = ()
-    medium: Optional[str] = None
-    lora_name: Optional[str] = None
-    group_idx: Optional[int] = None
-    bytes_per_block: Optional[int] = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: tuple[str, ...]
-    medium: Optional[str] = None
-    group_idx: Optional[int] = None
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass(frozen=True, slots=True)
-class KvEventBatch:
-    """A batch of engine KV events (vLLM/SGLang publish these), with the identity
-    fields the engine knows; the control plane turns them into index calls."""
-
-    engine_id: str
-    events: tuple[KvEvent, ...] = ()
-    ts_ms: Optional[int] = None
-    model_id: Optional[str] = None
-    tokenizer_id: Optional[str] = None
-    adapter_id: Optional[str] = None
-    tenant_id: Optional[str] = None
-    bytes_per_block: Optional[int] = None
-
-
-@dataclass(frozen=True, slots=True)
-class SloTarget:
-    ttft_ms: int = 800
-    tpot_ms: int = 80
-
-
-@dataclass(frozen=True, slots=True)
-class RequestShape:
-    id: str
-    model_id: str
-    tokenizer_id: str
-    adapter_id: Optional[str]
-    tenant_id: str
-    blocks: tuple[KvBlockKey, ...] = ()
-    estimated_decode_tokens: int = 0
-    slo: SloTarget = SloTarget()
-
-    def input_tokens(self) -> int:
-        return sum(block.token_count for block in self.blocks)
-
-
-# --------------------------------------------------------------------------- cost model
-
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """Microsecond estimates used by the router to compare prefill, reuse and transfer."""
-
-    prefill_us_per_token: int = 45
-    decode_us_per_token: int = 80
-    queue_us_per_prefill_token: int = 4
-    running_decode_penalty_us: int = 1_500
-    hbm_hit_us: int = 5
-    remote_hbm_us_per_mb: int = 20
-    cpu_dram_us_per_mb: int = 55
-    local_ssd_us_per_mb: int = 280
-    object_store_us_per_mb: int = 1_800
-    cross_domain_penalty_us: int = 350
-
-    def prefill_cost_us(self, tokens: int) -> int:
-        return self.prefill_us_per_token * tokens
-
-    def decode_cost_us(self, tokens: int, running_decodes: int) -> int:
-        return self.decode_us_per_token * tokens + self.running_decode_penalty_us * running_decodes
-
-    def queue_cost_us(self, worker: WorkerState) -> int:
-        return self.queue_us_per_prefill_token * worker.queued_prefill_tokens
-
-    def transfer_cost_us(self, tier: CacheTier, nbytes: int, same_worker: bool,
-                         same_locality_domain: bool) -> int:
-        # A same-worker HBM hit pays only the hit; everything else pays per MiB
-        # (at least one), plus a penalty when it leaves the worker's locality domain.
-        if same_worker and tier is CacheTier.HBM:
-            return self.hbm_hit_us
-        mib = max(1, -(-nbytes // MiB))
-        if tier in (CacheTier.HBM, CacheTier.REMOTE_HBM):
-            per_mb = self.remote_hbm_us_per_mb
-        elif tier is CacheTier.CPU_DRAM:
-            per_mb = self.cpu_dram_us_per_mb
-        elif tier is CacheTier.LOCAL_SSD:
-            per_mb = self.local_ssd_us_per_mb
-        else:
-            per_mb = self.object_store_us_per_mb
-        base = per_mb * mib
-        if same_worker or same_locality_domain:
-            return base
-        return base + self.cross_domain_penalty_us
 
 
 # --------------------------------------------------------------------------- index protocol

@@ -1,0 +1,368 @@
+"""The router: Dynamo's default worker selector, with identity-scoped and pool-aware credit.
+
+For each candidate worker (Dynamo, ``lib/kv-router/src/scheduling/selector/default.rs``)::
+
+    raw_prefill_blocks = (active_prefill_tokens + request_tokens) / block_size
+    credit             = 1.0 * device + 0.75 * host + 0.25 * disk   (+ pool_weight * pool)
+    logit              = prefill_load_scale * max(raw_prefill_blocks - credit, 0)
+                         + decode_blocks + active_request_weight * active_requests
+
+where device, host, disk (and pool) are overlap blocks, each tier extending the contiguous
+prefix of the one before.  Temperature 0 takes the smallest logit, ties broken at random;
+T > 0 samples ``p ~ exp(-(c - c_min) / ((c_max - c_min) * T))`` (uniform when all equal).
+
+Policies (``POLICIES``): ``round_robin``, ``least_loaded`` (the logit with no credit),
+``prefix`` (deepest overlap, then least loaded), ``dynamo`` (the cost above as Dynamo ships
+it: it credits a prefix whoever cached it, and knows no pool) and ``quillcache`` (credit only
+for blocks cached under the request's identity, plus pool credit).
+
+The decision carries the per-block plan on the chosen worker: local hit (device, host,
+disk), fetch from the pool, or recompute.  Load feedback: ``route`` adds the request's
+prefill tokens and blocks to its worker, ``first_token`` marks its prefill done and ``free``
+releases it (end, abort or disconnect).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
+from quillcache.control.sketch import CountMinSketch
+from quillcache.model import IdentityScope
+
+__all__ = [
+    "POLICIES", "RouterConfig", "Router", "Decision", "WorkerLoad", "PLAN_CODES", "NoWorkers",
+]
+
+POLICIES = ("round_robin", "least_loaded", "prefix", "dynamo", "quillcache")
+
+# per-block plan codes (also the ROUTE reply's plan bytes)
+PLAN_DEVICE, PLAN_HOST, PLAN_DISK, PLAN_POOL, PLAN_RECOMPUTE = range(5)
+PLAN_CODES = ("device", "host", "disk", "pool", "recompute")
+
+
+class NoWorkers(RuntimeError):
+    """The router knows no worker to route to."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: str = "quillcache"
+    block_size: int = 16                 # tokens per block of the router's hash chain
+    prefill_load_scale: float = 1.0
+    active_request_weight: float = 0.0   # Dynamo's decode_active_request_weight (w)
+    device_weight: float = 1.0           # Dynamo's overlap_score_credit
+    host_weight: float = 0.75            # host_cache_hit_weight
+    disk_weight: float = 0.25            # disk_cache_hit_weight
+    pool_weight: float = 0.5             # ours: a block any worker can load from the pool
+    temperature: float = 0.0
+    approximate: bool = False            # predict residency from routing (engines without events)
+    approx_ttl_s: float = 120.0
+    sketch_epsilon: float = 1e-3         # count-min: over-count <= epsilon * total ...
+    sketch_delta: float = 1e-3           # ... with probability >= 1 - delta
+    seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"router policy {self.policy!r}: one of {', '.join(POLICIES)}")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+
+
+@dataclass
+class WorkerLoad:
+    active_prefill_tokens: int = 0
+    decode_blocks: int = 0
+    active_requests: int = 0
+
+
+@dataclass
+class _Active:
+    worker: str
+    prefill_tokens: int
+    blocks: int
+    prefilling: bool = True
+
+
+@dataclass
+class Decision:
+    worker: str
+    request_id: str
+    plan: bytes                          # one PLAN_* code per block of the request
+    logits: dict[str, float]
+    credited_blocks: float               # the chosen worker's credit (weighted blocks)
+    overlap: tuple[int, int, int, int]   # device, host, disk, pool blocks on the chosen worker
+    refused_blocks: int                  # prefix held there under another identity, not credited
+    cross_identity_credited_blocks: int  # blocks credited though cached under another identity
+    latency_us: float = 0.0
+
+    def plan_names(self) -> list[str]:
+        return [PLAN_CODES[c] for c in self.plan]
+
+
+@dataclass
+class RouterStats:
+    decisions: int = 0
+    latencies_us: list = field(default_factory=list)    # the last LATENCY_WINDOW decisions
+    cross_identity_credited_blocks: int = 0
+    refused_blocks: int = 0
+
+
+LATENCY_WINDOW = 8192
+
+
+class Router:
+    """One router; thread-safe (one lock), so an event thread and a request loop can share it."""
+
+    def __init__(self, config: RouterConfig = RouterConfig(), indexer: Optional[ArtIndexer] = None,
+                 workers: Sequence[str] = ()) -> None:
+        self.config = config
+        self.indexer = indexer if indexer is not None else ArtIndexer()
+        self._rng = random.Random(config.seed)
+        self._lock = threading.RLock()
+        self._loads: dict[str, WorkerLoad] = {}
+        self._active: dict[str, _Active] = {}
+        self._rr = 0
+        self._ids = itertools.count()
+        self._approx: dict[tuple[str, IdentityScope, int], float] = {}
+        self._approx_heap: list[tuple[float, str, IdentityScope, int]] = []
+        self.sketch = CountMinSketch.for_error(config.sketch_epsilon, config.sketch_delta,
+                                               seed=config.seed or 0)
+        self.stats = RouterStats()
+        self._histogram = None
+        for w in workers:
+            self.add_worker(w)
+
+    # ---- workers and metrics
+    def add_worker(self, name: str) -> None:
+        with self._lock:
+            self._loads.setdefault(name, WorkerLoad())
+            self.indexer.worker(name)
+
+    def remove_worker(self, name: str) -> None:
+        with self._lock:
+            self._loads.pop(name, None)
+            self.indexer.clear_worker(name)
+            for rid in [r for r, a in self._active.items() if a.worker == name]:
+                del self._active[rid]
+
+    @property
+    def workers(self) -> list[str]:
+        return list(self._loads)
+
+    def load(self, worker: str) -> WorkerLoad:
+        return self._loads[worker]
+
+    def export_metrics(self, registry) -> None:
+        """Register the decision-latency histogram and counters on a prometheus registry."""
+        from prometheus_client import Counter, Histogram
+        self._histogram = Histogram(
+            "quillcache_router_decision_seconds", "Time to score the workers and pick one",
+            registry=registry,
+            buckets=(5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 5e-3, 25e-3))
+        self._refused_counter = Counter(
+            "quillcache_router_refused_blocks", "Cached blocks not credited: another identity's",
+            registry=registry)
+
+    # ---- events
+    def apply_events(self, worker: str, batch, scope: IdentityScope, *, pool: bool = False) -> int:
+        with self._lock:
+            if not pool:
+                self._loads.setdefault(worker, WorkerLoad())
+            return self.indexer.apply(worker, batch, scope, pool=pool)
+
+    def clear_source(self, worker: str) -> None:
+        with self._lock:
+            self.indexer.clear_worker(worker)
+
+    # ---- decisions
+    def hashes(self, token_ids: Sequence[int]) -> list[int]:
+        return chain_hashes(token_ids, self.config.block_size)
+
+    def route(self, scope: IdentityScope, token_ids: Optional[Sequence[int]] = None, *,
+              hashes: Optional[Sequence[int]] = None, request_tokens: Optional[int] = None,
+              request_id: Optional[str] = None, policy: Optional[str] = None,
+              track: bool = True) -> Decision:
+        """Pick a worker for a request given by its tokens (or by the router's block hashes
+        and its token count).  With ``track`` the load feedback starts: call ``first_token``
+        and ``free`` with the returned ``request_id``."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        if hashes is None:
+            if token_ids is None:
+                raise ValueError("route needs token_ids or hashes")
+            hashes = self.hashes(token_ids)
+        n_tokens = request_tokens if request_tokens is not None else (
+            len(token_ids) if token_ids is not None else len(hashes) * cfg.block_size)
+        policy = policy or cfg.policy
+        if policy not in POLICIES:
+            raise ValueError(f"router policy {policy!r}: one of {', '.join(POLICIES)}")
+        with self._lock:
+            if cfg.approximate:
+                self._expire(time.monotonic())
+            names = list(self._loads)
+            if not names:
+                raise NoWorkers("no worker to route to")
+            scoped = self.indexer.find_matches(scope, hashes)
+            col = {name: i for i, name in enumerate(scoped.workers)}
+            idx = [col[n] for n in names]
+            dev, host, disk = scoped.device[idx], scoped.host[idx], scoped.disk[idx]
+            pool, refused = scoped.pool[idx], scoped.refused[idx]
+            cross = np.zeros(len(names), np.int64)
+            if policy == "dynamo":
+                blind = self._blind(hashes, names)
+                dev, host, disk = blind.device[[col[n] for n in names]], \
+                    blind.host[[col[n] for n in names]], blind.disk[[col[n] for n in names]]
+                pool = np.zeros(len(names), np.int64)
+                cross = np.maximum(dev + host + disk - (scoped.device[idx] + scoped.host[idx]
+                                                        + scoped.disk[idx]), 0)
+                refused = np.zeros(len(names), np.int64)
+            elif policy != "quillcache":
+                pool = np.zeros(len(names), np.int64)
+            loads = [self._loads[n] for n in names]
+            raw = np.array([(ld.active_prefill_tokens + n_tokens) / cfg.block_size for ld in loads])
+            decode = np.array([ld.decode_blocks for ld in loads], dtype=float)
+            active = np.array([ld.active_requests for ld in loads], dtype=float)
+            credit = (cfg.device_weight * dev + cfg.host_weight * host + cfg.disk_weight * disk
+                      + cfg.pool_weight * pool)
+            if policy in ("dynamo", "quillcache"):
+                logits = cfg.prefill_load_scale * np.maximum(raw - credit, 0.0) + decode \
+                    + cfg.active_request_weight * active
+                choice = self._select(logits)
+            elif policy == "least_loaded":
+                logits = cfg.prefill_load_scale * raw + decode + cfg.active_request_weight * active
+                choice = self._select(logits)
+            elif policy == "prefix":
+                depth = (dev + host + disk).astype(float)
+                load = cfg.prefill_load_scale * raw + decode
+                logits = -depth
+                best = np.flatnonzero(depth == depth.max())
+                lmin = load[best].min()
+                choice = int(self._rng.choice([int(b) for b in best if load[b] == lmin]))
+            else:  # round_robin
+                logits = np.zeros(len(names))
+                choice = self._rr % len(names)
+                self._rr += 1
+            worker = names[choice]
+            d, h, k, p = (int(dev[choice]), int(host[choice]), int(disk[choice]), int(pool[choice]))
+            plan = bytes([PLAN_DEVICE] * d + [PLAN_HOST] * h + [PLAN_DISK] * k + [PLAN_POOL] * p
+                         + [PLAN_RECOMPUTE] * (len(hashes) - d - h - k - p))
+            rid = request_id if request_id is not None else f"r{next(self._ids)}"
+            if track:
+                self._start(rid, worker, n_tokens, d + h + k + p)
+            if cfg.approximate:
+                self._predict(worker, scope, hashes)
+            for hh in hashes[:1]:
+                self.sketch.add(hh)
+            latency = (time.perf_counter() - t0) * 1e6
+            st = self.stats
+            st.decisions += 1
+            if len(st.latencies_us) >= LATENCY_WINDOW:
+                del st.latencies_us[:LATENCY_WINDOW // 2]
+            st.latencies_us.append(latency)
+            st.cross_identity_credited_blocks += int(cross[choice])
+            st.refused_blocks += int(refused[choice])
+            if self._histogram is not None:
+                self._histogram.observe(latency / 1e6)
+                self._refused_counter.inc(int(refused[choice]))
+            return Decision(worker, rid, plan, {n: float(v) for n, v in zip(names, logits)},
+                            float(credit[choice]), (d, h, k, p), int(refused[choice]),
+                            int(cross[choice]), latency)
+
+    def _blind(self, hashes: Sequence[int], names: Sequence[str]) -> Match:
+        """Identity-blind per-tier overlap: every scope's blocks, as if one."""
+        return self.indexer.find_matches(None, hashes)
+
+    def _select(self, logits: np.ndarray) -> int:
+        t = self.config.temperature
+        if t == 0:
+            best = np.flatnonzero(logits == logits.min())
+            return int(best[0]) if len(best) == 1 else int(self._rng.choice(list(best)))
+        lo, hi = float(logits.min()), float(logits.max())
+        if lo == hi:
+            return self._rng.randrange(len(logits))
+        weights = np.exp(-(logits - lo) / ((hi - lo) * t))
+        probs = weights / weights.sum()
+        u = self._rng.random()
+        return int(min(np.searchsorted(np.cumsum(probs), u), len(logits) - 1))
+
+    # ---- load feedback
+    def _start(self, rid: str, worker: str, n_tokens: int, cached_blocks: int) -> None:
+        old = self._active.pop(rid, None)
+        if old is not None:
+            self._release(old)
+        bs = self.config.block_size
+        prefill = max(n_tokens - cached_blocks * bs, 0)
+        blocks = math.ceil(n_tokens / bs)
+        self._active[rid] = _Active(worker, prefill, blocks)
+        ld = self._loads[worker]
+        ld.active_prefill_tokens += prefill
+        ld.decode_blocks += blocks
+        ld.active_requests += 1
+
+    def _release(self, a: _Active) -> None:
+        ld = self._loads.get(a.worker)
+        if ld is None:
+            return
+        if a.prefilling:
+            ld.active_prefill_tokens -= a.prefill_tokens
+        ld.decode_blocks -= a.blocks
+        ld.active_requests -= 1
+
+    def first_token(self, request_id: str) -> bool:
+        """The request's prefill is done: its tokens leave the worker's prefill load."""
+        with self._lock:
+            a = self._active.get(request_id)
+            if a is None or not a.prefilling:
+                return False
+            a.prefilling = False
+            ld = self._loads.get(a.worker)
+            if ld is not None:
+                ld.active_prefill_tokens -= a.prefill_tokens
+            return True
+
+    def free(self, request_id: str) -> bool:
+        """The request ended, was aborted or its client went away."""
+        with self._lock:
+            a = self._active.pop(request_id, None)
+            if a is None:
+                return False
+            self._release(a)
+            return True
+
+    # ---- approximate mode: residency predicted from routing, forgotten after a TTL
+    def _predict(self, worker: str, scope: IdentityScope, hashes: Sequence[int]) -> None:
+        expiry = time.monotonic() + self.config.approx_ttl_s
+        self.indexer.add_blocks(worker, scope, hashes, DEVICE)
+        for h in hashes:
+            self._approx[(worker, scope, h)] = expiry
+            heapq.heappush(self._approx_heap, (expiry, worker, scope, h))
+
+    def _expire(self, now: float) -> None:
+        heap = self._approx_heap
+        gone: dict[tuple[str, IdentityScope], list[int]] = {}
+        while heap and heap[0][0] <= now:
+            expiry, worker, scope, h = heapq.heappop(heap)
+            if self._approx.get((worker, scope, h)) == expiry:
+                del self._approx[(worker, scope, h)]
+                gone.setdefault((worker, scope), []).append(h)
+        for (worker, scope), hs in gone.items():
+            self.indexer.remove_blocks(worker, scope, hs, DEVICE)
+
+    def expire(self, now: Optional[float] = None) -> None:
+        with self._lock:
+            self._expire(time.monotonic() if now is None else now)
+
+    def latency_percentile(self, q: float) -> float:
+        lat = self.stats.latencies_us
+        return float(np.percentile(lat, q)) if lat else 0.0

@@ -1,0 +1,203 @@
+"""The router against a brute-force scorer, its selection rules, load feedback, the
+approximate mode and the decision-latency export."""
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from prometheus_client import CollectorRegistry
+
+from quillcache.control.indexer import DEVICE, DISK, HOST, POOL, DictIndexer, chain_hashes
+from quillcache.control.router import POLICIES, NoWorkers, Router, RouterConfig
+from quillcache.model import IdentityScope
+
+A = IdentityScope("m", "t", None, "acme")
+B = IdentityScope("m", "t", None, "globex")
+BS = 4
+W = ["w0", "w1", "w2", "w3"]
+
+
+def tokens(n_blocks, salt=0):
+    return [salt] * BS + list(range(BS * (n_blocks - 1)))
+
+
+def brute_logits(router, scope, hashes, n_tokens, identity_aware, pool_aware):
+    """Dynamo's formula written out block by block over a plain dict of residency."""
+    cfg = router.config
+    blocks = router.indexer._blocks            # DictIndexer: (scope id, hash) -> {worker: bits}
+    sids = router.indexer._scope_ids
+    pool_src = router.indexer._pool_sources
+    out = {}
+    for name in router.workers:
+        w = router.indexer._worker_ids[name]
+
+        def tiers_of(h):
+            bits = 0
+            for s, sid in sids.items():
+                if identity_aware and s != scope:
+                    continue
+                bits |= blocks.get((sid, h), {}).get(w, 0)
+            return bits
+
+        def in_pool(h):
+            sid = sids.get(scope)
+            return any(bits & (1 << POOL) for ww, bits in blocks.get((sid, h), {}).items() if ww in pool_src)
+
+        counts = [0, 0, 0, 0]
+        level = 0
+        for h in hashes:
+            bits = tiers_of(h)
+            t = next((t for t in (DEVICE, HOST, DISK) if bits & (1 << t)), None)
+            if t is not None and t >= level and level < POOL:
+                level = t
+            elif t is not None and t < level:
+                pass                     # a faster tier still extends the slower level's prefix
+            elif pool_aware and in_pool(h):
+                level = POOL
+            else:
+                break
+            counts[level] += 1
+        credit = (cfg.device_weight * counts[0] + cfg.host_weight * counts[1]
+                  + cfg.disk_weight * counts[2] + (cfg.pool_weight * counts[3] if pool_aware else 0))
+        ld = router.load(name)
+        raw = (ld.active_prefill_tokens + n_tokens) / cfg.block_size
+        out[name] = cfg.prefill_load_scale * max(raw - credit, 0) + ld.decode_blocks \
+            + cfg.active_request_weight * ld.active_requests
+    return out
+
+
+place_st = st.tuples(st.integers(0, 4), st.integers(0, 1), st.integers(0, 3), st.integers(0, 5),
+                     st.integers(1, 6))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(place_st, max_size=25), st.lists(st.integers(0, 400), min_size=4, max_size=4),
+       st.integers(1, 8), st.sampled_from(["dynamo", "quillcache"]),
+       st.floats(0.5, 2.0), st.floats(0, 3))
+def test_logits_match_a_brute_force_scorer(places, loads, qlen, policy, scale, w_active):
+    cfg = RouterConfig(policy=policy, block_size=BS, prefill_load_scale=scale,
+                       active_request_weight=w_active, seed=1)
+    router = Router(cfg, DictIndexer(), W)
+    router.indexer.worker("pool", pool=True)
+    chain = chain_hashes(tokens(8), BS)
+    for w, s, tier, start, n in places:
+        worker = "pool" if w == 4 else W[w]
+        router.indexer.add_blocks(worker, (A, B)[s], chain[start:start + n],
+                                  POOL if w == 4 else min(tier, DISK))
+    for name, extra in zip(W, loads):
+        router.load(name).active_prefill_tokens = extra
+        router.load(name).decode_blocks = extra // 7
+        router.load(name).active_requests = extra % 3
+    d = router.route(A, hashes=chain[:qlen], request_tokens=qlen * BS, track=False)
+    want = brute_logits(router, A, chain[:qlen], qlen * BS, identity_aware=policy == "quillcache",
+                        pool_aware=policy == "quillcache")
+    assert d.logits == pytest.approx(want)
+    assert d.logits[d.worker] == min(d.logits.values())
+
+
+def test_identity_scoped_credit_refuses_another_tenants_prefix():
+    toks = tokens(8)
+    for policy, expect_cross in (("dynamo", 8), ("quillcache", 0)):
+        router = Router(RouterConfig(policy=policy, block_size=BS, seed=3), workers=W)
+        router.indexer.add_blocks("w2", B, chain_hashes(toks, BS), DEVICE)
+        d = router.route(A, toks, track=False)
+        if policy == "dynamo":
+            assert d.worker == "w2" and d.cross_identity_credited_blocks == expect_cross
+            assert d.plan_names() == ["device"] * 8
+        else:
+            assert d.cross_identity_credited_blocks == 0
+            assert d.plan_names() == ["recompute"] * 8
+            assert d.refused_blocks in (0, 8) and (d.worker != "w2" or d.refused_blocks == 8)
+
+
+def test_plan_has_local_hits_then_pool_fetches_then_recompute():
+    router = Router(RouterConfig(block_size=BS, seed=0), workers=["w0"])
+    h = chain_hashes(tokens(8), BS)
+    router.indexer.add_blocks("w0", A, h[:2], DEVICE)
+    router.indexer.add_blocks("w0", A, h[2:3], HOST)
+    router.indexer.add_blocks("w0", A, h[3:4], DISK)
+    router.indexer.add_blocks("node", A, h[:6], POOL)
+    d = router.route(A, hashes=h, track=False)
+    assert d.plan_names() == ["device", "device", "host", "disk", "pool", "pool", "recompute", "recompute"]
+    assert d.credited_blocks == pytest.approx(2 + 0.75 + 0.25 + 2 * 0.5)
+
+
+def test_zero_temperature_breaks_ties_at_random():
+    router = Router(RouterConfig(block_size=BS, seed=7), workers=W)
+    seen = Counter(router.route(A, tokens(2), track=False).worker for _ in range(400))
+    assert set(seen) == set(W) and min(seen.values()) > 50
+
+
+def test_positive_temperature_samples_the_softmax_of_the_costs():
+    router = Router(RouterConfig(block_size=BS, temperature=0.5, seed=11), workers=W)
+    for name, extra in zip(W, (0, 40, 80, 160)):
+        router.load(name).decode_blocks = extra
+    d = router.route(A, tokens(2), track=False)
+    c = np.array([d.logits[n] for n in W])
+    p = np.exp(-(c - c.min()) / ((c.max() - c.min()) * 0.5))
+    p /= p.sum()
+    n = 4000
+    seen = Counter(router.route(A, tokens(2), track=False).worker for _ in range(n))
+    for name, prob in zip(W, p):
+        sigma = math.sqrt(n * prob * (1 - prob)) + 1
+        assert abs(seen[name] - n * prob) < 5 * sigma, (name, seen, p)
+
+
+def test_load_feedback_route_first_token_free():
+    router = Router(RouterConfig(block_size=BS, seed=0), workers=["w0"])
+    d = router.route(A, tokens(4), request_id="r1")
+    ld = router.load("w0")
+    assert (ld.active_prefill_tokens, ld.decode_blocks, ld.active_requests) == (16, 4, 1)
+    assert router.first_token("r1")
+    assert (ld.active_prefill_tokens, ld.decode_blocks) == (0, 4)
+    assert router.free(d.request_id)
+    assert (ld.active_prefill_tokens, ld.decode_blocks, ld.active_requests) == (0, 0, 0)
+    assert not router.free("r1")
+    router.route(A, tokens(4), request_id="r2")
+    assert router.free("r2")                       # aborted before its first token
+    assert (ld.active_prefill_tokens, ld.decode_blocks, ld.active_requests) == (0, 0, 0)
+
+
+def test_load_spreads_requests_without_cache():
+    router = Router(RouterConfig(block_size=BS, seed=0), workers=W)
+    chosen = [router.route(A, tokens(4, salt=i)).worker for i in range(8)]
+    assert Counter(chosen) == Counter({w: 2 for w in W})
+
+
+def test_approximate_mode_predicts_then_forgets_after_the_ttl():
+    router = Router(RouterConfig(block_size=BS, approximate=True, approx_ttl_s=60, seed=0), workers=W)
+    toks = tokens(6)
+    first = router.route(A, toks, track=False).worker
+    again = router.route(A, toks, track=False)
+    assert again.worker == first and again.overlap[0] == 6
+    router.expire(now=1e18)
+    assert router.indexer.find_matches(A, chain_hashes(toks, BS)).device.max() == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_routes_and_plans(policy):
+    router = Router(RouterConfig(policy=policy, block_size=BS, seed=0), workers=W)
+    router.indexer.add_blocks("w1", A, chain_hashes(tokens(4), BS), DEVICE)
+    d = router.route(A, tokens(4), track=False)
+    assert d.worker in W and len(d.plan) == 4
+    if policy in ("prefix", "dynamo", "quillcache"):
+        assert d.worker == "w1"
+
+
+def test_no_worker_is_a_clear_error():
+    with pytest.raises(NoWorkers):
+        Router(RouterConfig(block_size=BS)).route(A, tokens(2))
+    with pytest.raises(ValueError, match="router policy"):
+        RouterConfig(policy="magic")
+
+
+def test_decision_latency_is_exported_to_prometheus():
+    reg = CollectorRegistry()
+    router = Router(RouterConfig(block_size=BS, seed=0), workers=W)
+    router.export_metrics(reg)
+    for i in range(5):
+        router.route(A, tokens(3, salt=i), track=False)
+    assert reg.get_sample_value("quillcache_router_decision_seconds_count") == 5
+    assert reg.get_sample_value("quillcache_router_decision_seconds_sum") > 0
+    assert router.latency_percentile(50) > 0
