@@ -192,10 +192,11 @@ class Router:
     def route(self, scope: IdentityScope, token_ids: Optional[Sequence[int]] = None, *,
               hashes: Optional[Sequence[int]] = None, request_tokens: Optional[int] = None,
               request_id: Optional[str] = None, policy: Optional[str] = None,
-              track: bool = True) -> Decision:
+              track: bool = True, candidates: Optional[Sequence[str]] = None) -> Decision:
         """Pick a worker for a request given by its tokens (or by the router's block hashes
         and its token count).  With ``track`` the load feedback starts: call ``first_token``
-        and ``free`` with the returned ``request_id``."""
+        and ``free`` with the returned ``request_id``.  ``candidates`` limits the choice to
+        those workers (healthy, under their queue limit)."""
         t0 = time.perf_counter()
         cfg = self.config
         if hashes is None:
@@ -210,7 +211,7 @@ class Router:
         with self._lock:
             if cfg.approximate:
                 self._expire(time.monotonic())
-            names = list(self._loads)
+            names = list(self._loads) if candidates is None else [n for n in candidates if n in self._loads]
             if not names:
                 raise NoWorkers("no worker to route to")
             scoped = self.indexer.find_matches(scope, hashes)

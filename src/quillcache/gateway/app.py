@@ -69,7 +69,7 @@ class EngineState:
     errors: int = 0
     hit_blocks: int = 0
     prompt_blocks: int = 0
-    last_event: float = 0.0              # loop time of the last KV event batch (0: none yet)
+    last_event: float = 0.0              # time.monotonic() of the last KV event batch (0: none yet)
     pending_since: float = 0.0           # first routed request since the last event (0: none)
     down_until: float = 0.0              # a failed connection rests the engine until then
     unhealthy_reason: str = ""
@@ -90,8 +90,9 @@ class EngineState:
         self.unhealthy_reason = ""
         return True
 
-    def on_events(self, now: float) -> None:
-        self.last_event = now
+    def on_events(self) -> None:
+        """A KV event batch arrived (on the consumer's thread: two plain stores)."""
+        self.last_event = time.monotonic()
         self.pending_since = 0.0
 
 
@@ -147,8 +148,9 @@ class Gateway:
                                                                             connect=g.connect_timeout))
         for state in self.engines.values():
             if state.spec.kv_events:
-                self._tasks.append(asyncio.create_task(self._consume_events(state)))
+                self.router.start_events(state.spec, on_batch=state.on_events)
                 self.metrics.healthy.labels(state.id).set(1)
+        self._tasks.append(asyncio.create_task(self.router.run_sweeper()))
 
     async def _cleanup(self, app) -> None:
         for task in self._tasks:
@@ -158,20 +160,6 @@ class Gateway:
         await self.router.close()
         if self._session is not None:
             await self._session.close()
-
-    async def _consume_events(self, state: EngineState) -> None:
-        """Feed one engine's KV events to the router; every batch proves the engine alive."""
-        loop = asyncio.get_running_loop()
-
-        def seen() -> None:
-            state.on_events(loop.time())
-
-        try:
-            await self.router.consume_events(state.spec, on_batch=seen)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("event consumer of engine %s stopped", state.id)
 
     # ------------------------------------------------------------------ helpers
 
@@ -238,7 +226,7 @@ class Gateway:
 
     def _candidates(self, engines: list[EngineState], exclude: set) -> tuple[list[EngineState], bool]:
         """Healthy engines under their queue limit; the flag says whether any healthy one exists."""
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()
         g = self.cfg.gateway
         healthy = []
         for e in engines:
@@ -281,7 +269,7 @@ class Gateway:
 
     async def _proxy(self, request: web.Request, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
-        t_arrival = loop.time()
+        t_arrival = time.monotonic()
         tenant = self._tenant(request)
         body = await self._body(request)
         identity, engines = self._identity(body, tenant)
@@ -317,7 +305,7 @@ class Gateway:
             state.prompt_blocks += d.blocks
             state.hit_blocks += d.local_hits
             if state.spec.kv_events and not state.pending_since:
-                state.pending_since = loop.time()
+                state.pending_since = time.monotonic()
             self.metrics.in_flight.labels(state.id).set(state.in_flight)
             self.metrics.on_decision(state.id, d.decision_us / 1e6, d.blocks, d.overlap, d.refused)
             headers = self._decision_headers(d, state, tok.approximate, retried=attempt > 0)
@@ -347,7 +335,7 @@ class Gateway:
                 total=None, connect=g.connect_timeout, sock_read=g.first_byte_timeout))
             up = await up_cm.__aenter__()
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
-            state.down_until = loop.time() + UNHEALTHY_RETRY_S
+            state.down_until = time.monotonic() + UNHEALTHY_RETRY_S
             raise _Upstream("connect", f"{type(exc).__name__}: {exc}") from None
         try:
             if up.status >= 500:
@@ -403,7 +391,7 @@ class Gateway:
                 if not chunk:
                     ended = True
                     break
-                now = loop.time()
+                now = time.monotonic()
                 n = chunk.count(b"data:")
                 if t_first is None:
                     t_first = now
@@ -435,7 +423,7 @@ class Gateway:
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()
         healthy = [e.id for e in self.engines.values() if e.healthy(now, self.cfg.gateway.unhealthy_after)]
         status = 200 if healthy else 503
         return web.json_response({"status": "ok" if healthy else "no healthy engine",
@@ -445,7 +433,7 @@ class Gateway:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def workers(self, request: web.Request) -> web.Response:
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()
         out = []
         for e in self.engines.values():
             healthy = e.healthy(now, self.cfg.gateway.unhealthy_after)

@@ -162,8 +162,28 @@ _GATEWAY_SETTINGS: tuple[Setting, ...] = (
 )
 
 
+def _policy(value: Any) -> str:
+    from quillcache.control.router import POLICIES
+    if isinstance(value, str) and value in POLICIES:
+        return value
+    raise ConversionError("not one of " + ", ".join(f'"{p}"' for p in POLICIES))
+
+
+_NODE_ONLY = {("router", "module"), ("router", "engines"), ("router", "block_size"),
+              ("router", "approximate"), ("router", "approx_ttl")}
+
+
 def _shared(section: str) -> tuple[Setting, ...]:
-    return tuple(s for s in SETTINGS if s.section == section)
+    """The node's own settings of a section, less those that only a node has (a node hosts a
+    router module over [[router.engines]]; the gateway routes [[gateway.engines]], each with
+    its block size, and predicts residency with [gateway] predict_ttl)."""
+    return tuple(s for s in SETTINGS if s.section == section and (s.section, s.name) not in _NODE_ONLY)
+
+
+_ROUTER_POLICY = Setting("router", "policy", _policy, "quillcache", True,
+                         "How the gateway picks an engine: quillcache (identity-scoped credit plus "
+                         "pool credit), dynamo (Dynamo's cost function as shipped, identity-blind), "
+                         "prefix, least_loaded or round_robin.")
 
 
 def _check_gateway(cfg) -> None:
@@ -177,7 +197,8 @@ def _check_gateway(cfg) -> None:
 
 
 GATEWAY_REGISTRY = Registry("gateway", _GATEWAY_SECTIONS,
-                            _GATEWAY_SETTINGS + _shared("router") + _shared("auth"), _check_gateway)
+                            _GATEWAY_SETTINGS + (_ROUTER_POLICY,) + _shared("router") + _shared("auth"),
+                            _check_gateway)
 
 
 def load_gateway_config(path: Optional[str] = None, text: Optional[str] = None):
