@@ -1,0 +1,76 @@
+"""quillcache-sim-engine: a simulated LLM engine for tests and evaluation (a thin front end;
+the work is in quillcache.control.sim)."""
+import sys
+
+import click
+import zmq
+
+from quillcache_cli import exitcodes
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP listen address.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="HTTP port (0: a free one; the READY line says which).")
+@click.option("--kv-events", "events_endpoint", default=None,
+              help="ZMQ PUB endpoint for the KV events, e.g. tcp://127.0.0.1:5557 (none: off).")
+@click.option("--kv-events-replay", "replay_endpoint", default=None,
+              help="ZMQ ROUTER endpoint that replays missed event batches.")
+@click.option("--kv-topic", default="", help="Topic frame of every event message.")
+@click.option("--model", default="sim-model", show_default=True, help="Served model name.")
+@click.option("--adapter", "adapters", multiple=True, help="A served LoRA adapter name (repeatable).")
+@click.option("--block-size", default=16, show_default=True, type=click.IntRange(1),
+              help="Tokens per KV block.")
+@click.option("--capacity-blocks", default=4096, show_default=True, type=click.IntRange(1),
+              help="KV blocks in the cache.")
+@click.option("--max-num-seqs", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--max-batched-tokens", default=2048, show_default=True, type=click.IntRange(1),
+              help="Tokens per iteration (chunked-prefill budget).")
+@click.option("--max-model-len", default=32768, show_default=True, type=click.IntRange(1))
+@click.option("--prefill-us-per-token", type=click.IntRange(0), default=None,
+              help="Cost knob (default: the H200 Llama-3-8B model).")
+@click.option("--decode-us-per-token", type=click.IntRange(0), default=None,
+              help="Cost knob: one decode iteration.")
+@click.option("--running-decode-penalty-us", type=click.IntRange(0), default=None,
+              help="Cost knob: added per running decode per iteration.")
+@click.option("--pool-us-per-mb", type=click.IntRange(0), default=None,
+              help="Cost knob: loading a prefix from the pool, per MiB of KV.")
+@click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
+              help="Wall-clock seconds per modelled second (0.01: a hundred times faster than the GPU).")
+@click.version_option(package_name="quillcache")
+def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters, block_size,
+         capacity_blocks, max_num_seqs, max_batched_tokens, max_model_len, prefill_us_per_token,
+         decode_us_per_token, running_decode_penalty_us, pool_us_per_mb, time_scale):
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health) from a simulated engine: a paged prefix cache keyed by identity, continuous
+    batching timed by a cost model, vLLM-format KV events on ZMQ.  Prints one READY line
+    with the bound addresses, then serves until SIGINT/SIGTERM."""
+    from quillcache.control.sim.engine import EngineConfig, SimEngineError, cost_with
+    from quillcache.control.sim.server import SimServerConfig, serve_forever
+
+    try:
+        cost = cost_with(prefill_us_per_token=prefill_us_per_token,
+                         decode_us_per_token=decode_us_per_token,
+                         running_decode_penalty_us=running_decode_penalty_us,
+                         cpu_dram_us_per_mb=pool_us_per_mb)
+        engine = EngineConfig(block_size=block_size, capacity_blocks=capacity_blocks,
+                              max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
+                              cost=cost)
+    except SimEngineError as exc:
+        click.echo(f"quillcache-sim-engine: {exc}", err=True)
+        sys.exit(exitcodes.CONFIG)
+    cfg = SimServerConfig(model=model, adapters=tuple(adapters), max_model_len=max_model_len,
+                          engine=engine, time_scale=time_scale)
+    if replay_endpoint and not events_endpoint:
+        click.echo("quillcache-sim-engine: --kv-events-replay needs --kv-events", err=True)
+        sys.exit(exitcodes.USAGE)
+    try:
+        serve_forever(cfg, host, port, events_endpoint, replay_endpoint, kv_topic,
+                      announce=lambda line: click.echo(line))
+    except (OSError, zmq.ZMQError) as exc:
+        click.echo(f"quillcache-sim-engine: cannot listen: {exc}", err=True)
+        sys.exit(exitcodes.UNAVAILABLE)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Mooncake-format traces: loading with clear errors, and the seeded tenant assignment.
+
+A trace is JSON lines ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
+"hash_ids": [block ids]}``: each id names the content of one ``TRACE_BLOCK_TOKENS``-token
+block, and equal ids are equal content (a shared prefix).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+__all__ = ["TraceRequest", "TraceError", "load_trace", "parse_trace", "assign_tenants",
+           "conversation_keys", "TRACE_BLOCK_TOKENS", "HUB_CHILDREN", "MAX_TRACE_LINE"]
+
+TRACE_BLOCK_TOKENS = 512        # tokens per hash_id in Mooncake traces
+MAX_TRACE_LINE = 1 << 22        # bytes per JSON line
+MAX_TRACE_TOKENS = 1 << 24      # per request, input or output
+# A prefix node with more than this many distinct next blocks is a shared prefix (a system
+# prompt, a shared document) rather than one conversation's history; see conversation_keys.
+HUB_CHILDREN = 8
+
+
+class TraceError(ValueError):
+    """A trace line that is not a valid Mooncake record (the message names the line)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    index: int
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    tenant: str = "t0"
+
+
+def _field_int(rec: dict, name: str, where: str, lo: int, hi: int) -> int:
+    value = rec.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise TraceError(f"{where}: {name} {value!r}: must be an integer in {lo}..{hi}")
+    return value
+
+
+def parse_trace(lines: Iterable[str], name: str = "trace", limit: int = 0) -> list[TraceRequest]:
+    out: list[TraceRequest] = []
+    for lineno, line in enumerate(lines, 1):
+        if limit and len(out) >= limit:
+            break
+        where = f"{name}:{lineno}"
+        if len(line) > MAX_TRACE_LINE:
+            raise TraceError(f"{where}: line of {len(line)} bytes (at most {MAX_TRACE_LINE})")
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(rec, dict):
+            raise TraceError(f"{where}: a record must be a JSON object")
+        ts = rec.get("timestamp")
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
+            raise TraceError(f"{where}: timestamp {ts!r}: must be a number of ms >= 0")
+        n_in = _field_int(rec, "input_length", where, 1, MAX_TRACE_TOKENS)
+        n_out = _field_int(rec, "output_length", where, 1, MAX_TRACE_TOKENS)
+        ids = rec.get("hash_ids")
+        if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool)
+                                                and h >= 0 for h in ids):
+            raise TraceError(f"{where}: hash_ids must be a list of integers >= 0")
+        expect = -(-n_in // TRACE_BLOCK_TOKENS)
+        if len(ids) != expect:
+            raise TraceError(f"{where}: {len(ids)} hash_ids for input_length {n_in} "
+                             f"(expected {expect} blocks of {TRACE_BLOCK_TOKENS} tokens)")
+        if out and ts < out[-1].timestamp_ms:
+            raise TraceError(f"{where}: timestamp {ts} goes back in time (previous "
+                             f"{out[-1].timestamp_ms})")
+        out.append(TraceRequest(len(out), float(ts), n_in, n_out, tuple(ids)))
+    return out
+
+
+def load_trace(path: str, limit: int = 0) -> list[TraceRequest]:
+    with open(path, encoding="utf-8") as f:
+        return parse_trace(f, name=path, limit=limit)
+
+
+def conversation_keys(requests: Sequence[TraceRequest]) -> list[tuple[int, ...]]:
+    """Each request's conversation: the chain of hash_ids down to the first block that
+    follows the shared prefixes.
+
+    The prefix tree of all requests' hash_ids is built; a node with more than
+    ``HUB_CHILDREN`` distinct children is a hub (content many conversations share, like a
+    system prompt: the trace's root is one when every request starts differently).  A
+    request's key is its path down to and including the first block below the last hub on
+    the path, so the turns of one conversation (each extending the previous prompt) share a
+    key, and a trace with no shared prefix keys each request by its first block.
+    """
+    node_of: dict[tuple[int, int], int] = {}     # (parent node, hash_id) -> node
+    fanout = [0]                                 # node -> distinct children (node 0: root)
+    paths = []
+    for req in requests:
+        node = 0
+        path = []
+        for h in req.hash_ids:
+            child = node_of.get((node, h))
+            if child is None:
+                child = node_of[(node, h)] = len(fanout)
+                fanout.append(0)
+                fanout[node] += 1
+            path.append(node)
+            node = child
+        paths.append(path)
+    keys = []
+    for req, path in zip(requests, paths):
+        cut = 1
+        for depth, node in enumerate(path):
+            if fanout[node] > HUB_CHILDREN:
+                cut = depth + 1
+        keys.append(req.hash_ids[:cut])
+    return keys
+
+
+def assign_tenants(requests: Sequence[TraceRequest], tenants: int, seed: int) -> list[TraceRequest]:
+    """Give each conversation to one of ``tenants`` tenants by a seeded hash of its key.
+    Content is untouched: the shared prefixes stay shared in content across tenants."""
+    if not isinstance(tenants, int) or tenants < 1:
+        raise TraceError(f"tenants {tenants!r}: must be at least 1")
+    if tenants == 1:
+        return [_with_tenant(r, "t0") for r in requests]
+    out = []
+    salt = seed.to_bytes(8, "big", signed=True)
+    for req, key in zip(requests, conversation_keys(requests)):
+        digest = hashlib.blake2b(salt + b",".join(str(h).encode() for h in key),
+                                 digest_size=8).digest()
+        out.append(_with_tenant(req, f"t{int.from_bytes(digest, 'big') % tenants}"))
+    return out
+
+
+def _with_tenant(req: TraceRequest, tenant: str) -> TraceRequest:
+    return TraceRequest(req.index, req.timestamp_ms, req.input_length, req.output_length,
+                        req.hash_ids, tenant)
