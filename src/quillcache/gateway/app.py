@@ -59,6 +59,12 @@ def _sse_error(message: str) -> bytes:
     return b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
 
 
+def _role_only(chunk: bytes) -> bool:
+    """A chat stream's first chunk that only announces the role (no token yet)."""
+    return b'"role"' in chunk and b'"content":""' in chunk.replace(b'": "', b'":"') \
+        and chunk.count(b"data:") == 1
+
+
 @dataclass
 class EngineState:
     """What the gateway knows of one engine: load, health and the event stream's liveness."""
@@ -231,8 +237,7 @@ class Gateway:
         healthy = []
         for e in engines:
             ok = e.healthy(now, g.unhealthy_after) and e.id not in exclude
-            if e.spec.kv_events:
-                self.metrics.healthy.labels(e.id).set(1 if ok else 0)
+            self.metrics.healthy.labels(e.id).set(1 if ok else 0)
             if ok:
                 healthy.append(e)
         return [e for e in healthy if e.in_flight < g.queue_limit], bool(healthy)
@@ -268,7 +273,6 @@ class Gateway:
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
     async def _proxy(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
         t_arrival = time.monotonic()
         tenant = self._tenant(request)
         body = await self._body(request)
@@ -282,6 +286,8 @@ class Gateway:
                                   f"[gateway] max_prompt_tokens = {self.cfg.gateway.max_prompt_tokens}")
         hashes = self.router.block_hashes(tokens, engines[0].spec.block_size)
         forward = self._forward_body(body, tenant)
+        if not chat and not tok.approximate:
+            forward = {**forward, "prompt": tokens}    # the engine prefills exactly what was hashed
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tried: set[str] = set()
         for attempt in (0, 1):
@@ -328,7 +334,6 @@ class Gateway:
     async def _forward(self, request, state: EngineState, path: str, body: dict, stream: bool,
                        headers: dict, rid: str, identity: Identity, hashes, t_arrival: float):
         g = self.cfg.gateway
-        loop = asyncio.get_running_loop()
         url = state.spec.url + path
         try:
             up_cm = self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(
@@ -373,7 +378,6 @@ class Gateway:
 
     async def _pump(self, up, resp, state: EngineState, rid: str, identity, hashes, t_arrival: float) -> None:
         """Pass the SSE stream through chunk by chunk; end it cleanly if the engine dies."""
-        loop = asyncio.get_running_loop()
         g = self.cfg.gateway
         t_first = t_last = None
         events = 0
@@ -393,7 +397,9 @@ class Gateway:
                     break
                 now = time.monotonic()
                 n = chunk.count(b"data:")
-                if t_first is None:
+                if t_first is None and _role_only(chunk):
+                    n = 0                              # chat's opening role chunk is no token
+                elif t_first is None:
                     t_first = now
                     self.router.first_token(rid)
                     self.metrics.ttft.observe(now - t_arrival)

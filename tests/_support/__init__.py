@@ -1,0 +1,1 @@
+"""Importable test support: fixtures that start real servers (daemon, etcd, engines, gateway)."""
