@@ -118,7 +118,8 @@ setup(
         "quillcache.gateway",
         "quillcache_cli",
     ],
-    package_data={"quillcache._native": ["*.pxd", "*.pxi", "includes/*.pxd", "includes/*.h"], "quillcache": ["default.toml"]},
+    package_data={"quillcache._native": ["*.pxd", "*.pxi", "includes/*.pxd", "includes/*.h"],
+                  "quillcache": ["default.toml"]},
     ext_modules=extensions(),
     zip_safe=False,
 )

@@ -297,7 +297,7 @@ def wal_verify(ctx, directory, deep, ssd_path, as_json):
         with _bar(show_bar and total > 1, total, "verifying WAL segments") as bar:
             for d in dirs:
                 seen = []
-                logs.append(verify_log(d, progress=lambda seg: (seen.append(seg), bar.update(1)),
+                logs.append(verify_log(d, progress=lambda seg: (seen.append(seg), bar.update(1)),  # noqa: B023
                                        on_record=replays.get(d)))
                 bar.update(len(logs[-1]["segments"]) - len(seen))   # segments without records
         for replay in replays.values():

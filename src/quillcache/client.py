@@ -283,7 +283,8 @@ class _Ops:
         if not isinstance(ttl, (int, float)) or ttl < 0:
             raise InvalidArgument(f"pin ttl {ttl!r}: seconds >= 0 (0 = until unpin)")
         ttl_ms = 0 if ttl == 0 else max(1, int(round(ttl * 1000)))
-        hdr = messages.encode_pin_request([self._ekey(key)], PinMode.HARD if hard else PinMode.SOFT, ttl_ms, self.limits)
+        mode = PinMode.HARD if hard else PinMode.SOFT
+        hdr = messages.encode_pin_request([self._ekey(key)], mode, ttl_ms, self.limits)
         return self._exec(_Req(Opcode.PIN, hdr, (), 0, None,
                                lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
 
@@ -355,7 +356,7 @@ class _Ops:
             chunk = keys[start:start + mb]
             holder: dict = {}
 
-            def into(frame, holder=holder, start=start, count=len(chunk)):
+            def into(frame, holder=holder, start=start, count=len(chunk)):  # noqa: B008 (binds this chunk)
                 items = messages.decode_get_many_reply(frame.header, frame.payload_length, lim)
                 if len(items) != count:
                     raise ProtocolError(f"GET_MANY reply has {len(items)} items for {count} keys")
@@ -373,7 +374,7 @@ class _Ops:
                         views.append(d[:nb])
                 return views
 
-            def finish(r: Reply, holder=holder, count=len(chunk)):
+            def finish(r: Reply, holder=holder, count=len(chunk)):  # noqa: B008 (binds this chunk)
                 items = holder.get("items")
                 if items is None:                   # no payload phase: every value empty or missing
                     items = messages.decode_get_many_reply(r.header, None, lim)

@@ -49,7 +49,7 @@ from quillcache.auth import Authenticator
 from quillcache.fsutil import pread_full
 from quillcache._native.codec import encode_frame_header
 from quillcache.errors import (
-    Busy, InvalidArgument, NotFound, PermissionDenied, ProtocolError, QuillCacheError, UnsafeReuse,
+    Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse,
 )
 from quillcache.model import (
     KEY_FORMAT_VERSION, IdentityScope, KeyError_, KvBlockKey, decode_key, encode_key,

@@ -12,8 +12,8 @@ from quillcache.store.guard import IdentityGuard, Refusal, audit_reuse, violatio
 pytest.importorskip("quillcache._native.alloc")
 from quillcache.store.tiers import LocalKvStore  # noqa: E402
 
-BASE = dict(model_id="llama", tokenizer_id="tok", adapter_id=None, tenant_id="acme",
-            prefix_hash="p0", block_hash="b0")
+BASE = {"model_id": "llama", "tokenizer_id": "tok", "adapter_id": None, "tenant_id": "acme",
+            "prefix_hash": "p0", "block_hash": "b0"}
 
 
 def k(**changes):

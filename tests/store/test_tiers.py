@@ -339,7 +339,8 @@ async def _open_ssd(tmp_path, capacity):
     # Assumed constructor of store/ssd.py: SsdTier(directory, capacity=bytes) or an async open().
     from quillcache.store.ssd import SsdTier
     opener = getattr(SsdTier, "open", None)
-    ssd = opener(str(tmp_path / "ssd"), capacity=capacity) if opener else SsdTier(str(tmp_path / "ssd"), capacity=capacity)
+    path = str(tmp_path / "ssd")
+    ssd = opener(path, capacity=capacity) if opener else SsdTier(path, capacity=capacity)
     return await ssd if inspect.isawaitable(ssd) else ssd
 
 

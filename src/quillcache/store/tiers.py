@@ -718,7 +718,7 @@ class LocalKvStore:
             return {}
         now = self._clock() if now is None else now
         done = {"reaped": 0, "leases_expired": 0, "pins_expired": 0, "demoted": 0, "audit_lines": 0}
-        for key in self._dram.reap_stale(now):
+        for _key in self._dram.reap_stale(now):
             done["reaped"] += 1
         if done["reaped"]:
             for seq in [s for s, h in self._handles.items() if not self._dram.is_pending(h._pending)]:
