@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from tests._support.gateway import TOKENS, free_port, harness, read_sse
+from tests._support.gateway import free_port, harness, read_sse
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 12        # 528 tokens in bytes mode
 

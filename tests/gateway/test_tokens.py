@@ -45,8 +45,8 @@ def test_chat_template_is_applied(tmp_path, tokenizer_file):
 
 
 def test_plain_chat_fallback_and_content_parts():
-    text = render_chat([{"role": "system", "content": "be brief"},
-                        {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}])
+    parts = [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]
+    text = render_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}])
     assert text == "<|system|>\nbe brief\n<|user|>\nhi there\n<|assistant|>\n"
 
 

@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 from quillcache.control.events import EventConsumer
 from quillcache.control.indexer import DEVICE, chain_hashes
@@ -84,7 +84,6 @@ class GatewayRouter:
         self.models: dict[str, _ModelRouter] = {}
         self._of_worker: dict[str, _ModelRouter] = {}
         for model, specs in by_model.items():
-            block_size = specs[0].block_size
             knobs = {k: v for k, v in r.as_dict().items() if k in _ROUTER_FIELDS}
             rc = RouterConfig(**{**knobs, "policy": r.policy, "block_size": specs[0].block_size})
             mr = _ModelRouter(model, specs, rc)

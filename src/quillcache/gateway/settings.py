@@ -12,7 +12,7 @@ from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from quillcache.config import (
-    SETTINGS, ConfigError, ConversionError, Registry, Setting, _bool, _int_range, _string,
+    SETTINGS, ConfigError, ConversionError, Registry, Setting, _int_range, _string,
     load_config, parse_byte_size, parse_duration, parse_hostport,
 )
 
