@@ -105,8 +105,8 @@ def test_429_with_retry_after_when_every_engine_is_at_its_queue_limit():
 
 def test_a_dead_engine_before_the_first_byte_is_retried_once_elsewhere():
     async def main():
-        async with harness(n=1, dead_engines=1, gateway_toml="", engine_extra="") as h:
-            h.gw.router.models["m"].router.config.__dict__  # noqa: B018 (the router is built)
+        # round_robin: the first request goes to the first engine listed, the dead one.
+        async with harness(n=1, dead_engines=1, gateway_toml='[router]\npolicy = "round_robin"') as h:
             seen = set()
             for i in range(4):
                 st, hd, data = await h.complete(f"{i} {PROMPT}", stream=bool(i % 2))

@@ -341,6 +341,20 @@ class Router:
             self._release(a)
             return True
 
+    # ---- residency told by the caller (the gateway's predict-on-route), under the lock
+    def add_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int], tier: int = DEVICE) -> None:
+        with self._lock:
+            self.indexer.add_blocks(worker, scope, hashes, tier)
+
+    def remove_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int],
+                      tier: int = DEVICE) -> None:
+        with self._lock:
+            self.indexer.remove_blocks(worker, scope, hashes, tier)
+
+    def find_matches(self, scope: Optional[IdentityScope], hashes: Sequence[int]) -> Match:
+        with self._lock:
+            return self.indexer.find_matches(scope, hashes)
+
     # ---- approximate mode: residency predicted from routing, forgotten after a TTL
     def _predict(self, worker: str, scope: IdentityScope, hashes: Sequence[int]) -> None:
         expiry = time.monotonic() + self.config.approx_ttl_s

@@ -23,7 +23,6 @@ import logging
 import math
 import socket
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -304,8 +303,7 @@ class Gateway:
                               "rate_limit_error", headers={"Retry-After": str(retry)})
             d = self.router.decide(identity, hashes, len(tokens), [c.id for c in candidates])
             state = self.engines[d.worker]
-            rid = uuid.uuid4().hex
-            self.router.begin(rid, d, len(tokens))
+            rid = d.request_id
             state.in_flight += 1
             state.routed += 1
             state.prompt_blocks += d.blocks

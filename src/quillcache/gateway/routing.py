@@ -102,18 +102,20 @@ class GatewayRouter:
     def decide(self, identity: IdentityScope, hashes: Sequence[int], n_tokens: int,
                candidates: Sequence[str]) -> Decision:
         mr = self._of_worker[candidates[0]]
+        # The router counts the request's load from here on: first_token() and finish() release it.
         d = mr.router.route(identity, hashes=hashes, request_tokens=n_tokens, candidates=candidates)
         dev, host, disk, pool = d.overlap
         self._requests[d.request_id] = mr
         plan = d.plan
+        # Refused: the most prefix blocks any candidate holds only under another identity,
+        # whichever worker was chosen (the chosen one may hold none of them).
+        m = mr.router.find_matches(identity, hashes)
+        refused = max([int(m.refused[i]) for i, w in enumerate(m.workers) if w in candidates] or [0])
         return Decision(d.worker, d.request_id, len(hashes),
                         {"device": dev, "host": host, "disk": disk, "pool": pool},
-                        dev + host + disk, d.refused_blocks,
+                        dev + host + disk, max(refused, d.refused_blocks),
                         plan.count(0) + plan.count(1) + plan.count(2), plan.count(PLAN_CODES.index("pool")),
                         plan.count(PLAN_CODES.index("recompute")), d.latency_us)
-
-    def begin(self, request_id: str, decision: Decision, n_tokens: int) -> None:
-        """The router already counts the request's load from ``decide``."""
 
     def first_token(self, request_id: str) -> None:
         mr = self._requests.get(request_id)
@@ -158,13 +160,13 @@ class GatewayRouter:
         p = _Prediction(worker, identity, tuple(hashes), now + CONFIRM_AFTER_S,
                         float("inf") if has_events else now + self.predict_ttl)
         self._predictions[key] = p
-        mr.router.indexer.add_blocks(worker, identity, hashes, DEVICE)
+        mr.router.add_blocks(worker, identity, hashes, DEVICE)
 
     def _drop(self, p: _Prediction, keep: int = 0) -> None:
         mr = self._of_worker[p.worker]
         gone = p.hashes[keep:]
         if gone:
-            mr.router.indexer.remove_blocks(p.worker, p.scope, gone, DEVICE)
+            mr.router.remove_blocks(p.worker, p.scope, gone, DEVICE)
 
     def _engine_scope(self, spec, identity: IdentityScope) -> IdentityScope:
         return IdentityScope(identity.model_id, identity.tokenizer_id, identity.adapter_id, "")
@@ -185,7 +187,7 @@ class GatewayRouter:
                 del self._predictions[key]           # the events' own scope: nothing to confirm
                 continue
             mr = self._of_worker[p.worker]
-            m = mr.router.indexer.find_matches(self._engine_scope(mr.specs[p.worker], p.scope), p.hashes)
+            m = mr.router.find_matches(self._engine_scope(mr.specs[p.worker], p.scope), p.hashes)
             depth = int(m.depth(list(m.workers).index(p.worker))) if p.worker in m.workers else 0
             if depth < len(p.hashes):
                 # The engine does not hold (all of) it: keep only the confirmed prefix.

@@ -39,7 +39,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
-from quillcache.model import CacheTier, CostModel, IdentityScope, encode_scope
+from quillcache.control.model import CostModel
+from quillcache.model import CacheTier, IdentityScope, encode_scope
 
 __all__ = [
     "EngineConfig", "SimRequest", "SimEngine", "StepPlan", "StepResult",
