@@ -185,6 +185,7 @@ class StepPlan:
     chunks: list                            # (request, tokens)
     admitted: list                          # requests admitted this iteration
     pool_loaded_blocks: int
+    steps: int = 1                          # identical decode-only iterations planned as one
 
 
 @dataclass(slots=True)
@@ -284,9 +285,14 @@ class SimEngine:
 
     # ------------------------------------------------------------------ one iteration
 
-    def plan_step(self, now_us: int) -> Optional[StepPlan]:
+    def plan_step(self, now_us: int, until_us: Optional[int] = None) -> Optional[StepPlan]:
         """Decide the next iteration starting at ``now_us``; None when there is nothing
-        to run.  Admission (and the evictions it needs) happens here."""
+        to run.  Admission (and the evictions it needs) happens here.
+
+        With ``until_us`` (the driver knows nothing reaches this engine before then), a
+        run of decode-only iterations is planned as one: as many as end by ``until_us``,
+        and no further than the next request's last token.  The outcome is exactly that
+        of planning them one by one."""
         if self._plan is not None:
             raise RuntimeError("plan_step called twice without finish_step")
         cfg = self.config
@@ -322,7 +328,12 @@ class SimEngine:
         if decodes:
             duration += cost.decode_us_per_token + cost.running_decode_penalty_us * decodes
         duration = max(1, duration)
-        self._plan = StepPlan(duration, decodes, prefill_tokens, chunks, admitted, pool_loaded)
+        steps = 1
+        if until_us is not None and not chunks and not self._waiting:
+            to_finish = self._finish_heap[0][0] - self.step_index
+            steps = max(1, min(to_finish, (until_us - now_us) // duration))
+        self._plan = StepPlan(duration * steps, decodes, prefill_tokens, chunks, admitted,
+                              pool_loaded, steps)
         self._plan_start = now_us
         return self._plan
 
@@ -333,7 +344,7 @@ class SimEngine:
         self._plan = None
         end = self._plan_start + plan.duration_us
         self.busy_us += plan.duration_us
-        self.step_index += 1
+        self.step_index += plan.steps
         step = self.step_index
         bs = self.config.block_size
         first, finished, stored = [], [], []

@@ -7,8 +7,9 @@ and as fast as the engine model allows.  Events reach the router at the end of t
 iteration that produced them (a real router sees them a little later: the best case for
 every cache-aware policy alike).
 
-The content of trace block ``h`` is the token ids ``h * B .. h * B + B - 1`` (B tokens per
-block): equal ids are equal tokens, different ids different tokens, as the trace means.
+The content of trace block ``h`` is the token ids ``h, 1, 2, .., B - 1`` (B tokens per block):
+equal ids are equal tokens, different ids different tokens, as the trace means (the shared
+tail keeps building them cheap).
 """
 from __future__ import annotations
 
@@ -32,8 +33,14 @@ __all__ = ["ReplayRequest", "PolicyResult", "build_requests", "run_policy", "per
 REPLAY_MODEL = "llama-3-8b"
 
 
-def block_token_ids(hash_id: int, block_tokens: int) -> range:
-    return range(hash_id * block_tokens, (hash_id + 1) * block_tokens)
+_TAILS: dict[int, tuple[int, ...]] = {}
+
+
+def block_token_ids(hash_id: int, block_tokens: int) -> tuple[int, ...]:
+    tail = _TAILS.get(block_tokens)
+    if tail is None:
+        tail = _TAILS[block_tokens] = tuple(range(1, block_tokens))
+    return (hash_id,) + tail
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +137,13 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
     heap: list = []        # (time_us, kind, key, engine); kind 0 = iteration end, 1 = arrival
     seq = 0
 
+    arrivals = [r.arrival_us for r in requests]
+    next_arrival = 0                        # index of the next request to arrive
+
     def start(e: int, now: int) -> None:
         nonlocal seq
-        plan = sims[e].plan_step(now)
+        until = arrivals[next_arrival] if next_arrival < len(arrivals) else now + (1 << 50)
+        plan = sims[e].plan_step(now, until)
         if plan is None:
             running[e] = False
             return
@@ -146,6 +157,7 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
     while heap:
         now, kind, key, e = heapq.heappop(heap)
         if kind == 1:
+            next_arrival = key + 1
             r = requests[key]
             rid = f"r{r.trace.index}"
             d = router.route(r.scope, hashes=r.router_hashes, request_tokens=r.trace.input_length,
