@@ -11,7 +11,7 @@ DEB_PKGS := liburing-dev pkg-config redis-server
 N        ?= 500
 PYTEST_ARGS ?=
 
-.PHONY: all build deps bench-deps _debs run lint test bench crash man clean distclean
+.PHONY: all build deps bench-deps _debs run gateway lint test bench crash man clean distclean
 
 all: build
 
@@ -54,6 +54,10 @@ run: build
 # ruff (configured in pyproject.toml) on the whole tree, then the suite.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# A gateway in front of two simulated engines and one node (conf/gateway.toml); Ctrl-C stops all.
+gateway: build
+	$(PY) cli/gateway_demo.py
 
 test: build lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

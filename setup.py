@@ -117,6 +117,7 @@ setup(
         "quillcache.transfer",
         "quillcache.control",
         "quillcache.control.sim",
+        "quillcache.gateway",
         "quillcache_cli",
     ],
     package_data={"quillcache._native": ["*.pyx", "*.pxd", "*.pxi", "includes/*.pxd", "includes/*.h"],

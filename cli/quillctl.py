@@ -6,6 +6,7 @@ from quillcache.config import DEFAULT_ADDRESS
 from quillcache_cli.ctl_bench import bench_command
 from quillcache_cli.ctl_config import auth_group, config_group
 from quillcache_cli.ctl_data import DATA_COMMANDS
+from quillcache_cli.ctl_gateway import gateway_cmd
 from quillcache_cli.ctl_wal import wal_group
 
 DEFAULT_TIMEOUT = 10.0  # seconds: connect + one request
@@ -46,3 +47,4 @@ for _cmd in DATA_COMMANDS:
     main.add_command(_cmd)
 main.add_command(bench_command)
 main.add_command(wal_group)
+main.add_command(gateway_cmd)

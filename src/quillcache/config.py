@@ -27,7 +27,7 @@ from quillcache.exitcodes import CONFIG as EX_CONFIG  # the exit code of a bad c
 __all__ = [
     "Setting", "SETTINGS", "SECTIONS", "Config", "ConfigError", "load_config", "parse_config",
     "render_sample", "parse_byte_size", "parse_duration", "parse_hostport", "format_byte_size",
-    "format_duration", "hash_token", "EX_CONFIG", "DEFAULT_ADDRESS",
+    "format_duration", "hash_token", "EX_CONFIG", "DEFAULT_ADDRESS", "Registry", "NODE_REGISTRY",
 ]
 
 DEFAULT_ADDRESS = "127.0.0.1:7470"   # [node] listen's default, and where clients connect by default
@@ -390,10 +390,42 @@ SETTINGS: tuple[Setting, ...] = (
        "isolation only; off: content-hash reuse (for studies; logged loudly)."),
 )
 
-_BY_SECTION: dict[str, dict[str, Setting]] = {}
-for _setting in SETTINGS:
-    _BY_SECTION.setdefault(_setting.section, {})[_setting.name] = _setting
-assert set(_BY_SECTION) == set(SECTIONS)
+
+
+class Registry:
+    """The settings of one kind of configuration file: the node's, or the gateway's.
+
+    Both are validated, sampled and documented by the same code; a program shares a
+    section with another by passing the same ``Setting`` objects (``[auth]``, ``[router]``)."""
+
+    def __init__(self, name: str, sections: Mapping[str, str], settings: Iterable[Setting],
+                 check: Callable[["Config"], None] | None = None) -> None:
+        self.name = name
+        self.sections = dict(sections)
+        self.settings = tuple(settings)
+        self.by_section: dict[str, dict[str, Setting]] = {}
+        for setting in self.settings:
+            self.by_section.setdefault(setting.section, {})[setting.name] = setting
+        missing = set(self.sections) ^ set(self.by_section)
+        if missing:
+            raise ValueError(f"registry {name}: sections without settings or summary: {sorted(missing)}")
+        self.check = check
+
+
+def _check_node(cfg: "Config") -> None:
+    store = cfg.store
+    if store.low_watermark >= store.high_watermark:
+        raise ConfigError(
+            f"{cfg.source}: [store] low_watermark = {store.low_watermark}: must be below "
+            f"high_watermark = {store.high_watermark} (e.g. 0.75 and 0.9)")
+    if store.max_block > store.dram:
+        raise ConfigError(
+            f"{cfg.source}: [store] max_block = \"{format_byte_size(store.max_block)}\": larger "
+            f"than [store] dram = \"{format_byte_size(store.dram)}\" (e.g. \"64MiB\")")
+
+
+NODE_REGISTRY = Registry("quillcached", SECTIONS, SETTINGS, _check_node)
+_BY_SECTION = NODE_REGISTRY.by_section
 
 
 # --------------------------------------------------------------------------- resolved config
@@ -424,34 +456,26 @@ class Section:
 class Config:
     """A validated configuration: ``raw`` holds TOML values, sections hold converted ones."""
 
-    def __init__(self, raw: Mapping[str, Mapping[str, Any]], source: str) -> None:
+    def __init__(self, raw: Mapping[str, Mapping[str, Any]], source: str,
+                 registry: Registry = NODE_REGISTRY) -> None:
         self.source = source
+        self.registry = registry
         self.raw = {s: dict(v) for s, v in raw.items()}
         self._sections = {}
-        for section, settings in _BY_SECTION.items():
+        for section, settings in registry.by_section.items():
             values = {}
             for name, setting in settings.items():
                 value = self.raw.get(section, {}).get(name, setting.default)
                 values[name] = setting.convert(value)
             self._sections[section] = Section(section, values)
-        self._check_relations()
+        if registry.check is not None:
+            registry.check(self)
 
     def __getattr__(self, section: str) -> Section:
         sections = self.__dict__.get("_sections", {})
         if section in sections:
             return sections[section]
         raise AttributeError(f"no configuration section [{section}]")
-
-    def _check_relations(self) -> None:
-        store = self._sections["store"]
-        if store.low_watermark >= store.high_watermark:
-            raise ConfigError(
-                f"{self.source}: [store] low_watermark = {store.low_watermark}: must be below "
-                f"high_watermark = {store.high_watermark} (e.g. 0.75 and 0.9)")
-        if store.max_block > store.dram:
-            raise ConfigError(
-                f"{self.source}: [store] max_block = \"{format_byte_size(store.max_block)}\": larger "
-                f"than [store] dram = \"{format_byte_size(store.dram)}\" (e.g. \"64MiB\")")
 
     def get(self, qualname: str) -> Any:
         section, name = qualname.split(".", 1)
@@ -460,7 +484,7 @@ class Config:
     def reloadable_changes(self, other: "Config") -> tuple[dict[str, Any], list[str]]:
         """What changed from self to other: (reloadable {qualname: new value}, fixed qualnames)."""
         apply, fixed = {}, []
-        for setting in SETTINGS:
+        for setting in self.registry.settings:
             old, new = self.get(setting.qualname), other.get(setting.qualname)
             if old != new:
                 if setting.reloadable:
@@ -475,7 +499,7 @@ class Config:
         for qualname, value in overrides.items():
             section, name = qualname.split(".", 1)
             raw.setdefault(section, {})[name] = value
-        return parse_config(raw, self.source + " (with command-line overrides)")
+        return parse_config(raw, self.source + " (with command-line overrides)", self.registry)
 
 
 # --------------------------------------------------------------------------- loading
@@ -498,19 +522,21 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def parse_config(raw: Mapping[str, Any], source: str = "quillcache.toml") -> Config:
+def parse_config(raw: Mapping[str, Any], source: str = "quillcache.toml",
+                 registry: Registry = NODE_REGISTRY) -> Config:
     """Validate a parsed TOML document; raises ConfigError naming source, section, key, value."""
+    by_section = registry.by_section
     for section, table in raw.items():
-        if section not in _BY_SECTION:
-            raise ConfigError(f"{source}: unknown section [{section}]{_did_you_mean(section, _BY_SECTION)}")
+        if section not in by_section:
+            raise ConfigError(f"{source}: unknown section [{section}]{_did_you_mean(section, by_section)}")
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: {section} must be a table ([{section}])")
         for name, value in table.items():
-            settings = _BY_SECTION[section]
+            settings = by_section[section]
             if name not in settings:
                 hint = _did_you_mean(name, settings)
                 if not hint:  # a key put in the wrong section
-                    elsewhere = [s for s, keys in _BY_SECTION.items() if name in keys]
+                    elsewhere = [s for s, keys in by_section.items() if name in keys]
                     if elsewhere:
                         hint = f" (it belongs in [{elsewhere[0]}])"
                 raise ConfigError(f"{source}: [{section}] unknown key {name!r}{hint}")
@@ -518,10 +544,11 @@ def parse_config(raw: Mapping[str, Any], source: str = "quillcache.toml") -> Con
                 settings[name].convert(value)
             except ConversionError as exc:
                 raise ConfigError(f"{source}: [{section}] {name} = {_show(value)}: {exc}") from None
-    return Config(raw, source)
+    return Config(raw, source, registry)
 
 
-def load_config(path: str | None = None, text: str | None = None, source: str | None = None) -> Config:
+def load_config(path: str | None = None, text: str | None = None, source: str | None = None,
+                registry: Registry = NODE_REGISTRY) -> Config:
     """Load from a file path, from TOML text, or (neither) the embedded defaults."""
     if path is not None and text is None:
         source = source or path
@@ -534,12 +561,12 @@ def load_config(path: str | None = None, text: str | None = None, source: str | 
             raise ConfigError(f"{source}: not UTF-8 text") from None
     source = source or "quillcache.toml"
     if text is None:
-        return parse_config({}, "(embedded defaults)")
+        return parse_config({}, "(embedded defaults)", registry)
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    return parse_config(raw, source)
+    return parse_config(raw, source, registry)
 
 
 # --------------------------------------------------------------------------- sample
@@ -556,16 +583,17 @@ def _wrap(text: str, width: int = 88, prefix: str = "# ") -> list[str]:
     return [prefix + line for line in textwrap.wrap(text, width - len(prefix))]
 
 
-def render_sample() -> str:
+def render_sample(registry: Registry = NODE_REGISTRY) -> str:
     """The full default configuration, commented from the registry's help text."""
+    what = "node" if registry is NODE_REGISTRY else registry.name
     lines = [
-        "# QuillCache node configuration (quillcache.toml(5)).",
+        f"# QuillCache {what} configuration (quillcache.toml(5)).",
         "# Generated from the settings registry by `quillctl config sample`; every key is shown",
         "# with its default. Keys marked (reloadable) take effect on SIGHUP.",
     ]
-    for section, summary in SECTIONS.items():
+    for section, summary in registry.sections.items():
         lines += ["", f"[{section}]"] + _wrap(summary)
-        for setting in _BY_SECTION[section].values():
+        for setting in registry.by_section[section].values():
             note = " (reloadable)" if setting.reloadable else ""
             lines += _wrap(setting.help + note)
             lines.append(f"{setting.name} = {_toml_value(setting.default)}")

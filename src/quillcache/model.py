@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 __all__ = [
-    "KvBlockKey", "IdentityScope", "CacheTier", "CacheResidency", "IndexMetrics", "IndexBackend", "MemoryIndex", "sort_residencies", "encode_key", "decode_key", "encode_scope", "encode_scope_prefix",
+    "KvBlockKey", "IdentityScope", "CacheTier", "CacheResidency", "IndexMetrics", "IndexBackend",
+    "MemoryIndex", "sort_residencies", "encode_key", "decode_key", "encode_scope", "encode_scope_prefix",
     "KeyError_", "MAX_ID_BYTES", "KEY_FORMAT_VERSION", "MAX_PIN_TTL_S", "GiB", "MiB",
 ]
 

@@ -7,6 +7,7 @@ Modules, one concern each (add yours beside them, e.g. ``etcd.py``, ``engines.py
 - ``daemon``: ``Daemon``, a quillcached subprocess with its own config and data dir.
 - ``data``: deterministic keys and payloads.
 - ``metrics``: scraping and summing the Prometheus endpoint.
+- ``gateway``: simulated engines and a gateway on free ports, in the test's loop.
 
 Test files import from here, never from another test file.
 """

@@ -372,7 +372,7 @@ class ArtIndexer(_Base):
             acc = rows if acc is None else acc | rows
         if acc is None:
             return np.zeros((0, _N_TIERS, self._words), np.uint64)
-        held = acc.reshape(len(acc), -1).any(axis=1)
+        held = acc.reshape(len(acc), _N_TIERS * self._words).any(axis=1)   # -1 fails on 0 rows
         n = len(held) if held.all() else int(np.argmin(held))
         return acc[:n]
 

@@ -192,10 +192,11 @@ class Router:
     def route(self, scope: IdentityScope, token_ids: Optional[Sequence[int]] = None, *,
               hashes: Optional[Sequence[int]] = None, request_tokens: Optional[int] = None,
               request_id: Optional[str] = None, policy: Optional[str] = None,
-              track: bool = True) -> Decision:
+              track: bool = True, candidates: Optional[Sequence[str]] = None) -> Decision:
         """Pick a worker for a request given by its tokens (or by the router's block hashes
         and its token count).  With ``track`` the load feedback starts: call ``first_token``
-        and ``free`` with the returned ``request_id``."""
+        and ``free`` with the returned ``request_id``.  ``candidates`` limits the choice to
+        those workers (healthy, under their queue limit)."""
         t0 = time.perf_counter()
         cfg = self.config
         if hashes is None:
@@ -210,7 +211,7 @@ class Router:
         with self._lock:
             if cfg.approximate:
                 self._expire(time.monotonic())
-            names = list(self._loads)
+            names = list(self._loads) if candidates is None else [n for n in candidates if n in self._loads]
             if not names:
                 raise NoWorkers("no worker to route to")
             scoped = self.indexer.find_matches(scope, hashes)
@@ -339,6 +340,20 @@ class Router:
                 return False
             self._release(a)
             return True
+
+    # ---- residency told by the caller (the gateway's predict-on-route), under the lock
+    def add_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int], tier: int = DEVICE) -> None:
+        with self._lock:
+            self.indexer.add_blocks(worker, scope, hashes, tier)
+
+    def remove_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int],
+                      tier: int = DEVICE) -> None:
+        with self._lock:
+            self.indexer.remove_blocks(worker, scope, hashes, tier)
+
+    def find_matches(self, scope: Optional[IdentityScope], hashes: Sequence[int]) -> Match:
+        with self._lock:
+            return self.indexer.find_matches(scope, hashes)
 
     # ---- approximate mode: residency predicted from routing, forgotten after a TTL
     def _predict(self, worker: str, scope: IdentityScope, hashes: Sequence[int]) -> None:

@@ -1,0 +1,39 @@
+"""`quillctl gateway`: the gateway's workers, their load and hit rates (one HTTP request)."""
+import json
+import urllib.error
+import urllib.request
+
+import click
+
+from quillcache_cli import exitcodes
+from quillcache_cli.ctl_data import _want_json, fail, json_option, table
+
+DEFAULT_GATEWAY = "http://127.0.0.1:8088"
+
+
+@click.command("gateway")
+@click.option("--url", envvar="QUILLCACHE_GATEWAY", default=DEFAULT_GATEWAY, show_default=True,
+              help="Base URL of the gateway (env QUILLCACHE_GATEWAY).")
+@json_option
+@click.pass_context
+def gateway_cmd(ctx, url, as_json):
+    """Show the gateway's workers: health, requests in flight, routed, hit rate, load."""
+    timeout = (ctx.find_root().obj or {}).get("timeout", 10.0)
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/quillcache/workers", timeout=timeout) as r:
+            doc = json.load(r)
+    except urllib.error.HTTPError as exc:
+        fail(exitcodes.FAILURE, f"{url}: HTTP {exc.code}")
+    except (urllib.error.URLError, OSError) as exc:
+        fail(exitcodes.UNAVAILABLE, f"cannot reach the gateway at {url}: {getattr(exc, 'reason', exc)}")
+    except ValueError:
+        fail(exitcodes.SOFTWARE, f"{url}: the answer is not JSON")
+    if _want_json(ctx, as_json):
+        click.echo(json.dumps(doc, indent=2))
+        return
+    rows = [[w["id"], "yes" if w["healthy"] else f"no ({w['reason']})", w["in_flight"], w["routed"],
+             f"{100 * w['hit_rate']:.1f}%", w.get("active_prefill_tokens", ""), w.get("decode_blocks", ""),
+             "-" if w["last_event_s"] is None else f"{w['last_event_s']:.1f}s", w["url"]]
+            for w in doc["workers"]]
+    click.echo(table(rows, ["WORKER", "HEALTHY", "IN_FLIGHT", "ROUTED", "HIT_RATE", "PREFILL_TOK",
+                            "DECODE_BLK", "LAST_EVENT", "URL"]))

@@ -1,0 +1,38 @@
+"""quillcache-gateway: the OpenAI-compatible gateway (a thin front end)."""
+import sys
+
+import click
+
+from quillcache.config import ConfigError
+
+from quillcache_cli import exitcodes
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="TOML configuration file (default: the embedded defaults, which name no engine).")
+@click.option("--listen", help="Override [gateway] listen, e.g. 127.0.0.1:8088.")
+@click.version_option(package_name="quillcache")
+def main(config_path, listen):
+    """Route OpenAI requests to engines with the QuillCache control plane.
+
+    SIGTERM/SIGINT let answers in flight finish and stop.  A bad configuration exits 78.
+    """
+    from quillcache.gateway.settings import load_gateway_config
+    try:
+        cfg = load_gateway_config(config_path)
+        if listen:
+            cfg = cfg.with_overrides({"gateway.listen": listen})
+    except ConfigError as exc:
+        click.echo(f"quillcache-gateway: {exc}", err=True)
+        sys.exit(exitcodes.CONFIG)
+    if not cfg.gateway.engines:
+        click.echo(f"quillcache-gateway: {cfg.source}: [gateway] engines is empty: name at least one "
+                   "[[gateway.engines]] (see conf/gateway.toml)", err=True)
+        sys.exit(exitcodes.CONFIG)
+    from quillcache.gateway.server import run
+    sys.exit(run(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,459 @@
+"""quillcache-gateway: an OpenAI-compatible proxy that routes with the control plane.
+
+For each request: authenticate the API key to a tenant, tokenize the prompt, hash its
+blocks, ask the router (identity-scoped credit), bump the chosen worker's load, forward,
+and stream the engine's answer through chunk by chunk.  The ``x-quillcache-*`` decision
+headers go out with the response head, which the engine sends before its first token,
+so they cost nothing in TTFT.  docs/gateway.md describes the behaviour; the short list:
+
+* a failure before the first byte (connect, engine 5xx, first-byte timeout) is retried
+  once on another worker; after the first byte an error ends the stream with an error
+  event and ``data: [DONE]``;
+* when every worker of the model is at ``queue_limit``: 429 with Retry-After;
+* a client that disconnects cancels the upstream request (the handler is cancelled and
+  the upstream connection closed) and frees the router's state;
+* the tenant comes from the API key only; with tenants configured the forwarded body's
+  ``cache_salt`` is set from the tenant, so the engine isolates its cache the same way.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import aiohttp
+from aiohttp import web
+
+from quillcache.auth import OPEN_TENANT, Authenticator
+from quillcache.errors import InvalidArgument, PermissionDenied
+from quillcache.gateway.metrics import TIERS, GatewayMetrics
+from quillcache.gateway.routing import Decision, GatewayRouter, Identity
+from quillcache.gateway.settings import EngineSpec
+from quillcache.gateway.tokens import PromptTokenizer, load_tokenizers, tokenizer_for
+
+__all__ = ["Gateway", "EngineState", "HEADER_PREFIX", "MAX_UPSTREAM_BODY"]
+
+log = logging.getLogger("quillcache.gateway")
+
+HEADER_PREFIX = "x-quillcache-"
+MAX_UPSTREAM_BODY = 64 << 20        # bytes: largest non-streamed answer passed through
+HEALTH_PROBE_S = 2.0                 # seconds: a health probe's deadline
+UNHEALTHY_RETRY_S = 5.0              # seconds: an engine that refused a connection rests this long
+_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
+                "server", "date"}
+
+
+def _error(status: int, message: str, kind: str, headers: Optional[dict] = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _sse_error(message: str) -> bytes:
+    event = {"error": {"message": message, "type": "upstream_error", "code": 502}}
+    return b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def _role_only(chunk: bytes) -> bool:
+    """A chat stream's first chunk that only announces the role (no token yet)."""
+    return b'"role"' in chunk and b'"content":""' in chunk.replace(b'": "', b'":"') \
+        and chunk.count(b"data:") == 1
+
+
+@dataclass
+class EngineState:
+    """What the gateway knows of one engine: load, health and the event stream's liveness."""
+
+    spec: EngineSpec
+    in_flight: int = 0
+    routed: int = 0
+    errors: int = 0
+    hit_blocks: int = 0
+    prompt_blocks: int = 0
+    last_event: float = 0.0              # time.monotonic() of the last KV event batch (0: none yet)
+    pending_since: float = 0.0           # first routed request since the last event (0: none)
+    down_until: float = 0.0              # a failed connection rests the engine until then
+    unhealthy_reason: str = ""
+    tokenizer: Optional[PromptTokenizer] = field(default=None, repr=False)
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    def healthy(self, now: float, unhealthy_after: float) -> bool:
+        if now < self.down_until:
+            self.unhealthy_reason = "connection refused recently"
+            return False
+        if self.spec.kv_events and self.pending_since and now - self.pending_since > unhealthy_after:
+            # Requests went to it, yet no KV event came back for longer than the timeout.
+            self.unhealthy_reason = f"no KV events for {now - self.pending_since:.1f}s while serving"
+            return False
+        self.unhealthy_reason = ""
+        return True
+
+    def on_events(self) -> None:
+        """A KV event batch arrived (on the consumer's thread: two plain stores)."""
+        self.last_event = time.monotonic()
+        self.pending_since = 0.0
+
+
+class _Upstream(Exception):
+    """A failure before the first byte of the answer: the request may go to another worker."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+class Gateway:
+    """The aiohttp application and everything it shares across requests."""
+
+    def __init__(self, cfg, *, router: Optional[GatewayRouter] = None) -> None:
+        self.cfg = cfg
+        g = cfg.gateway
+        self.auth = Authenticator(cfg.auth.tenants, cfg.auth.max_failed_hellos)
+        tokenizers = load_tokenizers(g.engines)
+        self.engines: dict[str, EngineState] = {}
+        self.by_model: dict[str, list[EngineState]] = {}
+        self.adapters: dict[str, str] = {}               # adapter name -> base model
+        for spec in g.engines:
+            state = EngineState(spec, tokenizer=tokenizer_for(tokenizers, spec))
+            self.engines[spec.id] = state
+            self.by_model.setdefault(spec.model, []).append(state)
+            for name in spec.adapters:
+                self.adapters[name] = spec.model
+        self.metrics = GatewayMetrics()
+        self.router = router if router is not None else GatewayRouter(cfg)
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._tasks: list[asyncio.Task] = []
+        self.app = web.Application(client_max_size=g.max_body)
+        self.app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics_endpoint),
+            web.get("/quillcache/workers", self.workers),
+            web.get("/quillcache/hot", self.hot),
+        ])
+        self.app.on_startup.append(self._startup)
+        self.app.on_cleanup.append(self._cleanup)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _startup(self, app) -> None:
+        g = self.cfg.gateway
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, family=socket.AF_INET)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                              timeout=aiohttp.ClientTimeout(total=None,
+                                                                            connect=g.connect_timeout))
+        for state in self.engines.values():
+            if state.spec.kv_events:
+                self.router.start_events(state.spec, on_batch=state.on_events)
+                self.metrics.healthy.labels(state.id).set(1)
+        self._tasks.append(asyncio.create_task(self.router.run_sweeper()))
+
+    async def _cleanup(self, app) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self.router.close()
+        if self._session is not None:
+            await self._session.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _tenant(self, request: web.Request) -> str:
+        header = request.headers.get("Authorization", "")
+        if self.auth.open_mode:
+            return OPEN_TENANT
+        if not header.startswith("Bearer ") or len(header) > 4096:
+            raise PermissionDenied("missing API key (Authorization: Bearer <key>)")
+        return self.auth.authenticate(header[7:].strip().encode())
+
+    async def _body(self, request: web.Request) -> dict:
+        if request.content_length is not None and request.content_length > self.cfg.gateway.max_body:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.cfg.gateway.max_body,
+                                                actual_size=request.content_length)
+        raw = await request.read()               # bounded by client_max_size (413 past it)
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidArgument(f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidArgument("the body must be a JSON object")
+        return body
+
+    def _identity(self, body: dict, tenant: str) -> tuple[Identity, list[EngineState]]:
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument("model must be a non-empty string")
+        base, adapter = name, None
+        if name in self.adapters:
+            base, adapter = self.adapters[name], name
+        engines = self.by_model.get(base)
+        if engines is None:
+            raise LookupError(f"the model {name!r} is not served here (GET /v1/models lists them)")
+        if adapter is not None:
+            engines = [e for e in engines if adapter in e.spec.adapters]
+        if self.auth.open_mode and isinstance(body.get("cache_salt"), str) and body["cache_salt"]:
+            # No API keys: the engine isolates by the client's salt, so credit must too.
+            tenant = "salt:" + body["cache_salt"]
+        spec = engines[0].spec
+        return Identity(base, spec.identity_tokenizer, adapter, tenant), engines
+
+    def _forward_body(self, body: dict, tenant: str) -> dict:
+        if not self.auth.open_mode:
+            body = dict(body)
+            body["cache_salt"] = f"quillcache-tenant:{tenant}"   # never the client's own salt
+        return body
+
+    def _decision_headers(self, d: Decision, state: EngineState, approximate: bool, retried: bool) -> dict:
+        o = d.overlap
+        h = {
+            HEADER_PREFIX + "worker": state.id,
+            HEADER_PREFIX + "overlap-blocks": ", ".join(f"{t}={o.get(t, 0)}" for t in TIERS),
+            HEADER_PREFIX + "local-hits": str(d.local_hits),
+            HEADER_PREFIX + "reuse-refused": str(d.refused),
+            HEADER_PREFIX + "plan": f"hit={d.plan_hit}, fetch={d.plan_fetch}, recompute={d.plan_recompute}",
+            HEADER_PREFIX + "decision-us": str(int(d.decision_us)),
+            HEADER_PREFIX + "prompt-blocks": str(d.blocks),
+            HEADER_PREFIX + "tokenizer": "approximate" if approximate else "exact",
+        }
+        if retried:
+            h[HEADER_PREFIX + "retried"] = "1"
+        return h
+
+    def _candidates(self, engines: list[EngineState], exclude: set) -> tuple[list[EngineState], bool]:
+        """Healthy engines under their queue limit; the flag says whether any healthy one exists."""
+        now = time.monotonic()
+        g = self.cfg.gateway
+        healthy = []
+        for e in engines:
+            ok = e.healthy(now, g.unhealthy_after) and e.id not in exclude
+            self.metrics.healthy.labels(e.id).set(1 if ok else 0)
+            if ok:
+                healthy.append(e)
+        return [e for e in healthy if e.in_flight < g.queue_limit], bool(healthy)
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False, endpoint="completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True, endpoint="chat")
+
+    async def _serve(self, request: web.Request, chat: bool, endpoint: str) -> web.StreamResponse:
+        status = 500
+        try:
+            resp = await self._proxy(request, chat)
+            status = resp.status
+            return resp
+        except PermissionDenied as exc:
+            status = 401
+            return _error(401, str(exc), "authentication_error")
+        except InvalidArgument as exc:
+            status = 400
+            return _error(400, str(exc), "invalid_request_error")
+        except LookupError as exc:
+            status = 404
+            return _error(404, str(exc), "model_not_found")
+        except web.HTTPRequestEntityTooLarge:
+            status = 413
+            return _error(413, f"the body is larger than [gateway] max_body = {self.cfg.gateway.max_body} "
+                               "bytes", "invalid_request_error")
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    async def _proxy(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        t_arrival = time.monotonic()
+        tenant = self._tenant(request)
+        body = await self._body(request)
+        identity, engines = self._identity(body, tenant)
+        stream = bool(body.get("stream", False))
+        tok = engines[0].tokenizer
+        prompt = tok.prompt_of(body, chat)
+        tokens = await tok.encode(prompt)
+        if len(tokens) > self.cfg.gateway.max_prompt_tokens:
+            raise InvalidArgument(f"the prompt has {len(tokens)} tokens: at most "
+                                  f"[gateway] max_prompt_tokens = {self.cfg.gateway.max_prompt_tokens}")
+        hashes = self.router.block_hashes(tokens, engines[0].spec.block_size)
+        forward = self._forward_body(body, tenant)
+        if not chat and not tok.approximate:
+            forward = {**forward, "prompt": tokens}    # the engine prefills exactly what was hashed
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        tried: set[str] = set()
+        for attempt in (0, 1):
+            candidates, any_healthy = self._candidates(engines, tried)
+            if not candidates:
+                if tried:
+                    return _error(502, "the engine failed before answering and no other engine is "
+                                       "available", "upstream_error")
+                if not any_healthy:
+                    return _error(503, "no healthy engine serves this model", "unavailable")
+                self.metrics.rejected.inc()
+                retry = max(1, math.ceil(self.cfg.gateway.retry_after))
+                return _error(429, "every engine of this model is at its queue limit",
+                              "rate_limit_error", headers={"Retry-After": str(retry)})
+            d = self.router.decide(identity, hashes, len(tokens), [c.id for c in candidates])
+            state = self.engines[d.worker]
+            rid = d.request_id
+            state.in_flight += 1
+            state.routed += 1
+            state.prompt_blocks += d.blocks
+            state.hit_blocks += d.local_hits
+            if state.spec.kv_events and not state.pending_since:
+                state.pending_since = time.monotonic()
+            self.metrics.in_flight.labels(state.id).set(state.in_flight)
+            self.metrics.on_decision(state.id, d.decision_us / 1e6, d.blocks, d.overlap, d.refused)
+            headers = self._decision_headers(d, state, tok.approximate, retried=attempt > 0)
+            try:
+                return await self._forward(request, state, path, forward, stream, headers, rid,
+                                           identity, hashes, t_arrival)
+            except _Upstream as exc:
+                tried.add(state.id)
+                state.errors += 1
+                self.metrics.upstream_errors.labels(state.id, exc.stage).inc()
+                log.warning("engine %s failed before answering (%s): %s", state.id, exc.stage, exc)
+                if attempt == 0:
+                    self.metrics.retries.inc()
+            finally:
+                state.in_flight -= 1
+                self.metrics.in_flight.labels(state.id).set(state.in_flight)
+                self.router.finish(rid)
+        return _error(502, "the engine failed before answering, and so did the retry", "upstream_error")
+
+    async def _forward(self, request, state: EngineState, path: str, body: dict, stream: bool,
+                       headers: dict, rid: str, identity: Identity, hashes, t_arrival: float):
+        g = self.cfg.gateway
+        url = state.spec.url + path
+        try:
+            up_cm = self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(
+                total=None, connect=g.connect_timeout, sock_read=g.first_byte_timeout))
+            up = await up_cm.__aenter__()
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
+            state.down_until = time.monotonic() + UNHEALTHY_RETRY_S
+            raise _Upstream("connect", f"{type(exc).__name__}: {exc}") from None
+        try:
+            if up.status >= 500:
+                text = (await up.content.read(4096)).decode("utf-8", "replace")
+                raise _Upstream("status", f"HTTP {up.status}: {text[:200]}")
+            passthrough = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
+            if up.status != 200 or not stream:
+                data = await self._read_all(up)
+                resp = web.Response(status=up.status, body=data, headers={**passthrough, **headers})
+                if up.status == 200:
+                    self.router.first_token(rid)
+                    self.router.predict(state.id, identity, hashes)
+                return resp
+            resp = web.StreamResponse(status=200, headers={**passthrough, **headers})
+            resp.headers.setdefault("Content-Type", "text/event-stream")
+            await resp.prepare(request)            # the decision headers go out now
+            await self._pump(up, resp, state, rid, identity, hashes, t_arrival)
+            return resp
+        finally:
+            await up_cm.__aexit__(None, None, None)
+
+    async def _read_all(self, up) -> bytes:
+        chunks, n = [], 0
+        while True:
+            try:
+                chunk = await up.content.read(1 << 16)
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                raise _Upstream("body", f"{type(exc).__name__}: {exc}") from None
+            if not chunk:
+                return b"".join(chunks)
+            n += len(chunk)
+            if n > MAX_UPSTREAM_BODY:
+                raise _Upstream("body", f"the answer is larger than {MAX_UPSTREAM_BODY} bytes")
+            chunks.append(chunk)
+
+    async def _pump(self, up, resp, state: EngineState, rid: str, identity, hashes, t_arrival: float) -> None:
+        """Pass the SSE stream through chunk by chunk; end it cleanly if the engine dies."""
+        g = self.cfg.gateway
+        t_first = t_last = None
+        events = 0
+        ended = False
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(up.content.readany(), g.idle_timeout)
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                    self.metrics.upstream_errors.labels(state.id, "stream").inc()
+                    log.warning("engine %s broke off a stream: %s", state.id, type(exc).__name__)
+                    await resp.write(_sse_error(f"the engine {state.id} stopped mid-answer "
+                                                f"({type(exc).__name__})"))
+                    return
+                if not chunk:
+                    ended = True
+                    break
+                now = time.monotonic()
+                n = chunk.count(b"data:")
+                if t_first is None and _role_only(chunk):
+                    n = 0                              # chat's opening role chunk is no token
+                elif t_first is None:
+                    t_first = now
+                    self.router.first_token(rid)
+                    self.metrics.ttft.observe(now - t_arrival)
+                elif n:
+                    self.metrics.itl.observe((now - t_last) / n)
+                if n:
+                    t_last = now
+                    events += n
+                await resp.write(chunk)
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+            self.metrics.disconnects.inc()
+            raise
+        finally:
+            if ended and t_first is not None:
+                self.router.predict(state.id, identity, hashes)
+                tokens = max(events - 2, 0)           # minus the role chunk and [DONE], roughly
+                tpot = (t_last - t_first) / tokens if tokens > 1 else None
+                self.metrics.on_stream_done(t_first - t_arrival, tpot, g.slo_ttft, g.slo_tpot)
+
+    async def models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        data = [{"id": m, "object": "model", "created": now, "owned_by": "quillcache"}
+                for m in sorted(self.by_model)]
+        data += [{"id": a, "object": "model", "created": now, "owned_by": "quillcache", "parent": base}
+                 for a, base in sorted(self.adapters.items())]
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        healthy = [e.id for e in self.engines.values() if e.healthy(now, self.cfg.gateway.unhealthy_after)]
+        status = 200 if healthy else 503
+        return web.json_response({"status": "ok" if healthy else "no healthy engine",
+                                  "healthy": healthy, "engines": len(self.engines)}, status=status)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def workers(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        out = []
+        for e in self.engines.values():
+            healthy = e.healthy(now, self.cfg.gateway.unhealthy_after)
+            out.append({"id": e.id, "url": e.spec.url, "model": e.spec.model, "role": e.spec.role,
+                        "healthy": healthy, "reason": e.unhealthy_reason, "in_flight": e.in_flight,
+                        "routed": e.routed, "errors": e.errors,
+                        "hit_rate": round(e.hit_blocks / e.prompt_blocks, 4) if e.prompt_blocks else 0.0,
+                        "last_event_s": round(now - e.last_event, 3) if e.last_event else None,
+                        **self.router.load_of(e.id)})
+        return web.json_response({"workers": out})
+
+    async def hot(self, request: web.Request) -> web.Response:
+        try:
+            n = int(request.query.get("n", "10"))
+        except ValueError:
+            return _error(400, "n must be an integer", "invalid_request_error")
+        if not 1 <= n <= 1000:
+            return _error(400, "n must be in 1..1000", "invalid_request_error")
+        return web.json_response({"hot": self.router.hot_prefixes(n)})

@@ -1,0 +1,76 @@
+"""The gateway's Prometheus metrics, on a private registry served at ``/metrics``."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["GatewayMetrics", "TTFT_BUCKETS_S", "ITL_BUCKETS_S", "TIERS"]
+
+# seconds: time to first token, 5 ms .. 30 s
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 30.0)
+# seconds: inter-token latency, 1 ms .. 2 s
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 2.0)
+TIERS = ("device", "host", "disk", "pool")
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports; handlers call the small ``on_*`` methods."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.ttft = Histogram("quillcache_gateway_ttft_seconds", "Time to first token of streamed "
+                              "answers, from the request's arrival", buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram("quillcache_gateway_inter_token_seconds", "Time between streamed chunks "
+                             "of an answer", buckets=ITL_BUCKETS_S, registry=r)
+        self.decisions = Counter("quillcache_gateway_decisions", "Requests routed, by worker",
+                                 ["worker"], registry=r)
+        self.decision_seconds = Histogram("quillcache_gateway_decision_seconds", "Routing decision "
+                                          "latency (tokenize, hash, score)",
+                                          buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3,
+                                                   5e-3, 10e-3, 50e-3), registry=r)
+        self.prompt_blocks = Counter("quillcache_gateway_prompt_blocks", "Blocks of routed prompts",
+                                     registry=r)
+        self.hit_blocks = Counter("quillcache_gateway_hit_blocks", "Prompt blocks credited as cached "
+                                  "on the chosen worker, by tier (hit rate = this / prompt_blocks)",
+                                  ["tier"], registry=r)
+        self.reuse_refused = Counter("quillcache_gateway_reuse_refused_blocks", "Cached prefix blocks "
+                                     "refused credit because another identity cached them", registry=r)
+        self.requests = Counter("quillcache_gateway_requests", "Answered requests by endpoint and "
+                                "HTTP status", ["endpoint", "status"], registry=r)
+        self.slo = Counter("quillcache_gateway_slo_requests", "Streamed requests that finished, by "
+                           "whether they met the TTFT and TPOT objectives (goodput = met / all)",
+                           ["met"], registry=r)
+        self.upstream_errors = Counter("quillcache_gateway_upstream_errors", "Failed upstream "
+                                       "requests, by worker and stage", ["worker", "stage"], registry=r)
+        self.retries = Counter("quillcache_gateway_retries", "Requests retried on another worker "
+                               "after a failure before the first byte", registry=r)
+        self.rejected = Counter("quillcache_gateway_rejected", "Requests refused with 429 because "
+                                "every worker was at its queue limit", registry=r)
+        self.disconnects = Counter("quillcache_gateway_client_disconnects", "Clients that left "
+                                   "before the end of their answer", registry=r)
+        self.in_flight = Gauge("quillcache_gateway_in_flight", "Requests in flight, by worker",
+                               ["worker"], registry=r)
+        self.healthy = Gauge("quillcache_gateway_worker_healthy", "1 when the worker is routed to",
+                             ["worker"], registry=r)
+        for tier in TIERS:
+            self.hit_blocks.labels(tier)
+        for met in ("true", "false"):
+            self.slo.labels(met)
+
+    def on_decision(self, worker: str, seconds: float, blocks: int, overlap: dict, refused: int) -> None:
+        self.decisions.labels(worker).inc()
+        self.decision_seconds.observe(seconds)
+        self.prompt_blocks.inc(blocks)
+        for tier in TIERS:
+            n = overlap.get(tier, 0)
+            if n:
+                self.hit_blocks.labels(tier).inc(n)
+        if refused:
+            self.reuse_refused.inc(refused)
+
+    def on_stream_done(self, ttft_s: float, tpot_s: "float | None", slo_ttft: float, slo_tpot: float) -> bool:
+        met = ttft_s <= slo_ttft and (tpot_s is None or tpot_s <= slo_tpot)
+        self.slo.labels("true" if met else "false").inc()
+        return met
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,138 @@
+"""Prompts to token ids: HF ``tokenizers`` from a local tokenizer.json, chat templates, and the
+approximate mode.
+
+Never a hub download: a tokenizer is a file named in the config.  Without one the gateway
+runs in approximate mode: a prompt's "tokens" are its characters (code points), so its
+length is its length in characters and its blocks are runs of ``block_size`` characters.
+Those blocks are consistent for predict-on-route, but never match an engine's KV events
+(which carry real token ids); the decision headers say ``x-quillcache-tokenizer: approximate``.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional, Sequence
+
+from quillcache.errors import InvalidArgument
+
+__all__ = ["PromptTokenizer", "render_chat", "MAX_MESSAGES", "OFFLOAD_CHARS"]
+
+MAX_MESSAGES = 4096              # chat messages in one request at most
+OFFLOAD_CHARS = 16_384           # characters above which encoding runs off the event loop
+_FALLBACK_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _message_text(content: Any, i: int) -> str:
+    """A message's content: a string, or OpenAI's list of parts (text parts are joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidArgument(f"messages[{i}].content: only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    if content is None:
+        return ""
+    raise InvalidArgument(f"messages[{i}].content must be a string or a list of text parts")
+
+
+def _check_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("messages must be a non-empty list")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidArgument(f"{len(messages)} messages: at most {MAX_MESSAGES}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidArgument(f"messages[{i}] must be an object with a string role")
+        out.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
+    return out
+
+
+def render_chat(messages: Any, template=None) -> str:
+    """The prompt text of a chat request: the configured Jinja template, else a plain format
+    (``<|role|>\\ncontent\\n`` per message, then ``<|assistant|>\\n``)."""
+    msgs = _check_messages(messages)
+    if template is not None:
+        return template.render(messages=msgs, add_generation_prompt=True, bos_token="", eos_token="")
+    parts = []
+    for m in msgs:
+        role = m["role"] if m["role"] in _FALLBACK_ROLES else "user"
+        parts.append(f"<|{role}|>\n{m['content']}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+class PromptTokenizer:
+    """One engine's tokenizer (shared by engines naming the same files)."""
+
+    def __init__(self, path: str = "", chat_template: str = "") -> None:
+        self.path = path
+        self._tok = None
+        self._template = None
+        if path:
+            try:
+                from tokenizers import Tokenizer
+            except ImportError as exc:      # a dependency of the package: only a broken install
+                raise InvalidArgument(f"tokenizer {path}: the tokenizers package is missing") from exc
+            try:
+                self._tok = Tokenizer.from_file(path)
+            except Exception as exc:        # tokenizers raises plain Exception for a bad file
+                raise InvalidArgument(f"tokenizer {path}: cannot load: {exc}") from None
+        if chat_template:
+            try:
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+                with open(chat_template, encoding="utf-8") as f:
+                    source = f.read()
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                self._template = env.from_string(source)
+            except OSError as exc:
+                raise InvalidArgument(f"chat_template {chat_template}: cannot read: {exc.strerror}") from None
+            except Exception as exc:        # jinja2.TemplateSyntaxError and friends
+                raise InvalidArgument(f"chat_template {chat_template}: {exc}") from None
+
+    @property
+    def approximate(self) -> bool:
+        return self._tok is None
+
+    def prompt_of(self, body: dict, chat: bool) -> "str | list[int]":
+        """The prompt of a request body: text, or token ids given by the client."""
+        if chat:
+            return render_chat(body.get("messages"), self._template)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       and 0 <= t < 1 << 31 for t in prompt):
+            return prompt
+        raise InvalidArgument("prompt must be a string, a list of one string, or a list of token ids")
+
+    def _encode(self, text: str) -> list[int]:
+        if self._tok is None:
+            return [ord(c) for c in text]
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    async def encode(self, prompt: "str | Sequence[int]") -> list[int]:
+        """Token ids of the prompt (characters in approximate mode); long texts off the loop."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if len(prompt) < OFFLOAD_CHARS:
+            return self._encode(prompt)
+        return await asyncio.get_running_loop().run_in_executor(None, self._encode, prompt)
+
+
+def load_tokenizers(specs) -> dict[tuple[str, str], PromptTokenizer]:
+    """One PromptTokenizer per distinct (tokenizer, chat_template) of the engines."""
+    out: dict[tuple[str, str], PromptTokenizer] = {}
+    for spec in specs:
+        k = (spec.tokenizer, spec.chat_template)
+        if k not in out:
+            out[k] = PromptTokenizer(*k)
+    return out
+
+
+def tokenizer_for(tokenizers: dict, spec) -> Optional[PromptTokenizer]:
+    return tokenizers.get((spec.tokenizer, spec.chat_template))

@@ -1,0 +1,271 @@
+"""The gateway against real simulated engines (HTTP + ZMQ KV events) on loopback."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from tests._support.gateway import free_port, harness, read_sse
+
+PROMPT = "the quick brown fox jumps over the lazy dog " * 12        # 528 tokens in bytes mode
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def decision(headers):
+    return {k[len("x-quillcache-"):]: v for k, v in headers.items() if k.lower().startswith("x-quillcache-")}
+
+
+def test_stream_passes_through_with_decision_headers_before_the_first_chunk():
+    async def main():
+        async with harness(time_scale=20.0) as h:       # a slow engine: prefill takes a while
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 5, "stream": True}
+            t0 = time.perf_counter()
+            async with h.session.post(h.base + "/v1/completions", json=body, headers=h.headers()) as r:
+                t_head = time.perf_counter()
+                d = decision(r.headers)
+                first = await r.content.readany()
+                t_first = time.perf_counter()
+                rest = await r.read()
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            assert set(d) >= {"worker", "overlap-blocks", "local-hits", "reuse-refused", "plan",
+                              "decision-us", "prompt-blocks", "tokenizer"}
+            assert d["worker"] in ("e0", "e1") and d["tokenizer"] == "approximate"
+            assert d["prompt-blocks"] == str(len(PROMPT) // 16)
+            assert d["overlap-blocks"] == "device=0, host=0, disk=0, pool=0"
+            assert d["plan"] == f"hit=0, fetch=0, recompute={len(PROMPT) // 16}"
+            # The headers were there before the first token (the engine is still prefilling).
+            assert t_head - t0 < t_first - t0
+            assert first.startswith(b"data: ")
+            events = (first + rest).split(b"\n\n")
+            assert events[-2] == b"data: [DONE]" and len([e for e in events if e.startswith(b"data: {")]) == 5
+            await h.wait_idle()
+    run(main())
+
+
+def test_same_tenant_reuses_another_tenant_is_refused_credit():
+    async def main():
+        async with harness() as h:
+            st, hd, _ = await h.complete(PROMPT, "acme")
+            assert st == 200
+            first = decision(hd)["worker"]
+            await asyncio.sleep(1.0)
+            st, hd, _ = await h.complete(PROMPT + "again", "acme")
+            d = decision(hd)
+            assert d["worker"] == first and int(d["local-hits"]) == len(PROMPT) // 16
+            assert d["reuse-refused"] == "0"
+            st, hd, _ = await h.complete(PROMPT + "other", "globex")
+            d = decision(hd)
+            assert d["local-hits"] == "0"
+            assert int(d["reuse-refused"]) == len(PROMPT) // 16
+            # an adapter is another identity too
+            st, hd, _ = await h.complete(PROMPT + "lora", "acme", model="lora-x")
+            assert st == 200 and decision(hd)["local-hits"] == "0"
+            await h.wait_idle()
+    run(main())
+
+
+def test_predictions_are_dropped_when_the_engine_events_contradict_them():
+    async def main():
+        # A cache of 40 blocks: the second long prompt evicts the first from the engine.
+        async with harness(n=1, capacity_blocks=40) as h:
+            await h.complete(PROMPT, "acme", stream=False)
+            await asyncio.sleep(0.2)
+            _, hd, _ = await h.complete(PROMPT + "x", "acme")
+            assert int(decision(hd)["local-hits"]) == len(PROMPT) // 16
+            await h.complete("lazy dog over the fox " * 30, "acme", stream=False)   # evicts PROMPT
+            await asyncio.sleep(2.5)          # CONFIRM_AFTER_S: the sweep checks the events
+            _, hd, _ = await h.complete(PROMPT + "y", "acme")
+            assert int(decision(hd)["local-hits"]) < len(PROMPT) // 16
+    run(main())
+
+
+def test_429_with_retry_after_when_every_engine_is_at_its_queue_limit():
+    async def main():
+        async with harness(n=1, gateway_toml="queue_limit = 1\nretry_after = \"2s\"", time_scale=5.0) as h:
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 50, "stream": True}
+            async with h.session.post(h.base + "/v1/completions", json=body, headers=h.headers()) as r1:
+                await r1.content.readany()
+                st, hd, data = await h.complete("hello", max_tokens=1)
+                assert st == 429 and hd["Retry-After"] == "2"
+                assert json.loads(data)["error"]["type"] == "rate_limit_error"
+                await r1.read()
+            await h.wait_idle()
+            st, _, _ = await h.complete("hello", max_tokens=1)
+            assert st == 200
+    run(main())
+
+
+def test_a_dead_engine_before_the_first_byte_is_retried_once_elsewhere():
+    async def main():
+        # round_robin: the first request goes to the first engine listed, the dead one.
+        async with harness(n=1, dead_engines=1, gateway_toml='[router]\npolicy = "round_robin"') as h:
+            seen = set()
+            for i in range(4):
+                st, hd, data = await h.complete(f"{i} {PROMPT}", stream=bool(i % 2))
+                assert st == 200, data
+                d = decision(hd)
+                assert d["worker"] == "e0"
+                seen.add(d.get("retried"))
+            assert "1" in seen                 # at least one request first went to the dead engine
+            assert h.gw.engines["dead0"].errors >= 1
+            metrics = (await (await h.session.get(h.base + "/metrics")).read()).decode()
+            assert "quillcache_gateway_retries_total 1" in metrics or "quillcache_gateway_retries_total 2" in metrics
+            await h.wait_idle()
+    run(main())
+
+
+def test_client_disconnect_cancels_upstream_and_frees_router_state():
+    async def main():
+        async with harness(n=1, time_scale=5.0) as h:
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 200, "stream": True}
+            r = await h.session.post(h.base + "/v1/completions", json=body, headers=h.headers())
+            await r.content.readany()
+            assert h.gw.engines["e0"].in_flight == 1
+            r.close()                                   # the client goes away mid-answer
+            await h.wait_idle(5.0)
+            async with h.session.get(h.urls[0] + "/sim/stats") as s:
+                stats = await s.json()
+            assert stats.get("aborted", stats.get("requests_aborted", 1)) >= 1
+            metrics = (await (await h.session.get(h.base + "/metrics")).read()).decode()
+            assert "quillcache_gateway_client_disconnects_total 1.0" in metrics
+    run(main())
+
+
+@pytest.mark.parametrize("case", ["json", "oversize", "model", "key", "nokey", "prompt"])
+def test_bad_requests_get_a_clear_4xx_and_the_gateway_keeps_serving(case):
+    async def main():
+        async with harness(n=1, gateway_toml='max_body = "4KiB"') as h:
+            url, hdrs, data = h.base + "/v1/completions", h.headers(), None
+            body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+            expect = {"json": 400, "oversize": 413, "model": 404, "key": 401, "nokey": 401, "prompt": 400}[case]
+            if case == "json":
+                data = b"{not json"
+            elif case == "oversize":
+                body["prompt"] = "x" * 8192
+            elif case == "model":
+                body["model"] = "nope"
+            elif case == "key":
+                hdrs = {"Authorization": "Bearer wrong"}
+            elif case == "nokey":
+                hdrs = {}
+            elif case == "prompt":
+                body["prompt"] = {"a": 1}
+            kw = {"data": data, "headers": {**hdrs, "Content-Type": "application/json"}} if data else \
+                {"json": body, "headers": hdrs}
+            async with h.session.post(url, **kw) as r:
+                assert r.status == expect
+                err = (await r.json())["error"]
+                assert err["message"] and err["code"] == expect
+            st, _, _ = await h.complete("still fine", max_tokens=1)
+            assert st == 200
+    run(main())
+
+
+def test_models_health_metrics_and_workers():
+    async def main():
+        async with harness(n=2) as h:
+            await h.complete(PROMPT, stream=True)
+            async with h.session.get(h.base + "/v1/models") as r:
+                ids = [m["id"] for m in (await r.json())["data"]]
+            assert ids == ["m", "lora-x"]
+            async with h.session.get(h.base + "/health") as r:
+                assert r.status == 200 and sorted((await r.json())["healthy"]) == ["e0", "e1"]
+            async with h.session.get(h.base + "/quillcache/workers") as r:
+                workers = {w["id"]: w for w in (await r.json())["workers"]}
+            assert sum(w["routed"] for w in workers.values()) == 1
+            async with h.session.get(h.base + "/quillcache/hot?n=3") as r:
+                assert len((await r.json())["hot"]) == 1
+            text = (await (await h.session.get(h.base + "/metrics")).read()).decode()
+            for name in ("quillcache_gateway_ttft_seconds_bucket", "quillcache_gateway_inter_token_seconds_count",
+                         "quillcache_gateway_hit_blocks_total", "quillcache_gateway_decisions_total",
+                         "quillcache_gateway_reuse_refused_blocks_total", "quillcache_gateway_slo_requests_total",
+                         "quillcache_gateway_upstream_errors", "quillcache_gateway_retries_total"):
+                assert name in text, name
+            assert 'quillcache_gateway_slo_requests_total{met="true"} 1.0' in text
+    run(main())
+
+
+def test_an_engine_silent_on_events_while_serving_is_marked_unhealthy():
+    async def main():
+        # e0 is real; "mute" has a live HTTP server (e0's) but an event endpoint nobody publishes on.
+        async with harness(n=1, gateway_toml='unhealthy_after = "0.5s"\n[router]\npolicy = "round_robin"') as h:
+            gw = h.gw
+            mute = gw.engines["e0"].__class__(gw.engines["e0"].spec.__class__(
+                "mute", h.urls[0], "m", kv_events=f"tcp://127.0.0.1:{free_port()}"))
+            mute.tokenizer = gw.engines["e0"].tokenizer
+            gw.engines["mute"] = mute
+            gw.by_model["m"].append(mute)
+            mr = gw.router.models["m"]
+            mr.router.add_worker("mute")
+            mr.specs["mute"] = mute.spec
+            gw.router._of_worker["mute"] = mr
+            workers = [decision((await h.complete(f"{i} {PROMPT}", max_tokens=1))[1])["worker"] for i in range(2)]
+            assert "mute" in workers
+            await asyncio.sleep(0.8)
+            workers = [decision((await h.complete(f"x{i} {PROMPT}", max_tokens=1))[1])["worker"] for i in range(4)]
+            assert workers == ["e0"] * 4
+            async with h.session.get(h.base + "/quillcache/workers") as r:
+                w = {x["id"]: x for x in (await r.json())["workers"]}
+            assert not w["mute"]["healthy"] and "no KV events" in w["mute"]["reason"]
+    run(main())
+
+
+def test_exact_tokenizer_and_chat(tokenizer_file):
+    async def main():
+        async with harness(n=1, tokenizer=tokenizer_file) as h:
+            msgs = [{"role": "user", "content": "hello world " * 20}]
+            st, hd, data = await h.complete(msgs, path="/v1/chat/completions")
+            assert st == 200 and decision(hd)["tokenizer"] == "exact"
+            assert b'"role":"assistant"' in data
+            st, hd, _ = await h.complete("the quick brown fox " * 10)
+            assert st == 200 and decision(hd)["prompt-blocks"] == str(40 // 16)
+    run(main())
+
+
+def test_engine_killed_mid_stream_ends_with_an_error_event(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "quillcache_cli.sim_engine", "--port", str(port),
+                             "--model", "m", "--time-scale", "5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env)
+    try:
+        line = proc.stdout.readline().decode()
+        assert line.startswith("READY"), line
+
+        async def main():
+            from quillcache.gateway.server import start
+            from quillcache.gateway.settings import load_gateway_config
+            cfg = load_gateway_config(text=f'[gateway]\nlisten = "127.0.0.1:0"\n[[gateway.engines]]\n'
+                                           f'id = "e0"\nurl = "http://127.0.0.1:{port}"\nmodel = "m"\n')
+            gw, runner, (host, gport) = await start(cfg)
+            try:
+                async with aiohttp.ClientSession() as s:
+                    body = {"model": "m", "prompt": PROMPT, "max_tokens": 500, "stream": True}
+                    async with s.post(f"http://{host}:{gport}/v1/completions", json=body) as r:
+                        assert r.status == 200
+                        await r.content.readany()
+                        os.kill(proc.pid, signal.SIGKILL)
+                        events = await read_sse(r)
+                assert events[-1] == b"[DONE]"
+                err = json.loads(events[-2])["error"]
+                assert err["type"] == "upstream_error" and "stopped mid-answer" in err["message"]
+                for _ in range(100):
+                    if gw.engines["e0"].in_flight == 0 and not gw.router.load_of("e0")["active_requests"]:
+                        break
+                    await asyncio.sleep(0.02)
+                assert gw.engines["e0"].in_flight == 0
+                assert gw.router.load_of("e0")["active_requests"] == 0
+            finally:
+                await runner.cleanup()
+        run(main())
+    finally:
+        proc.kill()
+        proc.wait()

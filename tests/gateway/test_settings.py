@@ -1,0 +1,73 @@
+import subprocess
+import sys
+
+import pytest
+
+from quillcache.config import ConfigError, render_sample
+from quillcache.gateway.settings import GATEWAY_REGISTRY, load_gateway_config
+
+ENGINE = '[[gateway.engines]]\nid = "e0"\nurl = "http://127.0.0.1:9000"\nmodel = "m"\n'
+
+
+def test_engines_parse_with_defaults():
+    cfg = load_gateway_config(text=ENGINE + 'adapters = ["sql"]\nkv_events = "tcp://127.0.0.1:5557"\n')
+    (e,) = cfg.gateway.engines
+    assert (e.id, e.url, e.model, e.adapters, e.role, e.block_size) == ("e0", "http://127.0.0.1:9000", "m",
+                                                                        ("sql",), "both", 16)
+    assert e.identity_tokenizer == "m"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ('colour = "red"\n', "unknown key 'colour'"),
+    ('role = "boss"\n', "role 'boss' is not one of"),
+    ('kv_events = "http://x"\n', "is not a ZMQ endpoint"),
+    ('kv_replay = "tcp://127.0.0.1:1"\n', "kv_replay needs kv_events"),
+    ('block_size = 0\n', "block_size must be an integer"),
+    ('adapters = ["m"]\n', "adapter 'm' is also the base model name"),
+])
+def test_bad_engine_entries_name_file_section_key_and_reason(extra, message):
+    with pytest.raises(ConfigError) as exc:
+        load_gateway_config(text=ENGINE + extra)
+    assert message in str(exc.value)
+    assert "quillcache.toml" in str(exc.value)
+
+
+def test_duplicate_engine_ids_and_bad_urls_are_refused():
+    with pytest.raises(ConfigError, match="listed twice"):
+        load_gateway_config(text=ENGINE + ENGINE)
+    with pytest.raises(ConfigError, match="must be http"):
+        load_gateway_config(text=ENGINE.replace("http://127.0.0.1:9000", "ftp://x"))
+
+
+def test_node_sections_are_unknown_to_the_gateway_and_vice_versa():
+    with pytest.raises(ConfigError, match=r"unknown section \[store\]"):
+        load_gateway_config(text='[store]\ndram = "1GiB"\n')
+    from quillcache.config import load_config
+    with pytest.raises(ConfigError, match=r"unknown section \[gateway\]"):
+        load_config(text='[gateway]\nlisten = "127.0.0.1:1"\n')
+
+
+def test_auth_is_the_nodes_own_setting():
+    from quillcache.config import SETTINGS
+    node_auth = [s for s in SETTINGS if s.section == "auth"]
+    assert node_auth and all(any(s is g for g in GATEWAY_REGISTRY.settings) for s in node_auth)
+
+
+def test_sample_round_trips():
+    text = render_sample(GATEWAY_REGISTRY)
+    assert "[gateway]" in text and "[store]" not in text
+    load_gateway_config(text=text)
+
+
+def test_cli_bad_config_exits_78(tmp_path):
+    bad = tmp_path / "gw.toml"
+    bad.write_text('[gateway]\nlisten = "nowhere"\n')
+    r = subprocess.run([sys.executable, "-m", "quillcache_cli.quillcache_gateway", "--config", str(bad)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 78, r.stderr
+    assert "[gateway] listen = \"nowhere\": not a host:port" in r.stderr
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    r = subprocess.run([sys.executable, "-m", "quillcache_cli.quillcache_gateway", "--config", str(empty)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 78 and "engines is empty" in r.stderr
