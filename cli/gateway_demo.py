@@ -67,7 +67,7 @@ def main() -> int:
         for _, p in reversed(procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for what, p in reversed(procs):
+        for _, p in reversed(procs):
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:

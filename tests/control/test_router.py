@@ -32,7 +32,7 @@ def brute_logits(router, scope, hashes, n_tokens, identity_aware, pool_aware):
     for name in router.workers:
         w = router.indexer._worker_ids[name]
 
-        def tiers_of(h):
+        def tiers_of(h, w=w):
             bits = 0
             for s, sid in sids.items():
                 if identity_aware and s != scope:
@@ -162,7 +162,7 @@ def test_load_feedback_route_first_token_free():
 def test_load_spreads_requests_without_cache():
     router = Router(RouterConfig(block_size=BS, seed=0), workers=W)
     chosen = [router.route(A, tokens(4, salt=i)).worker for i in range(8)]
-    assert Counter(chosen) == Counter({w: 2 for w in W})
+    assert Counter(chosen) == Counter(dict.fromkeys(W, 2))
 
 
 def test_approximate_mode_predicts_then_forgets_after_the_ttl():
