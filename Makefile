@@ -11,7 +11,7 @@ DEB_PKGS := liburing-dev pkg-config redis-server
 N        ?= 500
 PYTEST_ARGS ?=
 
-.PHONY: all build deps bench-deps _debs run test bench crash man clean distclean engines engines-clean
+.PHONY: all build deps bench-deps _debs run lint test bench crash man clean distclean engines engines-clean
 
 # The engines' own venv (vLLM, SGLang, LMCache on the CPU torch wheel), for the tests marked
 # `engines`. Every pin is in requirements/engines.txt and installed with --no-deps, torch first.
@@ -61,7 +61,11 @@ build: deps $(STAMP)
 run: build
 	$(VENV)/bin/quillcached
 
-test: build
+# ruff (configured in pyproject.toml) on the whole tree, then the suite.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: build lint
 	$(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS)
 ifeq ($(QUILLCACHE_NO_ENGINES),1)
 	@echo "*** QUILLCACHE_NO_ENGINES=1: the engine tests (-m engines) were NOT run ***"

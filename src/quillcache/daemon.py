@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from quillcache import __version__
+from quillcache import __version__, exitcodes
 from quillcache.auth import Authenticator
 from quillcache.config import SETTINGS, Config, ConfigError, format_hostport, load_config
 from quillcache.errors import Busy, InvalidArgument, QuillCacheError
@@ -33,29 +33,12 @@ from quillcache.protocol.opcodes import ProtocolLimits
 from quillcache.server import NodeServer
 from quillcache.store.tiers import LocalKvStore
 
-__all__ = ["Node", "run", "sd_notify", "setup_logging", "MAINTENANCE_INTERVAL_S", "EX_OK", "EX_CONFIG",
-           "EX_SOFTWARE", "EX_DATAERR", "EX_TEMPFAIL", "EXIT_CODES"]
+__all__ = ["Node", "run", "sd_notify", "setup_logging", "MAINTENANCE_INTERVAL_S"]
 
 log = logging.getLogger("quillcache.daemon")
 
 MAINTENANCE_INTERVAL_S = 1.0     # seconds between store.maintenance() calls
 LISTEN_BACKLOG = 1024            # pending TCP connections the kernel queues
-EX_OK = 0
-EX_DATAERR = 65                  # sysexits.h: the data dir holds state it refuses to trust
-EX_SOFTWARE = 70                 # sysexits.h: internal error
-EX_TEMPFAIL = 75                 # sysexits.h: the data dir is in use by another process
-EX_CONFIG = 78                   # sysexits.h: configuration error
-# (code, meaning) for quillcached(8); the systemd unit does not restart on 65 or 78
-EXIT_CODES = (
-    (EX_OK, "clean stop (SIGTERM or SIGINT)"),
-    (EX_DATAERR, "the data directory holds state the node refuses to trust (a corrupt SSD checkpoint): "
-                 "the log line names the file and what to do"),
-    (EX_SOFTWARE, "internal error (the log has a traceback)"),
-    (EX_TEMPFAIL, "the data directory is locked by another running quillcached"),
-    (EX_CONFIG, "invalid configuration (the message names file, section, key and value), or one that the "
-                "machine or the data directory contradicts: the address is in use, permission denied, "
-                "an SSD capacity or unit that does not fit the data already there"),
-)
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
                "error": logging.ERROR}
 
@@ -124,12 +107,8 @@ class Node:
     # ------------------------------------------------------------------ start
 
     async def _open_ssd(self, data_dir: Path):
+        from quillcache.store.ssd import SsdTier    # a broken build fails here, loudly (quillcached checks first)
         cfg = self.cfg
-        try:
-            from quillcache.store.ssd import SsdTier
-        except ImportError as exc:
-            log.warning("SSD tier enabled but not available in this build (%s): running DRAM only", exc)
-            return None
         path = cfg.ssd.path or str(data_dir / "ssd" / "blocks.dat")
         Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         (data_dir / "wal").mkdir(exist_ok=True, mode=0o700)     # before the WAL makes it 0755
@@ -369,10 +348,10 @@ def _merge(old: Config, new: Config, applied: list[str]) -> Config:
 
 def _start_failure_code(exc: QuillCacheError) -> int:
     if isinstance(exc, (ConfigError, InvalidArgument)):   # InvalidArgument: a capacity or unit the data contradicts
-        return EX_CONFIG
+        return exitcodes.CONFIG
     if isinstance(exc, Busy):                              # the data dir's lock is held
-        return EX_TEMPFAIL
-    return EX_DATAERR                                      # e.g. a corrupt SSD checkpoint
+        return exitcodes.TEMPFAIL
+    return exitcodes.DATAERR                                      # e.g. a corrupt SSD checkpoint
 
 
 async def _main(cfg: Config, config_path: Optional[str], overrides: Mapping[str, Any]) -> int:
@@ -381,18 +360,18 @@ async def _main(cfg: Config, config_path: Optional[str], overrides: Mapping[str,
         await node.start()
     except QuillCacheError as exc:
         code = _start_failure_code(exc)
-        hint = f" (another quillcached on data_dir {cfg.node.data_dir}?)" if code == EX_TEMPFAIL else ""
+        hint = f" (another quillcached on data_dir {cfg.node.data_dir}?)" if code == exitcodes.TEMPFAIL else ""
         log.error("cannot start: %s%s", exc, hint)
         await node.stop()
         return code
     except OSError as exc:
         log.error("cannot start: %s", exc)
         await node.stop()
-        return EX_SOFTWARE if exc.errno not in (98, 13) else EX_CONFIG   # EADDRINUSE, EACCES
+        return exitcodes.SOFTWARE if exc.errno not in (98, 13) else exitcodes.CONFIG   # EADDRINUSE, EACCES
     node.install_signals()
     await node.wait_stopped()
     await node.stop()
-    return EX_OK
+    return exitcodes.OK
 
 
 def run(cfg: Config, *, config_path: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None) -> int:

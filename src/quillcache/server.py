@@ -47,16 +47,17 @@ from typing import Any, Callable, Optional
 
 from quillcache.auth import Authenticator
 from quillcache.fsutil import pread_full
-from quillcache._native.codec import encode_frame_header
+from quillcache._native.codec import decode_key_body, decode_put_body, encode_frame_header
 from quillcache.errors import (
-    Busy, InvalidArgument, NotFound, PermissionDenied, ProtocolError, QuillCacheError, UnsafeReuse,
+    Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse,
 )
 from quillcache.model import (
-    KEY_FORMAT_VERSION, IdentityScope, KeyError_, KvBlockKey, decode_key, encode_key,
+    KEY_FORMAT_VERSION, MAX_PIN_TTL_S, IdentityScope, KeyError_, KvBlockKey, decode_key, encode_key,
 )
 from quillcache.metrics import RequestCounters
 from quillcache.protocol import messages
 from quillcache.protocol.connection import ProtocolConnection
+from quillcache.protocol.info import render_info
 from quillcache.protocol.opcodes import (
     FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode, PinMode,
     ProtocolLimits,
@@ -69,7 +70,6 @@ log = logging.getLogger("quillcache.server")
 
 WRITE_HIGH_BYTES = 64 << 20      # bytes waiting in a transport before reading pauses
 LEASE_MARGIN_S = 2.0             # seconds: abort a writer whose held lease expires this soon
-PIN_FOREVER_S = 7 * 24 * 3600.0  # seconds: what ttl_ms 0 ("until UNPIN") becomes (store maximum)
 SEND_BUFFER_BYTES = 4 << 20      # SO_SNDBUF of a client connection (the kernel doubles it, caps at wmem_max)
 KEY_CACHE_ENTRIES = 16384        # decoded keys kept per node (encoded bytes -> KvBlockKey), LRU
 _PAYLOAD_OPS = (Opcode.PUT, Opcode.PUT_MANY)
@@ -113,21 +113,6 @@ def _decode_scope_prefix(raw: bytes) -> tuple[IdentityScope, Optional[str]]:
     if pos != len(raw):
         raise InvalidArgument(f"LIST prefix has {len(raw) - pos} trailing bytes")
     return IdentityScope(model, tokenizer, adapter, tenant), prefix_hash
-
-
-def render_info(sections: dict[str, dict[str, Any]]) -> str:
-    """redis-style INFO text: ``# Section`` then ``key:value`` lines, a blank line between."""
-    out = []
-    for name, values in sections.items():
-        out.append(f"# {name}")
-        for k, v in values.items():
-            if isinstance(v, bool):
-                v = int(v)
-            elif isinstance(v, float):
-                v = f"{v:.6g}"
-            out.append(f"{k}:{v}")
-        out.append("")
-    return "\r\n".join(out)
 
 
 def _flatten(prefix: str, d: dict, out: dict) -> None:
@@ -500,14 +485,8 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             self._check_access()
             durable = bool(frame.flags & FLAG_DURABLE)
             if frame.opcode == Opcode.PUT:
-                hdr = frame.header
-                n = len(hdr) - 10               # u16 key length + key + u64 nbytes
-                if (0 < n <= self.limits.max_key_bytes and hdr[0] | hdr[1] << 8 == n
-                        and int.from_bytes(hdr[n + 2:], "little") == frame.payload_length):
-                    items = [(self._key(hdr[2:n + 2]), frame.payload_length)]
-                else:                           # the checked way, for its error
-                    item = messages.decode_put_request(hdr, frame.payload_length, self.limits)
-                    items = [(self._key(item.key), item.nbytes)]
+                raw, nbytes = decode_put_body(frame.header, frame.payload_length, self.limits.max_key_bytes)
+                items = [(self._key(raw), nbytes)]
             else:
                 decoded = messages.decode_put_many_request(frame.header, frame.payload_length, self.limits)
                 items = [(self._key(i.key), i.nbytes) for i in decoded]
@@ -630,13 +609,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             node = self.node
             if node.draining or (not self.tenant and not node.auth.open_mode):
                 self._check_access()
-            hdr = frame.header
-            n = len(hdr) - 2
-            # the body is u16 key length + key: anything else goes the checked way for its error
-            if 0 < n <= self.limits.max_key_bytes and hdr[0] | hdr[1] << 8 == n:
-                key = self._keys.decode(hdr[2:])
-            else:
-                key = self._keys.decode(messages.decode_get_request(hdr, self.limits))
+            key = self._keys.decode(decode_key_body(frame.header, self.limits.max_key_bytes))
             if not node.auth.open_mode and key.tenant_id != self.tenant:
                 self._own(key.tenant_id)
             lease = self.store.get(key, extent_ok=self._fd >= 0)
@@ -647,7 +620,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             return
         if lease.extent is not None:
             try:
-                self._take(rid)
+                self.take_request(rid)
                 if self.failed is None and not self.closed:
                     self._send_extent(rid, *lease.extent)
             finally:
@@ -660,7 +633,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
                 self._started[rid] = t0
                 self._ok(rid, _GET, b"", [lease.view], crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
                 return
-            self._take(rid)
+            self.take_request(rid)
             size = lease.size
             head = encode_frame_header(_GET, rid, flags=_GET_REPLY_FLAGS, payload_length=size)
             t = self.transport
@@ -757,8 +730,8 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
     def _pin(self, frame) -> None:
         req = messages.decode_pin_request(frame.header, self.limits)
         keys = [self._key(k) for k in req.keys]
-        ttl_s = req.ttl_ms / 1000.0 if req.ttl_ms else PIN_FOREVER_S
-        ttl_s = min(ttl_s, PIN_FOREVER_S)
+        # ttl 0 ("until UNPIN") and anything longer become the store's longest pin
+        ttl_s = min(req.ttl_ms / 1000.0, MAX_PIN_TTL_S) if req.ttl_ms else MAX_PIN_TTL_S
         done = []
         for key in keys:
             try:

@@ -130,7 +130,7 @@ def test_recovery_is_idempotent(tmp_path):
 
 
 def _flip_data_byte(tmp_path, tier, k, at=10):
-    off = dict((kk, o) for kk, o, _, _ in tier.entries())[k]
+    off = {kk: o for kk, o, _, _ in tier.entries()}[k]
     with open(tmp_path / ssdmod.DATA_NAME, "r+b") as f:
         f.seek(off + at)
         b = f.read(1)[0]
@@ -170,7 +170,7 @@ def test_eager_verification_drops_corrupt_block_at_open(tmp_path):
     r = SsdTier(tmp_path, CAP, verify="eager")
     assert r.keys() == [key(1)] and r.stats()["crc_failures"] == 1 and len(extents(r)) == 1
     _need_direct_io(r)
-    assert r.extent_of(key(1))[1:3] == (dict((k, o) for k, o, _, _ in r.entries())[key(1)], 5000)
+    assert r.extent_of(key(1))[1:3] == ({k: o for k, o, _, _ in r.entries()}[key(1)], 5000)
     r.close_sync()
 
 

@@ -8,9 +8,7 @@ import pytest
 
 from quillcache.errors import Busy, CapacityError, InvalidArgument, NotFound
 from quillcache.model import IdentityScope, KvBlockKey
-
-pytest.importorskip("quillcache._native.alloc")
-from quillcache.store.tiers import LocalKvStore  # noqa: E402
+from quillcache.store.tiers import LocalKvStore
 
 BLOCK = 1024
 SCOPE = IdentityScope("m", "tok", None, "t")
@@ -339,13 +337,15 @@ async def _open_ssd(tmp_path, capacity):
     # Assumed constructor of store/ssd.py: SsdTier(directory, capacity=bytes) or an async open().
     from quillcache.store.ssd import SsdTier
     opener = getattr(SsdTier, "open", None)
-    ssd = opener(str(tmp_path / "ssd"), capacity=capacity) if opener else SsdTier(str(tmp_path / "ssd"), capacity=capacity)
+    path = str(tmp_path / "ssd")
+    ssd = opener(path, capacity=capacity) if opener else SsdTier(path, capacity=capacity)
     return await ssd if inspect.isawaitable(ssd) else ssd
 
 
 @pytest.fixture
 def ssd_mod():
-    return pytest.importorskip("quillcache.store.ssd")
+    from quillcache.store import ssd
+    return ssd
 
 
 def test_demotion_under_pressure_then_promotion_keeps_the_bytes(ssd_mod, tmp_path):

@@ -97,6 +97,24 @@ class _Base:
         if self.failed is None:
             self._lost(ConnectionLost(f"connection lost: {exc}" if exc else "connection closed"))
 
+    # ------------------------------------------------------------------ an owner that drives the parser
+
+    @property
+    def parser(self) -> FrameParser:
+        """The connection's frame parser, for an owner that reads events from it itself (the
+        sync client's GET): what it does not take goes back through ``hand_over``."""
+        return self._parser
+
+    def hand_over(self, ev: int, frame: Frame) -> None:
+        """An event the owner read from ``parser`` and does not handle itself: the connection
+        handles it as if it had read it, then every event already buffered behind it."""
+        self._event(ev, frame)
+        self._process()
+
+    def fail(self, exc: BaseException) -> None:
+        """The owner saw ``parser`` raise (a malformed frame): the connection fails with ``exc``."""
+        self._fail(exc)
+
     def _process(self) -> None:
         parser = self._parser
         try:
@@ -203,7 +221,7 @@ class ProtocolConnection(_Base):
                  payload_views: Sequence[Any] = (), *, flags: int = 0, payload_crc: bool = False) -> None:
         """Send the OK reply of an in-flight request; ``payload_views`` follow the header
         without being copied (writelines)."""
-        expected = self._take(request_id)
+        expected = self.take_request(request_id)
         if opcode != expected:
             raise InvalidArgument(f"reply opcode {opcode:#04x} for a request with opcode {expected:#04x}")
         if opcode == Opcode.HELLO and header_body:
@@ -215,11 +233,14 @@ class ProtocolConnection(_Base):
 
     def reply_error(self, request_id: int, exc: BaseException) -> None:
         """Send the ERROR reply of an in-flight request (status and message from ``exc``)."""
-        self._take(request_id)
+        self.take_request(request_id)
         if self.failed is None and not self.closed:
             self._send_error(request_id, exc)
 
-    def _take(self, request_id: int) -> int:
+    def take_request(self, request_id: int) -> int:
+        """Take an in-flight request out of flight without replying: its owner writes the
+        reply itself (``encode_frame_header`` + payload views, the GET fast path).  Returns
+        its opcode; InvalidArgument if it is not in flight."""
         try:
             return self._in_flight.pop(request_id)
         except KeyError:
@@ -415,6 +436,24 @@ class ClientProtocolConnection(_Base):
             del self._pending[rid]
             raise
         return rid
+
+    def send_bare(self, opcode: int, header_body: bytes, into: Destination | Callable[[Frame], Destination]) -> int:
+        """``send_request`` for a request without payload or flags whose body the caller
+        already checked against ``peer_limits`` (the hot path of a GET): one header
+        encode and one write, none of the other checks.  Returns the request id."""
+        rid = self._new_id()
+        self._pending[rid] = (opcode, into)     # before the write: a reply may come back at once
+        try:
+            self._write([encode_frame_header(opcode, rid, header=header_body)])
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
+        return rid
+
+    def complete(self, request_id: int) -> None:
+        """The owner consumed the whole reply of ``request_id`` from ``parser`` itself (up to
+        its EV_PAYLOAD_END): the request is no longer pending."""
+        del self._pending[request_id]
 
     def _new_id(self) -> int:
         rid = self._next_id

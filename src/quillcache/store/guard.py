@@ -100,7 +100,7 @@ class IdentityGuard:
         # (tenant, prefix_hash, block_hash) -> the requester's own tenant's keys
         self._tenant: dict[tuple[str, str, str], set[KvBlockKey]] = {}
         self.refused_tenant = 0
-        self.refused = {v: 0 for v in _IDENTITY_PRECEDENCE}
+        self.refused = dict.fromkeys(_IDENTITY_PRECEDENCE, 0)
         self.served_cross_identity = 0     # tenant/off modes: served a block of another identity
         self.served_cross_tenant = 0       # off mode only
         self._unclassified: deque = deque(maxlen=AUDIT_QUEUE_MAX)   # misses not yet classified

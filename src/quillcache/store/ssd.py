@@ -382,7 +382,7 @@ class SsdTier:
             log.error("WAL %s: %d bytes dropped (%s)", self.wal_dir, nbytes, reason)
             self._counters["wal_corrupt_bytes"] += nbytes
         self.wal_corruption = list(reader.corruption)
-        for kb, (off, length, _, _) in entries.items():
+        for off, length, _, _ in entries.values():
             if off + _round_up(length, self.unit) > self.capacity:
                 raise InvalidArgument(f"capacity {self.capacity} is smaller than the existing data in "
                                       f"{self.data_path} (an extent ends at {off + length}): open it with "

@@ -29,7 +29,7 @@ import time
 from typing import Callable, Iterable, Optional
 
 from quillcache.errors import Busy, CapacityError, InvalidArgument, NotFound, QuillCacheError
-from quillcache.model import IdentityScope, KvBlockKey
+from quillcache.model import MAX_PIN_TTL_S, IdentityScope, KvBlockKey
 from quillcache.store.dram import ARENA_UNIT, DEFAULT_PUT_TIMEOUT_S, DramTier, PendingPut, Slot
 from quillcache.store.guard import IdentityGuard, miss_error
 from quillcache.store.policy import make_policy
@@ -43,7 +43,6 @@ DEFAULT_LEASE_S = 10.0               # seconds a get's view stays valid
 DEFAULT_MAX_BLOCK_BYTES = 16 << 20   # bytes: largest block (capped at the dram capacity)
 DEFAULT_MAX_LEASES = 65_536          # leases alive at once
 DEFAULT_MAX_INFLIGHT_PUTS = 4_096    # puts between start and end at once
-MAX_PIN_TTL_S = 7 * 24 * 3600.0      # seconds: longest pin
 MAX_LEASE_S = 3600.0                 # seconds: longest lease
 MAX_PREFIX_KEYS = 65_536             # keys in one exists_prefix call
 DEFAULT_MAX_HARD_PIN_FRACTION = 0.5  # of the dram capacity that hard pins may hold
@@ -718,7 +717,7 @@ class LocalKvStore:
             return {}
         now = self._clock() if now is None else now
         done = {"reaped": 0, "leases_expired": 0, "pins_expired": 0, "demoted": 0, "audit_lines": 0}
-        for key in self._dram.reap_stale(now):
+        for _key in self._dram.reap_stale(now):
             done["reaped"] += 1
         if done["reaped"]:
             for seq in [s for s, h in self._handles.items() if not self._dram.is_pending(h._pending)]:
