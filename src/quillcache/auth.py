@@ -48,7 +48,11 @@ class Authenticator:
     def configure(self, tenants: Iterable[tuple[str, str]], max_failed_hellos: int) -> None:
         """(Re)load the tenant table and the limit (SIGHUP)."""
         table = []
-        for name, stored in tenants:
+        shm = set()
+        for entry in tenants:
+            name, stored = entry[0], entry[1]
+            if len(entry) > 2 and entry[2]:
+                shm.add(name)           # (name, token, True): its Unix-socket clients may map
             if not isinstance(stored, str) or not stored.startswith(_HASH_PREFIX) \
                     or len(stored) != len(_HASH_PREFIX) + 64:
                 raise InvalidArgument(f"tenant {name!r}: token must be stored as sha256:<64 hex>")
@@ -56,6 +60,7 @@ class Authenticator:
         if not isinstance(max_failed_hellos, int) or max_failed_hellos < 1:
             raise InvalidArgument(f"max_failed_hellos {max_failed_hellos!r}: must be a positive integer")
         self._tenants = tuple(table)
+        self._shm = frozenset(shm)
         self.max_failed_hellos = max_failed_hellos
 
     @property
@@ -65,6 +70,11 @@ class Authenticator:
     @property
     def tenant_names(self) -> list[str]:
         return [name for name, _ in self._tenants]
+
+    def may_map(self, tenant: str) -> bool:
+        """Whether a Unix-socket client bound to ``tenant`` may map the arena (docs/shm.md):
+        every client in open mode (the socket's mode is the fence), else tenants with shm."""
+        return self.open_mode or tenant in self._shm
 
     def has_tenant(self, name: str) -> bool:
         return any(n == name for n, _ in self._tenants)

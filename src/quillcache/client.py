@@ -31,7 +31,9 @@ payload goes from the socket straight into the destination.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import socket
 import struct
 import time
@@ -42,13 +44,14 @@ from quillcache._native.codec import (
 )
 from quillcache.config import DEFAULT_ADDRESS, parse_hostport
 from quillcache.errors import (
-    STATUS_CLASSES, ConnectionLost, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout,
-    UnsafeReuse, error_for_status,
+    STATUS_CLASSES, ConnectionLost, InvalidArgument, NotFound, PermissionDenied,
+    ProtocolError, QuillCacheError, Timeout, UnsafeReuse, error_for_status,
 )
 from quillcache.model import (
     IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope, encode_scope_prefix,
 )
-from quillcache.protocol import messages
+from quillcache import client_shm
+from quillcache.protocol import located, messages
 from quillcache.protocol.connection import ClientProtocolConnection, Reply
 from quillcache.protocol.info import parse_info
 from quillcache.protocol.opcodes import FLAG_DURABLE, InfoFormat, Opcode, PinMode, ProtocolLimits
@@ -63,12 +66,22 @@ KEY_CACHE_ENTRIES = 16384        # encoded keys kept per client (KvBlockKey -> b
 GET_MANY_BUFFER_BYTES = 8 << 20  # bytes: get_many packs consecutive values into buffers of at most this
 MIN_SOCKET_TIMEOUT_S = 0.001     # seconds: the smallest SO_RCVTIMEO set (0 would mean "forever")
 _GET = int(Opcode.GET)
+_STALE = " (the arena mapping is no longer the node's: reconnect() maps its new arena)"
 
 
 # --------------------------------------------------------------------------- shared pieces
 
 
-def _address(address) -> tuple[str, int]:
+UNIX_PREFIX = "unix:"            # Client("unix:/path/quillcached.sock"): the node's Unix socket
+
+
+def _address(address) -> "tuple[str, int] | str":
+    """(host, port) for TCP, or the socket path (a str) for ``unix:/path``."""
+    if isinstance(address, str) and address.startswith(UNIX_PREFIX):
+        path = address[len(UNIX_PREFIX):]
+        if not path:
+            raise InvalidArgument(f"address {address!r}: unix: needs a socket path")
+        return path
     if isinstance(address, tuple):
         return address[0], int(address[1])
     try:
@@ -187,13 +200,25 @@ class _Ops:
 
     # each returns the result (Client) or an awaitable of it (AsyncClient)
 
+    _arena: Optional["client_shm.Arena"] = None
+
+    @property
+    def shm(self) -> bool:
+        """Whether the node's arena is mapped (Unix socket, trusted): puts and gets then copy
+        through the mapping and the located calls are zero-copy."""
+        return self._arena is not None
+
     def put(self, key: KvBlockKey, data, durable: bool = False):
         mv = _payload(data)
+        if self._arena is not None:
+            return self._drive(client_shm.put_many_flow(self, [(key, mv)], durable))
         hdr = messages.encode_put_request(self._ekey(key), mv.nbytes, self.limits)
         return self._exec(_Req(Opcode.PUT, hdr, [mv] if mv.nbytes else [],
                                FLAG_DURABLE if durable else 0, None, lambda r: None))
 
     def get(self, key: KvBlockKey):
+        if self._arena is not None:
+            return self._drive(client_shm.get_flow(self, key, None))
         hdr = self._get_header(key)
         holder: list = []
 
@@ -206,6 +231,8 @@ class _Ops:
 
     def get_into(self, key: KvBlockKey, buffer):
         dst = _dest(buffer)
+        if self._arena is not None:
+            return self._drive(client_shm.get_flow(self, key, dst))
         hdr = self._get_header(key)
 
         def into(frame):
@@ -262,6 +289,8 @@ class _Ops:
 
     def put_many(self, items: Iterable[tuple[KvBlockKey, Any]], durable: bool = False):
         """Store every (key, data); raises the first item's error (after all were tried)."""
+        if self._arena is not None:
+            return self._drive(client_shm.put_many_flow(self, [(k, _payload(d)) for k, d in items], durable))
         prepared = [(self._ekey(k), _payload(d)) for k, d in items]
         lim = self.limits
         reqs, starts = [], []
@@ -308,12 +337,15 @@ class _Ops:
         return self._get_many(keys, buffers)
 
     def _get_many(self, keys, buffers):
-        keys = [self._ekey(k) for k in keys]
+        keys = list(keys)
         dsts = None
         if buffers is not None:
             dsts = [_dest(b) for b in buffers]
             if len(dsts) != len(keys):
                 raise InvalidArgument(f"get_many_into: {len(keys)} keys and {len(dsts)} buffers")
+            if self._arena is not None:
+                return self._drive(client_shm.get_many_into_flow(self, keys, dsts))
+        keys = [self._ekey(k) for k in keys]
         lim = self.limits
         mb = lim.max_batch
         reqs = []
@@ -387,6 +419,9 @@ class _Ops:
     def stats(self, section: str = ""):
         return self._exec(self._stats_req(InfoFormat.JSON, section))
 
+    def _map_req(self) -> _Req:
+        return _Req(Opcode.MAP, b"", (), 0, None, lambda r: located.decode_map_reply(r.header))
+
     def _hello_req(self, token: bytes, name: str) -> _Req:
         return _Req(Opcode.HELLO, messages.encode_hello_request(token, client_name=name), (), 0, None,
                     lambda r: messages.decode_hello_reply(r.header))
@@ -444,25 +479,43 @@ class _SyncConnection(ClientProtocolConnection):
 
 
 class Client(_Ops):
-    """A blocking client over one TCP connection (TCP_NODELAY).  Not thread-safe: use one
-    per thread."""
+    """A blocking client over one TCP connection (TCP_NODELAY), or over the node's Unix
+    socket (``"unix:/path/quillcached.sock"``), where a trusted client maps the node's arena
+    at connect (``shm``; ``shm=False`` does not ask).  Not thread-safe: use one per thread."""
 
     def __init__(self, address=DEFAULT_ADDRESS, token=None, timeout: float = DEFAULT_TIMEOUT_S, *,
-                 client_name: str = CLIENT_NAME) -> None:
+                 client_name: str = CLIENT_NAME, shm: bool = True) -> None:
         self.address = _address(address)
         self.timeout = float(timeout)
         self._conn: Optional[_SyncConnection] = None
         self._keys: dict = {}
         self.tenant: Optional[str] = None
         self.server_name = ""
+        self._token = _token(token)
+        self._name = client_name
+        self._want_shm = bool(shm)
+        self.shm_refused = ""            # why MAP was refused (the copy path is used), "" if not
+        self._connect()
+
+    def _connect(self) -> None:
+        where = self.address if isinstance(self.address, str) else f"{self.address[0]}:{self.address[1]}"
         try:
-            sock = socket.create_connection(self.address, timeout=self.timeout)
+            if isinstance(self.address, str):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(self.timeout)
+                    sock.connect(self.address)
+                except BaseException:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection(self.address, timeout=self.timeout)
         except socket.timeout:
-            raise Timeout(f"connecting to {self.address[0]}:{self.address[1]} timed out") from None
+            raise Timeout(f"connecting to {where} timed out") from None
         except OSError as exc:
-            raise ConnectionLost(f"cannot connect to {self.address[0]}:{self.address[1]}: "
-                                 f"{exc.strerror or exc}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            raise ConnectionLost(f"cannot connect to {where}: {exc.strerror or exc}") from None
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # Blocking socket, timeouts in the kernel: a recv/send is one syscall (CPython's
         # timeout mode polls before each one and settimeout() costs an ioctl).
         sock.settimeout(None)
@@ -472,12 +525,133 @@ class Client(_Ops):
         self._sock = sock
         self._conn = _SyncConnection(sock)
         try:
-            hello = self._exec(self._hello_req(_token(token), client_name))
+            hello = self._exec(self._hello_req(self._token, self._name))
+            self.tenant = hello.tenant_id or None
+            self.server_name = hello.server_name
+            if sock.family == socket.AF_UNIX and self._want_shm:
+                self._map()
         except BaseException:
             self.close()
             raise
-        self.tenant = hello.tenant_id or None
-        self.server_name = hello.server_name
+
+    def _map(self) -> None:
+        """MAP: the reply brings the arena's fd (SCM_RIGHTS), mapped here MAP_SHARED."""
+        conn = self._conn
+        rid = self._send(self._map_req())
+        deadline = time.monotonic() + self.timeout
+        fds: list[int] = []
+        try:
+            while rid not in conn.replies:
+                if time.monotonic() > deadline:
+                    raise Timeout(f"no MAP reply within {self.timeout} s")
+                try:
+                    n, got = client_shm.recv_with_fds(self._sock, conn.get_buffer(-1))
+                except (BlockingIOError, socket.timeout):
+                    conn.buffer_updated(0)
+                    continue
+                fds += got
+                if n == 0:
+                    conn.connection_lost(None)
+                    self._check()
+                conn.buffer_updated(n)
+            reply = conn.replies.pop(rid)
+            if reply.error is not None:
+                if isinstance(reply.error, PermissionDenied):
+                    self.shm_refused = str(reply.error)     # not trusted: the copy path it is
+                    return
+                raise reply.error
+            info = located.decode_map_reply(reply.header)
+            if len(fds) != 1:
+                raise ProtocolError(f"MAP reply came with {len(fds)} fds, expected 1")
+            self._arena = client_shm.Arena(fds[0], info)
+        finally:
+            for fd in fds:
+                os.close(fd)              # the mapping keeps the memory; the fd is not needed
+
+    def reconnect(self) -> None:
+        """Close and connect again (HELLO, and MAP on the Unix socket): after the node
+        restarted, this maps its new arena."""
+        self.close()
+        self._conn = None
+        self.shm_refused = ""
+        self._connect()
+
+    def _drive(self, flow):
+        """Run a client_shm flow: each request it yields is executed, its result sent back."""
+        try:
+            req = next(flow)
+            while True:
+                try:
+                    result = self._exec(req)
+                except BaseException as exc:
+                    req = flow.throw(exc)
+                else:
+                    req = flow.send(result)
+        except StopIteration as stop:
+            return stop.value
+        except ConnectionLost as exc:
+            raise ConnectionLost(f"{exc}{_STALE}") from None
+
+    @contextlib.contextmanager
+    def get_many_located(self, keys: Iterable[KvBlockKey]):
+        """Zero-copy reads: yields a ``LocatedViews`` (a list of read-only memoryviews into
+        the mapped arena, None for a miss) valid inside the block; leaving it releases the
+        lease (and the views).  Raises Timeout on leaving if the lease ran out while held
+        (the bytes read may then be another block's).  Over TCP (or untrusted): the
+        ``get_many`` copies, read-only."""
+        keys = list(keys)
+        if self._arena is None:
+            out = client_shm.LocatedViews(None if v is None else v.toreadonly() for v in self.get_many(keys))
+            out.extents = [None] * len(out)
+            yield out
+            return
+        loc = self._drive(client_shm.located_flow(self, keys))
+        view = self._arena.view
+        out = client_shm.LocatedViews(None if e is None else view[e[0]:e[0] + e[1]].toreadonly()
+                                      for e in loc.extents)
+        out.extents = loc.extents
+        ok = False
+        try:
+            yield out
+            ok = True
+        finally:
+            for v in out:
+                if v is not None:
+                    try:
+                        v.release()
+                    except BufferError:
+                        pass          # the caller kept a derived view: its own hazard (docs/shm.md)
+            if loc.lease_ids and not self._conn.closed and self._conn.failed is None:
+                self._drive(client_shm.release_flow(self, loc.lease_ids))
+        if ok:
+            client_shm.check_lease(loc.expires_ns, "get_many_located")
+
+    @contextlib.contextmanager
+    def put_many_reserved(self, items: Iterable[tuple[KvBlockKey, int]], durable: bool = False):
+        """Zero-copy writes: ``items`` are (key, nbytes); yields a writable memoryview per
+        key (a reserved arena slot, invisible to readers); leaving the block commits them
+        all (``durable``: after the SSD fsync), an exception aborts them.  Write only inside
+        the views.  Over TCP (or untrusted): buffers sent by ``put_many`` on leaving."""
+        items = [(k, int(n)) for k, n in items]
+        if self._arena is None:
+            bufs = [memoryview(bytearray(n)) for _, n in items]
+            yield bufs
+            self.put_many([(k, b) for (k, _), b in zip(items, bufs)], durable)
+            return
+        reserves = self._drive(client_shm.reserve_flow(self, items, durable))
+        views = client_shm.slot_views(self, reserves, [n for _, n in items])
+        try:
+            yield views
+        except BaseException:
+            self._drive(client_shm.abort_flow(self, [r.reserve_id for r in reserves]))
+            raise
+        finally:
+            for v in views:
+                try:
+                    v.release()
+                except BufferError:
+                    pass
+        self._drive(client_shm.commit_flow(self, reserves))
 
     # ------------------------------------------------------------------ plumbing
 
@@ -487,8 +661,11 @@ class Client(_Ops):
             conn.connection_lost(None)
         try:
             self._sock.close()
-        except OSError:
+        except (OSError, AttributeError):
             pass
+        arena, self._arena = self._arena, None
+        if arena is not None:
+            arena.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -498,11 +675,13 @@ class Client(_Ops):
 
     def _check(self) -> _SyncConnection:
         conn = self._conn
+        if conn is None:
+            raise ConnectionLost("not connected (reconnect() failed)")
         if conn.failed is not None or conn.closed:
             err = conn.failed
             if isinstance(err, QuillCacheError):
                 raise err
-            raise ConnectionLost(f"connection is closed ({err})")
+            raise ConnectionLost(f"connection is closed ({err}){_STALE if self._arena is not None else ''}")
         return conn
 
     def _send(self, req: _Req) -> int:
@@ -560,6 +739,8 @@ class Client(_Ops):
     def get_into(self, key: KvBlockKey, buffer) -> int:
         """Receive the block straight into ``buffer`` (writable, C-contiguous); returns its size."""
         dst = _dest(buffer)
+        if self._arena is not None:
+            return self._drive(client_shm.get_flow(self, key, dst))
         hdr = self._get_header(key)
         cap = dst.nbytes
 
@@ -726,7 +907,7 @@ class AsyncClient(_Ops):
     (or ``await AsyncClient(...).connect()``).  Same methods as Client, as coroutines."""
 
     def __init__(self, address=DEFAULT_ADDRESS, token=None, timeout: float = DEFAULT_TIMEOUT_S, *,
-                 client_name: str = CLIENT_NAME) -> None:
+                 client_name: str = CLIENT_NAME, shm: bool = True) -> None:
         self.address = _address(address)
         self.timeout = float(timeout)
         self._token = _token(token)
@@ -735,9 +916,32 @@ class AsyncClient(_Ops):
         self._conn: Optional[_AsyncConnection] = None
         self.tenant: Optional[str] = None
         self.server_name = ""
+        self._want_shm = bool(shm)
+        self.shm_refused = ""
+
+    async def _connect_unix(self, loop) -> "AsyncClient":
+        # HELLO and MAP need recvmsg (the fd rides SCM_RIGHTS), which asyncio transports do
+        # not offer: they run on a blocking socket in a worker thread (the sync Client),
+        # then the socket, idle and with nothing buffered, is handed to the loop.
+        sync = await asyncio.to_thread(Client, UNIX_PREFIX + self.address, self._token, self.timeout,
+                                       client_name=self._name, shm=self._want_shm)
+        sock, limits = sync._sock, sync._conn.peer_limits
+        self._arena, sync._arena = sync._arena, None
+        self.tenant, self.server_name, self.shm_refused = sync.tenant, sync.server_name, sync.shm_refused
+        try:
+            _, conn = await loop.create_unix_connection(_AsyncConnection, sock=sock)
+        except BaseException:
+            sync.close()
+            await self.close()
+            raise
+        conn.peer_limits = limits
+        self._conn = conn
+        return self
 
     async def connect(self) -> "AsyncClient":
         loop = asyncio.get_running_loop()
+        if isinstance(self.address, str):
+            return await self._connect_unix(loop)
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(_AsyncConnection, *self.address), self.timeout)
@@ -760,6 +964,87 @@ class AsyncClient(_Ops):
         conn = self._conn
         if conn is not None and conn.transport is not None:
             conn.transport.close()
+        arena, self._arena = self._arena, None
+        if arena is not None:
+            arena.close()
+
+    async def reconnect(self) -> "AsyncClient":
+        """Close and connect again (HELLO, and MAP on the Unix socket)."""
+        await self.close()
+        self._conn = None
+        self.shm_refused = ""
+        return await self.connect()
+
+    async def _drive(self, flow):
+        """Run a client_shm flow, awaiting each request it yields."""
+        try:
+            req = next(flow)
+            while True:
+                try:
+                    result = await self._exec(req)
+                except BaseException as exc:
+                    req = flow.throw(exc)
+                else:
+                    req = flow.send(result)
+        except StopIteration as stop:
+            return stop.value
+        except ConnectionLost as exc:
+            raise ConnectionLost(f"{exc}{_STALE}") from None
+
+    @contextlib.asynccontextmanager
+    async def get_many_located(self, keys: Iterable[KvBlockKey]):
+        """``Client.get_many_located``, as an async context manager."""
+        keys = list(keys)
+        if self._arena is None:
+            out = client_shm.LocatedViews(None if v is None else v.toreadonly() for v in await self.get_many(keys))
+            out.extents = [None] * len(out)
+            yield out
+            return
+        loc = await self._drive(client_shm.located_flow(self, keys))
+        view = self._arena.view
+        out = client_shm.LocatedViews(None if e is None else view[e[0]:e[0] + e[1]].toreadonly()
+                                      for e in loc.extents)
+        out.extents = loc.extents
+        ok = False
+        try:
+            yield out
+            ok = True
+        finally:
+            for v in out:
+                if v is not None:
+                    try:
+                        v.release()
+                    except BufferError:
+                        pass
+            conn = self._conn
+            if loc.lease_ids and conn is not None and not conn.closed and conn.failed is None:
+                await self._drive(client_shm.release_flow(self, loc.lease_ids))
+        if ok:
+            client_shm.check_lease(loc.expires_ns, "get_many_located")
+
+    @contextlib.asynccontextmanager
+    async def put_many_reserved(self, items: Iterable[tuple[KvBlockKey, int]], durable: bool = False):
+        """``Client.put_many_reserved``, as an async context manager."""
+        items = [(k, int(n)) for k, n in items]
+        if self._arena is None:
+            bufs = [memoryview(bytearray(n)) for _, n in items]
+            yield bufs
+            await self.put_many([(k, b) for (k, _), b in zip(items, bufs)], durable)
+            return
+        reserves = await self._drive(client_shm.reserve_flow(self, items, durable))
+        views = client_shm.slot_views(self, reserves, [n for _, n in items])
+        try:
+            yield views
+        except BaseException:
+            await self._drive(client_shm.abort_flow(self, [r.reserve_id for r in reserves]))
+            raise
+        finally:
+            for v in views:
+                try:
+                    v.release()
+                except BufferError:
+                    pass
+        await self._drive(client_shm.commit_flow(self, reserves))
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()

@@ -187,8 +187,10 @@ def _tenants(value: Any) -> tuple[tuple[str, str], ...]:
     seen = set()
     out = []
     for i, item in enumerate(value):
-        if not isinstance(item, dict) or set(item) != {"name", "token"}:
-            raise ConversionError(f"entry {i} must have exactly name and token (e.g. {example})")
+        if not isinstance(item, dict) or not {"name", "token"} <= set(item) <= {"name", "token", "shm"}:
+            raise ConversionError(f"entry {i} must have name and token, and may have shm (e.g. {example})")
+        if not isinstance(item.get("shm", False), bool):
+            raise ConversionError(f"entry {i}: shm must be true or false")
         name, token = item["name"], item["token"]
         if not isinstance(name, str) or not _TENANT_RE.match(name):
             raise ConversionError(f"entry {i}: tenant name {name!r} must be 1-64 of A-Z a-z 0-9 _ . -")
@@ -198,7 +200,8 @@ def _tenants(value: Any) -> tuple[tuple[str, str], ...]:
         if name in seen:
             raise ConversionError(f"entry {i}: tenant {name!r} is listed twice")
         seen.add(name)
-        out.append((name, token))
+        # (name, token), or (name, token, True) for a tenant whose clients may map the arena
+        out.append((name, token, True) if item.get("shm") else (name, token))
     return tuple(out)
 
 
@@ -240,6 +243,12 @@ SETTINGS: tuple[Setting, ...] = (
        "Name of this node in stats and logs; empty means the host name."),
     _s("node", "listen", parse_hostport, DEFAULT_ADDRESS, False,
        "Address of the binary protocol (TCP)."),
+    _s("node", "unix_socket", _string, "", False,
+       "Path of the Unix-domain socket (same protocol, mode 0660; trusted clients map the DRAM "
+       "arena through it, docs/shm.md); empty means <data_dir>/quillcached.sock, \"off\" none."),
+    _s("node", "shm", _bool, True, False,
+       "Hand the DRAM arena to trusted clients of the Unix socket (tenants with shm = true, or "
+       "everyone in open mode); false: the Unix socket copies like TCP."),
     _s("node", "data_dir", _string, "./var", False,
        "Directory for the SSD data file, the WAL and checkpoints."),
     _s("node", "log_level", _choice("debug", "info", "warning", "error"), "info", True,
@@ -311,7 +320,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("metrics", "listen", parse_hostport, "127.0.0.1:7471", False,
        "Address of the /metrics HTTP endpoint."),
     _s("auth", "tenants", _tenants, [], True,
-       "Tenants as [[auth.tenants]] tables with name and token (a hash: quillctl auth hash-token)."),
+       "Tenants as [[auth.tenants]] tables with name and token (a hash: quillctl auth hash-token), "
+       "and shm = true where that tenant's Unix-socket clients may map the DRAM arena."),
     _s("auth", "max_failed_hellos", _int_range(1, 1 << 20), 10, True,
        "Failed HELLOs per peer address per minute before that peer is refused."),
     _s("router", "module", _choice("none"), "none", False,

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,9 @@ log = logging.getLogger("quillcache.daemon")
 
 MAINTENANCE_INTERVAL_S = 1.0     # seconds between store.maintenance() calls
 LISTEN_BACKLOG = 1024            # pending TCP connections the kernel queues
+UNIX_SOCKET_NAME = "quillcached.sock"    # in data_dir, unless [node] unix_socket names a path
+UNIX_SOCKET_MODE = 0o660         # owner and group may connect (the group is the fence in open mode)
+UNIX_PATH_MAX = 108              # bytes of sun_path, the terminating NUL included
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
                "error": logging.ERROR}
 
@@ -100,6 +104,8 @@ class Node:
         self.metrics_address: Optional[tuple[str, int]] = None
         self.node_id = cfg.node.id or socket.gethostname()
         self._listener: Optional[asyncio.base_events.Server] = None
+        self._unix_listener: Optional[asyncio.base_events.Server] = None
+        self.unix_path: Optional[str] = None      # the Unix socket's path while it listens
         self._maint: Optional[asyncio.Task] = None
         self._stop = asyncio.Event()
         self._stopped = False
@@ -154,7 +160,7 @@ class Node:
         self.server = NodeServer(self.store, limits=limits, auth=auth, metrics=self.metrics,
                                  max_connections=cfg.limits.max_connections, node_id=self.node_id,
                                  version=__version__, ssd=self.ssd,
-                                 sendfile=cfg.ssd.sendfile)
+                                 sendfile=cfg.ssd.sendfile, shm=cfg.node.shm)
         self.server.wal_backend = wal_backend
         loop = asyncio.get_running_loop()
         host, port = cfg.node.listen
@@ -162,6 +168,7 @@ class Node:
                                                   reuse_address=True, backlog=LISTEN_BACKLOG)
         self.address = self._listener.sockets[0].getsockname()[:2]
         self.server.listen = format_hostport(self.address)
+        await self._listen_unix(data_dir)
         if self.metrics is not None:
             self.metrics_address = self.metrics.serve(*cfg.metrics.listen)
             self.metrics.update_store(self._snapshot())
@@ -170,6 +177,31 @@ class Node:
                  f", metrics on http://{format_hostport(self.metrics_address)}/metrics"
                  if self.metrics_address else "")
         sd_notify(f"READY=1\nSTATUS=serving on {self.server.listen}\nMAINPID={os.getpid()}")
+
+    async def _listen_unix(self, data_dir: Path) -> None:
+        """The Unix-domain listener (docs/shm.md): bound, made 0660, then listening, so no
+        client can connect before the mode is set."""
+        path = self.cfg.node.unix_socket or str(data_dir / UNIX_SOCKET_NAME)
+        if path == "off":
+            return
+        if len(os.fsencode(path)) >= UNIX_PATH_MAX:
+            raise ConfigError(f"{self.cfg.source}: [node] unix_socket = {path!r}: longer than the "
+                              f"{UNIX_PATH_MAX - 1} bytes a Unix socket path may have")
+        _unlink_stale_socket(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            os.chmod(path, UNIX_SOCKET_MODE)
+            sock.listen(LISTEN_BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
+        self._unix_listener = await asyncio.get_running_loop().create_unix_server(
+            self.server.unix_protocol_factory, sock=sock)
+        self.unix_path = path
+        self.server.unix_path = path
+        log.info("Unix socket %s (mode %o), arena sharing %s", path, UNIX_SOCKET_MODE,
+                 "on" if self.server.shm else "off")
 
     def _snapshot(self) -> dict:
         st = self.store.stats()
@@ -299,6 +331,12 @@ class Node:
         drained = True
         if self._listener is not None:
             self._listener.close()              # stop accepting
+        if self._unix_listener is not None:
+            self._unix_listener.close()
+            try:
+                os.unlink(self.unix_path)       # the next start binds a fresh one
+            except OSError:
+                pass
         if self.server is not None:
             n = self.server.in_flight
             log.info("draining %d in-flight requests (up to %s s)", n, self.cfg.node.drain_timeout)
@@ -321,6 +359,26 @@ class Node:
             self.metrics.close()
         log.info("stopped%s", "" if drained else " (drain timed out)")
         return drained
+
+
+def _unlink_stale_socket(path: str) -> None:
+    """Remove a socket file left by a node that died; refuse (EADDRINUSE) if one answers."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"[node] unix_socket {path!r} exists and is not a socket: not removing it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)                  # nobody listens: a stale file
+        return
+    finally:
+        probe.close()
+    raise OSError(98, f"another node listens on the Unix socket {path}")
 
 
 def _show(value: Any) -> str:

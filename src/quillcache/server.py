@@ -56,8 +56,9 @@ from quillcache.model import (
 )
 from quillcache.metrics import RequestCounters
 from quillcache.protocol import messages
-from quillcache.protocol.connection import ProtocolConnection
+from quillcache.protocol.connection import DEFER, ProtocolConnection
 from quillcache.protocol.info import render_info
+from quillcache.server_shm import LOCATED_HANDLERS, LocatedMixin
 from quillcache.protocol.opcodes import (
     FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode, PinMode,
     ProtocolLimits,
@@ -183,7 +184,8 @@ class NodeServer:
 
     def __init__(self, store, *, limits: Optional[ProtocolLimits] = None, auth: Optional[Authenticator] = None,
                  metrics=None, max_connections: int = 4096, node_id: str = "", version: str = "",
-                 ssd=None, lease_margin_s: float = LEASE_MARGIN_S, sendfile: bool = True) -> None:
+                 ssd=None, lease_margin_s: float = LEASE_MARGIN_S, sendfile: bool = True,
+                 shm: bool = True) -> None:
         self.store = store
         self.limits = limits or ProtocolLimits()
         self.auth = auth or Authenticator()
@@ -207,9 +209,18 @@ class NodeServer:
         # per-request counters: the metrics' own (read at scrape time) or private ones
         self.request_counters = metrics.requests if metrics is not None else RequestCounters()
         self.sendfile = sendfile and hasattr(os, "sendfile")   # GETs of SSD extents by sendfile
+        self.shm = bool(shm)             # MAP allowed on the Unix socket (for trusted principals)
+        self.unix_path = ""              # the Unix socket's path, when the daemon listens on one
+        self.arena_id = int.from_bytes(os.urandom(8), "little") or 1   # tells one arena from the next
 
     def protocol_factory(self) -> "ServerProtocol":
         return ServerProtocol(self)
+
+    def unix_protocol_factory(self) -> "ServerProtocol":
+        """A connection of the Unix socket: it may MAP the arena (docs/shm.md)."""
+        conn = ServerProtocol(self)
+        conn.unix = True
+        return conn
 
     @property
     def in_flight(self) -> int:
@@ -236,10 +247,13 @@ class NodeServer:
         return n
 
     def reauthorize(self) -> int:
-        """After a tenant reload: close connections bound to a tenant that is gone."""
+        """After a tenant reload: close connections bound to a tenant that is gone, and
+        mapped connections whose tenant may no longer map (a mapping cannot be revoked
+        otherwise: closing ends its leases; the client process keeps the pages mapped)."""
         n = 0
         for conn in list(self.connections):
-            if conn.tenant and not self.auth.has_tenant(conn.tenant):
+            if (conn.tenant and not self.auth.has_tenant(conn.tenant)) or \
+                    (conn.mapped and not self.auth.may_map(conn.tenant or "")):
                 conn.close()
                 n += 1
         return n
@@ -251,7 +265,11 @@ class NodeServer:
         server = {
             "node_id": self.node_id, "version": self.version, "protocol_version": PROTOCOL_VERSION,
             "process_id": os.getpid(), "uptime_s": round(time.time() - self.started, 3),
-            "listen": self.listen, "mode": "open" if self.auth.open_mode else "auth",
+            "listen": self.listen, "unix_socket": self.unix_path, "shm": self.shm,
+            "mapped_connections": sum(1 for c in self.connections if c.mapped),
+            "located_leases": sum(c.located_leases for c in self.connections),
+            "located_reserves": sum(c.located_reserves for c in self.connections),
+            "mode": "open" if self.auth.open_mode else "auth",
             "connections": len(self.connections), "requests": self.requests,
             "requests_in_flight": self.in_flight, "protocol_errors": self.protocol_errors,
             "draining": self.draining, "received_bytes": self.request_counters.received_bytes,
@@ -282,7 +300,7 @@ class NodeServer:
 # --------------------------------------------------------------------------- one connection
 
 
-class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
+class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol):
     """One client connection: the sans-I/O ProtocolConnection bound to a transport."""
 
     def __init__(self, node: NodeServer) -> None:
@@ -302,6 +320,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self._counters = node.request_counters
         self._keys = node.keys
         self._fd = -1                             # the socket's fd, for sendfile (-1: not available)
+        self._located_init()                      # located leases and reserves (server_shm)
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -346,6 +365,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
                 self.store.put_abort(h)
         self._puts.clear()
         self._release_held()
+        self._located_close()
 
     def buffer_updated(self, nbytes: int) -> None:
         self._counters.received_bytes += nbytes
@@ -365,7 +385,8 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self._release_held()
         if self._reading_paused and self.transport is not None and not self.transport.is_closing():
             self._reading_paused = False
-            self.transport.resume_reading()
+            if not self.put_deferred:
+                self.transport.resume_reading()
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -490,22 +511,52 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             else:
                 decoded = messages.decode_put_many_request(frame.header, frame.payload_length, self.limits)
                 items = [(self._key(i.key), i.nbytes) for i in decoded]
-            handles = []
-            try:
-                for key, nbytes in items:
-                    handles.append(self.store.put_start(key, nbytes, durable))
-            except BaseException:
-                for h in handles:           # all or nothing: the request changes nothing
-                    self.store.put_abort(h)
-                raise
+            handles = self.store.reserve_nowait(items, durable)     # all or nothing
         except QuillCacheError as exc:
             self._done(rid, frame.opcode, exc.status)
             raise                           # the connection replies it and skips the payload
-        self._puts[rid] = handles
+        if handles is None:                 # DRAM is full of blocks that must be demoted first
+            self._defer_put(frame, items, durable)
+            return DEFER
+        return self._put_destination(frame, handles)
+
+    def _put_destination(self, frame, handles: list):
+        self._puts[frame.request_id] = handles
         views = [h.view for h in handles if h.size]
         if frame.opcode == Opcode.PUT:
             return views[0] if views else None
         return views
+
+    def _defer_put(self, frame, items: list, durable: bool) -> None:
+        """Back-pressure: read nothing more from this client until the store has the slots."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        # a task, not _spawn: the connection must see DEFER before the slots can arrive
+        task = asyncio.get_running_loop().create_task(self._reserve_deferred(frame, items, durable))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reserve_deferred(self, frame, items: list, durable: bool) -> None:
+        rid = frame.request_id
+        try:
+            handles = await self.store.reserve(items, durable)
+        except Exception as exc:
+            if not isinstance(exc, QuillCacheError):
+                log.exception("internal error reserving a PUT from %s", self.peer)
+                exc = InvalidArgument(f"internal error: {exc!r}")
+            self._done(rid, frame.opcode, exc.status)
+            self.refuse_put(exc)
+        else:
+            if self.closed or self.failed is not None:
+                for h in handles:
+                    self.store.put_abort(h)
+                return
+            self.resume_put(self._put_destination(frame, handles))
+        if self.close_requested and self.transport is not None:
+            self.transport.close()
+        elif not self.put_deferred and not self._reading_paused and self.transport is not None \
+                and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _on_put_end(self, frame) -> None:
         handles = self._puts.pop(frame.request_id, None)
@@ -612,12 +663,32 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             key = self._keys.decode(decode_key_body(frame.header, self.limits.max_key_bytes))
             if not node.auth.open_mode and key.tenant_id != self.tenant:
                 self._own(key.tenant_id)
-            lease = self.store.get(key, extent_ok=self._fd >= 0)
+            lease = self.store.get_nowait(key, extent_ok=self._fd >= 0)
         except Exception as exc:
             if self.is_in_flight(rid):
                 self._started[rid] = t0
                 self._err(rid, _GET, exc)
             return
+        if lease is None:                   # SSD-only: read off the loop, reply when it is in
+            self._spawn(self._get_from_ssd(rid, key, frame.flags, t0))
+            return
+        self._reply_get(rid, lease, frame.flags, t0)
+
+    async def _get_from_ssd(self, rid: int, key: KvBlockKey, flags: int, t0: float) -> None:
+        try:
+            lease = await self.store.get_async(key)
+        except Exception as exc:
+            if self.is_in_flight(rid):
+                self._started[rid] = t0
+                self._err(rid, _GET, exc)
+            return
+        if not self.is_in_flight(rid):      # the connection went meanwhile
+            lease.release()
+            return
+        self._reply_get(rid, lease, flags, t0)
+
+    def _reply_get(self, rid: int, lease, flags: int, t0: float) -> None:
+        node = self.node
         if lease.extent is not None:
             try:
                 self.take_request(rid)
@@ -629,9 +700,9 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             self._counters.observe(_GET, 0, time.perf_counter() - t0)
             return
         try:
-            if frame.flags & FLAG_PAYLOAD_CRC or self.failed is not None or self.closed:
+            if flags & FLAG_PAYLOAD_CRC or self.failed is not None or self.closed:
                 self._started[rid] = t0
-                self._ok(rid, _GET, b"", [lease.view], crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
+                self._ok(rid, _GET, b"", [lease.view], crc=bool(flags & FLAG_PAYLOAD_CRC))
                 return
             self.take_request(rid)
             size = lease.size
@@ -694,19 +765,49 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
 
     def _get_many(self, frame) -> None:
         keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_MANY")]
-        leases, items = [], []
+        got = []
         try:
             for key in keys:
                 try:
-                    lease = self.store.get(key)
+                    lease = self.store.get_nowait(key)
                 except (NotFound, UnsafeReuse, Busy) as exc:
-                    items.append((exc.status, 0))
-                    continue
-                leases.append(lease)
-                items.append((0, lease.size))
+                    lease = exc
+                if lease is None:           # an SSD-only block: all of it off the loop
+                    break
+                got.append(lease)
+        except BaseException:
+            _release(got)
+            raise
+        if len(got) < len(keys):
+            _release(got)
+            self._spawn(self._get_many_async(frame.request_id, keys, frame.flags))
+            return
+        self._reply_get_many(frame.request_id, got, frame.flags)
+
+    async def _get_many_async(self, rid: int, keys: list, flags: int) -> None:
+        got = []
+        try:
+            for key in keys:
+                try:
+                    got.append(await self.store.get_async(key))
+                except (NotFound, UnsafeReuse, Busy) as exc:
+                    got.append(exc)
+        except Exception as exc:
+            _release(got)
+            if self.is_in_flight(rid):
+                self._err(rid, Opcode.GET_MANY, exc)
+            return
+        self._reply_get_many(rid, got, flags)
+
+    def _reply_get_many(self, rid: int, got: list, flags: int) -> None:
+        """``got``: per key, its lease or the miss (NotFound, UnsafeReuse, Busy) to report."""
+        leases = [g for g in got if not isinstance(g, Exception)]
+        try:
+            if not self.is_in_flight(rid):
+                return
+            items = [(g.status, 0) if isinstance(g, Exception) else (0, g.size) for g in got]
             body = messages.encode_get_many_reply(items, self.limits)
-            self._ok(frame.request_id, Opcode.GET_MANY, body, [l.view for l in leases],
-                     crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
+            self._ok(rid, Opcode.GET_MANY, body, [l.view for l in leases], crc=bool(flags & FLAG_PAYLOAD_CRC))
         finally:
             self._hold(leases)
 
@@ -806,6 +907,13 @@ class _Resume:
                     return stop.value
 
 
+def _release(got: list) -> None:
+    """Release the leases among ``got`` (leases and misses, as GET_MANY collects them)."""
+    for g in got:
+        if not isinstance(g, Exception):
+            g.release()
+
+
 async def _finish(coro, fut):
     return await _Resume(coro, fut)
 
@@ -821,4 +929,5 @@ _HANDLERS: dict[int, Callable[[ServerProtocol, Any], None]] = {
     Opcode.UNPIN: ServerProtocol._unpin,
     Opcode.LIST: ServerProtocol._list,
     Opcode.STATS: ServerProtocol._stats,
+    **LOCATED_HANDLERS,
 }

@@ -47,6 +47,13 @@ class Opcode(enum.IntEnum):
     UNPIN = 0x17        # n keys + mode, reply: bitmap of unpinned
     LIST = 0x18         # scope/prefix scan, reply: keys
     STATS = 0x20        # INFO-style text or JSON, reply payload = UTF-8 body
+    # located (shared-memory) operations, Unix socket only: protocol/located.py, docs/shm.md
+    MAP = 0x30          # reply carries the arena's memfd by SCM_RIGHTS (trusted clients)
+    GET_LOCATED = 0x31  # n keys, reply: lease id + per-key (status, offset, length) in the arena
+    RELEASE = 0x32      # n lease ids, reply: how many were held
+    RESERVE = 0x33      # n keys + sizes, reply: reserve id + per-key slot offset
+    COMMIT = 0x34       # reserve id (+ DURABLE), reply: per-key status
+    ABORT = 0x35        # reserve id, reply: empty
     ERROR = OP_ERROR    # reply only: status in the fixed header, message in the body
 
     INFO = 0x20         # alias of STATS

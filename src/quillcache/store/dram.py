@@ -1,4 +1,11 @@
-"""The DRAM tier of one node: one anonymous-mmap arena, blocks placed by the offset allocator.
+"""The DRAM tier of one node: one memfd arena, blocks placed by the offset allocator.
+
+The arena is a memfd mapped ``MAP_SHARED``, so that the daemon can hand its fd to a
+trusted same-host client (``SCM_RIGHTS``, docs/shm.md) which maps the very same pages.
+With ``hugepages`` the memfd is first asked for from the hugetlb pool (``MFD_HUGETLB``,
+2 MiB pages, only where the kernel has enough reserved); where it has not, a plain memfd
+is advised ``MADV_HUGEPAGE`` (shmem THP, where ``shmem_enabled`` allows it).
+``backing`` says which one this arena got.
 
 No per-block Python ``bytes`` on the data path.  A put reserves a slot and hands out a
 writable view of it (the daemon receives from the socket straight into that view); a get
@@ -16,6 +23,7 @@ slot would have no offset of its own in the allocator.
 from __future__ import annotations
 
 import mmap
+import os
 import time
 from typing import Callable, Iterator, Optional
 
@@ -30,7 +38,9 @@ ARENA_UNIT = 256                     # bytes: allocation granularity of the aren
 MAX_ARENA_BYTES = 1 << 40            # bytes (1 TiB): the allocator counts 256 B units in 32 bits
 DEFAULT_PUT_TIMEOUT_S = 30.0         # seconds a put may stay between start and end
 PAGE_BYTES = mmap.PAGESIZE           # bytes: touched once per page when pre-faulting
-_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+HUGETLB_BYTES = 2 << 20              # bytes: the hugetlb page size asked for (the x86-64/AArch64 default)
+ARENA_NAME = "quillcache-arena"      # the memfd's name (shown in /proc/PID/maps)
+_SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
 # Slot states
 PENDING = 0      # reserved by put_start, invisible to readers
@@ -45,15 +55,49 @@ def _load_allocator():
     return OffsetAllocator
 
 
-def hugepages_available() -> bool:
-    """Transparent hugepages can be asked for with madvise (mode ``always`` or ``madvise``)."""
+def hugepages_available(path: str = _SHMEM_THP) -> bool:
+    """Transparent hugepages can be asked for with madvise (a mode other than never/deny)."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
-        with open(_THP_ENABLED, encoding="ascii") as f:
-            return "[never]" not in f.read()
+        with open(path, encoding="ascii") as f:
+            text = f.read()
     except OSError:
         return False
+    return "[never]" not in text and "[deny]" not in text
+
+
+def _map_memfd(capacity: int, hugepages: bool, prefault: bool) -> tuple[int, mmap.mmap, str]:
+    """(fd, shared mapping, backing) of a fresh memfd of ``capacity`` bytes."""
+    flags = mmap.MAP_SHARED
+    if prefault and hasattr(mmap, "MAP_POPULATE"):
+        flags |= mmap.MAP_POPULATE
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    if hugepages and hasattr(os, "MFD_HUGETLB") and capacity % HUGETLB_BYTES == 0:
+        fd = -1
+        try:
+            fd = os.memfd_create(ARENA_NAME, os.MFD_CLOEXEC | os.MFD_HUGETLB)
+            os.ftruncate(fd, capacity)
+            # mmap reserves the hugetlb pages now: too few reserved fails here, not later by SIGBUS
+            return fd, mmap.mmap(fd, capacity, flags=flags, prot=prot), "memfd-hugetlb"
+        except OSError:
+            if fd >= 0:
+                os.close(fd)
+    fd = os.memfd_create(ARENA_NAME, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, capacity)
+        m = mmap.mmap(fd, capacity, flags=flags, prot=prot)
+    except BaseException:
+        os.close(fd)
+        raise
+    backing = "memfd"
+    if hugepages and hugepages_available():
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+            backing = "memfd-thp"
+        except OSError:
+            pass
+    return fd, m, backing
 
 
 class Slot:
@@ -113,17 +157,9 @@ class DramTier:
         self.max_block_bytes = max_block_bytes
         self.put_timeout_s = float(put_timeout_s)
         self._clock = clock
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        if prefault and hasattr(mmap, "MAP_POPULATE"):
-            flags |= mmap.MAP_POPULATE
-        self._map = mmap.mmap(-1, capacity, flags=flags)
-        self.hugepages = False
-        if hugepages and hugepages_available():
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-                self.hugepages = True
-            except OSError:
-                self.hugepages = False
+        # the fd stays open for the tier's life: it is what trusted clients map (SCM_RIGHTS)
+        self.fd, self._map, self.backing = _map_memfd(capacity, hugepages, prefault)
+        self.hugepages = self.backing != "memfd"
         self._buf = memoryview(self._map)
         self.array = np.frombuffer(self._map, dtype=np.uint8)   # numpy view of the whole arena
         if prefault and not hasattr(mmap, "MAP_POPULATE"):
@@ -288,3 +324,6 @@ class DramTier:
             self._map.close()
         except BufferError:
             pass                # outstanding views: the mapping goes when the last one does
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)        # clients that mapped it keep their mapping (and the pages)

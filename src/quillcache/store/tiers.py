@@ -21,6 +21,8 @@ the policy; the short version:
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import itertools
 import logging
@@ -46,6 +48,7 @@ DEFAULT_MAX_INFLIGHT_PUTS = 4_096    # puts between start and end at once
 MAX_LEASE_S = 3600.0                 # seconds: longest lease
 MAX_PREFIX_KEYS = 65_536             # keys in one exists_prefix call
 DEFAULT_MAX_HARD_PIN_FRACTION = 0.5  # of the dram capacity that hard pins may hold
+MAX_DEMOTIONS_IN_FLIGHT = 8          # SSD writes started at once to make room for waiting puts
 
 _TIER_COUNTERS = ("hits", "misses", "demotions", "promotions", "evictions", "lease_waits")
 
@@ -65,6 +68,16 @@ class _Entry:
         self.last_access = now
 
 
+class _Waiter:
+    """A reserve waiting for room: how many bytes, and the future its next try waits on."""
+
+    __slots__ = ("size", "fut")
+
+    def __init__(self, size: int):
+        self.size = size
+        self.fut: Optional[asyncio.Future] = None
+
+
 class PutHandle:
     """A put between start and end: write exactly ``size`` bytes into ``view``."""
 
@@ -76,6 +89,11 @@ class PutHandle:
         self.size = pending.size
         self.durable = durable
         self.view = pending.view
+
+    @property
+    def offset(self) -> int:
+        """Where the reserved slot starts in the DRAM arena (for a client that mapped it)."""
+        return self._pending.slot.offset
 
 
 class Lease:
@@ -100,6 +118,11 @@ class Lease:
     @property
     def released(self) -> bool:
         return self._store is None
+
+    @property
+    def offset(self) -> Optional[int]:
+        """Where the block starts in the DRAM arena; None unless it is held there."""
+        return self._slot.offset if self._slot is not None else None
 
     def release(self) -> None:
         store, self._store = self._store, None
@@ -171,10 +194,17 @@ class LocalKvStore:
         self._pinned: set[KvBlockKey] = set()
         self._busy: set[KvBlockKey] = set()               # demotion / SSD write in flight
         self._ssd_garbage: set[KvBlockKey] = set()        # stale SSD copies to remove
+        self._waiting: list[_Waiter] = []                 # reserves waiting for room, oldest first
+        self._demoting: dict[KvBlockKey, int] = {}        # key -> bytes: demotions started for room
+        self._demoting_bytes = 0
+        self._demotion_tasks: set[asyncio.Task] = set()
+        self._put_wait_s = 0.0                            # seconds reserves spent waiting, summed
+        self._reads: dict[KvBlockKey, asyncio.Future] = {}  # SSD reads in flight (get_async)
         self._stats = {"dram": dict.fromkeys(_TIER_COUNTERS, 0), "ssd": dict.fromkeys(_TIER_COUNTERS, 0)}
         self._stats["ssd"]["extent_leases"] = 0           # SSD hits handed out as extents (sendfile)
         self._counters = {"puts": 0, "puts_aborted": 0, "puts_reaped": 0, "leases_expired": 0,
-                          "dropped_dirty": 0, "removes": 0, "unsafe_served": 0}
+                          "dropped_dirty": 0, "removes": 0, "unsafe_served": 0,
+                          "put_waits": 0, "put_wait_timeouts": 0}
         self.closed = False
         if guard_mode == "off":
             log.warning("IDENTITY GUARD OFF: blocks are reused by content hash across models, "
@@ -226,81 +256,180 @@ class LocalKvStore:
     # ------------------------------------------------------------------ puts
 
     def put_start(self, key: KvBlockKey, size: int, durable: bool = False) -> PutHandle:
-        """Reserve a DRAM slot (evicting if needed); write ``size`` bytes into ``handle.view``."""
+        """Reserve a DRAM slot now; write ``size`` bytes into ``handle.view``.
+
+        Never waits: where room needs a demotion first (an SSD write) it raises Busy; the
+        daemon and ``put`` use ``reserve`` (awaitable) and ``reserve_nowait`` instead."""
+        handles = self.reserve_nowait(((key, size),), durable)
+        if handles is None:
+            raise Busy(f"dram full: {size} bytes need a demotion to the SSD tier first "
+                       "(await reserve() to wait for it)")
+        return handles[0]
+
+    def reserve_nowait(self, items, durable: bool = False) -> Optional[list[PutHandle]]:
+        """Reserve DRAM slots for every ``(key, size)`` of ``items`` at once (all or nothing).
+
+        Evicts blocks that can go without I/O (clean copies; any block in a store without an
+        SSD tier).  Returns None when only demotions (SSD writes) can make the room, or when
+        earlier puts already wait for them: then ``await reserve(...)``.  CapacityError when
+        nothing could ever make the room; nothing changes then."""
         self._check_open()
-        self._check_key(key)
-        self._dram.check_size(size)
+        items = list(items)
+        if not items:
+            return []
+        for key, size in items:
+            self._check_key(key)
+            self._dram.check_size(size)
         if durable and self._ssd is None:
             raise InvalidArgument("durable put needs an SSD tier (this store is DRAM only)")
-        if len(self._handles) >= self.max_inflight_puts:
+        if len(self._handles) + len(items) > self.max_inflight_puts:
             raise Busy(f"{len(self._handles)} puts in flight (max_inflight_puts={self.max_inflight_puts})")
-        pending = self._reserve(key, size)
-        handle = PutHandle(pending, durable or self.policy == "write_through")
-        self._handles[pending.slot.seq] = handle
-        return handle
+        if self._waiting:
+            return None                     # first come, first served: queue behind the waiters
+        return self._reserve_all(items, durable)
 
-    def _reserve(self, key: KvBlockKey, size: int) -> PendingPut:
+    async def reserve(self, items, durable: bool = False) -> list[PutHandle]:
+        """``reserve_nowait``, waiting (up to ``put_timeout_s``) while demotions make room."""
+        handles = self.reserve_nowait(items, durable)
+        if handles is not None:
+            return handles
+        items = list(items)
+        waiter = _Waiter(sum(size for _, size in items))
+        self._waiting.append(waiter)
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        deadline = loop.time() + self.put_timeout_s
+        self._counters["put_waits"] += 1
+        try:
+            while True:
+                waiter.fut = loop.create_future()
+                self._pressure()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await waiter.fut
+                except TimeoutError:
+                    self._counters["put_wait_timeouts"] += 1
+                    raise Busy(f"dram full: waited {self.put_timeout_s:g} s for demotions to the SSD "
+                               f"tier to make room for {waiter.size} bytes") from None
+                self._check_open()
+                handles = self._reserve_all(items, durable)
+                if handles is not None:
+                    return handles
+        finally:
+            self._waiting.remove(waiter)
+            self._put_wait_s += time.perf_counter() - t0
+            if self._waiting:
+                self._wake()                # the room this waiter did not take is for the next
+
+    def _reserve_all(self, items: list, durable: bool) -> Optional[list[PutHandle]]:
+        total = sum(size for _, size in items)
+        if total > self._dram.capacity:
+            raise CapacityError(total, *self._dram.report(),
+                                f"{total} bytes in one request: more than the dram capacity "
+                                f"({self._dram.capacity})")
+        placed: list[PendingPut] = []
+        try:
+            for key, size in items:
+                pending = self._place(key, size)
+                if pending is None:
+                    for p in placed:
+                        self._dram.put_abort(p)
+                    return None
+                placed.append(pending)
+        except BaseException:
+            for p in placed:
+                self._dram.put_abort(p)
+            raise
+        durable = durable or self.policy == "write_through"
+        handles = [PutHandle(p, durable) for p in placed]
+        for h in handles:
+            self._handles[h._pending.slot.seq] = h
+        return handles
+
+    def _place(self, key: KvBlockKey, size: int) -> Optional[PendingPut]:
+        """One slot now, evicting what can go without I/O; None when a demotion must come first."""
         try:
             return self._dram.put_start(key, size)
         except CapacityError:
             pass
-        if self._evictable_bytes(size) + self._dram.report()[0] >= size:
-            self._make_room(size)           # only when eviction can succeed: a doomed put evicts nothing
-        try:
-            return self._dram.put_start(key, size)
-        except CapacityError as exc:
-            free, largest = self._dram.report()
-            raise CapacityError(size, free, largest,
-                                f"dram full: cannot place {size} bytes ({free} bytes free, largest "
-                                f"extent {largest}) and nothing is evictable (leased, pinned or "
-                                "in flight)") from exc
-
-    def _evictable_bytes(self, enough: int) -> int:
-        """Bytes (in allocator units) that eviction could free, counted up to ``enough``."""
         now = self._clock()
-        dram = self._dram
+        free = self._dram.report()[0]
+        if self._evictable_bytes(now, size - free, no_io=True) + free >= size:
+            self._make_room(size, now)      # only when eviction can succeed: a doomed put evicts nothing
+            try:
+                return self._dram.put_start(key, size)
+            except CapacityError:
+                pass                        # fragmented: what is left needs demotions
+        if self._ssd is not None and (self._demoting or self._busy or self._evictable_bytes(now, 1, no_io=False)):
+            return None                     # demotions (or SSD writes in flight) will free it: wait
+        free, largest = self._dram.report()
+        raise CapacityError(size, free, largest,
+                            f"dram full: cannot place {size} bytes ({free} bytes free, largest "
+                            f"extent {largest}) and nothing is evictable (leased, pinned or "
+                            "in flight)")
+
+    # ------------------------------------------------------------------ eviction: one predicate
+
+    def _may_evict(self, key: KvBlockKey, now: float, soft_ok: bool, slot: Optional[Slot] = None) -> bool:
+        """May this block's copy (its DRAM ``slot``, or with None its SSD copy) be evicted now?
+
+        Never while a copy of it is in flight (busy, or queued for demotion), while a lease holds the DRAM slot, or
+        while it is hard-pinned; a soft-pinned block only when ``soft_ok``."""
+        if key in self._busy or key in self._demoting or (slot is not None and slot.refs > 0):
+            return False
+        entry = self._entries.get(key)
+        return entry is not None and not (entry.pin_until > now and (entry.hard or not soft_ok))
+
+    def _victims(self, tier: str, now: float, soft_ok: bool = True, leased: Optional[list] = None):
+        """(key, slot) of the blocks whose copy in ``tier`` may be evicted (``_may_evict``),
+        in policy order: unpinned ones first, then soft-pinned ones (``soft_ok``); slot is
+        None for the SSD tier.  Lazy: collect what to evict, then evict.  ``leased`` collects
+        the keys skipped because a lease holds them (first pass)."""
+        dram = tier == "dram"
+        lru = self._dram_lru if dram else self._ssd_lru
+        for soft in ((False, True) if soft_ok else (False,)):
+            for key in lru.candidates():
+                slot = self._dram.lookup(key) if dram else None
+                if dram and slot is None:
+                    continue
+                if not self._may_evict(key, now, soft, slot):
+                    if leased is not None and not soft and slot is not None and slot.refs > 0:
+                        leased.append(key)
+                    continue
+                if soft and not self._entries[key].pin_until > now:
+                    continue                # unpinned: the first pass had it
+                yield key, slot
+
+    def _costs_no_io(self, key: KvBlockKey) -> bool:
+        """Evicting the DRAM copy loses nothing: no SSD tier (a cache drops), or the SSD copy is current."""
+        if self._ssd is None:
+            return True
+        entry = self._entries[key]
+        return entry.ssd_version == entry.version
+
+    def _evictable_bytes(self, now: float, enough: int, no_io: bool) -> int:
+        """Bytes (in allocator units) that evicting DRAM copies could free, up to ``enough``;
+        ``no_io``: only copies that can go without a demotion."""
         total = 0
-        for key in self._dram_lru.candidates():
-            slot = dram.lookup(key)
-            if slot is None or key in self._busy:
-                continue
-            if slot.refs > 0:
-                self._stats["dram"]["lease_waits"] += 1    # a lease kept eviction off this block
-                continue
-            entry = self._entries[key]
-            if entry.pin_until > now and entry.hard:
+        leased = [] if no_io else None      # the leases that kept eviction off a block, once per attempt
+        for key, slot in self._victims("dram", now, leased=leased):
+            if no_io and not self._costs_no_io(key):
                 continue
             total += -(-slot.size // ARENA_UNIT) * ARENA_UNIT
             if total >= enough:
                 break
+        if leased:
+            self._stats["dram"]["lease_waits"] += len(leased)
         return total
 
-    def _make_room(self, size: int) -> None:
-        """Evict DRAM blocks in policy order until ``size`` fits in one extent, or none is left."""
-        now = self._clock()
+    def _make_room(self, size: int, now: float) -> None:
+        """Evict DRAM copies that cost no I/O, in policy order, until ``size`` fits in one extent."""
         dram = self._dram
-        for allow_soft in (False, True):
-            while dram.report()[1] < size:
-                victim = self._dram_victim(now, allow_soft)
-                if victim is None:
-                    break
-                self._evict_dram(victim)
-            else:
+        victims = [key for key, _ in self._victims("dram", now) if self._costs_no_io(key)]
+        for key in victims:
+            if dram.report()[1] >= size:
                 return
-
-    def _dram_victim(self, now: float, allow_soft: bool) -> Optional[KvBlockKey]:
-        dram = self._dram
-        for key in self._dram_lru.candidates():
-            slot = dram.lookup(key)
-            if slot is None or key in self._busy:
-                continue
-            if slot.refs > 0:
-                continue
-            entry = self._entries[key]
-            if entry.pin_until > now and (entry.hard or not allow_soft):
-                continue
-            return key
-        return None
+            self._evict_dram(key)
 
     def _evict_dram(self, key: KvBlockKey) -> None:
         """Free the DRAM copy; the block stays resident only if the SSD copy is current."""
@@ -312,9 +441,53 @@ class LocalKvStore:
             return                                  # still readable from SSD
         if entry.ssd_version is not None:
             self._ssd_garbage.add(key)              # stale copy of older bytes
-        if self._ssd is not None:
-            self._counters["dropped_dirty"] += 1
         self._drop_entry(key)
+
+    # ------------------------------------------------------------------ back-pressure
+
+    def _wake(self) -> None:
+        """Room may have been freed: every waiting reserve tries again, oldest first."""
+        for waiter in self._waiting:
+            if waiter.fut is not None and not waiter.fut.done():
+                waiter.fut.set_result(None)
+
+    def _pressure(self) -> None:
+        """Start demotions (up to MAX_DEMOTIONS_IN_FLIGHT) while puts wait for room or DRAM
+        is above the high watermark; each one that ends wakes the waiters and comes back here."""
+        if self._ssd is None or self.closed:
+            return
+        dram = self._dram
+        # Free bytes are not counted for the waiters: they could not place their blocks in
+        # them (fragmentation), so the room must come from blocks that go.
+        need = max(sum(w.size for w in self._waiting), dram.used - int(self.high_watermark * dram.capacity))
+        need -= self._demoting_bytes
+        if need <= 0 or len(self._demoting) >= MAX_DEMOTIONS_IN_FLIGHT:
+            return
+        now = self._clock()
+        victims = []
+        for key, slot in self._victims("dram", now):
+            if len(self._demoting) + len(victims) >= MAX_DEMOTIONS_IN_FLIGHT or need <= 0:
+                break
+            if self._costs_no_io(key):
+                continue                    # clean copies go without I/O when a put needs them
+            victims.append((key, slot.size))
+            need -= slot.size
+        loop = asyncio.get_running_loop()
+        for key, size in victims:
+            self._demoting[key] = size
+            self._demoting_bytes += size
+            task = loop.create_task(self._demote(key, for_room=True))
+            self._demotion_tasks.add(task)
+            task.add_done_callback(functools.partial(self._demotion_done, key))
+
+    def _demotion_done(self, key: KvBlockKey, task: asyncio.Task) -> None:
+        self._demotion_tasks.discard(task)
+        self._demoting_bytes -= self._demoting.pop(key, 0)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("demotion of %r failed: %r", key, task.exception())
+        if self._waiting:
+            self._wake()
+        self._pressure()
 
     async def put_end(self, handle: PutHandle) -> None:
         """Publish the put.  Durable puts return after the SSD tier's durable publish."""
@@ -357,7 +530,11 @@ class LocalKvStore:
             entry.ssd_version = version
             self._ssd_lru.insert(key)
             self._ssd_garbage.discard(key)
-        elif stale_ssd:
+        if self._waiting:
+            self._wake()                            # a replaced slot was freed, or a clean block came
+        if self._ssd is not None and self._dram.used > self.high_watermark * self._dram.capacity:
+            self._pressure()                        # demote ahead of the next puts
+        if stale_ssd:
             # The SSD holds older bytes of the key: drop them so they are never served.
             entry.ssd_version = None
             self._ssd_lru.remove(key)
@@ -368,14 +545,17 @@ class LocalKvStore:
         if self._handles.pop(pending.slot.seq, None) is None:
             return False
         self._counters["puts_aborted"] += 1
-        return self._dram.put_abort(pending)
+        freed = self._dram.put_abort(pending)
+        if self._waiting:
+            self._wake()
+        return freed
 
     async def put(self, key: KvBlockKey, data, durable: bool = False) -> None:
         """Convenience: start, copy ``data`` (any bytes-like object) into the slot, end."""
         src = memoryview(data)
         if src.ndim != 1 or src.itemsize != 1:
             src = src.cast("B")
-        handle = self.put_start(key, src.nbytes, durable)
+        (handle,) = await self.reserve(((key, src.nbytes),), durable)
         try:
             handle.view[:] = src
         except BaseException:
@@ -403,61 +583,143 @@ class LocalKvStore:
     def get(self, key: KvBlockKey, *, extent_ok: bool = False) -> Lease:
         """A lease on the block's bytes (read-only view); release it (or use ``with``).
 
+        Blocking where the block must be read from the SSD tier (tools, tests); the daemon
+        calls ``get_nowait`` and, when that says the SSD must be read, ``await get_async``.
+
         ``extent_ok``: the caller can send from a file (sendfile).  Then a block served from
         the SSD tier without being promoted (``promote_on_get`` off, or no DRAM room now)
         whose bytes were verified in this process comes as a lease with ``view`` None and
         ``extent`` = (fd, offset, length, crc32c), valid until the caller's next await."""
+        entry = self._lookup(key)
+        lease = self._lease_now(entry, extent_ok)
+        if lease is not None:
+            return lease
+        read = self._ssd_read_start(entry)
+        try:
+            n = self._ssd.read_into(entry.key, read[1])
+        except BaseException as exc:
+            return self._ssd_read_end(entry, read, exc) or self.get(key)
+        return self._ssd_read_end(entry, read, n) or self.get(key)
+
+    def get_nowait(self, key: KvBlockKey, *, extent_ok: bool = False) -> Optional[Lease]:
+        """``get`` without I/O: a lease on the DRAM copy, or a verified SSD extent (with
+        ``extent_ok``), or None when the block must be read from the SSD tier first."""
+        return self._lease_now(self._lookup(key), extent_ok)
+
+    def _lookup(self, key: KvBlockKey) -> _Entry:
         self._check_open()
         self._check_key(key)
         if len(self._leases) >= self.max_leases:
             raise Busy(f"{len(self._leases)} leases alive (max_leases={self.max_leases})")
-        entry = self._locate(key)
+        return self._locate(key)
+
+    def _lease_now(self, entry: _Entry, extent_ok: bool) -> Optional[Lease]:
         served = entry.key
         now = self._clock()
-        entry.last_access = now
         slot = self._dram.lookup(served)
         if slot is not None:
+            entry.last_access = now
             self._stats["dram"]["hits"] += 1
             self._dram_lru.touch(served)
             return self._new_lease(served, self._dram.acquire(slot), "dram", slot, now)
-        self._stats["dram"]["misses"] += 1
-        return self._get_from_ssd(entry, now, extent_ok)
-
-    def _get_from_ssd(self, entry: _Entry, now: float, extent_ok: bool = False) -> Lease:
-        key = entry.key
-        ssd = self._ssd
-        pending = None
-        if self.promote_on_get:
-            try:
-                pending = self._dram.put_start(key, entry.size)   # promote only if there is room now
-            except CapacityError:
-                pass
-        if pending is None and extent_ok:
-            extent = ssd.extent_of(key)        # None until its bytes were verified: read below
+        if extent_ok and not self._promotes(entry):
+            extent = self._ssd.extent_of(served)     # None until its bytes were verified
             if extent is not None and extent[2] == entry.size:
+                entry.last_access = now
+                self._stats["dram"]["misses"] += 1
                 self._stats["ssd"]["hits"] += 1
                 self._stats["ssd"]["extent_leases"] += 1
-                self._ssd_lru.touch(key)
-                return self._new_lease(key, None, "ssd", None, now, extent)
-        try:
-            if pending is not None:
-                n = ssd.read_into(key, pending.view)
-            else:
-                buf = bytearray(entry.size)
-                n = ssd.read_into(key, buf)
-            if n != entry.size:
-                raise NotFound(f"ssd returned {n} bytes for a {entry.size}-byte block")
-        except NotFound:
-            # The SSD tier dropped the block (CRC mismatch) or lost it: it is gone for everyone.
+                self._ssd_lru.touch(served)
+                return self._new_lease(served, None, "ssd", None, now, extent)
+        return None
+
+    async def get_async(self, key: KvBlockKey) -> Lease:
+        """``get`` that reads SSD-only blocks off the event loop (the tier's read pool).
+
+        Concurrent gets of one SSD-only block share one read: the later ones wait for it
+        and then find the block promoted, or share the buffer it was read into."""
+        while True:
+            entry = self._lookup(key)
+            lease = self._lease_now(entry, False)
+            if lease is not None:
+                return lease
+            other = self._reads.get(entry.key)
+            if other is not None:
+                shared = await asyncio.shield(other)   # its errors are the first reader's to report
+                if shared is not None and shared[0] is entry and shared[1] == entry.version \
+                        and self._entries.get(entry.key) is entry and self._dram.lookup(entry.key) is None:
+                    self._stats["dram"]["misses"] += 1
+                    self._stats["ssd"]["hits"] += 1
+                    return self._new_lease(entry.key, memoryview(shared[2]).toreadonly(), "ssd", None,
+                                           self._clock())
+                continue
+            fut = asyncio.get_running_loop().create_future()
+            self._reads[entry.key] = fut
+            lease = None
+            try:
+                read = self._ssd_read_start(entry)
+                try:
+                    n = await self._ssd.read_into_async(entry.key, read[1])
+                except BaseException as exc:
+                    lease = self._ssd_read_end(entry, read, exc)
+                else:
+                    lease = self._ssd_read_end(entry, read, n)
+            finally:
+                del self._reads[entry.key]
+                # a buffer read (not promoted) is shared, read-only, with the gets that waited
+                fut.set_result((entry, read[2], read[1]) if lease is not None and lease.tier == "ssd"
+                               else None)
+            if lease is not None:
+                return lease                           # else: rewritten meanwhile, look again
+
+    def _promotes(self, entry: _Entry) -> bool:
+        """A get of this SSD-only block copies it into DRAM: allowed, no put waits for room,
+        and room without evicting anything."""
+        return (self.promote_on_get and not self._waiting
+                and self._dram.report()[1] >= entry.size)
+
+    def _ssd_read_start(self, entry: _Entry):
+        """(DRAM slot to promote into or None, destination buffer, version) for one SSD read."""
+        pending = None
+        if self._promotes(entry):
+            try:
+                pending = self._dram.put_start(entry.key, entry.size)
+                pending.slot.started = math.inf         # being filled: the reaper must not free it
+            except CapacityError:
+                pending = None
+        return (pending, pending.view if pending is not None else bytearray(entry.size), entry.version)
+
+    def _ssd_read_end(self, entry: _Entry, read, outcome) -> Optional[Lease]:
+        """The lease for an SSD read that ended with ``outcome`` (its length, or the
+        exception); None when the key was rewritten meanwhile (look it up again)."""
+        pending, buf, version = read
+        key = entry.key
+        now = self._clock()
+        if isinstance(outcome, BaseException):
             if pending is not None:
                 self._dram.put_abort(pending)
-            self._drop_entry(key)
-            self._stats["ssd"]["misses"] += 1
-            raise miss_error(key) from None
-        except BaseException:
+            if isinstance(outcome, NotFound) and self._entries.get(key) not in (entry, None):
+                return None                            # rewritten meanwhile: look again
+            if isinstance(outcome, NotFound):
+                # The SSD tier dropped the block (CRC mismatch) or lost it: gone for everyone.
+                if self._entries.get(key) is entry and self._dram.lookup(key) is None:
+                    self._drop_entry(key)
+                self._stats["ssd"]["misses"] += 1
+                raise miss_error(key) from None
+            raise outcome
+        if outcome != entry.size:
             if pending is not None:
                 self._dram.put_abort(pending)
-            raise
+            raise NotFound(f"ssd returned {outcome} bytes for a {entry.size}-byte block")
+        if self._entries.get(key) is not entry or entry.version != version or self._dram.lookup(key) is not None:
+            # Replaced, rewritten or removed while reading (an await): what we read is not current.
+            if pending is not None:
+                self._dram.put_abort(pending)
+            if self._entries.get(key) is None:
+                raise miss_error(key)
+            return None
+        entry.last_access = now
+        self._stats["dram"]["misses"] += 1
         self._stats["ssd"]["hits"] += 1
         self._ssd_lru.touch(key)
         if pending is None:
@@ -484,6 +746,19 @@ class LocalKvStore:
             pass                          # the caller made a derived view; documented hazard
         if lease._slot is not None and not self._dram.closed:
             self._dram.release(lease._slot)
+            if self._waiting:
+                self._wake()              # the block may be evictable (or its slot freed) now
+
+    # ------------------------------------------------------------------ the shared arena
+
+    @property
+    def arena_fd(self) -> int:
+        """The DRAM arena's memfd (a trusted client maps it: docs/shm.md)."""
+        return self._dram.fd
+
+    @property
+    def arena_bytes(self) -> int:
+        return self._dram.capacity
 
     def get_into(self, key: KvBlockKey, buffer) -> int:
         """Copy the block into ``buffer`` (writable, large enough); returns its size."""
@@ -565,6 +840,8 @@ class LocalKvStore:
         if slot is not None and slot.refs > 0:
             self._stats["dram"]["lease_waits"] += 1
         self._counters["removes"] += 1
+        if self._waiting:
+            self._wake()
         if entry.ssd_version is not None or key in self._ssd_garbage:
             await self._ssd_remove_if_unowned(key)
         return True
@@ -608,7 +885,7 @@ class LocalKvStore:
     # ------------------------------------------------------------------ SSD moves
 
     async def _ssd_write(self, key: KvBlockKey, data) -> None:
-        """ssd.put, evicting SSD blocks (LRU) while the SSD tier says it is full."""
+        """ssd.put, evicting SSD blocks (policy order) while the SSD tier says it is full."""
         while True:
             try:
                 await self._ssd.put(key, data)
@@ -619,25 +896,22 @@ class LocalKvStore:
 
     async def _evict_ssd_one(self, exclude: Optional[KvBlockKey] = None) -> bool:
         now = self._clock()
-        for allow_soft in (False, True):
-            for key in self._ssd_lru.candidates():
-                entry = self._entries.get(key)
-                if key == exclude or key in self._busy or entry is None:
-                    continue
-                if entry.pin_until > now and (entry.hard or not allow_soft):
-                    continue
-                if self._dram.lookup(key) is None:
-                    self._drop_entry(key)               # its only copy goes
-                else:
-                    entry.ssd_version = None            # the DRAM copy stays, now dirty
-                    self._ssd_lru.remove(key)
-                self._stats["ssd"]["evictions"] += 1
-                self._busy.add(key)
-                try:
-                    await self._ssd.remove(key)
-                finally:
-                    self._busy.discard(key)
-                return True
+        for key, _ in self._victims("ssd", now):
+            if key == exclude:
+                continue
+            entry = self._entries[key]
+            if self._dram.lookup(key) is None:
+                self._drop_entry(key)               # its only copy goes
+            else:
+                entry.ssd_version = None            # the DRAM copy stays, now dirty
+                self._ssd_lru.remove(key)
+            self._stats["ssd"]["evictions"] += 1
+            self._busy.add(key)
+            try:
+                await self._ssd.remove(key)
+            finally:
+                self._busy.discard(key)
+            return True
         return False
 
     async def _ssd_remove_if_unowned(self, key: KvBlockKey) -> None:
@@ -648,8 +922,12 @@ class LocalKvStore:
         self._ssd_garbage.discard(key)
         await self._ssd.remove(key)
 
-    async def _demote(self, key: KvBlockKey) -> bool:
-        """Move one block's DRAM copy to SSD (write it if the SSD copy is not current)."""
+    async def _demote(self, key: KvBlockKey, for_room: bool = False) -> bool:
+        """Move one block's DRAM copy to SSD (write it if the SSD copy is not current).
+
+        ``for_room``: a put waits for the slot.  If the SSD tier cannot take the block (full
+        of pinned blocks, or failed) the block is then dropped, counted in ``dropped_dirty``
+        and logged; otherwise (maintenance) it stays in DRAM."""
         entry = self._entries.get(key)
         slot = self._dram.lookup(key)
         if entry is None or slot is None:
@@ -660,6 +938,16 @@ class LocalKvStore:
             self._busy.add(key)
             try:
                 await self._ssd_write(key, self._dram.raw_view(slot).toreadonly())
+            except (QuillCacheError, OSError) as exc:
+                if not for_room:
+                    raise
+                self._busy.discard(key)
+                if self._entries.get(key) is entry and entry.version == version and self._dram.lookup(key) is slot:
+                    log.error("dram full and the SSD tier cannot take block %r (%d bytes): %s; "
+                              "the block is dropped", key, slot.size, exc)
+                    self._counters["dropped_dirty"] += 1
+                    self._evict_dram(key)
+                return False
             finally:
                 self._busy.discard(key)
                 self._dram.release(slot)
@@ -677,35 +965,28 @@ class LocalKvStore:
         self._dram_lru.remove(key)
         self._stats["dram"]["demotions"] += 1
         self._stats["ssd"]["demotions"] += 1
+        if self._waiting:
+            self._wake()
         return True
 
     def _demotion_victims(self, now: float, target_used: int) -> list[KvBlockKey]:
+        """Victims bringing DRAM use down to ``target_used`` (maintenance, high -> low watermark)."""
         victims = []
-        excess = self._dram.used - target_used
-        for allow_soft in (False, True):
-            for key in self._dram_lru.candidates():
-                if excess <= 0:
-                    return victims
-                slot = self._dram.lookup(key)
-                if slot is None or slot.refs > 0 or key in self._busy or key in victims:
-                    continue
-                entry = self._entries[key]
-                if entry.pin_until > now and (entry.hard or not allow_soft):
-                    continue
-                victims.append(key)
-                excess -= slot.size
+        excess = self._dram.used - target_used - self._demoting_bytes
+        for key, slot in self._victims("dram", now):
+            if excess <= 0:
+                break
+            victims.append(key)
+            excess -= slot.size
         return victims
 
     def _aged_victims(self, now: float) -> list[KvBlockKey]:
+        """Unpinned blocks not read for ``demote_after_s`` (policy order: stop at the first younger)."""
         cutoff = now - self.demote_after_s
         victims = []
-        for key in self._dram_lru.candidates():
-            entry = self._entries[key]
-            if entry.last_access > cutoff:
-                break                              # LRU order: the rest are younger
-            slot = self._dram.lookup(key)
-            if slot is None or slot.refs > 0 or key in self._busy or entry.pin_until > now:
-                continue
+        for key, _ in self._victims("dram", now, soft_ok=False):
+            if self._entries[key].last_access > cutoff:
+                break
             victims.append(key)
         return victims
 
@@ -719,6 +1000,8 @@ class LocalKvStore:
         done = {"reaped": 0, "leases_expired": 0, "pins_expired": 0, "demoted": 0, "audit_lines": 0}
         for _key in self._dram.reap_stale(now):
             done["reaped"] += 1
+        if done["reaped"] and self._waiting:
+            self._wake()
         if done["reaped"]:
             for seq in [s for s, h in self._handles.items() if not self._dram.is_pending(h._pending)]:
                 del self._handles[seq]
@@ -755,7 +1038,8 @@ class LocalKvStore:
             "store": {"policy": self.policy, "promote_on_get": self.promote_on_get,
                       "entries": len(self._entries), "leases": len(self._leases),
                       "puts_in_flight": len(self._handles), "pinned": len(self._pinned),
-                      **self._counters},
+                      "puts_waiting": len(self._waiting), "demotions_in_flight": len(self._demoting),
+                      "put_wait_seconds": round(self._put_wait_s, 6), **self._counters},
         }
         if self._ssd is not None:
             out["ssd"] = {"blocks": sum(1 for e in self._entries.values() if e.ssd_version is not None),
@@ -765,11 +1049,14 @@ class LocalKvStore:
     async def close(self) -> None:
         if self.closed:
             return
+        self.closed = True                  # no new demotion starts; waiting reserves fail
+        self._wake()
+        if self._demotion_tasks:            # the SSD writes in flight end before the tiers close
+            await asyncio.gather(*self._demotion_tasks, return_exceptions=True)
         for lease in list(self._leases.values()):
             lease.release()
         for handle in list(self._handles.values()):
             self.put_abort(handle)
-        self.closed = True
         self._dram.close()
         if self._ssd is not None:
             result = self._ssd.close()

@@ -1,0 +1,191 @@
+"""The same-host data path: TCP against the Unix socket with the mapped arena (docs/shm.md).
+
+One DRAM-only quillcached (started here, stopped at the end); batches of 256 blocks of
+256 KiB and of 4 MiB; every side touches every byte:
+
+  GET  tcp          Client(tcp).get_many_into(keys, buffers)            (the baseline; 4 MiB blocks
+                    in requests of 128 MiB: the client refuses GET_MANY replies over 256 MiB)
+       unix memcpy  Client(unix).get_many_into(keys, buffers)           (located GET + one memcpy per block)
+       located copy get_many_located(keys), each view copied into its buffer
+       located read get_many_located(keys), each view summed in place (no copy: reads every byte)
+  PUT  tcp          Client(tcp).put_many(items)                         (the baseline)
+       unix memcpy  Client(unix).put_many(items)                        (reserve + memcpy + commit)
+       reserved     put_many_reserved(...), the producer writes each slot (np.copyto)
+
+plus the control cost per block: GET_LOCATED + RELEASE, and RESERVE + COMMIT, of 256 keys
+without touching the bytes, divided by 256.  Every GET result is checked against what was
+put, outside the timed calls.  MB/s = MiB moved / seconds inside the calls (median of the
+rounds); ratios are against TCP in the same run.
+
+    python bench/local_path.py [--rounds N] [--no-pin]
+
+Targets (issue 12, on the 2-core dev machine): unix GET of 256 x 256 KiB >= 3x TCP;
+control cost <= 3 us per block.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _local_node import LocalNode  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+BATCH = 256                          # blocks per request
+SIZES = (256 * KiB, 4 * MiB)
+ROUNDS = {256 * KiB: 9, 4 * MiB: 3}  # timed rounds per side (median reported)
+CONTROL_ROUNDS = 200                 # located GET + RELEASE (and RESERVE + COMMIT) rounds
+TCP_REPLY_BYTES = 128 * MiB           # bytes per GET_MANY on TCP (the client refuses replies over 256 MiB)
+TARGET_GET_RATIO = 3.0               # unix GET of 256 x 256 KiB against TCP
+TARGET_CONTROL_US = 3.0              # microseconds of control per block
+
+
+def _keys(size: int):
+    from quillcache import KvBlockKey
+    return [KvBlockKey("bench-model", "tok", None, "", "local-path", f"{size}-{i}", 0, 16) for i in range(BATCH)]
+
+
+def _timed(fn, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _pin(node_pid: int, enabled: bool) -> str:
+    cpus = sorted(os.sched_getaffinity(0))
+    if not enabled or len(cpus) < 2:
+        return "not pinned"
+    half = len(cpus) // 2
+    server, client = cpus[:half], cpus[half:]
+    for tid in os.listdir(f"/proc/{node_pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), server)
+        except OSError:
+            pass
+    os.sched_setaffinity(0, client)
+    return f"server on CPUs {server}, client on {client}"
+
+
+def run_size(tcp, uni, size: int, rounds: int) -> dict:
+    keys = _keys(size)
+    src = np.random.default_rng(size).integers(0, 256, size * BATCH, dtype=np.uint8)
+    blocks = [src[i * size:(i + 1) * size] for i in range(BATCH)]
+    items = list(zip(keys, blocks))
+    dst = np.empty_like(src)
+    bufs = [dst[i * size:(i + 1) * size] for i in range(BATCH)]
+    sums = src.view(np.uint64).reshape(BATCH, -1).sum(axis=1, dtype=np.uint64)
+    total = size * BATCH
+    res: dict = {}
+
+    def check(what: str) -> None:
+        if not np.array_equal(dst, src):
+            raise SystemExit(f"{what}: wrong bytes")
+        dst[:] = 0
+
+    def located_copy():
+        with uni.get_many_located(keys) as views:
+            for v, b in zip(views, bufs):
+                b[:] = v
+
+    got_sums: list = []
+
+    def located_read():
+        got_sums.clear()
+        with uni.get_many_located(keys) as views:
+            for v in views:
+                got_sums.append(np.frombuffer(v, np.uint64).sum(dtype=np.uint64))
+
+    def reserved():
+        with uni.put_many_reserved([(k, size) for k in keys]) as views:
+            for v, b in zip(views, blocks):
+                np.copyto(np.frombuffer(v, np.uint8), b)
+
+    res["put tcp"] = total / _timed(lambda: tcp.put_many(items), rounds)
+    res["put unix memcpy"] = total / _timed(lambda: uni.put_many(items), rounds)
+    res["put reserved"] = total / _timed(reserved, rounds)
+    per = max(1, TCP_REPLY_BYTES // size)
+
+    def tcp_get():
+        for i in range(0, BATCH, per):      # the client takes GET_MANY replies up to 256 MiB
+            tcp.get_many_into(keys[i:i + per], bufs[i:i + per])
+
+    for name, fn in (("get tcp", tcp_get),
+                     ("get unix memcpy", lambda: uni.get_many_into(keys, bufs)),
+                     ("get located copy", located_copy)):
+        fn()
+        check(name)                      # once untimed (and checked), then timed
+        res[name] = total / _timed(fn, rounds)
+        check(name)
+    res["get located read"] = total / _timed(located_read, rounds)
+    if not np.array_equal(np.array(got_sums, dtype=np.uint64), sums):
+        raise SystemExit("get located read: wrong bytes")
+    return res
+
+
+def control_cost(uni) -> tuple[float, float]:
+    """Microseconds per block: GET_LOCATED + RELEASE, and RESERVE + COMMIT, of 256 keys."""
+    keys = _keys(256 * KiB)
+
+    def located():
+        with uni.get_many_located(keys):
+            pass
+
+    def reserve_commit():
+        with uni.put_many_reserved([(k, 4096) for k in keys]):
+            pass
+
+    located()
+    reserve_commit()
+    get_us = _timed(located, CONTROL_ROUNDS) / BATCH * 1e6
+    put_us = _timed(reserve_commit, CONTROL_ROUNDS) / BATCH * 1e6
+    return get_us, put_us
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=0, help="timed rounds per side (default: 9 at 256 KiB, 3 at 4 MiB)")
+    ap.add_argument("--no-pin", action="store_true", help="leave CPU placement to the scheduler")
+    args = ap.parse_args()
+    from quillcache import Client
+    # 1 GiB per 4 MiB batch, and a replacement needs a free slot before the old one goes
+    with LocalNode(dram="3GiB", max_block="8MiB") as node:
+        placement = _pin(node.proc.pid, not args.no_pin)
+        with Client(node.tcp, timeout=120) as tcp, Client(node.unix, timeout=120) as uni:
+            if not uni.shm:
+                raise SystemExit(f"the Unix client did not map the arena: {uni.shm_refused}")
+            print(f"local_path: batches of {BATCH}, one DRAM-only node, {placement}")
+            results = {}
+            for size in SIZES:
+                results[size] = run_size(tcp, uni, size, args.rounds or ROUNDS[size])
+            get_us, put_us = control_cost(uni)
+    names = ["get tcp", "get unix memcpy", "get located copy", "get located read",
+             "put tcp", "put unix memcpy", "put reserved"]
+    print(f"\n| side | {' | '.join(f'{s // KiB} KiB MB/s | x tcp' for s in SIZES)} |")
+    print("|---|" + "---|---|" * len(SIZES))
+    for name in names:
+        base = "get tcp" if name.startswith("get") else "put tcp"
+        cells = []
+        for size in SIZES:
+            r = results[size]
+            cells.append(f"{r[name] / MiB:,.0f} | {r[name] / r[base]:.2f}")
+        print(f"| {name} | {' | '.join(cells)} |")
+    ratio = results[256 * KiB]["get unix memcpy"] / results[256 * KiB]["get tcp"]
+    print(f"\ncontrol cost per block: GET_LOCATED+RELEASE {get_us:.2f} us, RESERVE+COMMIT {put_us:.2f} us "
+          f"(target <= {TARGET_CONTROL_US} us)")
+    print(f"target: unix GET of {BATCH} x 256 KiB = {ratio:.2f}x TCP (target >= {TARGET_GET_RATIO}x): "
+          f"{'met' if ratio >= TARGET_GET_RATIO else 'NOT met'}; control "
+          f"{'met' if max(get_us, put_us) <= TARGET_CONTROL_US else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""The client's shared-memory data path (docs/shm.md): the mapped arena and the located
+operations, written once as generators that both clients drive.
+
+A flow is a generator that yields request descriptions (``client._Req``) and is sent
+each one's result; ``Client`` drives it with blocking calls, ``AsyncClient`` with
+``await``.  So the steps of a located GET (locate, copy out of the mapping, release) or
+of a reserved PUT (reserve, copy into the mapping, commit) exist once.
+
+Safety on the read side: a located lease names CLOCK_MONOTONIC nanoseconds after which
+the node may reuse the extents.  Client and node share the host and its clock, so every
+flow checks the expiry after it has read the bytes: a copy that finished after the
+lease ran out raises ``Timeout`` (the bytes may be another block's) instead of returning
+them.  On the write side a client can only be trusted: the node cannot stop a write
+outside a reserved slot, or after the reserve was reaped.
+"""
+from __future__ import annotations
+
+import array
+import ctypes
+import mmap
+import os
+import socket
+import time
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from quillcache.errors import (
+    STATUS_CLASSES, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout, UnsafeReuse,
+    error_for_status,
+)
+from quillcache.protocol import located, messages
+from quillcache.protocol.opcodes import FLAG_DURABLE, Opcode
+
+__all__ = ["Arena", "Located", "LocatedViews", "recv_with_fds", "located_flow", "release_flow",
+           "get_many_into_flow", "get_flow", "put_many_flow", "reserve_flow", "commit_flow", "abort_flow",
+           "check_lease"]
+
+_MISS_STATUSES = (NotFound.status, UnsafeReuse.status)
+_MAX_FDS = 4                       # fds accepted in one MAP reply (one is sent; more is an error)
+
+
+class Arena:
+    """The node's DRAM arena mapped into this process (MAP_SHARED, read and write)."""
+
+    def __init__(self, fd: int, info: located.MapReply) -> None:
+        st = os.fstat(fd)
+        if st.st_size < info.arena_bytes:
+            raise ProtocolError(f"MAP: the fd is {st.st_size} bytes, the node announced {info.arena_bytes}")
+        self.size = info.arena_bytes
+        self.id = info.arena_id
+        self.lease_ns = info.lease_ns
+        self.put_timeout_ns = info.put_timeout_ns
+        self.map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.view = memoryview(self.map)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))   # for cudaHostRegister
+        self.closed = False
+
+    def close(self) -> None:
+        """Unmap; views still held elsewhere keep the pages until they go."""
+        if self.closed:
+            return
+        self.closed = True
+        self.array = None
+        try:
+            self.view.release()
+            self.map.close()
+        except BufferError:
+            pass
+
+
+def recv_with_fds(sock: socket.socket, buf: memoryview) -> tuple[int, list[int]]:
+    """One recvmsg into ``buf``; returns (bytes, fds received with them)."""
+    n, anc, flags, _ = sock.recvmsg_into([buf], socket.CMSG_SPACE(_MAX_FDS * 4))
+    fds: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[:len(data) - len(data) % a.itemsize])
+            fds.extend(a)
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError("MAP: ancillary data truncated (more fds than expected)")
+    return n, fds
+
+
+class Located(NamedTuple):
+    lease_ids: list[int]                         # what to RELEASE (0s left out)
+    expires_ns: int                              # the earliest expiry of the batches
+    extents: list[Optional[tuple[int, int]]]     # (offset, length) per key, None for a miss
+
+
+class LocatedViews(list):
+    """The views ``get_many_located`` yields (None for a miss), with ``extents``
+    ((offset, length) per key) for callers that address the arena themselves (gpu.py)."""
+
+    extents: list
+
+
+def check_lease(expires_ns: int, what: str) -> None:
+    if time.monotonic_ns() >= expires_ns:
+        raise Timeout(f"{what}: the located lease ran out before the bytes were read; they may "
+                      "belong to another block now, so they are not returned (retry)")
+
+
+def _status_error(status: int, what: str) -> QuillCacheError:
+    name = STATUS_CLASSES.get(status, QuillCacheError).__name__
+    return error_for_status(status, f"{what}: status {status} ({name})")
+
+
+# --------------------------------------------------------------------------- flows
+
+
+def located_flow(c, keys: Sequence):
+    """GET_LOCATED of every key (batches of max_batch) -> Located."""
+    from quillcache.client import _Req
+    lim = c.limits
+    ekeys = [c._ekey(k) for k in keys]
+    ids: list[int] = []
+    extents: list = []
+    expires = 1 << 63
+    try:
+        for start in range(0, len(ekeys), lim.max_batch):
+            chunk = ekeys[start:start + lim.max_batch]
+            rep = yield _Req(Opcode.GET_LOCATED, messages.encode_keys_request(chunk, lim, "GET_LOCATED"), (), 0,
+                             None, lambda r: located.decode_located_reply(r.header, lim))
+            if len(rep.items) != len(chunk):
+                raise ProtocolError(f"GET_LOCATED reply has {len(rep.items)} items for {len(chunk)} keys")
+            if rep.lease_id:
+                ids.append(rep.lease_id)
+                expires = min(expires, rep.expires_ns)
+            size = c._arena.size
+            for st, off, n in rep.items.tolist():
+                if st == 0:
+                    if off + n > size:
+                        raise ProtocolError(f"GET_LOCATED: extent {off}+{n} outside the {size}-byte arena")
+                    extents.append((off, n))
+                elif st in _MISS_STATUSES:
+                    extents.append(None)
+                else:
+                    raise _status_error(st, "get_located item")
+    except BaseException:
+        if ids:
+            yield from release_flow(c, ids)
+        raise
+    return Located(ids, expires, extents)
+
+
+def release_flow(c, ids: list[int]):
+    from quillcache.client import _Req
+    lim = c.limits
+    for start in range(0, len(ids), lim.max_batch):
+        yield _Req(Opcode.RELEASE, located.encode_release_request(ids[start:start + lim.max_batch], lim), (), 0,
+                   None, lambda r: located.decode_release_count(r.header))
+
+
+def get_many_into_flow(c, keys: Sequence, dsts: Sequence[memoryview]):
+    """Located GET, one memcpy per block out of the mapping, expiry check, release."""
+    loc = yield from located_flow(c, keys)
+    try:
+        view = c._arena.view
+        out: list = []
+        for i, (ext, dst) in enumerate(zip(loc.extents, dsts)):
+            if ext is None:
+                out.append(None)
+                continue
+            off, n = ext
+            if n > dst.nbytes:
+                raise InvalidArgument(f"get_many_into: buffer {i} has {dst.nbytes} bytes, its block is {n} bytes")
+            dst[:n] = view[off:off + n]
+            out.append(n)
+        check_lease(loc.expires_ns, "get_many_into")
+    finally:
+        if loc.lease_ids:
+            yield from release_flow(c, loc.lease_ids)
+    return out
+
+
+def get_flow(c, key, dst: Optional[memoryview]):
+    """One key: bytes (``dst`` None) or the size copied into ``dst``; NotFound on a miss
+    (the GET of the key then names the violation, as the copy path would)."""
+    loc = yield from located_flow(c, [key])
+    try:
+        ext = loc.extents[0]
+        if ext is None:
+            from quillcache.client import _Req
+            # a miss: ask the copy path, whose error names the reason (not found, unsafe reuse)
+            yield _Req(Opcode.GET, c._get_header(key), (), 0, lambda f: bytearray(f.payload_length), lambda r: None)
+            raise NotFound("located GET: no such block")   # reached only if the key appeared meanwhile
+        off, n = ext
+        src = c._arena.view[off:off + n]
+        if dst is None:
+            out: Any = bytes(src)
+        else:
+            if n > dst.nbytes:
+                raise InvalidArgument(f"get_into: buffer of {dst.nbytes} bytes, block is {n} bytes")
+            dst[:n] = src
+            out = n
+        check_lease(loc.expires_ns, "get")
+    finally:
+        if loc.lease_ids:
+            yield from release_flow(c, loc.lease_ids)
+    return out
+
+
+def reserve_flow(c, items: Sequence[tuple[Any, int]], durable: bool):
+    """RESERVE (batches of max_batch) -> [(reserve id, expires_ns, [offsets])]; all or
+    nothing: on an error every batch already reserved is aborted."""
+    from quillcache.client import _Req
+    lim = c.limits
+    prepared = [(c._ekey(k), n) for k, n in items]
+    out: list = []
+    try:
+        for start in range(0, len(prepared), lim.max_batch) if prepared else ():
+            chunk = prepared[start:start + lim.max_batch]
+            rep = yield _Req(Opcode.RESERVE, messages.encode_put_many_request(chunk, lim), (),
+                             FLAG_DURABLE if durable else 0, None,
+                             lambda r: located.decode_reserve_reply(r.header, lim))
+            if len(rep.offsets) != len(chunk):
+                raise ProtocolError(f"RESERVE reply has {len(rep.offsets)} slots for {len(chunk)} keys")
+            out.append(rep)
+            for off, (_, n) in zip(rep.offsets, chunk):
+                if off + n > c._arena.size:
+                    raise ProtocolError(f"RESERVE: slot {off}+{n} outside the {c._arena.size}-byte arena")
+    except BaseException:
+        yield from abort_flow(c, [r.reserve_id for r in out])
+        raise
+    return out
+
+
+def commit_flow(c, reserves: list):
+    from quillcache.client import _Req
+    lim = c.limits
+    first = None
+    i = 0
+    for rep in reserves:
+        statuses = yield _Req(Opcode.COMMIT, located.encode_id(rep.reserve_id), (), 0, None,
+                              lambda r: messages.decode_status_list(r.header, lim))
+        for st in statuses:
+            if st and first is None:
+                first = _status_error(st, f"put item {i}")
+            i += 1
+    if first is not None:
+        raise first
+
+
+def abort_flow(c, ids: list[int]):
+    from quillcache.client import _Req
+    for rid in ids:
+        try:
+            yield _Req(Opcode.ABORT, located.encode_id(rid), (), 0, None, lambda r: None)
+        except QuillCacheError:
+            pass                 # the connection is gone: the node aborts them itself
+
+
+def put_many_flow(c, items: Sequence[tuple[Any, memoryview]], durable: bool):
+    """RESERVE, one memcpy per block into its slot, COMMIT."""
+    reserves = yield from reserve_flow(c, [(k, mv.nbytes) for k, mv in items], durable)
+    try:
+        view = c._arena.view
+        pos = 0
+        for rep in reserves:
+            for off in rep.offsets:
+                mv = items[pos][1]
+                view[off:off + mv.nbytes] = mv
+                pos += 1
+    except BaseException:
+        yield from abort_flow(c, [r.reserve_id for r in reserves])
+        raise
+    yield from commit_flow(c, reserves)
+
+
+def slot_views(c, reserves: list, sizes: Iterable[int]) -> list[memoryview]:
+    view = c._arena.view
+    offsets = [off for rep in reserves for off in rep.offsets]
+    return [view[off:off + n] for off, n in zip(offsets, sizes)]

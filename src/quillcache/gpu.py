@@ -1,0 +1,225 @@
+"""Moving KV blocks between torch tensors and the node's mapped arena (docs/shm.md).
+
+torch is optional and imported only when these helpers are used; the daemon and the
+client never import it.
+
+    from quillcache import Client
+    from quillcache.gpu import ArenaCopier
+    with Client("unix:var/quillcached.sock") as c:
+        gpu = ArenaCopier(c)                  # registers the mapped arena with CUDA once
+        gpu.save(keys, kv_tensors)            # device -> arena slots -> commit
+        gpu.load(keys, kv_tensors)            # arena -> device; the lease ends when the copy did
+
+With CUDA and a mapped arena, every block is one ``cudaMemcpyAsync`` (``Tensor.copy_``
+with ``non_blocking``) between device memory and the registered (page-locked) arena, all
+on one stream; the call returns after one event says they completed, and only then is the
+lease released (load) or the batch committed (save).  Without CUDA the same calls copy
+between CPU tensors and the arena.  Without a mapping (TCP, or a client that may not map)
+they fall back to ``get_many_into`` / ``put_many`` through a host buffer.
+
+A tensor handed to load/save must be contiguous; its bytes are the block (any dtype).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Sequence
+
+from quillcache.errors import InvalidArgument, NotFound
+
+__all__ = ["ArenaCopier", "torch_available", "cuda_available"]
+
+_REGISTERED: dict[int, int] = {}        # arena address -> size, registered in this process
+_REG_LOCK = threading.Lock()
+CUDA_HOST_REGISTER_PORTABLE = 1         # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError("quillcache.gpu needs torch (pip install torch)") from exc
+    return torch
+
+
+def torch_available() -> bool:
+    try:
+        _torch()
+    except ImportError:
+        return False
+    return True
+
+
+def cuda_available() -> bool:
+    return torch_available() and _torch().cuda.is_available()
+
+
+def _bytes_of(t, what: str):
+    """A flat uint8 view of a contiguous tensor (same storage)."""
+    torch = _torch()
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"{what}: a torch.Tensor, not {type(t).__name__}")
+    if not t.is_contiguous():
+        raise InvalidArgument(f"{what}: the tensor must be contiguous")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _runs(pairs):
+    """Coalesce (arena offset, flat uint8 tensor, nbytes) copies into runs: where the next
+    block follows the previous one both in the arena and in the tensor's memory (one
+    storage), the two become one copy.  A batch saved in order into a fresh arena and loaded
+    into one KV buffer is then a handful of large copies instead of one per block."""
+    torch = _torch()
+    out = []
+    run = None                               # [offset, first tensor, nbytes, storage, start byte]
+    for off, t, n in pairs:
+        st = t.untyped_storage()
+        start = t.storage_offset() * t.element_size()
+        if (run is not None and run[0] + run[2] == off and run[3].data_ptr() == st.data_ptr()
+                and run[4] + run[2] == start and run[1].device == t.device):
+            run[2] += n
+            continue
+        if run is not None:
+            out.append(run)
+        run = [off, t, n, st, start]
+    if run is not None:
+        out.append(run)
+    result = []
+    for off, t, n, st, start in out:
+        if n == t.numel():
+            result.append((off, t[:n]))
+        else:                                # a view of the whole run in that storage
+            view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, start, (n,), (1,))
+            result.append((off, view))
+    return result
+
+
+class ArenaCopier:
+    """Batched copies between tensors and one client's mapped arena."""
+
+    def __init__(self, client, *, device: Optional[Any] = None, register: bool = True) -> None:
+        torch = _torch()
+        self.client = client
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu"))
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._arena = None
+        self._host = None                      # uint8 tensor over the whole mapped arena
+        self.registered = False
+        self._bind()
+        if register and self.stream is not None and self._arena is not None:
+            self.register()
+
+    def _bind(self) -> None:
+        """(Re)attach to the client's current mapping (a reconnect maps a new arena)."""
+        torch = _torch()
+        arena = getattr(self.client, "_arena", None)
+        if arena is self._arena:
+            return
+        self._arena = arena
+        self.registered = False
+        self._host = None if arena is None else torch.frombuffer(arena.map, dtype=torch.uint8)
+        if arena is not None and self.stream is not None:
+            self.register()
+
+    def register(self) -> None:
+        """cudaHostRegister the mapped arena, once per mapping in this process, so that copies
+        to and from it run at pinned-memory speed."""
+        arena = self._arena
+        if arena is None or self.stream is None:
+            return
+        torch = _torch()
+        with _REG_LOCK:
+            if _REGISTERED.get(arena.address) != arena.size:
+                err = torch.cuda.cudart().cudaHostRegister(arena.address, arena.size, CUDA_HOST_REGISTER_PORTABLE)
+                code = int(err) if not hasattr(err, "value") else int(err.value)
+                if code != 0:
+                    raise RuntimeError(f"cudaHostRegister of the {arena.size}-byte arena failed: error {code}")
+                _REGISTERED[arena.address] = arena.size
+        self.registered = True
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, keys: Sequence, dst_tensors: Sequence) -> list[Optional[int]]:
+        """Copy each key's block into the tensor at the same position; returns the bytes
+        copied per key, None for a miss (that tensor is left as it was)."""
+        keys = list(keys)
+        dsts = [_bytes_of(t, f"load: tensor {i}") for i, t in enumerate(dst_tensors)]
+        if len(dsts) != len(keys):
+            raise InvalidArgument(f"load: {len(keys)} keys and {len(dsts)} tensors")
+        self._bind()
+        if self._arena is None:
+            return self._load_copy(keys, dsts)
+        torch = _torch()
+        out: list = []
+        with self.client.get_many_located(keys) as views:
+            for i, (ext, dst) in enumerate(zip(views.extents, dsts)):
+                if ext is None:
+                    out.append(None)
+                    continue
+                off, n = ext
+                if n > dst.numel():
+                    raise InvalidArgument(f"load: tensor {i} has {dst.numel()} bytes, its block is {n} bytes")
+                out.append(n)
+            runs = _runs([(ext[0], dst, n) for ext, dst, n in zip(views.extents, dsts, out) if n is not None])
+            if self.stream is None:
+                for off, dst in runs:
+                    dst.copy_(self._host[off:off + dst.numel()])
+            else:
+                with torch.cuda.stream(self.stream):
+                    for off, dst in runs:
+                        dst.copy_(self._host[off:off + dst.numel()],
+                                  non_blocking=self.registered and dst.device.type == "cuda")
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                done.synchronize()             # the copies completed: now the lease may go
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return out
+
+    def _load_copy(self, keys, dsts) -> list[Optional[int]]:
+        torch = _torch()
+        sizes = []
+        for d in dsts:
+            sizes.append(d.numel())
+        host = [torch.empty(n, dtype=torch.uint8, pin_memory=self.stream is not None) for n in sizes]
+        got = self.client.get_many_into(keys, [h.numpy() for h in host])
+        for d, h, n in zip(dsts, host, got):
+            if n is not None:
+                d[:n].copy_(h[:n])
+        return got
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, keys: Sequence, src_tensors: Sequence, durable: bool = False) -> None:
+        """Store each tensor's bytes under the key at the same position (one batch: reserve,
+        copy device -> arena slots on the stream, wait, commit)."""
+        keys = list(keys)
+        srcs = [_bytes_of(t, f"save: tensor {i}") for i, t in enumerate(src_tensors)]
+        if len(srcs) != len(keys):
+            raise InvalidArgument(f"save: {len(keys)} keys and {len(srcs)} tensors")
+        self._bind()
+        if self._arena is None:
+            self.client.put_many([(k, s.cpu().numpy()) for k, s in zip(keys, srcs)], durable)
+            return
+        torch = _torch()
+        with self.client.put_many_reserved([(k, s.numel()) for k, s in zip(keys, srcs)], durable) as views:
+            runs = _runs([(self._offset_of(v), s, s.numel()) for v, s in zip(views, srcs)])
+            if self.stream is None:
+                for off, s in runs:
+                    self._host[off:off + s.numel()].copy_(s)
+            else:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))   # the producer's writes first
+                with torch.cuda.stream(self.stream):
+                    for off, s in runs:
+                        self._host[off:off + s.numel()].copy_(s, non_blocking=self.registered and s.is_cuda)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                done.synchronize()             # every byte is in its slot before the commit
+
+    def _offset_of(self, view: memoryview) -> int:
+        import ctypes
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        off = addr - self._arena.address
+        if not 0 <= off <= self._arena.size - view.nbytes:
+            raise NotFound("a reserved slot lies outside the mapped arena")
+        return off

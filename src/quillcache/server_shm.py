@@ -1,0 +1,249 @@
+"""The located (shared-memory) requests of a Unix-socket connection: MAP, GET_LOCATED,
+RELEASE, RESERVE, COMMIT, ABORT (opcodes 0x30-0x35).  docs/shm.md has the model.
+
+``LocatedMixin`` is mixed into ``server.ServerProtocol``; it keeps what one connection
+holds: its located leases (lease id -> store leases) and its reserves (reserve id -> put
+handles).  Both are let go when the connection goes, whatever the reason (a client killed
+with -9 included): leases are released, reserved slots aborted, so nothing a dead client
+held stays pinned and no slot it was writing is ever published.
+
+Trust: MAP is answered only on the Unix socket, only when ``[node] shm`` is on and the
+connection's principal may map (``Authenticator.may_map``).  The identity guard and the
+tenant check run on every located request exactly as on GET_MANY / PUT_MANY.
+"""
+from __future__ import annotations
+
+import array
+import itertools
+import logging
+import os
+import socket
+import time
+
+from quillcache._native.codec import encode_frame_header
+from quillcache.errors import Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse
+from quillcache.protocol import located, messages
+from quillcache.protocol.opcodes import FLAG_DURABLE, FLAG_REPLY, Opcode
+
+__all__ = ["LocatedMixin", "NS"]
+
+log = logging.getLogger("quillcache.server")
+
+NS = 1_000_000_000               # nanoseconds per second (lease and reserve expiries are monotonic ns)
+_MISS = (NotFound, UnsafeReuse, Busy)
+
+
+def _release_all(got: list) -> None:
+    for lease in got:
+        if lease is not None and not isinstance(lease, int):
+            lease.release()
+
+
+class LocatedMixin:
+    """Located requests and the per-connection state they hold (leases, reserves)."""
+
+    unix = False                 # set by NodeServer.unix_protocol_factory
+    mapped = False               # the arena fd was sent on this connection
+    _ids = itertools.count(1)    # lease and reserve ids, unique per node process
+
+    def _located_init(self) -> None:
+        self._located: dict[int, list] = {}       # lease id -> store leases
+        self._reserves: dict[int, list] = {}      # reserve id -> put handles
+
+    def _located_close(self) -> None:
+        """The connection is gone: release its leases, abort its reserves."""
+        leases, self._located = self._located, {}
+        for batch in leases.values():
+            for lease in batch:
+                lease.release()
+        reserves, self._reserves = self._reserves, {}
+        for handles in reserves.values():
+            for h in handles:
+                self.store.put_abort(h)
+
+    @property
+    def located_leases(self) -> int:
+        return sum(len(b) for b in self._located.values())
+
+    @property
+    def located_reserves(self) -> int:
+        return sum(len(h) for h in self._reserves.values())
+
+    def _need_mapped(self) -> None:
+        if not self.mapped:
+            raise PermissionDenied("located requests need the arena mapped (MAP on the Unix socket)")
+
+    # ------------------------------------------------------------------ MAP
+
+    def _map(self, frame) -> None:
+        rid = frame.request_id
+        node = self.node
+        if not self.unix:
+            raise PermissionDenied("MAP: the arena is shared only over the Unix socket")
+        if not node.shm:
+            raise PermissionDenied("MAP: this node does not share its arena ([node] shm = false); "
+                                   "use the copy path")
+        if not node.auth.may_map(self.tenant or ""):
+            raise PermissionDenied(f"MAP: tenant {self.tenant!r} may not map the arena (needs shm = true "
+                                   "on its [[auth.tenants]] entry); use the copy path")
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if t.get_write_buffer_size():
+            raise Busy("MAP: replies are queued on this connection; send MAP with nothing in flight")
+        store = self.store
+        body = located.encode_map_reply(located.MapReply(
+            store.arena_bytes, node.arena_id, int(store.lease_s * NS), int(store.put_timeout_s * NS)))
+        head = encode_frame_header(Opcode.MAP, rid, flags=FLAG_REPLY, header=body)
+        sock = socket.socket(fileno=os.dup(t.get_extra_info("socket").fileno()))
+        try:
+            # The fd rides on the reply's first byte; nothing is queued before it (checked above).
+            n = sock.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [store.arena_fd]))])
+        except OSError as exc:
+            raise Busy(f"MAP: could not send the arena fd ({exc})") from None
+        finally:
+            sock.close()
+        self.take_request(rid)
+        if n < len(head):
+            self._write([head[n:]])         # the rest of the frame, in order behind it
+        self.mapped = True
+        self._done(rid, Opcode.MAP, 0)
+        log.info("arena mapped by %s (tenant %r)", self.peer, self.tenant or "")
+
+    # ------------------------------------------------------------------ GET_LOCATED / RELEASE
+
+    def _get_located(self, frame) -> None:
+        self._need_mapped()
+        keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_LOCATED")]
+        store = self.store
+        got: list = []             # per key: a Lease, a miss status, or None (read the SSD first)
+        try:
+            for key in keys:
+                try:
+                    got.append(store.get_nowait(key))
+                except _MISS as exc:
+                    got.append(exc.status)
+        except BaseException:
+            _release_all(got)
+            raise
+        if None in got:
+            self._spawn(self._located_after_ssd(frame.request_id, keys, got))
+        else:
+            self._reply_located(frame.request_id, got)
+
+    async def _located_after_ssd(self, rid: int, keys: list, got: list) -> None:
+        """SSD-only blocks are read (and promoted into the arena) off the event loop first."""
+        try:
+            for i, lease in enumerate(got):
+                if lease is None:
+                    try:
+                        got[i] = await self.store.get_async(keys[i])
+                    except _MISS as exc:
+                        got[i] = exc.status
+        except Exception as exc:
+            _release_all(got)
+            self._err(rid, Opcode.GET_LOCATED, exc)
+            return
+        if self.closed or self.failed is not None:
+            _release_all(got)                  # the connection went meanwhile: nobody to hold them
+            return
+        self._reply_located(rid, got)
+
+    def _reply_located(self, rid: int, got: list) -> None:
+        held, items = [], []
+        expires = 0.0
+        for lease in got:
+            if isinstance(lease, int):
+                items.append((lease, 0, 0))
+            elif lease.offset is None:         # served from an SSD buffer (no room): not in the arena
+                lease.release()
+                items.append((NotFound.status, 0, 0))
+            else:
+                held.append(lease)
+                expires = lease.expires_at
+                items.append((0, lease.offset, lease.size))
+        lease_id = 0
+        if held:
+            lease_id = next(self._ids)
+            self._located[lease_id] = held
+        self._ok(rid, Opcode.GET_LOCATED, located.encode_located_reply(lease_id, int(expires * NS), items))
+
+    def _release(self, frame) -> None:
+        ids = located.decode_release_request(frame.header, self.limits)
+        n = 0
+        for lease_id in ids:
+            batch = self._located.pop(lease_id, None)
+            if batch is not None:
+                n += 1
+                for lease in batch:
+                    lease.release()
+        self._ok(frame.request_id, Opcode.RELEASE, located.encode_release_count(n))
+
+    # ------------------------------------------------------------------ RESERVE / COMMIT / ABORT
+
+    def _reserve(self, frame) -> None:
+        self._need_mapped()
+        durable = bool(frame.flags & FLAG_DURABLE)
+        items = [(self._key(i.key), i.nbytes)
+                 for i in messages.decode_put_many_request(frame.header, None, self.limits)]
+        handles = self.store.reserve_nowait(items, durable)        # all or nothing
+        if handles is None:              # room needs demotions (SSD writes): wait for them
+            self._spawn(self._reserve_waiting(frame.request_id, items, durable))
+        else:
+            self._reply_reserved(frame.request_id, handles)
+
+    async def _reserve_waiting(self, rid: int, items: list, durable: bool) -> None:
+        try:
+            handles = await self.store.reserve(items, durable)     # up to put_timeout, then Busy
+        except Exception as exc:
+            self._err(rid, Opcode.RESERVE, exc)
+            return
+        if self.closed or self.failed is not None:
+            for h in handles:
+                self.store.put_abort(h)
+            return
+        self._reply_reserved(rid, handles)
+
+    def _reply_reserved(self, rid: int, handles: list) -> None:
+        reserve_id = next(self._ids)
+        self._reserves[reserve_id] = handles
+        expires = time.monotonic() + self.store.put_timeout_s
+        self._ok(rid, Opcode.RESERVE,
+                 located.encode_reserve_reply(reserve_id, int(expires * NS), [h.offset for h in handles]))
+
+    def _commit(self, frame) -> None:
+        reserve_id = located.decode_id(frame.header, "COMMIT")
+        handles = self._reserves.pop(reserve_id, None)
+        if handles is None:
+            raise InvalidArgument(f"COMMIT: reserve {reserve_id} is not held by this connection "
+                                  "(committed, aborted, or never made)")
+        self._spawn(self._finish_commit(frame.request_id, handles))
+
+    async def _finish_commit(self, rid: int, handles: list) -> None:
+        statuses = []
+        for h in handles:
+            try:
+                await self.store.put_end(h)          # a durable reserve: fsync before visible
+                statuses.append(0)
+            except QuillCacheError as exc:
+                statuses.append(exc.status)         # e.g. reaped after put_timeout
+            except Exception:
+                log.exception("internal error in COMMIT item from %s", self.peer)
+                statuses.append(1)
+        self._ok(rid, Opcode.COMMIT, messages.encode_status_list(statuses, self.limits))
+
+    def _abort(self, frame) -> None:
+        reserve_id = located.decode_id(frame.header, "ABORT")
+        for h in self._reserves.pop(reserve_id, ()):
+            self.store.put_abort(h)
+        self._ok(frame.request_id, Opcode.ABORT)
+
+
+LOCATED_HANDLERS = {
+    Opcode.MAP: LocatedMixin._map,
+    Opcode.GET_LOCATED: LocatedMixin._get_located,
+    Opcode.RELEASE: LocatedMixin._release,
+    Opcode.RESERVE: LocatedMixin._reserve,
+    Opcode.COMMIT: LocatedMixin._commit,
+    Opcode.ABORT: LocatedMixin._abort,
+}
