@@ -28,10 +28,14 @@ from quillcache.errors import QuillCacheError
 from quillcache.model import KvBlockKey
 
 __all__ = ["TENANT_SALT_PREFIX", "TENANT_ARG", "model_scope", "hash_hex", "tenant_from_salt",
-           "tenant_from_args", "Identity", "chain_keys", "ConnectorCore"]
+           "tenant_from_args", "batch_len", "Identity", "chain_keys", "ConnectorCore"]
 
 TENANT_SALT_PREFIX = "tenant="      # cache_salt "tenant=<id>[;anything]" names the tenant
 TENANT_ARG = "quillcache_tenant"    # or the request's extra args / kv_transfer_params carry it
+# blocks per request: the client chunks a batch by count only, and 1,000 keys with a long model
+# scope overflow the node's 64 KiB header limit; 256 keys of ~200 bytes stay well inside it
+BATCH_BLOCKS = 256
+BATCH_BYTES = 64 << 20       # bytes per load/save request (the node refuses payloads over 256 MiB)
 COUNTERS = ("lookups", "lookup_errors", "hit_blocks", "miss_blocks", "loads", "load_errors",
             "loaded_blocks", "saves", "save_errors", "saved_blocks", "reconnects")
 
@@ -66,6 +70,12 @@ def tenant_from_args(args: Optional[dict], default: str = "") -> str:
     if args and isinstance(args.get(TENANT_ARG), str):
         return args[TENANT_ARG]
     return default
+
+
+def batch_len(buffers: Sequence) -> int:
+    """Blocks per request for blocks of this size (engines use one block size)."""
+    size = memoryview(buffers[0]).nbytes if buffers else 1
+    return max(1, min(BATCH_BLOCKS, BATCH_BYTES // max(size, 1)))
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,12 @@ class ConnectorCore:
         if not keys:
             return 0
         try:
-            prefix, _ = self._conn().exists_many(keys)
+            prefix = 0
+            for i in range(0, len(keys), BATCH_BLOCKS):
+                p, _ = self._conn().exists_many(keys[i:i + BATCH_BLOCKS])
+                prefix += p
+                if p < len(keys[i:i + BATCH_BLOCKS]):
+                    break
         except (QuillCacheError, OSError):
             self._count("lookup_errors")
             self._drop()
@@ -156,29 +171,37 @@ class ConnectorCore:
         self._count("loads")
         if not keys:
             return 0
+        n = 0
         try:
-            c = self._conn()
-            if getattr(c, "shm", False):
-                n = 0
-                with c.get_many_located(keys) as views:
-                    for v, dst in zip(views, buffers):
-                        d = memoryview(dst).cast("B")
-                        if v is None or v.nbytes != d.nbytes:
-                            break
-                        d[:] = v
-                        n += 1
-            else:
-                got = c.get_many_into(keys, buffers)
-                n = 0
-                for g, dst in zip(got, buffers):
-                    if g is None or g != memoryview(dst).nbytes:
-                        break
-                    n += 1
+            step = batch_len(buffers)
+            for i in range(0, len(keys), step):
+                got = self._load_batch(keys[i:i + step], buffers[i:i + step])
+                n += got
+                if got < len(keys[i:i + step]):
+                    break
         except (QuillCacheError, OSError):
             self._count("load_errors")
             self._drop()
             return 0
         self._count("loaded_blocks", n)
+        return n
+
+    def _load_batch(self, keys: list[KvBlockKey], buffers: list) -> int:
+        c = self._conn()
+        n = 0
+        if getattr(c, "shm", False):
+            with c.get_many_located(keys) as views:
+                for v, dst in zip(views, buffers):
+                    d = memoryview(dst).cast("B")
+                    if v is None or v.nbytes != d.nbytes:
+                        break
+                    d[:] = v
+                    n += 1
+        else:
+            for g, dst in zip(c.get_many_into(keys, buffers), buffers):
+                if g is None or g != memoryview(dst).nbytes:
+                    break
+                n += 1
         return n
 
     def _save(self, keys: list[KvBlockKey], buffers: list) -> bool:
@@ -187,13 +210,16 @@ class ConnectorCore:
             return True
         try:
             c = self._conn()
-            if getattr(c, "shm", False):
-                srcs = [memoryview(b).cast("B") for b in buffers]
-                with c.put_many_reserved([(k, s.nbytes) for k, s in zip(keys, srcs)]) as slots:
-                    for slot, s in zip(slots, srcs):
-                        slot[:] = s
-            else:
-                c.put_many(list(zip(keys, buffers)))
+            step = batch_len(buffers)
+            for i in range(0, len(keys), step):
+                ks, bs = keys[i:i + step], buffers[i:i + step]
+                if getattr(c, "shm", False):
+                    srcs = [memoryview(b).cast("B") for b in bs]
+                    with c.put_many_reserved([(k, s.nbytes) for k, s in zip(ks, srcs)]) as slots:
+                        for slot, s in zip(slots, srcs):
+                            slot[:] = s
+                else:
+                    c.put_many(list(zip(ks, bs)))
         except (QuillCacheError, OSError):
             self._count("save_errors")
             self._drop()
