@@ -1,0 +1,1 @@
+"""Engine connectors: one engine-agnostic core (core.py) and thin adapters per engine."""

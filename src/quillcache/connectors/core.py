@@ -1,0 +1,269 @@
+"""The engine-agnostic connector core: engine block chains -> KvBlockKeys, and batched
+exists / load / save against one node, where every failure is a miss (and a recompute).
+
+The adapters (vllm.py, sglang.py, lmcache.py) only translate their engine's calls into these.
+
+Identity (docs/engines.md has the table per engine):
+  model_id     = ``model_scope(...)``: the served model name plus TP rank, PP rank and the KV
+                 layout (dtype, block size, layers, layout name), so two layouts never share a key;
+  tokenizer_id = the tokenizer id;
+  adapter_id   = the request's LoRA name (None: the base model);
+  tenant_id    = ``tenant_from_salt(cache_salt)`` or ``tenant_from_args(extra_args)``;
+  prefix_hash  = the parent block's hash (hex; "" for the first block);
+  block_hash   = the engine's own block hash (hex).
+
+Data path: over ``unix:`` with the arena mapped, reads copy out of ``get_many_located`` views
+and writes fill ``put_many_reserved`` slots (no socket copy); over TCP, ``get_many_into``
+receives straight into the destination buffers and ``put_many`` sends them.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+from quillcache.errors import QuillCacheError
+from quillcache.model import KvBlockKey
+
+__all__ = ["TENANT_SALT_PREFIX", "TENANT_ARG", "model_scope", "hash_hex", "tenant_from_salt",
+           "tenant_from_args", "batch_len", "Identity", "chain_keys", "ConnectorCore"]
+
+TENANT_SALT_PREFIX = "tenant="      # cache_salt "tenant=<id>[;anything]" names the tenant
+TENANT_ARG = "quillcache_tenant"    # or the request's extra args / kv_transfer_params carry it
+# blocks per request: the client chunks a batch by count only, and 1,000 keys with a long model
+# scope overflow the node's 64 KiB header limit; 256 keys of ~200 bytes stay well inside it
+BATCH_BLOCKS = 256
+BATCH_BYTES = 64 << 20       # bytes per load/save request (the node refuses payloads over 256 MiB)
+COUNTERS = ("lookups", "lookup_errors", "hit_blocks", "miss_blocks", "loads", "load_errors",
+            "loaded_blocks", "saves", "save_errors", "saved_blocks", "reconnects")
+
+
+def model_scope(model: str, *, dtype: str, block_size: int, num_layers: int, layout: str,
+                tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """The model_id of every key: the model and everything that changes the bytes of a block."""
+    return (f"{model}|tp{tp_rank}of{tp_size}|pp{pp_rank}of{pp_size}|{dtype}|bs{block_size}"
+            f"|L{num_layers}|{layout}")
+
+
+def hash_hex(h: Any) -> str:
+    """An engine block hash as hex: bytes (vLLM, 32 bytes), int, or an already-hex str (SGLang)."""
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return bytes(h).hex()
+    if isinstance(h, int):
+        return format(h & ((1 << 256) - 1), "x")
+    if isinstance(h, str):
+        return h
+    raise TypeError(f"block hash {h!r}: expected bytes, int or str")
+
+
+def tenant_from_salt(cache_salt: Optional[str], default: str = "") -> str:
+    """The tenant a cache_salt names under the convention ``tenant=<id>[;...]``; otherwise
+    ``default`` (the engine's own tenant)."""
+    if cache_salt and cache_salt.startswith(TENANT_SALT_PREFIX):
+        return cache_salt[len(TENANT_SALT_PREFIX):].split(";", 1)[0]
+    return default
+
+
+def tenant_from_args(args: Optional[dict], default: str = "") -> str:
+    if args and isinstance(args.get(TENANT_ARG), str):
+        return args[TENANT_ARG]
+    return default
+
+
+def batch_len(buffers: Sequence) -> int:
+    """Blocks per request for blocks of this size (engines use one block size)."""
+    size = memoryview(buffers[0]).nbytes if buffers else 1
+    return max(1, min(BATCH_BLOCKS, BATCH_BYTES // max(size, 1)))
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a request's blocks belong to (the scope of its keys, besides the model scope)."""
+    model_id: str
+    tokenizer_id: str
+    adapter_id: Optional[str] = None
+    tenant_id: str = ""
+
+
+def chain_keys(ident: Identity, block_hashes: Sequence[Any], *, block_size: int, start: int = 0,
+               parent: Any = None) -> list[KvBlockKey]:
+    """Keys for a chain of engine block hashes; ``start`` is the index of the first one and
+    ``parent`` the hash before it (None at the start of the prompt)."""
+    keys = []
+    prev = "" if parent is None else hash_hex(parent)
+    for i, h in enumerate(block_hashes):
+        hx = hash_hex(h)
+        keys.append(KvBlockKey(ident.model_id, ident.tokenizer_id, ident.adapter_id, ident.tenant_id,
+                               prev, hx, start + i, block_size))
+        prev = hx
+    return keys
+
+
+class ConnectorCore:
+    """One node connection, owned by one I/O thread; the engine thread never waits on the
+    network unless it asks to (``wait``).  Every error is counted and becomes a miss."""
+
+    def __init__(self, address: str, *, timeout: float = 5.0, client_factory=None) -> None:
+        from quillcache.client import Client
+        self.address = address
+        self.timeout = float(timeout)
+        self._factory = client_factory or (lambda: Client(address, timeout=self.timeout))
+        self._client = None
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quillcache-conn")
+        self._lock = threading.Lock()
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def _conn(self):
+        if self._client is None:
+            self._client = self._factory()
+            self._count("reconnects")
+        return self._client
+
+    def _drop(self) -> None:
+        c, self._client = self._client, None
+        if c is not None:
+            try:
+                c.close()
+            except Exception:            # closing a broken connection: nothing more to learn
+                pass
+
+    @property
+    def shm(self) -> bool:
+        """True when the node's arena is mapped (the zero-copy path)."""
+        return self._io.submit(lambda: bool(getattr(self._conn(), "shm", False))).result(self.timeout)
+
+    def close(self) -> None:
+        self._io.submit(self._drop).result(self.timeout)
+        self._io.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ operations (I/O thread)
+
+    def _lookup(self, keys: list[KvBlockKey]) -> int:
+        self._count("lookups")
+        if not keys:
+            return 0
+        try:
+            prefix = 0
+            for i in range(0, len(keys), BATCH_BLOCKS):
+                p, _ = self._conn().exists_many(keys[i:i + BATCH_BLOCKS])
+                prefix += p
+                if p < len(keys[i:i + BATCH_BLOCKS]):
+                    break
+        except (QuillCacheError, OSError):
+            self._count("lookup_errors")
+            self._drop()
+            return 0
+        self._count("hit_blocks", prefix)
+        self._count("miss_blocks", len(keys) - prefix)
+        return prefix
+
+    def _load(self, keys: list[KvBlockKey], buffers: list) -> int:
+        """Fill buffers[i] with keys[i]'s bytes; returns the count of consecutive blocks
+        loaded from the start (the rest is recomputed by the engine)."""
+        self._count("loads")
+        if not keys:
+            return 0
+        n = 0
+        try:
+            step = batch_len(buffers)
+            for i in range(0, len(keys), step):
+                got = self._load_batch(keys[i:i + step], buffers[i:i + step])
+                n += got
+                if got < len(keys[i:i + step]):
+                    break
+        except (QuillCacheError, OSError):
+            self._count("load_errors")
+            self._drop()
+            return 0
+        self._count("loaded_blocks", n)
+        return n
+
+    def _load_batch(self, keys: list[KvBlockKey], buffers: list) -> int:
+        c = self._conn()
+        n = 0
+        if getattr(c, "shm", False):
+            with c.get_many_located(keys) as views:
+                for v, dst in zip(views, buffers):
+                    d = memoryview(dst).cast("B")
+                    if v is None or v.nbytes != d.nbytes:
+                        break
+                    d[:] = v
+                    n += 1
+        else:
+            for g, dst in zip(c.get_many_into(keys, buffers), buffers):
+                if g is None or g != memoryview(dst).nbytes:
+                    break
+                n += 1
+        return n
+
+    def _save(self, keys: list[KvBlockKey], buffers: list) -> bool:
+        self._count("saves")
+        if not keys:
+            return True
+        try:
+            c = self._conn()
+            step = batch_len(buffers)
+            for i in range(0, len(keys), step):
+                ks, bs = keys[i:i + step], buffers[i:i + step]
+                if getattr(c, "shm", False):
+                    srcs = [memoryview(b).cast("B") for b in bs]
+                    with c.put_many_reserved([(k, s.nbytes) for k, s in zip(ks, srcs)]) as slots:
+                        for slot, s in zip(slots, srcs):
+                            slot[:] = s
+                else:
+                    c.put_many(list(zip(ks, bs)))
+        except (QuillCacheError, OSError):
+            self._count("save_errors")
+            self._drop()
+            return False
+        self._count("saved_blocks", len(keys))
+        return True
+
+    # ------------------------------------------------------------------ the engine's side
+
+    def lookup(self, keys: Iterable[KvBlockKey]) -> int:
+        """The length of the present prefix (0 on any failure); waits at most ``timeout``."""
+        keys = list(keys)
+        try:
+            return self._io.submit(self._lookup, keys).result(self.timeout + 1.0)
+        except TimeoutError:
+            self._count("lookup_errors")
+            return 0
+
+    def load_async(self, keys: Iterable[KvBlockKey], buffers: Sequence) -> Future:
+        """Start a load; the future's result is the count of leading blocks loaded."""
+        return self._io.submit(self._load, list(keys), list(buffers))
+
+    def save_async(self, keys: Iterable[KvBlockKey], buffers: Sequence) -> Future:
+        """Start a save; the buffers must stay unchanged until the future is done."""
+        return self._io.submit(self._save, list(keys), list(buffers))
+
+    def wait(self, fut: Future, *, what: str = "load") -> Any:
+        """The future's result within the deadline; a late one is a miss (0 / False)."""
+        try:
+            return fut.result(self.timeout + 1.0)
+        except TimeoutError:
+            self._count(f"{what}_errors")
+            return 0 if what == "load" else False
+
+    def load(self, keys, buffers) -> int:
+        return self.wait(self.load_async(keys, buffers), what="load")
+
+    def save(self, keys, buffers) -> bool:
+        return self.wait(self.save_async(keys, buffers), what="save")
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters)
+
+
+def elapsed(t0: float) -> float:
+    return time.perf_counter() - t0

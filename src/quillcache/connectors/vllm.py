@@ -1,0 +1,245 @@
+"""QuillCache as a vLLM V1 KV connector (tested against vllm 0.33.0).
+
+    --kv-transfer-config '{"kv_connector":"QuillCacheConnector",
+        "kv_connector_module_path":"quillcache.connectors.vllm","kv_role":"kv_both",
+        "kv_connector_extra_config":{"address":"unix:/run/quillcache/quillcached.sock"}}'
+
+Extra config keys: address, timeout_s, model (default: the served model name), tokenizer_id
+(default: the model's tokenizer), tenant (the engine's default tenant), layout (default
+"vllm-2nbhd"), num_layers (default: the registered caches).  docs/engines.md has the rest.
+
+Unit of transfer: one full block of tokens across every layer, ``[layers, 2, block_size,
+kv_heads, head_size]``, the per-layer caches being vLLM's ``[2, num_blocks, block_size,
+kv_heads, head_size]``.  Loads start in ``start_load_kv`` on the core's I/O thread and are
+waited for (and scattered into the paged cache) at the first ``wait_for_layer_load``; saves are
+gathered (a copy) in ``wait_for_save`` and sent asynchronously; the scheduler keeps a request's
+blocks until ``get_finished`` reports its saves done.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+)
+
+from quillcache.connectors.core import (
+    ConnectorCore, Identity, chain_keys, model_scope, tenant_from_args, tenant_from_salt,
+)
+from quillcache.model import KvBlockKey
+
+__all__ = ["QuillCacheConnector", "QuillCacheMeta"]
+
+DEFAULT_LAYOUT = "vllm-2nbhd"
+
+
+@dataclass
+class Transfer:
+    req_id: str
+    keys: list[KvBlockKey]
+    block_ids: list[int]
+
+
+@dataclass
+class QuillCacheMeta(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    load_from: int = 0           # first block to load (the locally computed ones are skipped)
+    load_blocks: int = 0         # blocks to load from the pool
+    saved_upto: int = 0          # blocks already scheduled for saving
+    load_pending: bool = False
+
+
+class QuillCacheConnector(KVConnectorBase_V1):
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        mc = getattr(vllm_config, "model_config", None)
+        cc = getattr(vllm_config, "cache_config", None)
+        pc = getattr(vllm_config, "parallel_config", None)
+        self.block_size = int(extra.get("block_size") or getattr(cc, "block_size", None) or 16)
+        self.model = str(extra.get("model") or (mc and (mc.served_model_name or mc.model)) or "model")
+        self.tokenizer_id = str(extra.get("tokenizer_id") or (mc and mc.tokenizer) or self.model)
+        self.default_tenant = str(extra.get("tenant", ""))
+        self.layout = str(extra.get("layout", DEFAULT_LAYOUT))
+        self.num_layers = int(extra.get("num_layers") or 0)
+        dtype = extra.get("dtype") or (cc and cc.cache_dtype != "auto" and cc.cache_dtype) or \
+            (mc and str(mc.dtype).replace("torch.", "")) or "auto"
+        self.dtype = str(dtype)
+        self.tp_rank, self.tp_size = int(getattr(pc, "rank", 0) or 0), int(getattr(pc, "tensor_parallel_size", 1))
+        self.pp_rank, self.pp_size = 0, int(getattr(pc, "pipeline_parallel_size", 1))
+        self.core = ConnectorCore(str(extra.get("address", "127.0.0.1:7600")),
+                                  timeout=float(extra.get("timeout_s", 5.0)))
+        # scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        self._saving: set[str] = set()
+        # worker side
+        self._caches: list[torch.Tensor] = []
+        self._loads: list[tuple[Transfer, Any, list[torch.Tensor]]] = []
+        self._save_futs: dict[str, list] = {}
+        self._finishing: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------------ identity
+
+    def _scope(self) -> str:
+        return model_scope(self.model, dtype=self.dtype, block_size=self.block_size,
+                           num_layers=self.num_layers, layout=self.layout, tp_rank=self.tp_rank,
+                           tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size)
+
+    def identity(self, request) -> Identity:
+        lora = getattr(request, "lora_request", None)
+        tenant = tenant_from_salt(getattr(request, "cache_salt", None), "")
+        if not tenant:
+            tenant = tenant_from_args(getattr(request, "kv_transfer_params", None), self.default_tenant)
+        return Identity(self._scope(), self.tokenizer_id, lora.lora_name if lora is not None else None, tenant)
+
+    def _keys(self, request, start: int, stop: int) -> list[KvBlockKey]:
+        hashes = list(request.block_hashes)
+        return chain_keys(self.identity(request), hashes[start:stop], block_size=self.block_size,
+                          start=start, parent=hashes[start - 1] if start > 0 else None)
+
+    def _full_prompt_blocks(self, request) -> int:
+        return min(len(request.block_hashes), request.num_prompt_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Prefix match only, no side effects beyond remembering the answer for this request."""
+        full = self._full_prompt_blocks(request)
+        if full * self.block_size >= request.num_prompt_tokens:
+            full -= 1                    # vLLM must compute at least the last prompt token
+        first = num_computed_tokens // self.block_size
+        if full <= first:
+            return 0, False
+        hit = self.core.lookup(self._keys(request, 0, full))
+        if hit <= first:
+            return 0, False
+        return hit * self.block_size - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        st = self._reqs.setdefault(request.request_id, _ReqState(request))
+        st.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else st.block_ids
+        if num_external_tokens > 0:
+            computed = request.num_computed_tokens
+            st.load_from = computed // self.block_size
+            st.load_blocks = num_external_tokens // self.block_size
+            st.load_pending = True
+
+    def build_connector_meta(self, scheduler_output) -> QuillCacheMeta:
+        meta = QuillCacheMeta()
+        progress: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            progress[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if nb is not None:
+                st.block_ids += list(nb[0])
+            progress[rid] = cached.num_computed_tokens[i]
+        for rid, computed in progress.items():
+            st = self._reqs[rid]
+            req = st.request
+            if st.load_pending:
+                a, b = st.load_from, st.load_from + st.load_blocks
+                meta.loads.append(Transfer(rid, self._keys(req, a, b), st.block_ids[a:b]))
+                st.load_pending = False
+                st.saved_upto = max(st.saved_upto, b)          # loaded blocks are in the pool already
+            done = computed + scheduler_output.num_scheduled_tokens.get(rid, 0)
+            ready = min(self._full_prompt_blocks(req), done // self.block_size, len(st.block_ids))
+            if ready > st.saved_upto:
+                a = st.saved_upto
+                meta.saves.append(Transfer(rid, self._keys(req, a, ready), st.block_ids[a:ready]))
+                st.saved_upto = ready
+                self._saving.add(rid)
+        return meta
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        """Hold the blocks while saves for this request may be in flight (the worker reports it
+        in get_finished once they are done): a freed block reused early would be stored under
+        the old hash."""
+        self._reqs.pop(request.request_id, None)
+        if request.request_id in self._saving:
+            self._saving.discard(request.request_id)
+            return True, None
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._caches = list(kv_caches.values())
+        if not self.num_layers:
+            self.num_layers = len(self._caches)
+
+    def _block_shape(self) -> tuple[int, ...]:
+        c = self._caches[0]
+        return (len(self._caches), 2, *c.shape[2:])
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for t in meta.loads:
+            staging = [torch.empty(self._block_shape(), dtype=self._caches[0].dtype) for _ in t.keys]
+            views = [s.view(torch.uint8).numpy().reshape(-1) for s in staging]
+            self._loads.append((t, self.core.load_async(t.keys, views), staging))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        while self._loads:
+            t, fut, staging = self._loads.pop(0)
+            n = self.core.wait(fut, what="load")
+            for i in range(n):
+                blk = t.block_ids[i]
+                for layer, cache in enumerate(self._caches):
+                    cache[:, blk].copy_(staging[i][layer])
+            self._load_errors.update(t.block_ids[n:])    # vLLM recomputes these
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        """Blocks are saved whole (every layer) in wait_for_save; nothing to do per layer."""
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        for t in meta.saves:
+            bufs = [torch.stack([c[:, blk] for c in self._caches]).contiguous() for blk in t.block_ids]
+            views = [b.view(torch.uint8).numpy().reshape(-1) for b in bufs]
+            self._save_futs.setdefault(t.req_id, []).append((self.core.save_async(t.keys, views), bufs))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        self._finishing |= {r for r in finished_req_ids if r in self._save_futs}
+        done = set()
+        for rid in list(self._finishing):
+            if all(f.done() for f, _ in self._save_futs[rid]):
+                done.add(rid)
+                self._finishing.discard(rid)
+                del self._save_futs[rid]
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self):
+        return None
+
+    def stats(self) -> dict[str, int]:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        for futs in self._save_futs.values():
+            for f, _ in futs:
+                self.core.wait(f, what="save")
+        self.core.close()
