@@ -7,7 +7,7 @@ VENV     ?= .venv
 PY       := $(VENV)/bin/python
 PIP      := $(VENV)/bin/pip
 STAMP    := $(VENV)/.quillcache-installed
-DEB_PKGS := liburing-dev pkg-config redis-server
+DEB_PKGS := liburing-dev pkg-config redis-server etcd-server
 N        ?= 500
 PYTEST_ARGS ?=
 

@@ -120,6 +120,7 @@ class Node:
         self._maint: Optional[asyncio.Task] = None
         self._stop = asyncio.Event()
         self._stopped = False
+        self.cluster = None
 
     # ------------------------------------------------------------------ start
 
@@ -183,6 +184,8 @@ class Node:
                                                   reuse_address=True, backlog=LISTEN_BACKLOG)
         self.address = self._listener.sockets[0].getsockname()[:2]
         self.server.listen = format_hostport(self.address)
+        if cfg.cluster.enabled:
+            await self._join_cluster(limits, auth)
         if self.metrics is not None:
             self.metrics_address = self.metrics.serve(*cfg.metrics.listen)
             self.metrics.update_store(self._snapshot())
@@ -191,6 +194,18 @@ class Node:
                  f", metrics on http://{format_hostport(self.metrics_address)}/metrics"
                  if self.metrics_address else "")
         sd_notify(f"READY=1\nSTATUS=serving on {self.server.listen}\nMAINPID={os.getpid()}")
+
+    async def _join_cluster(self, limits: ProtocolLimits, auth: Authenticator) -> None:
+        from quillcache.cluster.hook import ClusterHook, default_node_id   # etcd3gw only when clustered
+        cfg = self.cfg
+        node_id = default_node_id(cfg.cluster.node_id, cfg.node.id)
+        advertise = format_hostport(cfg.cluster.advertise) if cfg.cluster.advertise else self.server.listen
+        self.cluster = ClusterHook(cfg.cluster, store=self.store, node_id=node_id, address=advertise,
+                                   limits=limits, version=__version__, open_mode=auth.open_mode)
+        self.server.cluster = self.cluster
+        await self.cluster.start()
+        log.info("cluster %s: node %s (epoch %x) advertised at %s, etcd %s", cfg.cluster.cluster_id, node_id,
+                 self.cluster.epoch, advertise, ", ".join(format_hostport(e) for e in cfg.cluster.etcd))
 
     def _snapshot(self) -> dict:
         st = self.store.stats()
@@ -215,6 +230,8 @@ class Node:
                     await self.ssd.checkpoint()
                 if self.metrics is not None:
                     self.metrics.update_store(self._snapshot())
+                    if self.cluster is not None:
+                        self.metrics.set_cluster_state(self.cluster.cluster_state)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -320,6 +337,8 @@ class Node:
         drained = True
         if self._listener is not None:
             self._listener.close()              # stop accepting
+        if self.cluster is not None:
+            await self.cluster.stop()           # leave the pool first: peers stop sending here
         if self.server is not None:
             n = self.server.in_flight
             log.info("draining %d in-flight requests (up to %s s)", n, self.cfg.node.drain_timeout)

@@ -58,8 +58,8 @@ from quillcache.metrics import RequestCounters
 from quillcache.protocol import messages
 from quillcache.protocol.connection import ProtocolConnection
 from quillcache.protocol.opcodes import (
-    FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode, PinMode,
-    ProtocolLimits,
+    CLUSTER_OPCODES, FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode,
+    PinMode, ProtocolLimits,
 )
 
 __all__ = ["NodeServer", "ServerProtocol", "KeyCache", "render_info", "WRITE_HIGH_BYTES", "LEASE_MARGIN_S",
@@ -222,6 +222,7 @@ class NodeServer:
         # per-request counters: the metrics' own (read at scrape time) or private ones
         self.request_counters = metrics.requests if metrics is not None else RequestCounters()
         self.sendfile = sendfile and hasattr(os, "sendfile")   # GETs of SSD extents by sendfile
+        self.cluster = None     # cluster.hook.ClusterHook when [cluster] enabled: misses, puts, 0x40-0x47
 
     def protocol_factory(self) -> "ServerProtocol":
         return ServerProtocol(self)
@@ -291,7 +292,10 @@ class NodeServer:
                 wal["stats_error"] = str(exc)
         auth = self.auth.stats()
         auth["connection_tenant"] = (conn.tenant or "") if conn is not None else ""
-        return {"Server": server, "Store": store, "Tiers": tiers, "Guard": guard, "WAL": wal, "Auth": auth}
+        sections = {"Server": server, "Store": store, "Tiers": tiers, "Guard": guard, "WAL": wal, "Auth": auth}
+        if self.cluster is not None:
+            sections["Cluster"] = self.cluster.info()
+        return sections
 
 
 # --------------------------------------------------------------------------- one connection
@@ -317,6 +321,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self._counters = node.request_counters
         self._keys = node.keys
         self._fd = -1                             # the socket's fd, for sendfile (-1: not available)
+        self.peer_node = False                    # HELLO with the cluster credential: another node
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -454,6 +459,25 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self.reply_error(rid, exc)
         self._done(rid, opcode, exc.status if isinstance(exc, QuillCacheError) else 1)
 
+    # the calls the cluster hook makes (it never reaches the private ones)
+    def finish(self, rid: int, opcode: int, body: bytes = b"", views=(), *, crc: bool = False, leases=()) -> None:
+        """Reply OK to an in-flight request; ``leases`` are held until the transport sent them."""
+        try:
+            self._ok(rid, opcode, body, views, crc=crc)
+        finally:
+            self._hold(leases)
+
+    def finish_error(self, rid: int, opcode: int, exc: BaseException) -> None:
+        if self.is_in_flight(rid):
+            self._err(rid, opcode, exc)
+
+    def spawn(self, coro) -> None:
+        self._spawn(coro)
+
+    def key_of(self, raw: bytes) -> KvBlockKey:
+        """The decoded key, checked against this connection's tenant (peers may name any)."""
+        return self._key(raw)
+
     def _spawn(self, coro) -> None:
         """Run ``coro`` now, up to its first real suspension; only then give it a task.
 
@@ -477,7 +501,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
     def _check_access(self) -> None:
         if self.node.draining:
             raise Busy("the node is shutting down")
-        if not self.node.auth.open_mode and not self.tenant:
+        if not self.node.auth.open_mode and not self.tenant and not self.peer_node:
             raise PermissionDenied("authenticate with HELLO first (this node has tenants)")
 
     def _key(self, raw: bytes) -> KvBlockKey:
@@ -488,7 +512,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
     def _own(self, tenant_id: str) -> None:
         # Decided on the key alone, before the store is consulted: the refusal cannot tell
         # whether the other tenant has the block.
-        if not self.node.auth.open_mode and tenant_id != self.tenant:
+        if not self.node.auth.open_mode and tenant_id != self.tenant and not self.peer_node:
             raise PermissionDenied("the key names another tenant than this connection's")
 
     # ------------------------------------------------------------------ PUT / PUT_MANY
@@ -546,6 +570,8 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
                 self._err(rid, opcode, exc)
             else:
                 self._ok(rid, opcode)
+                if self.node.cluster is not None and not self.peer_node:
+                    self.node.cluster.after_put([handles[0].key])
             return
         statuses = []
         for h in handles:
@@ -558,6 +584,8 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
                 log.exception("internal error in PUT_MANY item from %s", self.peer)
                 statuses.append(1)
         self._ok(rid, opcode, messages.encode_status_list(statuses, self.limits))
+        if self.node.cluster is not None and not self.peer_node:
+            self.node.cluster.after_put([h.key for h, st in zip(handles, statuses) if st == 0])
 
     def _put_empty(self, frame) -> None:
         """A PUT/PUT_MANY whose payload is empty arrives as a complete frame."""
@@ -580,7 +608,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             return
         self._started[rid] = time.perf_counter()
         try:
-            handler = _HANDLERS[op]
+            handler = _HANDLERS.get(op, ServerProtocol._cluster_request)
             if op not in (Opcode.HELLO, Opcode.PING):
                 self._check_access()
             handler(self, frame)
@@ -601,6 +629,12 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             return
         req = messages.decode_hello_request(frame.header, self.limits)
         version = messages.negotiate_version(req)
+        cluster = self.node.cluster
+        if cluster is not None and req.token and cluster.is_credential(req.token):
+            self.peer_node = True           # another node of the pool: tenants travel per request
+            self.tenant = None
+            self._ok(rid, Opcode.HELLO, messages.encode_hello_reply(version, "", self.limits, self.node.node_id))
+            return
         try:
             tenant = auth.authenticate(req.token)
         except PermissionDenied as exc:
@@ -626,6 +660,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         """GET, the hot path: no per-request closure, task or dict entry; one writelines."""
         t0 = time.perf_counter()
         rid = frame.request_id
+        key = None
         try:
             node = self.node
             if node.draining or (not self.tenant and not node.auth.open_mode):
@@ -643,6 +678,9 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         except Exception as exc:
             if self.is_in_flight(rid):
                 self._started[rid] = t0
+                if type(exc) is NotFound and key is not None and node.cluster is not None and not self.peer_node:
+                    self._spawn(node.cluster.serve_get(self, rid, key, frame.flags, exc))   # another node may hold it
+                    return
                 self._err(rid, _GET, exc)
             return
         if lease.extent is not None:
@@ -722,15 +760,27 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
     def _get_many(self, frame) -> None:
         keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_MANY")]
         leases, items = [], []
+        cluster = self.node.cluster if not self.peer_node else None
         try:
             for key in keys:
                 try:
                     lease = self.store.get(key)
                 except (NotFound, UnsafeReuse, Busy) as exc:
                     items.append((exc.status, 0))
+                    if cluster is not None:
+                        leases.append(None)
                     continue
                 leases.append(lease)
                 items.append((0, lease.size))
+            if cluster is not None:
+                if any(status == NotFound.status for status, _ in items):
+                    # the hook owns the leases now; it replies when the other nodes answered
+                    owned, leases = leases, []
+                    self._spawn(cluster.serve_get_many(
+                        self, frame.request_id, keys, owned, items, frame.flags,
+                        lambda it: messages.encode_get_many_reply(it, self.limits)))
+                    return
+                leases = [lease for lease in leases if lease is not None]
             body = messages.encode_get_many_reply(items, self.limits)
             self._ok(frame.request_id, Opcode.GET_MANY, body, [l.view for l in leases],
                      crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
@@ -788,6 +838,14 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         page = encoded[:req.limit]
         more = len(encoded) > req.limit
         self._ok(frame.request_id, Opcode.LIST, messages.encode_list_reply(page, more, self.limits))
+
+    def _cluster_request(self, frame) -> None:
+        if frame.opcode not in CLUSTER_OPCODES:
+            raise InvalidArgument(f"opcode {frame.opcode:#04x} has no handler")
+        if self.node.cluster is None:
+            raise InvalidArgument(f"{Opcode(frame.opcode).name}: this node is not in a cluster "
+                                  "([cluster] enabled = false)")
+        self.node.cluster.on_request(self, frame)
 
     def _stats(self, frame) -> None:
         req = messages.decode_stats_request(frame.header)

@@ -177,6 +177,8 @@ class LocalKvStore:
         self._counters = {"puts": 0, "puts_aborted": 0, "puts_reaped": 0, "leases_expired": 0,
                           "dropped_dirty": 0, "removes": 0, "unsafe_served": 0}
         self.closed = False
+        self._on_added: Optional[Callable[[KvBlockKey, int], None]] = None    # residency listener
+        self._on_dropped: Optional[Callable[[KvBlockKey], None]] = None
         if guard_mode == "off":
             log.warning("IDENTITY GUARD OFF: blocks are reused by content hash across models, "
                         "tokenizers, adapters and TENANTS. This serves wrong KV and leaks data "
@@ -194,11 +196,24 @@ class LocalKvStore:
 
     # ------------------------------------------------------------------ index upkeep
 
+    def set_residency_listener(self, added: Optional[Callable[[KvBlockKey, int], None]],
+                               dropped: Optional[Callable[[KvBlockKey], None]]) -> None:
+        """Be told of every key that becomes resident (``added(key, size)``, at once for the
+        keys resident now) and every key that stops being (``dropped(key)``: removed or
+        evicted from every tier).  The cluster announces them to their homes.  None, None:
+        stop.  The callbacks run inside store calls: they must be quick and not raise."""
+        self._on_added, self._on_dropped = added, dropped
+        if added is not None:
+            for entry in list(self._entries.values()):
+                added(entry.key, entry.size)
+
     def _add_entry(self, entry: _Entry) -> None:
         key = entry.key
         self._entries[key] = entry
         self.guard.add(key)
         self._by_prefix.setdefault((key.scope, key.prefix_hash), set()).add(key)
+        if self._on_added is not None:
+            self._on_added(key, entry.size)
 
     def _drop_entry(self, key: KvBlockKey) -> Optional[_Entry]:
         entry = self._entries.pop(key, None)
@@ -214,6 +229,8 @@ class LocalKvStore:
         self._pinned.discard(key)
         self._dram_lru.remove(key)
         self._ssd_lru.remove(key)
+        if self._on_dropped is not None:
+            self._on_dropped(key)
         return entry
 
     def _check_key(self, key: object) -> None:

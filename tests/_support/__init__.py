@@ -1,0 +1,1 @@
+"""Importable test support: fixtures that start real servers (etcd, daemons)."""
