@@ -31,7 +31,7 @@ def cluster_section(etcd_endpoint: str, node_id: str, *, lease_ttl: str = "2s", 
 
 
 def cluster_view(addr: str, timeout: float = 5.0) -> dict:
-    with Client(addr, timeout=timeout) as c:
+    with Client(addr, timeout=timeout, token=CREDENTIAL) as c:     # a node's view: works with tenants too
         return wire.decode_json(c.call(Opcode.CLUSTER_VIEW).header)
 
 
@@ -88,7 +88,7 @@ class Pool:
         raise AssertionError(f"views did not reach {n} members within {timeout} s: {json.dumps(views, indent=1)}")
 
     def info(self, letter: str) -> dict:
-        with Client(self[letter].addr) as c:
+        with Client(self[letter].addr, token=CREDENTIAL) as c:
             return c.info("cluster")
 
     def close(self) -> None:
