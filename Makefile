@@ -11,7 +11,7 @@ DEB_PKGS := liburing-dev pkg-config redis-server etcd-server
 N        ?= 500
 PYTEST_ARGS ?=
 
-.PHONY: all build deps bench-deps _debs run test bench crash man clean distclean
+.PHONY: all build deps bench-deps _debs run test bench crash man clean distclean cluster
 
 all: build
 
@@ -50,6 +50,10 @@ build: deps $(STAMP)
 
 run: build
 	$(VENV)/bin/quillcached
+
+# etcd and three nodes on loopback (tests/_support/devcluster.py); Ctrl-C stops them.
+cluster: build
+	$(PY) -m tests._support.devcluster
 
 test: build
 	$(PY) -m pytest -q $(PYTEST_ARGS)
