@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quillcache.cluster.records import ArtRecordStore, Holder
-from quillcache.model import KvBlockKey
+from quillcache.model import KvBlockKey, encode_key
 
 
 def k(i: int) -> KvBlockKey:
@@ -32,6 +32,7 @@ def test_records_match_a_dict_oracle(ops):
     for i in range(13):
         want = sorted(Holder(n, e, s) for (n, e), s in oracle.get(i, {}).items())
         assert sorted(store.holders(k(i))) == want
+        assert sorted(store.holders_encoded(encode_key(k(i)))) == want
     assert len(store) == sum(len(h) for h in oracle.values())
 
 

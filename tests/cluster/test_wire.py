@@ -1,9 +1,12 @@
 """The node-to-node messages: round trips, and bad bodies refused before allocating."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from quillcache.cluster import wire
 from quillcache.cluster.records import Holder
 from quillcache.errors import InvalidArgument
+from quillcache.protocol import messages
 from quillcache.protocol.opcodes import ProtocolLimits
 
 L = ProtocolLimits(max_batch=16)
@@ -43,3 +46,25 @@ def test_batch_over_the_limit_is_refused_both_ways():
     big = wire.encode_announce("n", 1, [(b"k", 1)] * 17, ProtocolLimits(max_batch=64))
     with pytest.raises(InvalidArgument, match="batch"):
         wire.decode_announce(big, L)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=5), max_size=6), st.integers(0, 20), st.integers(-3, 3), st.binary(max_size=3))
+def test_the_key_list_decoder_accepts_and_refuses_exactly_what_the_protocol_decoder_does(keys, count, cut, extra):
+    body = (count if count < 17 else len(keys)).to_bytes(4, "little") + b"".join(
+        len(k).to_bytes(2, "little") + k for k in keys)
+    body = body[:len(body) + cut] if cut < 0 else body + extra[:cut]
+    try:
+        want = messages.decode_keys_request(body, L, "x")
+    except InvalidArgument:
+        want = None
+    try:
+        got = wire.decode_locate(body, L)
+    except InvalidArgument:
+        got = None
+    assert got == want
+
+
+def test_the_key_list_decoder_matches_on_valid_lists():
+    keys = [b"a", b"bb" * 40, bytes(range(256)) * 2]
+    assert wire.decode_locate(messages.encode_keys_request(keys, L), L) == keys

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections import OrderedDict
 import logging
 import socket
 import time
@@ -49,6 +50,7 @@ RETRY_HOME_S = 0.2          # seconds before a home that failed is tried again
 MAX_HOLDER_TRIES = 3        # holders tried per key before a miss
 MAX_PUSHES = 8              # replica pushes in flight
 REANNOUNCE_CHUNK = 512      # keys per step of a re-announcement round
+LOCATION_CACHE = 65536      # keys whose holders a node remembers from its last LOCATE (LRU)
 
 _PEER_OPS = frozenset({Opcode.ANNOUNCE, Opcode.WITHDRAW, Opcode.LOCATE, Opcode.FETCH})
 _MISS = (NotFound, UnsafeReuse, Busy)
@@ -94,9 +96,13 @@ class ClusterHook:
             "fetch_failures", "stale_hops", "announced", "withdrawn", "announce_failures",
             "records_dropped", "replicas_pushed", "replica_failures", "cached_remote",
             "reannounce_rounds", "reannounce_scanned", "reannounce_queued", "fetches_served",
-            "locates_served"), 0)
+            "locates_served", "location_cache_hits"), 0)
         self.reannounce_total = 0
         self.reannounce_active = False
+        # Holders learnt from homes, reused without a LOCATE while they stay in the view
+        # with the same epoch; a holder that no longer has the block costs one FETCH,
+        # then the home is asked again.
+        self._loc: OrderedDict[bytes, list[Holder]] = OrderedDict()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -298,12 +304,33 @@ class ClusterHook:
 
     # ------------------------------------------------------------------ a local miss
 
-    async def _locate(self, ekeys: Sequence[bytes], keys: Sequence[KvBlockKey]) -> list[list[Holder]]:
+    def _live(self, holders: list[Holder]) -> list[Holder]:
+        view = self.view
+        return [h for h in holders if h.node_id != self.node_id
+                and (m := view.get(h.node_id)) is not None and m.epoch == h.epoch]
+
+    async def _locate(self, ekeys: Sequence[bytes], keys: Sequence[KvBlockKey],
+                      use_cache: bool = False) -> list[list[Holder]]:
         """Holders of each key, from its home (one LOCATE per home), live ones only."""
         out: list[list[Holder]] = [[] for _ in ekeys]
-        homes = self.ring.homes([key_hash(k) for k in ekeys])
+        todo = range(len(ekeys))
+        if use_cache:
+            loc = self._loc
+            todo = []
+            for i, ekey in enumerate(ekeys):
+                cached = loc.get(ekey)
+                live = self._live(cached) if cached else None
+                if live:
+                    loc.move_to_end(ekey)
+                    out[i] = live
+                    self.counters["location_cache_hits"] += 1
+                else:
+                    todo.append(i)
+            if not todo:
+                return out
+        homes = self.ring.homes([key_hash(ekeys[i]) for i in todo])
         by_home: dict[str, list[int]] = {}
-        for i, home in enumerate(homes):
+        for i, home in zip(todo, homes):
             by_home.setdefault(home, []).append(i)
         deadline = time.monotonic() + self.hop_timeout
 
@@ -330,18 +357,43 @@ class ClusterHook:
             for i, holders in zip(idx, per_key):
                 out[i] = holders
 
-        await asyncio.gather(*(ask(h, idx) for h, idx in by_home.items()))
-        view = self.view
-        for i, holders in enumerate(out):
-            out[i] = [h for h in holders if h.node_id != self.node_id
-                      and (m := view.get(h.node_id)) is not None and m.epoch == h.epoch]
+        await _all(ask(h, idx) for h, idx in by_home.items())
+        loc = self._loc
+        for i in todo:
+            out[i] = live = self._live(out[i])
+            if live:
+                loc[ekeys[i]] = live
+                loc.move_to_end(ekeys[i])
+            else:
+                loc.pop(ekeys[i], None)
+        while len(loc) > LOCATION_CACHE:
+            loc.popitem(last=False)
         return out
 
     async def fetch_many(self, tenant: str, keys: Sequence[KvBlockKey]) -> list[Optional[memoryview]]:
         """The bytes of each key from another node, or None (a miss)."""
         ekeys = [encode_key(k) for k in keys]
-        candidates = await self._locate(ekeys, keys)
         result: list[Optional[memoryview]] = [None] * len(keys)
+        candidates = await self._locate(ekeys, keys, use_cache=True)
+        await self._fetch_rounds(tenant, ekeys, candidates, result)
+        stale = [i for i, b in enumerate(result) if b is None and candidates[i]]
+        if stale:                       # holders remembered or named by the home failed: ask again
+            for i in stale:
+                self._loc.pop(ekeys[i], None)
+            again = await self._locate([ekeys[i] for i in stale], [keys[i] for i in stale])
+            fresh: list[list[Holder]] = [[] for _ in keys]
+            for i, hs in zip(stale, again):
+                fresh[i] = [h for h in hs if h not in candidates[i][:MAX_HOLDER_TRIES]]
+            await self._fetch_rounds(tenant, ekeys, fresh, result)
+        hits = sum(b is not None for b in result)
+        self.counters["remote_hits"] += hits
+        self.counters["remote_misses"] += len(keys) - hits
+        if self.cache_remote and hits:
+            self._background(self._keep_copies([(k, b) for k, b in zip(keys, result) if b is not None]))
+        return result
+
+    async def _fetch_rounds(self, tenant: str, ekeys: Sequence[bytes], candidates: list[list[Holder]],
+                            result: list[Optional[memoryview]]) -> None:
         for attempt in range(MAX_HOLDER_TRIES):
             by_holder: dict[Holder, list[int]] = {}
             for i, hs in enumerate(candidates):
@@ -373,13 +425,7 @@ class ClusterHook:
                     else:
                         result[i] = block
 
-            await asyncio.gather(*(ask(h, idx) for h, idx in by_holder.items()))
-        hits = sum(b is not None for b in result)
-        self.counters["remote_hits"] += hits
-        self.counters["remote_misses"] += len(keys) - hits
-        if self.cache_remote and hits:
-            self._background(self._keep_copies([(k, b) for k, b in zip(keys, result) if b is not None]))
-        return result
+            await _all(ask(h, idx) for h, idx in by_holder.items())
 
     async def _keep_copies(self, items) -> None:
         for key, block in items:
@@ -479,12 +525,13 @@ class ClusterHook:
                 self.records.drop(conn.key_of(ekey), node, epoch)
             conn.finish(rid, op)
         elif op == Opcode.LOCATE:
-            keys = [conn.key_of(k) for k in wire.decode_locate(frame.header, self.limits)]
             self.counters["locates_served"] += 1
-            view = self.view
-            per_key = [[h for h in self.records.holders(k)
-                        if (h.node_id == self.node_id and h.epoch == self.epoch)
-                        or ((m := view.get(h.node_id)) is not None and m.epoch == h.epoch)] for k in keys]
+            view, me, epoch = self.view, self.node_id, self.epoch
+            holders = self.records.holders_encoded
+            per_key = [[h for h in holders(k)
+                        if (h.node_id == me and h.epoch == epoch)
+                        or ((m := view.get(h.node_id)) is not None and m.epoch == h.epoch)]
+                       for k in wire.decode_locate(frame.header, self.limits)]
             conn.finish(rid, op, wire.encode_locate_reply(per_key, self.limits))
         elif op == Opcode.FETCH:
             self._serve_fetch(conn, frame)
@@ -576,6 +623,15 @@ class ClusterHook:
         for k, v in self.transport.stats().items():
             out[f"transport_{k}"] = v
         return out
+
+
+async def _all(coros) -> None:
+    """Run the coroutines concurrently; one alone runs in this task (no Task, no loop turn)."""
+    coros = list(coros)
+    if len(coros) == 1:
+        await coros[0]
+    elif coros:
+        await asyncio.gather(*coros)
 
 
 def default_node_id(cluster_node_id: str, node_id: str) -> str:

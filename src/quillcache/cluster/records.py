@@ -36,9 +36,19 @@ class RecordStore(Protocol):
     def add(self, key: KvBlockKey, node_id: str, epoch: int, size: int) -> None: ...
     def drop(self, key: KvBlockKey, node_id: str, epoch: int) -> int: ...
     def holders(self, key: KvBlockKey) -> list[Holder]: ...
+    def holders_encoded(self, ekey: bytes) -> list[Holder]: ...
     def drop_epoch(self, node_id: str, epoch: int) -> int: ...
     def epochs(self, node_id: str) -> set[int]: ...
     def __len__(self) -> int: ...
+
+
+class _RecordIndex(ArtIndex):
+    """The ART index with a lookup by encoded key (a LOCATE names keys encoded: no
+    decode and re-encode per key)."""
+
+    def locate_encoded(self, ekey: bytes) -> list[CacheResidency]:
+        slot = self._tree.get(ekey)
+        return [] if slot is None else self._slots[slot]
 
 
 class ArtRecordStore:
@@ -46,8 +56,9 @@ class ArtRecordStore:
     its store, whichever local tier the block is in)."""
 
     def __init__(self) -> None:
-        self._index = ArtIndex()
+        self._index = _RecordIndex()
         self._epochs: dict[str, set[int]] = {}
+        self._parsed: dict[str, tuple[str, int]] = {}     # worker_id -> (node, epoch)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -60,13 +71,23 @@ class ArtRecordStore:
         return self._index.remove_block(key.scope, holder_id(node_id, epoch), key.block_hash)
 
     def holders(self, key: KvBlockKey) -> list[Holder]:
+        return self._holders(self._index.locate(key))
+
+    def holders_encoded(self, ekey: bytes) -> list[Holder]:
+        return self._holders(self._index.locate_encoded(ekey))
+
+    def _holders(self, records) -> list[Holder]:
+        parsed = self._parsed
         out = []
-        for r in self._index.locate(key):
-            node, epoch = parse_holder_id(r.worker_id)
-            out.append(Holder(node, epoch, r.bytes))
+        for r in records:
+            ne = parsed.get(r.worker_id)
+            if ne is None:
+                ne = parsed[r.worker_id] = parse_holder_id(r.worker_id)
+            out.append(Holder(ne[0], ne[1], r.bytes))
         return out
 
     def drop_epoch(self, node_id: str, epoch: int) -> int:
+        self._parsed.pop(holder_id(node_id, epoch), None)
         epochs = self._epochs.get(node_id)
         if epochs is not None:
             epochs.discard(epoch)

@@ -38,6 +38,50 @@ _Q = struct.Struct("<Q")
 _I = struct.Struct("<I")
 _H = struct.Struct("<H")
 _BQ = struct.Struct("<BQ")
+_QQ = struct.Struct("<QQ")
+_names: dict[str, bytes] = {}           # node id -> its text8 bytes (a LOCATE reply names few nodes)
+
+
+def _name(node_id: str) -> bytes:
+    raw = _names.get(node_id)
+    if raw is None:
+        b = bytearray()
+        _text8(b, node_id, "node id")
+        raw = bytes(b)
+        if len(_names) < 4096:
+            _names[node_id] = raw
+    return raw
+
+
+def _keys_at(buf: bytes, pos: int, limits: ProtocolLimits, what: str) -> list[bytes]:
+    """The ``keys`` list starting at ``buf[pos]`` and ending the body, as
+    ``messages.decode_keys_request`` reads it (the same checks, one loop, no reader)."""
+    end = len(buf)
+    if end - pos < 4:
+        raise InvalidArgument(f"{what}: body truncated in count")
+    n = int.from_bytes(buf[pos:pos + 4], "little")
+    pos += 4
+    if n > limits.max_batch:
+        raise InvalidArgument(f"{what}: batch of {n} items, at most {limits.max_batch}")
+    if n * 3 > end - pos:
+        raise InvalidArgument(f"{what}: count {n} needs at least {n * 3} bytes, the body has {end - pos} left")
+    max_key = limits.max_key_bytes
+    out = []
+    append = out.append
+    for _ in range(n):
+        if end - pos < 2:
+            raise InvalidArgument(f"{what}: body truncated in key length")
+        kl = buf[pos] | buf[pos + 1] << 8
+        if not 0 < kl <= max_key:
+            raise InvalidArgument(f"{what}: key of {kl} bytes (1..{max_key})")
+        pos += 2
+        if end - pos < kl:
+            raise InvalidArgument(f"{what}: body truncated in key")
+        append(buf[pos:pos + kl])
+        pos += kl
+    if pos != end:
+        raise InvalidArgument(f"{what}: {end - pos} trailing bytes in the body")
+    return out
 
 
 def _text8(out: bytearray, text: str, field: str) -> None:
@@ -102,9 +146,7 @@ def decode_withdraw(body, limits: ProtocolLimits) -> tuple[str, int, list[bytes]
     r = BodyReader(body, "WITHDRAW")
     node = _read_text8(r, "node id")
     epoch = r.u64("epoch")
-    keys = r.keys(limits)
-    r.end()
-    return node, epoch, keys
+    return node, epoch, _keys_at(r.buf, r.pos, limits, "WITHDRAW")
 
 
 # ---------------------------------------------------------------- LOCATE
@@ -114,22 +156,19 @@ def encode_locate(keys: Sequence[bytes], limits: ProtocolLimits) -> bytes:
 
 
 def decode_locate(body, limits: ProtocolLimits, what: str = "LOCATE") -> list[bytes]:
-    r = BodyReader(body, what)
-    keys = r.keys(limits)
-    r.end()
-    return keys
+    return _keys_at(bytes(body), 0, limits, what)
 
 
 def encode_locate_reply(per_key: Sequence[Sequence[Holder]], limits: ProtocolLimits) -> bytes:
     _check_count(len(per_key), limits, "LOCATE reply")
     out = bytearray(_I.pack(len(per_key)))
+    pack = _QQ.pack
     for holders in per_key:
         holders = holders[:MAX_HOLDERS]
         out.append(len(holders))
         for h in holders:
-            _text8(out, h.node_id, "node id")
-            out += _Q.pack(h.epoch)
-            out += _Q.pack(h.size)
+            out += _name(h.node_id)
+            out += pack(h.epoch, h.size)
     return bytes(out)
 
 
@@ -155,9 +194,7 @@ def encode_fetch(tenant: str, keys: Sequence[bytes], limits: ProtocolLimits) -> 
 def decode_fetch(body, limits: ProtocolLimits) -> tuple[str, list[bytes]]:
     r = BodyReader(body, "FETCH")
     tenant = _read_text8(r, "tenant")
-    keys = r.keys(limits)
-    r.end()
-    return tenant, keys
+    return tenant, _keys_at(r.buf, r.pos, limits, "FETCH")
 
 
 def encode_fetch_reply(epoch: int, items: Sequence[tuple[int, int]], limits: ProtocolLimits) -> bytes:
