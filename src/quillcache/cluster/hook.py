@@ -50,6 +50,8 @@ RETRY_HOME_S = 0.2          # seconds before a home that failed is tried again
 MAX_HOLDER_TRIES = 3        # holders tried per key before a miss
 MAX_PUSHES = 8              # replica pushes in flight
 REANNOUNCE_CHUNK = 512      # keys per step of a re-announcement round
+DEATH_PROBES = 3            # refused connects, PROBE_GAP_S apart, that make a closed peer dead
+PROBE_GAP_S = 0.05          # seconds
 LOCATION_CACHE = 65536      # keys whose holders a node remembers from its last LOCATE (LRU)
 
 _PEER_OPS = frozenset({Opcode.ANNOUNCE, Opcode.WITHDRAW, Opcode.LOCATE, Opcode.FETCH})
@@ -96,13 +98,14 @@ class ClusterHook:
             "fetch_failures", "stale_hops", "announced", "withdrawn", "announce_failures",
             "records_dropped", "replicas_pushed", "replica_failures", "cached_remote",
             "reannounce_rounds", "reannounce_scanned", "reannounce_queued", "fetches_served",
-            "locates_served", "location_cache_hits"), 0)
+            "locates_served", "location_cache_hits", "peers_seen_dead"), 0)
         self.reannounce_total = 0
         self.reannounce_active = False
         # Holders learnt from homes, reused without a LOCATE while they stay in the view
         # with the same epoch; a holder that no longer has the block costs one FETCH,
         # then the home is asked again.
         self._loc: OrderedDict[bytes, list[Holder]] = OrderedDict()
+        self._sentinels: dict[str, tuple[int, asyncio.Task]] = {}   # node -> (epoch, its watch task)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -132,6 +135,9 @@ class ClusterHook:
             await loop.run_in_executor(None, self.membership.registered.wait, s.lease_ttl)
 
     async def stop(self) -> None:
+        for _, t in self._sentinels.values():
+            t.cancel()
+        self._sentinels.clear()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -165,12 +171,71 @@ class ClusterHook:
             for epoch in self.records.epochs(node):
                 if live is None or live.epoch != epoch:
                     self.counters["records_dropped"] += self.records.drop_epoch(node, epoch)
+        self._watch_peers()
         ring = Ring(set(view) | {self.node_id})
         changed = ring != self.ring or any(
             old.get(n) is None or old[n].epoch != m.epoch for n, m in view.items())
         self.ring = ring
         if changed or self._epoch_announced != self.epoch:
             self._reannounce.set()
+
+    # A process that dies (kill -9, a crash) has its sockets closed by the kernel: a
+    # connection held open to every peer sees EOF at once.  If the peer's port then refuses
+    # DEATH_PROBES connects in a row, nothing listens there any more: its lease is revoked,
+    # and every node drops it from its view in milliseconds instead of after the TTL.  A
+    # stopped or cut-off node keeps its sockets (no EOF): the lease TTL covers those.
+
+    def _watch_peers(self) -> None:
+        for node, (epoch, task) in list(self._sentinels.items()):
+            m = self.view.get(node)
+            if m is None or m.epoch != epoch:
+                task.cancel()
+                del self._sentinels[node]
+        if self.membership is None:
+            return
+        loop = asyncio.get_running_loop()
+        for node, m in self.view.items():
+            if node != self.node_id and node not in self._sentinels and m.lease:
+                self._sentinels[node] = (m.epoch, loop.create_task(self._sentinel(m), name=f"qc-sentinel-{node}"))
+
+    async def _sentinel(self, m: Member) -> None:
+        host, _, port = m.address.rpartition(":")
+        host = host.strip("[]")
+        try:
+            while True:
+                try:
+                    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)),
+                                                            self.hop_timeout)
+                except (OSError, asyncio.TimeoutError):
+                    await asyncio.sleep(self.hop_timeout)
+                    continue
+                try:
+                    while await reader.read(4096):
+                        pass                # nothing is sent on it; anything read is ignored
+                except OSError:
+                    pass
+                finally:
+                    writer.close()
+                refused = 0
+                for _ in range(DEATH_PROBES):
+                    await asyncio.sleep(PROBE_GAP_S)
+                    try:
+                        _, w = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.hop_timeout)
+                        w.close()
+                        break
+                    except ConnectionRefusedError:
+                        refused += 1
+                    except (OSError, asyncio.TimeoutError):
+                        break
+                if refused == DEATH_PROBES:
+                    log.warning("cluster: %s (epoch %x) closed its connections and refuses new ones: "
+                                "revoking its lease", m.node_id, m.epoch)
+                    loop = asyncio.get_running_loop()
+                    await loop.run_in_executor(None, self.membership.revoke_peer, m.lease)
+                    self.counters["peers_seen_dead"] += 1
+                    return
+        except asyncio.CancelledError:
+            raise
 
     def peer(self, node_id: str) -> Optional[Peer]:
         m = self.view.get(node_id)

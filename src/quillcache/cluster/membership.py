@@ -42,12 +42,14 @@ class Member(NamedTuple):
     free: int
     version: str
     started: float
+    lease: int = 0          # the etcd lease under the record (another node may revoke it: a dead peer)
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Member":
         d = json.loads(raw)
         return cls(str(d["node_id"]), str(d["address"]), int(d["epoch"]), int(d.get("capacity", 0)),
-                   int(d.get("free", 0)), str(d.get("version", "")), float(d.get("started", 0.0)))
+                   int(d.get("free", 0)), str(d.get("version", "")), float(d.get("started", 0.0)),
+                   int(d.get("lease", 0)))
 
     def to_json(self) -> bytes:
         return json.dumps(self._asdict(), sort_keys=True).encode("utf-8")
@@ -142,6 +144,7 @@ class Membership:
         self.epochs_started = 1
         self.degraded_events = 0
         self.view_changes = 0
+        self.peers_revoked = 0
         self._lease_id: Optional[int] = None
         self._record_written = 0.0
         self._stop = threading.Event()
@@ -215,7 +218,8 @@ class Membership:
 
     def _record(self) -> Member:
         capacity, free = self._space()
-        return Member(self.node_id, self.address, self.epoch, capacity, free, self.version, self.started)
+        return Member(self.node_id, self.address, self.epoch, capacity, free, self.version, self.started,
+                      self._lease_id or 0)
 
     def _register(self) -> None:
         res = self._gw.call("/lease/grant", {"TTL": max(1, round(self.ttl))})
@@ -314,7 +318,19 @@ class Membership:
         except RuntimeError:
             pass                                # the loop is closed: the node is stopping
 
+    def revoke_peer(self, lease: int) -> bool:
+        """Revoke another node's lease (it was seen dead): its record goes now, not after
+        the TTL.  Blocking (call it in an executor); False when etcd did not answer."""
+        if not lease:
+            return False
+        try:
+            self._gw.call("/kv/lease/revoke", {"ID": lease})
+            self.peers_revoked += 1
+            return True
+        except EtcdUnavailable:
+            return False
+
     def stats(self) -> dict[str, Any]:
         return {"state": self.state, "epoch": f"{self.epoch:x}", "registrations": self.registrations,
                 "epochs_started": self.epochs_started, "degraded_events": self.degraded_events,
-                "view_changes": self.view_changes, "lease_ttl_s": self.ttl}
+                "view_changes": self.view_changes, "lease_ttl_s": self.ttl, "peers_revoked": self.peers_revoked}
