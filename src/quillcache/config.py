@@ -538,6 +538,8 @@ def load_config(path: str | None = None, text: str | None = None, source: str | 
 def _toml_value(value: Any) -> str:
     if isinstance(value, list) and not value:
         return "[]"
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "[" + ", ".join(f'"{v}"' for v in value) + "]"
     return _show(value)
 
 
