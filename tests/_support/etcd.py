@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -30,18 +31,21 @@ def etcd_binary() -> str | None:
 
 
 class EtcdServer:
-    def __init__(self, data_dir: Path | None = None, *, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(self, data_dir: Path | None = None, *, host: str = "127.0.0.1", port: int | None = None,
+                 netns: str | None = None) -> None:
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("etcd is not installed (Debian package etcd-server; `make deps` installs it)")
         self.binary = binary
         self.host = host
-        self.port = port or free_port(host)
-        self.peer_port = free_port(host)
+        # inside a fresh namespace every port is free: 2379/2380 as etcd's defaults
+        self.port = port or (2379 if netns else free_port(host))
+        self.peer_port = 2380 if netns else free_port(host)
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="qc-etcd-"))
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self.netns = netns          # run inside this network namespace (ip netns exec)
 
     @property
     def endpoint(self) -> str:
@@ -55,7 +59,8 @@ class EtcdServer:
         client = f"http://{self.host}:{self.port}"
         peer = f"http://{self.host}:{self.peer_port}"
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
+        self.proc = subprocess.Popen(prefix + [
             self.binary, "--name", "qc", "--data-dir", str(self.data_dir / "member-data"),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
@@ -66,6 +71,16 @@ class EtcdServer:
         return self
 
     def wait_ready(self) -> None:
+        if self.netns:                  # probe from inside its namespace
+            code = (f"import json,time,urllib.request\nt=time.monotonic()+{START_TIMEOUT_S}\n"
+                    "while time.monotonic()<t:\n try:\n"
+                    f"  r=urllib.request.urlopen('http://{self.endpoint}/health',timeout=0.5)\n"
+                    "  if json.loads(r.read()).get('health')=='true': raise SystemExit(0)\n"
+                    " except OSError: pass\n time.sleep(0.05)\nraise SystemExit(1)")
+            r = subprocess.run(["ip", "netns", "exec", self.netns, sys.executable, "-c", code])
+            if r.returncode != 0:
+                raise RuntimeError(f"etcd did not become healthy in {self.netns}: {self.log()}")
+            return
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
