@@ -11,7 +11,7 @@ DEB_PKGS := liburing-dev pkg-config redis-server etcd-server
 N        ?= 500
 PYTEST_ARGS ?=
 
-.PHONY: all build deps bench-deps _debs run test bench crash man clean distclean cluster
+.PHONY: all build deps bench-deps _debs run lint test bench crash man clean distclean cluster
 
 all: build
 
@@ -55,7 +55,11 @@ run: build
 cluster: build
 	$(PY) -m tests._support.devcluster
 
-test: build
+# ruff (configured in pyproject.toml) on the whole tree, then the suite.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: build lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # asv on the current commit (offline: the existing venv), then the standalone ratio scripts.

@@ -117,7 +117,8 @@ setup(
         "quillcache.transfer",
         "quillcache_cli",
     ],
-    package_data={"quillcache._native": ["*.pxd", "*.pxi", "includes/*.pxd", "includes/*.h"], "quillcache": ["default.toml"]},
+    package_data={"quillcache._native": ["*.pyx", "*.pxd", "*.pxi", "includes/*.pxd", "includes/*.h"],
+                  "quillcache": ["default.toml"]},
     ext_modules=extensions(),
     zip_safe=False,
 )

@@ -69,15 +69,15 @@ def realistic(n_requests: int, rng: random.Random):
     prompts = [[f"sp{p}b{j}" for j in range(4)] for p in range(8)]
     zipf = [1 / (i + 1) for i in range(8)]
     sessions = []
-    for s in range(max(8, n_requests // 10)):
+    for _s in range(max(8, n_requests // 10)):
         x, acc = rng.random(), 0.0
-        for w, ident in kinds:
+        for w, ident in kinds:  # noqa: B007 (ident is the pick, used after the break)
             acc += w
             if x <= acc:
                 break
         sessions.append([ident, rng.choices(range(8), zipf)[0], []])
     out = []
-    for r in range(n_requests):
+    for _r in range(n_requests):
         sess = rng.choice(sessions)
         ident, p, history = sess
         history += [f"s{id(sess)}t{len(history)}", f"s{id(sess)}t{len(history) + 1}"]
@@ -92,8 +92,8 @@ async def run_workload(requests, mode: str) -> dict:
     store = LocalKvStore((total_blocks + 64) * BLOCK_BYTES, max_block_bytes=BLOCK_BYTES, guard_mode=mode)
     perf = time.perf_counter_ns
     get_ns = 0
-    res = dict(lookups=0, hits=0, safe=0, unsafe=0, unsafe_wrong_kv=0, unsafe_tenant_leak=0,
-               misses=0, refused_same_tenant=0, computed=0)
+    res = {"lookups": 0, "hits": 0, "safe": 0, "unsafe": 0, "unsafe_wrong_kv": 0, "unsafe_tenant_leak": 0,
+           "misses": 0, "refused_same_tenant": 0, "computed": 0}
     for keys in requests:
         for key in keys:
             res["lookups"] += 1
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
         requests = gen(args.requests, random.Random(args.seed))
         ratios = []
         for i in range(args.replays):          # interleaved whole replays; outcomes are deterministic
-            replay = _no_gc(lambda mode: asyncio.run(run_workload(requests, mode)))
+            replay = _no_gc(lambda mode: asyncio.run(run_workload(requests, mode)))  # noqa: B023 (called here)
             if i & 1:
                 off = replay("off")
                 strict = replay("strict")

@@ -9,7 +9,9 @@ import json
 
 import click
 
-from quillcache_cli.ctl_data import KEY_METAVAR, KEYFIELDS_HELP, _want_json, build_key, json_option, key_options, node, table
+from quillcache_cli.ctl_data import (
+    KEY_METAVAR, KEYFIELDS_HELP, _want_json, build_key, json_option, key_options, node, table,
+)
 
 
 def _size(n: int) -> str:

@@ -190,10 +190,7 @@ def ssd_tier_of(log_dir: str, root: str, ssd_path=None):
     the daemon's (<data_dir>/wal with the data file at [ssd] path, default
     <data_dir>/ssd/blocks.dat, its checkpoint beside it as <file>.checkpoint) and an SsdTier
     directory (data.qc, checkpoint and wal/ together)."""
-    try:
-        from quillcache.store import ssd  # noqa: PLC0415
-    except ImportError:
-        return None
+    from quillcache.store import ssd  # noqa: PLC0415
     if os.path.basename(log_dir) != ssd.WAL_DIR_NAME:
         return None
     parent = os.path.dirname(log_dir)
@@ -297,7 +294,7 @@ def wal_verify(ctx, directory, deep, ssd_path, as_json):
         with _bar(show_bar and total > 1, total, "verifying WAL segments") as bar:
             for d in dirs:
                 seen = []
-                logs.append(verify_log(d, progress=lambda seg: (seen.append(seg), bar.update(1)),
+                logs.append(verify_log(d, progress=lambda seg: (seen.append(seg), bar.update(1)),  # noqa: B023
                                        on_record=replays.get(d)))
                 bar.update(len(logs[-1]["segments"]) - len(seen))   # segments without records
         for replay in replays.values():

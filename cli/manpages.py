@@ -61,7 +61,8 @@ def quillctl_page() -> str:
         lines += _options(cmd)
     from quillcache_cli import exitcodes
     lines += [".SH EXIT STATUS"]
-    for name in sorted((n for n in dir(exitcodes) if n.isupper()), key=lambda n: getattr(exitcodes, n)):
+    codes = [n for n in dir(exitcodes) if n.isupper() and isinstance(getattr(exitcodes, n), int)]
+    for name in sorted(codes, key=lambda n: getattr(exitcodes, n)):
         lines += [".TP", f"\\fB{getattr(exitcodes, name)}\\fR", name.lower().replace("_", " ")]
     lines += [".SH SEE ALSO", "quillcached(8), quillcache.toml(5)"]
     return "\n".join(lines) + "\n"
@@ -80,8 +81,8 @@ def quillcached_page() -> str:
               "Stop accepting, drain in-flight requests, flush the write-ahead log, exit 0.",
               ".TP", "\\fBSIGHUP\\fR", "Reload the settings marked reloadable in quillcache.toml(5).",
               ".SH EXIT STATUS"]
-    from quillcache.daemon import EXIT_CODES
-    for code, meaning in EXIT_CODES:
+    from quillcache.exitcodes import QUILLCACHED_EXIT_CODES
+    for code, meaning in QUILLCACHED_EXIT_CODES:
         lines += [".TP", f"\\fB{code}\\fR", _esc(meaning)]
     lines += [".SH SEE ALSO", "quillctl(1), quillcache.toml(5)"]
     return "\n".join(lines) + "\n"

@@ -3,6 +3,7 @@ import sys
 
 import click
 
+from quillcache._native import REBUILD_HINT, missing_extensions
 from quillcache.config import ConfigError, load_config
 
 from quillcache_cli import exitcodes
@@ -18,8 +19,15 @@ def main(config_path, listen, data_dir):
     """Run a QuillCache node in the foreground (systemd runs it as Type=notify).
 
     SIGTERM/SIGINT drain in-flight requests and stop; SIGHUP reloads the reloadable
-    settings from the same file.  A bad configuration exits 78 (EX_CONFIG).
+    settings from the same file.  A bad configuration exits 78 (EX_CONFIG); a build
+    without its native extensions exits 69 (EX_UNAVAILABLE).
     """
+    missing = missing_extensions()
+    if missing:
+        for module, why in missing:
+            click.echo(f"quillcached: cannot start: native extension {module} does not load ({why})", err=True)
+        click.echo(f"quillcached: a broken build: {REBUILD_HINT}", err=True)
+        sys.exit(exitcodes.UNAVAILABLE)
     overrides = {}
     if listen:
         overrides["node.listen"] = listen

@@ -1,8 +1,9 @@
-"""Shared pytest set-up: the slow flag, and helpers every test directory uses."""
+"""Shared pytest set-up: the slow flag and a few fixtures. Helpers live in tests/_support/."""
 import os
-import socket
 
 import pytest
+
+from tests._support.net import free_port
 
 
 def pytest_addoption(parser):
@@ -23,12 +24,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -2,19 +2,19 @@
 wire against a real quillcached with [auth] tenants."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from quillcache import Client
+from quillcache._native.codec import encode_frame_header
 from quillcache.auth import FAILED_HELLO_WINDOW_S, Authenticator
 from quillcache.config import hash_token
 from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, PermissionDenied
 from quillcache.model import encode_key
 from quillcache.protocol import messages
 from quillcache.protocol.opcodes import Opcode
-from quillcache._native.codec import encode_frame_header
-from tests.test_daemon import Daemon, key, raw_connect, read_frames
+from tests._support.daemon import Daemon
+from tests._support.data import key
+from tests._support.net import raw_connect, read_frames
 
 TENANTS = [("alice", hash_token("alice-secret")), ("bob", hash_token("bob-secret"))]
 

@@ -9,11 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from quillcache import AsyncClient, Client, KvBlockKey
+from quillcache import AsyncClient, Client
 from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout
 from quillcache.store.tiers import LocalKvStore
-from tests.conftest import free_port
-from tests.test_daemon import Daemon, content, key
+from tests._support.daemon import Daemon
+from tests._support.data import content, key
+from tests._support.net import free_port
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +239,7 @@ def test_get_many_into_receives_each_value_into_its_own_buffer(client):
     bufs = [np.full(16_000, 0xEE, dtype=np.uint8) for _ in keys]
     sizes = client.get_many_into(keys, bufs)
     assert sizes == [3000, 6000, None, 9000, 12_000, 15_000]
-    for (k, data), buf in zip(items, bufs[:2] + bufs[3:]):
+    for (_k, data), buf in zip(items, bufs[:2] + bufs[3:]):
         n = len(data)
         assert buf[:n].tobytes() == data and (buf[n:] == 0xEE).all()   # nothing past the value
     assert (bufs[2] == 0xEE).all()                                       # the miss touched nothing

@@ -1,225 +1,31 @@
 """The node daemon quillcached as a real process: lifecycle, signals, sd_notify, reload,
-metrics, exit codes, durability across kill -9.
-
-The top of this module is the helper the other daemon-facing test modules import
-(``from tests.test_daemon import Daemon``): it runs quillcached as a subprocess on free
-loopback ports with its data dir under tmp_path.
-"""
+metrics, exit codes, durability across kill -9."""
 from __future__ import annotations
 
 import os
 import signal
 import socket
 import subprocess
-import sys
+import threading
 import time
-from pathlib import Path
 
-from tests.conftest import free_port
+import pytest
 
-QUILLCACHED = str(Path(sys.executable).with_name("quillcached"))
-START_TIMEOUT_S = 30.0
-
-
-def base_toml(port: int, metrics_port: int, data_dir: Path, *, ssd: bool = False, dram: str = "64MiB",
-              max_block: str = "8MiB", ssd_capacity: str = "64MiB", direct_io: bool = False,
-              extra: str = "") -> str:
-    text = f"""
-[node]
-listen = "127.0.0.1:{port}"
-data_dir = "{data_dir}"
-log_level = "info"
-drain_timeout = "5s"
-
-[store]
-dram = "{dram}"
-max_block = "{max_block}"
-
-[ssd]
-enabled = {"true" if ssd else "false"}
-capacity = "{ssd_capacity}"
-direct_io = {"true" if direct_io else "false"}
-
-[metrics]
-listen = "127.0.0.1:{metrics_port}"
-"""
-    return text + extra
-
-
-def merge_toml(base: str, extra_sections: dict[str, str]) -> str:
-    """Append lines to sections of ``base`` (a tiny helper to keep TOML tables unique)."""
-    out = []
-    for line in base.splitlines():
-        out.append(line)
-        stripped = line.strip()
-        if stripped.startswith("[") and stripped.strip("[]") in extra_sections:
-            out.append(extra_sections.pop(stripped.strip("[]")))
-    for section, body in extra_sections.items():
-        out += [f"[{section}]", body]
-    return "\n".join(out) + "\n"
-
-
-class Daemon:
-    """A quillcached subprocess on free loopback ports with its data dir under tmp_path."""
-
-    def __init__(self, tmp_path: Path, *, ssd: bool = False, sections: dict[str, str] | None = None,
-                 dram: str = "64MiB", max_block: str = "8MiB", env: dict | None = None,
-                 data_dir: Path | None = None, port: int | None = None, ssd_capacity: str = "64MiB",
-                 direct_io: bool = False) -> None:
-        self.tmp = Path(tmp_path)
-        self.port = port or free_port()
-        self.metrics_port = free_port()
-        self.data_dir = data_dir or self.tmp / "data"
-        self.config = self.tmp / f"quillcache-{self.port}.toml"
-        self.log_path = self.tmp / f"quillcached-{self.port}.log"
-        self.ssd_capacity = ssd_capacity
-        self.direct_io = direct_io
-        self.write_config(ssd=ssd, sections=sections, dram=dram, max_block=max_block)
-        self.env = dict(os.environ, **(env or {}))
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def write_config(self, *, ssd: bool = False, sections: dict[str, str] | None = None,
-                     dram: str = "64MiB", max_block: str = "8MiB") -> None:
-        text = base_toml(self.port, self.metrics_port, self.data_dir, ssd=ssd, dram=dram, max_block=max_block,
-                         ssd_capacity=self.ssd_capacity, direct_io=self.direct_io)
-        self.config.write_text(merge_toml(text, dict(sections or {})))
-
-    def start(self, wait: bool = True) -> "Daemon":
-        if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError("this Daemon is already running (a second start would leak it)")
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([QUILLCACHED, "--config", str(self.config)], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=self.env)
-        if wait:
-            self.wait_ready()
-        return self
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"quillcached exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"quillcached did not listen within {START_TIMEOUT_S} s:\n{self.log()}")
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def send(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def wait(self, timeout: float = 30.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.returncode is not None:
-                self._log.close()
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(sig)
-        try:
-            return self.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.wait(5)
-            raise
-
-    def rss_bytes(self) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    def __enter__(self) -> "Daemon":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.stop(signal.SIGKILL if exc[0] is not None else signal.SIGTERM)
-
-
-# --------------------------------------------------------------------------- shared test helpers
-
-import threading  # noqa: E402
-import urllib.request  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from quillcache import Client, KvBlockKey  # noqa: E402
-from quillcache._native.codec import FrameParser, encode_frame_header  # noqa: E402
-from quillcache.daemon import sd_notify  # noqa: E402
-from quillcache.errors import NotFound, UnsafeReuse  # noqa: E402
-from quillcache.model import encode_key  # noqa: E402
-from quillcache.protocol import messages  # noqa: E402
-from quillcache.protocol.opcodes import REQUEST_OPCODES, Opcode  # noqa: E402
-
-
-def key(i: int, tenant: str = "t0", model: str = "m", prefix: str = "p") -> KvBlockKey:
-    return KvBlockKey(model, "tok", None, tenant, prefix, f"b{i}", block_index=i % 1000)
-
-
-def content(i: int, size: int) -> bytes:
-    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
-
-
-def raw_connect(port: int) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return s
-
-
-def read_frames(sock: socket.socket, n: int = 1, timeout: float = 10.0):
-    """Read ``n`` reply frames (collected payloads); returns them, or fewer at EOF."""
-    parser = FrameParser(REQUEST_OPCODES, max_header_bytes=1 << 24, max_payload_bytes=1 << 30, replies=True)
-    frames = []
-    sock.settimeout(timeout)
-    while len(frames) < n:
-        ev = parser.next_event()
-        if ev == 0:
-            data = sock.recv(1 << 16)
-            if not data:
-                return frames
-            parser.feed(data)
-            continue
-        if ev in (1, 4):        # EV_FRAME / EV_PAYLOAD_END
-            frames.append(parser.frame)
-    return frames
-
-
-def metric_value(text: str, name: str, labels: str = "") -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + ("{" if labels or "{" in line[len(name):len(name) + 1] else " ")) \
-                and labels in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def _ssd_or_skip():
-    return pytest.importorskip("quillcache.store.ssd")
+from quillcache import Client
+from quillcache._native.codec import encode_frame_header
+from quillcache.daemon import sd_notify
+from quillcache.errors import NotFound, UnsafeReuse
+from quillcache.model import encode_key
+from quillcache.protocol import messages
+from quillcache.protocol.opcodes import Opcode
+from tests._support.daemon import QUILLCACHED, Daemon
+from tests._support.data import content, key
+from tests._support.metrics import metric_value, scrape
+from tests._support.net import raw_connect, read_frames
 
 
 # --------------------------------------------------------------------------- start-up and exit codes
+
 
 
 def test_bad_config_on_start_exits_78_naming_the_key(tmp_path):
@@ -238,7 +44,6 @@ def test_write_through_without_ssd_tier_exits_78(tmp_path):
 
 
 def test_a_second_daemon_on_a_locked_data_dir_exits_75_with_one_line_not_a_traceback(tmp_path):
-    _ssd_or_skip()
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with Daemon(tmp_path / "a", ssd=True, data_dir=tmp_path / "shared") as first:
@@ -253,7 +58,6 @@ def test_a_second_daemon_on_a_locked_data_dir_exits_75_with_one_line_not_a_trace
 
 
 def test_a_corrupt_ssd_checkpoint_exits_65_naming_the_file(tmp_path):
-    _ssd_or_skip()
     d = Daemon(tmp_path, ssd=True).start()
     with Client(d.addr) as c:
         c.put(key(1), content(1, 5000), durable=True)
@@ -397,7 +201,6 @@ def test_metrics_endpoint_counts_requests_by_opcode_and_status(tmp_path):
 
 
 def test_durable_put_reads_back_after_a_clean_restart(tmp_path):
-    _ssd_or_skip()
     d = Daemon(tmp_path, ssd=True).start()
     try:
         with Client(d.addr) as c:
@@ -440,7 +243,6 @@ def _durable_writer(addr: str, start: int, stop: threading.Event, acked: list, e
 
 
 def test_kill_9_under_write_through_load_loses_no_acknowledged_put(tmp_path):
-    _ssd_or_skip()
     d = Daemon(tmp_path, ssd=True, sections={"store": 'policy = "write_through"'},
                ssd_capacity=f"{KILL9_SSD_CAPACITY >> 20}MiB").start()
     acked: list = []

@@ -13,8 +13,8 @@ MiB = 1 << 20
 
 
 def key(**kw):
-    base = dict(model_id="llama-3-8b", tokenizer_id="tok-v1", adapter_id=None, tenant_id="acme",
-                prefix_hash="root", block_hash="b0", block_index=0, token_count=64)
+    base = {"model_id": "llama-3-8b", "tokenizer_id": "tok-v1", "adapter_id": None, "tenant_id": "acme",
+                "prefix_hash": "root", "block_hash": "b0", "block_index": 0, "token_count": 64}
     base.update(kw)
     return KvBlockKey(**base)
 

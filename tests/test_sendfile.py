@@ -21,14 +21,16 @@ import time
 import pytest
 
 from quillcache import Client
+from quillcache._native.codec import encode_frame_header
+from quillcache._native.crc import crc32c
 from quillcache.client import AsyncClient
 from quillcache.errors import NotFound, ProtocolError
 from quillcache.model import encode_key
 from quillcache.protocol import messages
 from quillcache.protocol.opcodes import FLAG_PAYLOAD_CRC, Opcode
-from quillcache._native.codec import encode_frame_header
-from quillcache._native.crc import crc32c
-from tests.test_daemon import Daemon, content, key, raw_connect, read_frames
+from tests._support.daemon import Daemon
+from tests._support.data import content, key
+from tests._support.net import raw_connect, read_frames
 
 MiB = 1 << 20
 SIZES = (1, 4095, 4096, 65537, MiB, 3 * MiB + 7)

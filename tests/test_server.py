@@ -10,12 +10,15 @@ import time
 import pytest
 
 from quillcache import Client
+from quillcache._native.codec import encode_frame_header
 from quillcache.errors import InvalidArgument, NotFound, ProtocolError, UnsafeReuse
 from quillcache.model import encode_key
 from quillcache.protocol import messages
 from quillcache.protocol.opcodes import FLAG_PAYLOAD_CRC, Opcode
-from quillcache._native.codec import encode_frame_header
-from tests.test_daemon import Daemon, content, key, raw_connect, read_frames
+from tests._support.daemon import Daemon
+from tests._support.data import content, key
+from tests._support.metrics import metric_value, scrape
+from tests._support.net import raw_connect, read_frames
 
 DRAM = 64 << 20
 
@@ -380,8 +383,8 @@ def test_key_cache_returns_exactly_what_decode_key_returns_and_stays_bounded():
 
 def test_keys_differing_in_one_field_are_never_mixed_up_over_the_wire(daemon):
     from quillcache.model import KvBlockKey
-    base = dict(model_id="m", tokenizer_id="t", adapter_id=None, tenant_id="t0", prefix_hash="p",
-                block_hash="b")
+    base = {"model_id": "m", "tokenizer_id": "t", "adapter_id": None, "tenant_id": "t0", "prefix_hash": "p",
+                "block_hash": "b"}
     variants = [KvBlockKey(**base, block_index=i, token_count=tc) for i in range(3) for tc in (63, 64)]
     variants.append(KvBlockKey(**{**base, "adapter_id": "a"}, block_index=0, token_count=64))
     with Client(daemon.addr) as c:
@@ -411,7 +414,6 @@ def test_a_malformed_get_body_is_refused_by_the_fast_path_and_the_connection_goe
 
 
 def test_request_metrics_are_counted_by_opcode_and_status_at_scrape_time(daemon):
-    from tests.test_daemon import metric_value, scrape
 
     def snapshot():
         text = scrape(daemon.metrics_port)
@@ -437,6 +439,7 @@ def test_request_metrics_are_counted_by_opcode_and_status_at_scrape_time(daemon)
 
 def test_request_counters_render_as_prometheus_families():
     from prometheus_client import generate_latest
+
     from quillcache.metrics import LATENCY_BUCKETS_S, NodeMetrics
     m = NodeMetrics("n1", "v")
     m.observe(int(Opcode.GET), 0, 30e-6)
@@ -457,6 +460,7 @@ def test_request_counters_render_as_prometheus_families():
 
 def test_a_handler_that_suspends_is_finished_by_a_task_with_its_result_and_its_cancellation():
     import asyncio
+
     from quillcache.server import _finish
 
     async def main():

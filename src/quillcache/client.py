@@ -38,7 +38,7 @@ import time
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 from quillcache._native.codec import (
-    EV_NEED_DATA, EV_PAYLOAD_END, EV_PAYLOAD_START, FRAME_OVERHEAD, MalformedFrame, encode_frame_header,
+    EV_NEED_DATA, EV_PAYLOAD_END, EV_PAYLOAD_START, FRAME_OVERHEAD, MalformedFrame, encode_key_body,
 )
 from quillcache.config import parse_hostport
 from quillcache.errors import (
@@ -63,7 +63,6 @@ KEY_CACHE_ENTRIES = 16384        # encoded keys kept per client (KvBlockKey -> b
 GET_MANY_BUFFER_BYTES = 8 << 20  # bytes: get_many packs consecutive values into buffers of at most this
 MIN_SOCKET_TIMEOUT_S = 0.001     # seconds: the smallest SO_RCVTIMEO set (0 would mean "forever")
 _GET = int(Opcode.GET)
-_U16 = struct.Struct("<H")
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -214,11 +213,8 @@ class _Ops:
         return raw
 
     def _get_header(self, key) -> bytes:
-        """The GET request body of ``key`` (u16 length + key) within the server's limits."""
-        raw = self._ekey(key)
-        if not 0 < len(raw) <= self.limits.max_key_bytes:
-            return messages.encode_get_request(raw, self.limits)     # raises the checked error
-        return _U16.pack(len(raw)) + raw
+        """The GET request body of ``key`` within the server's limits (the codec's format)."""
+        return encode_key_body(self._ekey(key), self.limits.max_key_bytes)
 
     # each returns the result (Client) or an awaitable of it (AsyncClient)
 
@@ -283,7 +279,8 @@ class _Ops:
         if not isinstance(ttl, (int, float)) or ttl < 0:
             raise InvalidArgument(f"pin ttl {ttl!r}: seconds >= 0 (0 = until unpin)")
         ttl_ms = 0 if ttl == 0 else max(1, int(round(ttl * 1000)))
-        hdr = messages.encode_pin_request([self._ekey(key)], PinMode.HARD if hard else PinMode.SOFT, ttl_ms, self.limits)
+        mode = PinMode.HARD if hard else PinMode.SOFT
+        hdr = messages.encode_pin_request([self._ekey(key)], mode, ttl_ms, self.limits)
         return self._exec(_Req(Opcode.PIN, hdr, (), 0, None,
                                lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
 
@@ -355,7 +352,7 @@ class _Ops:
             chunk = keys[start:start + mb]
             holder: dict = {}
 
-            def into(frame, holder=holder, start=start, count=len(chunk)):
+            def into(frame, holder=holder, start=start, count=len(chunk)):  # noqa: B008 (binds this chunk)
                 items = messages.decode_get_many_reply(frame.header, frame.payload_length, lim)
                 if len(items) != count:
                     raise ProtocolError(f"GET_MANY reply has {len(items)} items for {count} keys")
@@ -373,7 +370,7 @@ class _Ops:
                         views.append(d[:nb])
                 return views
 
-            def finish(r: Reply, holder=holder, count=len(chunk)):
+            def finish(r: Reply, holder=holder, count=len(chunk)):  # noqa: B008 (binds this chunk)
                 items = holder.get("items")
                 if items is None:                   # no payload phase: every value empty or missing
                     items = messages.decode_get_many_reply(r.header, None, lim)
@@ -572,7 +569,7 @@ class Client(_Ops):
         slack = max(MIN_SOCKET_TIMEOUT_S, 0.05 * self.timeout)     # how late a recv may return
         if r > left + slack or r < left - slack:   # the kernel timeout must not outlast the deadline
             self._set_recv_timeout(left)
-        parser = conn._parser
+        parser = conn.parser
         buf = conn.get_buffer(-1)
         if first_read and parser.buffered == 0 and not parser.in_payload:
             buf = buf[:first_read]
@@ -604,7 +601,7 @@ class Client(_Ops):
             return dst
 
         conn = self._check()
-        parser = conn._parser
+        parser = conn.parser
         deadline = time.monotonic() + self.timeout
         if conn.in_flight or parser.buffered or parser.in_payload or len(hdr) > conn.peer_limits.max_header_bytes:
             rid = conn.send_request(Opcode.GET, hdr, (), into=into)   # the general way
@@ -614,13 +611,7 @@ class Client(_Ops):
         # only its own OK reply with a payload that fits; any other event (an error reply,
         # a frame it does not expect) goes to the connection's own handler, which then
         # finishes the request exactly as the general way would.
-        rid = conn._new_id()
-        conn._pending[rid] = (_GET, into)
-        try:
-            conn._write([encode_frame_header(_GET, rid, header=hdr)])
-        except BaseException:
-            conn._pending.pop(rid, None)
-            raise
+        rid = conn.send_bare(_GET, hdr, into)
         receiving = False
         try:
             while True:
@@ -630,18 +621,17 @@ class Client(_Ops):
                     continue
                 frame = parser.frame
                 if receiving and ev == EV_PAYLOAD_END:
-                    del conn._pending[rid]
+                    conn.complete(rid)
                     return frame.payload_length
                 if (ev == EV_PAYLOAD_START and frame.request_id == rid and frame.opcode == _GET
                         and frame.status == 0 and frame.payload_length <= cap):
                     parser.set_destination(dst)
                     receiving = True
                     continue
-                conn._event(ev, frame)
-                conn._process()
+                conn.hand_over(ev, frame)
                 return self._got_into(self._wait(rid, deadline, FRAME_OVERHEAD))
         except MalformedFrame as exc:
-            conn._fail(exc)
+            conn.fail(exc)
             self._check()
             raise
 

@@ -22,14 +22,13 @@ from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
 from quillcache.errors import ConfigError
+from quillcache.exitcodes import CONFIG as EX_CONFIG  # the exit code of a bad config
 
 __all__ = [
     "Setting", "SETTINGS", "SECTIONS", "Config", "ConfigError", "load_config", "parse_config",
     "render_sample", "parse_byte_size", "parse_duration", "parse_hostport", "format_byte_size",
     "format_duration", "hash_token", "EX_CONFIG",
 ]
-
-EX_CONFIG = 78  # sysexits.h: configuration error
 
 
 class ConversionError(ValueError):
@@ -257,6 +256,7 @@ SECTIONS = {
     "auth": "Tenants and their tokens. With no tenants the node runs open (dev mode).",
     "router": "The routing module hosted by this node.",
     "guard": "The identity guard: who may reuse a block.",
+    "index": "The residency index: the store's record of which blocks are resident in which tier.",
     "cluster": "A pool of nodes: membership on etcd, residency by rendezvous hashing, cross-node fetch.",
 }
 
@@ -321,6 +321,10 @@ SETTINGS: tuple[Setting, ...] = (
        "auto uses io_uring where the kernel allows it, else pwritev + fdatasync."),
     _s("wal", "checkpoint_interval", parse_duration, "60s", True,
        "How often the residency index is checkpointed and the log truncated."),
+    _s("index", "persistent", _bool, False, False,
+       "Keep the residency index in a write-ahead log and checkpoints under <data_dir>/index, "
+       "so a restart finds its records without rebuilding them; at start it is checked against "
+       "the SSD tier, whose data wins where they disagree."),
     _s("limits", "max_header", _size_range(64, 1 << 24), "64KiB", False,
        "Largest frame header (keys and batch descriptors)."),
     _s("limits", "max_payload", _size_range(1, 1 << 40), "1GiB", False,

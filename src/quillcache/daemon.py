@@ -24,38 +24,23 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from quillcache import __version__
+from quillcache import __version__, exitcodes
 from quillcache.auth import Authenticator
 from quillcache.config import SETTINGS, Config, ConfigError, format_hostport, load_config
 from quillcache.errors import Busy, InvalidArgument, QuillCacheError
+from quillcache.index.persistent import PersistentArtIndex
+from quillcache.model import CacheTier
 from quillcache.metrics import NodeMetrics
 from quillcache.protocol.opcodes import ProtocolLimits
 from quillcache.server import NodeServer
 from quillcache.store.tiers import LocalKvStore
 
-__all__ = ["Node", "run", "sd_notify", "setup_logging", "MAINTENANCE_INTERVAL_S", "EX_OK", "EX_CONFIG",
-           "EX_SOFTWARE", "EX_DATAERR", "EX_TEMPFAIL", "EXIT_CODES"]
+__all__ = ["Node", "run", "sd_notify", "setup_logging", "MAINTENANCE_INTERVAL_S"]
 
 log = logging.getLogger("quillcache.daemon")
 
 MAINTENANCE_INTERVAL_S = 1.0     # seconds between store.maintenance() calls
 LISTEN_BACKLOG = 1024            # pending TCP connections the kernel queues
-EX_OK = 0
-EX_DATAERR = 65                  # sysexits.h: the data dir holds state it refuses to trust
-EX_SOFTWARE = 70                 # sysexits.h: internal error
-EX_TEMPFAIL = 75                 # sysexits.h: the data dir is in use by another process
-EX_CONFIG = 78                   # sysexits.h: configuration error
-# (code, meaning) for quillcached(8); the systemd unit does not restart on 65 or 78
-EXIT_CODES = (
-    (EX_OK, "clean stop (SIGTERM or SIGINT)"),
-    (EX_DATAERR, "the data directory holds state the node refuses to trust (a corrupt SSD checkpoint): "
-                 "the log line names the file and what to do"),
-    (EX_SOFTWARE, "internal error (the log has a traceback)"),
-    (EX_TEMPFAIL, "the data directory is locked by another running quillcached"),
-    (EX_CONFIG, "invalid configuration (the message names file, section, key and value), or one that the "
-                "machine or the data directory contradicts: the address is in use, permission denied, "
-                "an SSD capacity or unit that does not fit the data already there"),
-)
 _LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
                "error": logging.ERROR}
 
@@ -125,12 +110,8 @@ class Node:
     # ------------------------------------------------------------------ start
 
     async def _open_ssd(self, data_dir: Path):
+        from quillcache.store.ssd import SsdTier    # a broken build fails here, loudly (quillcached checks first)
         cfg = self.cfg
-        try:
-            from quillcache.store.ssd import SsdTier
-        except ImportError as exc:
-            log.warning("SSD tier enabled but not available in this build (%s): running DRAM only", exc)
-            return None
         path = cfg.ssd.path or str(data_dir / "ssd" / "blocks.dat")
         Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         (data_dir / "wal").mkdir(exist_ok=True, mode=0o700)     # before the WAL makes it 0755
@@ -145,6 +126,13 @@ class Node:
                  st.get("recovered_blocks", 0), st.get("dropped_blocks", 0), time.monotonic() - t0)
         return tier
 
+    def _open_index(self, data_dir: Path):
+        """The persistent residency index ([index] persistent): its records of DRAM copies
+        are never logged (they do not outlive the process)."""
+        cfg = self.cfg
+        return PersistentArtIndex(data_dir / "index", volatile_tiers=(CacheTier.CPU_DRAM,),
+                                  wal_backend=cfg.wal.backend)
+
     async def start(self) -> None:
         cfg = self.cfg
         data_dir = Path(cfg.node.data_dir)
@@ -156,13 +144,22 @@ class Node:
                               "([ssd] enabled = true)")
         wal_backend = str(self.ssd.stats().get("wal_backend")) if self.ssd is not None else "none"
         log.info("WAL backend: %s%s", wal_backend, "" if self.ssd is not None else " (SSD tier disabled)")
+        index = None
+        if cfg.index.persistent:
+            index = await asyncio.to_thread(self._open_index, data_dir)
         self.store = LocalKvStore(
-            cfg.store.dram, ssd=self.ssd, policy=cfg.store.policy,
+            cfg.store.dram, ssd=self.ssd, policy=cfg.store.policy, index=index, holder=self.node_id,
             high_watermark=cfg.store.high_watermark, low_watermark=cfg.store.low_watermark,
             demote_after_s=cfg.store.demote_after or None, lease_s=cfg.store.lease,
             guard_mode=cfg.guard.mode, max_block_bytes=cfg.store.max_block,
             put_timeout_s=cfg.store.put_timeout, hugepages=cfg.store.hugepages, prefault=cfg.store.prefault,
             promote_on_get=cfg.ssd.promote_on_get)
+        if index is not None:
+            r = self.store.reconciled
+            log.info("residency index %s: %d records recovered in %.3f s CPU; against the SSD tier: "
+                     "%d agreed, %d added, %d dropped", index.directory, index.recovery.checkpoint_records
+                     + index.recovery.replayed, index.recovery.cpu_seconds, r["index_agreed"],
+                     r["index_added"], r["index_dropped"])
         limits = ProtocolLimits(max_header_bytes=cfg.limits.max_header, max_payload_bytes=cfg.limits.max_payload,
                                 max_batch=cfg.limits.max_batch, max_in_flight=cfg.limits.max_inflight)
         auth = Authenticator(cfg.auth.tenants, cfg.auth.max_failed_hellos)
@@ -388,10 +385,10 @@ def _merge(old: Config, new: Config, applied: list[str]) -> Config:
 
 def _start_failure_code(exc: QuillCacheError) -> int:
     if isinstance(exc, (ConfigError, InvalidArgument)):   # InvalidArgument: a capacity or unit the data contradicts
-        return EX_CONFIG
+        return exitcodes.CONFIG
     if isinstance(exc, Busy):                              # the data dir's lock is held
-        return EX_TEMPFAIL
-    return EX_DATAERR                                      # e.g. a corrupt SSD checkpoint
+        return exitcodes.TEMPFAIL
+    return exitcodes.DATAERR                                      # e.g. a corrupt SSD checkpoint
 
 
 async def _main(cfg: Config, config_path: Optional[str], overrides: Mapping[str, Any]) -> int:
@@ -400,18 +397,18 @@ async def _main(cfg: Config, config_path: Optional[str], overrides: Mapping[str,
         await node.start()
     except QuillCacheError as exc:
         code = _start_failure_code(exc)
-        hint = f" (another quillcached on data_dir {cfg.node.data_dir}?)" if code == EX_TEMPFAIL else ""
+        hint = f" (another quillcached on data_dir {cfg.node.data_dir}?)" if code == exitcodes.TEMPFAIL else ""
         log.error("cannot start: %s%s", exc, hint)
         await node.stop()
         return code
     except OSError as exc:
         log.error("cannot start: %s", exc)
         await node.stop()
-        return EX_SOFTWARE if exc.errno not in (98, 13) else EX_CONFIG   # EADDRINUSE, EACCES
+        return exitcodes.SOFTWARE if exc.errno not in (98, 13) else exitcodes.CONFIG   # EADDRINUSE, EACCES
     node.install_signals()
     await node.wait_stopped()
     await node.stop()
-    return EX_OK
+    return exitcodes.OK
 
 
 def run(cfg: Config, *, config_path: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None) -> int:

@@ -9,6 +9,9 @@ QUILLCACHE_KILLPOINT=name[:n]
 QUILLCACHE_FAULTS=name[:n][,name[:n]...]
     ``fire(name)`` returns True from the n-th call on (a fault stays on once it fired).
     Names: FAULTS.
+QUILLCACHE_SSD_READ_DELAY_MS=ms
+    ``ssd_read_delay()`` sleeps this many milliseconds, in the thread that reads, before
+    every read of a block from the SSD tier's data file (a slow or saturated device).
 QUILLCACHE_IO_JOURNAL=path
     The SSD tier appends one line per data-file write ("W id offset length"), per data-file
     fdatasync ("S id": every write with an id <= id is synced) and per WAL commit ("L lsn":
@@ -20,10 +23,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 __all__ = ["KILLPOINTS", "FAULTS", "KILL_ENABLED", "FAULTS_ENABLED", "JOURNAL_ENABLED",
            "killpoint", "fire", "journal_write", "journal_sync_begin", "journal_sync", "journal_lsn",
-           "parse_spec"]
+           "parse_spec", "ssd_read_delay", "SSD_READ_DELAY_S"]
 
 KILLPOINTS = ("before_data_write", "after_data_write", "after_data_fsync", "after_wal_append",
               "after_wal_fsync", "mid_checkpoint", "mid_recovery")
@@ -58,6 +62,22 @@ def parse_spec(spec: str, known: tuple[str, ...], what: str) -> dict[str, int]:
 _KILL = parse_spec(os.environ.get("QUILLCACHE_KILLPOINT", ""), KILLPOINTS, "QUILLCACHE_KILLPOINT")
 _FAULT = parse_spec(os.environ.get("QUILLCACHE_FAULTS", ""), FAULTS, "QUILLCACHE_FAULTS")
 _JOURNAL_PATH = os.environ.get("QUILLCACHE_IO_JOURNAL", "")
+
+
+def _parse_delay(spec: str) -> float:
+    """'200' (milliseconds) -> 0.2 seconds; ValueError naming the variable."""
+    if not spec.strip():
+        return 0.0
+    try:
+        ms = float(spec)
+    except ValueError:
+        raise ValueError(f"QUILLCACHE_SSD_READ_DELAY_MS: {spec!r} is not a number of milliseconds") from None
+    if not 0 <= ms <= 60_000:
+        raise ValueError(f"QUILLCACHE_SSD_READ_DELAY_MS: {spec!r} must be in [0, 60000] ms")
+    return ms / 1000.0
+
+
+SSD_READ_DELAY_S = _parse_delay(os.environ.get("QUILLCACHE_SSD_READ_DELAY_MS", ""))
 KILL_ENABLED = bool(_KILL)
 FAULTS_ENABLED = bool(_FAULT)
 JOURNAL_ENABLED = bool(_JOURNAL_PATH)
@@ -92,6 +112,12 @@ def fire(name: str) -> bool:
         hits = _fault_hits.get(name, 0) + 1
         _fault_hits[name] = hits
     return hits >= target
+
+
+def ssd_read_delay() -> None:
+    """Sleep QUILLCACHE_SSD_READ_DELAY_MS before an SSD data read (in the reading thread)."""
+    if SSD_READ_DELAY_S:
+        time.sleep(SSD_READ_DELAY_S)
 
 
 # ---- the I/O journal (power-loss emulation) -------------------------------------------------

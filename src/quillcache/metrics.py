@@ -92,7 +92,11 @@ class _StoreCollector:
         yield refused
         store = s.get("store") or {}
         for field, doc in (("puts", "Puts published"), ("removes", "Blocks removed"),
-                           ("puts_aborted", "Puts aborted"), ("leases_expired", "Leases expired")):
+                           ("puts_aborted", "Puts aborted"), ("leases_expired", "Leases expired"),
+                           ("put_waits", "Puts that waited for demotions to make DRAM room"),
+                           ("put_wait_seconds", "Seconds puts spent waiting for DRAM room"),
+                           ("put_wait_timeouts", "Puts refused after waiting put_timeout for room"),
+                           ("dropped_dirty", "Blocks lost: DRAM needed and the SSD tier could not take them")):
             n = _num(store.get(field))
             if n is not None:
                 c = CounterMetricFamily(f"quillcache_store_{field}", doc)

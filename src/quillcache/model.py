@@ -10,7 +10,6 @@ all blocks of one identity scope and one prefix hash share one byte prefix
 from __future__ import annotations
 
 import enum
-import math
 import struct
 from dataclasses import dataclass, replace
 from typing import Optional, Protocol, Sequence, runtime_checkable
@@ -19,7 +18,8 @@ __all__ = [
     "KvBlockKey", "IdentityScope", "CacheTier", "CacheResidency", "WorkerState", "EngineKind",
     "EngineEndpoint", "BlockHint", "RequestKvHints", "KvEvent", "BlockStored", "BlockRemoved",
     "AllBlocksCleared", "KvEventBatch", "SloTarget", "RequestShape", "CostModel", "IndexMetrics",
-    "IndexBackend", "MemoryIndex", "sort_residencies", "encode_key", "decode_key", "encode_scope", "encode_scope_prefix",
+    "IndexBackend", "MemoryIndex", "sort_residencies", "encode_key", "decode_key", "encode_scope",
+    "encode_scope_prefix",
     "KeyError_", "MAX_ID_BYTES", "KEY_FORMAT_VERSION", "GiB", "MiB",
 ]
 

@@ -47,16 +47,16 @@ from typing import Any, Callable, Optional
 
 from quillcache.auth import Authenticator
 from quillcache.fsutil import pread_full
-from quillcache._native.codec import encode_frame_header
+from quillcache._native.codec import decode_key_body, decode_put_body, encode_frame_header
 from quillcache.errors import (
-    Busy, InvalidArgument, NotFound, PermissionDenied, ProtocolError, QuillCacheError, UnsafeReuse,
+    Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse,
 )
 from quillcache.model import (
-    KEY_FORMAT_VERSION, IdentityScope, KeyError_, KvBlockKey, decode_key, encode_key,
+    KEY_FORMAT_VERSION, IdentityScope, KeyError_, KvBlockKey, decode_key,
 )
 from quillcache.metrics import RequestCounters
 from quillcache.protocol import messages
-from quillcache.protocol.connection import ProtocolConnection
+from quillcache.protocol.connection import DEFER, ProtocolConnection
 from quillcache.protocol.opcodes import (
     CLUSTER_OPCODES, FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode,
     PinMode, ProtocolLimits,
@@ -385,7 +385,8 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self._release_held()
         if self._reading_paused and self.transport is not None and not self.transport.is_closing():
             self._reading_paused = False
-            self.transport.resume_reading()
+            if not self.put_deferred:
+                self.transport.resume_reading()
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -524,33 +525,57 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             self._check_access()
             durable = bool(frame.flags & FLAG_DURABLE)
             if frame.opcode == Opcode.PUT:
-                hdr = frame.header
-                n = len(hdr) - 10               # u16 key length + key + u64 nbytes
-                if (0 < n <= self.limits.max_key_bytes and hdr[0] | hdr[1] << 8 == n
-                        and int.from_bytes(hdr[n + 2:], "little") == frame.payload_length):
-                    items = [(self._key(hdr[2:n + 2]), frame.payload_length)]
-                else:                           # the checked way, for its error
-                    item = messages.decode_put_request(hdr, frame.payload_length, self.limits)
-                    items = [(self._key(item.key), item.nbytes)]
+                raw, nbytes = decode_put_body(frame.header, frame.payload_length, self.limits.max_key_bytes)
+                items = [(self._key(raw), nbytes)]
             else:
                 decoded = messages.decode_put_many_request(frame.header, frame.payload_length, self.limits)
                 items = [(self._key(i.key), i.nbytes) for i in decoded]
-            handles = []
-            try:
-                for key, nbytes in items:
-                    handles.append(self.store.put_start(key, nbytes, durable))
-            except BaseException:
-                for h in handles:           # all or nothing: the request changes nothing
-                    self.store.put_abort(h)
-                raise
+            handles = self.store.reserve_nowait(items, durable)     # all or nothing
         except QuillCacheError as exc:
             self._done(rid, frame.opcode, exc.status)
             raise                           # the connection replies it and skips the payload
-        self._puts[rid] = handles
+        if handles is None:                 # DRAM is full of blocks that must be demoted first
+            self._defer_put(frame, items, durable)
+            return DEFER
+        return self._put_destination(frame, handles)
+
+    def _put_destination(self, frame, handles: list):
+        self._puts[frame.request_id] = handles
         views = [h.view for h in handles if h.size]
         if frame.opcode == Opcode.PUT:
             return views[0] if views else None
         return views
+
+    def _defer_put(self, frame, items: list, durable: bool) -> None:
+        """Back-pressure: read nothing more from this client until the store has the slots."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        # a task, not _spawn: the connection must see DEFER before the slots can arrive
+        task = asyncio.get_running_loop().create_task(self._reserve_deferred(frame, items, durable))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reserve_deferred(self, frame, items: list, durable: bool) -> None:
+        rid = frame.request_id
+        try:
+            handles = await self.store.reserve(items, durable)
+        except Exception as exc:
+            if not isinstance(exc, QuillCacheError):
+                log.exception("internal error reserving a PUT from %s", self.peer)
+                exc = InvalidArgument(f"internal error: {exc!r}")
+            self._done(rid, frame.opcode, exc.status)
+            self.refuse_put(exc)
+        else:
+            if self.closed or self.failed is not None:
+                for h in handles:
+                    self.store.put_abort(h)
+                return
+            self.resume_put(self._put_destination(frame, handles))
+        if self.close_requested and self.transport is not None:
+            self.transport.close()
+        elif not self.put_deferred and not self._reading_paused and self.transport is not None \
+                and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _on_put_end(self, frame) -> None:
         handles = self._puts.pop(frame.request_id, None)
@@ -665,16 +690,10 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             node = self.node
             if node.draining or (not self.tenant and not node.auth.open_mode):
                 self._check_access()
-            hdr = frame.header
-            n = len(hdr) - 2
-            # the body is u16 key length + key: anything else goes the checked way for its error
-            if 0 < n <= self.limits.max_key_bytes and hdr[0] | hdr[1] << 8 == n:
-                key = self._keys.decode(hdr[2:])
-            else:
-                key = self._keys.decode(messages.decode_get_request(hdr, self.limits))
+            key = self._keys.decode(decode_key_body(frame.header, self.limits.max_key_bytes))
             if not node.auth.open_mode and key.tenant_id != self.tenant:
                 self._own(key.tenant_id)
-            lease = self.store.get(key, extent_ok=self._fd >= 0)
+            lease = self.store.get_nowait(key, extent_ok=self._fd >= 0)
         except Exception as exc:
             if self.is_in_flight(rid):
                 self._started[rid] = t0
@@ -683,9 +702,29 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
                     return
                 self._err(rid, _GET, exc)
             return
+        if lease is None:                   # SSD-only: read off the loop, reply when it is in
+            self._spawn(self._get_from_ssd(rid, key, frame.flags, t0))
+            return
+        self._reply_get(rid, lease, frame.flags, t0)
+
+    async def _get_from_ssd(self, rid: int, key: KvBlockKey, flags: int, t0: float) -> None:
+        try:
+            lease = await self.store.get_async(key)
+        except Exception as exc:
+            if self.is_in_flight(rid):
+                self._started[rid] = t0
+                self._err(rid, _GET, exc)
+            return
+        if not self.is_in_flight(rid):      # the connection went meanwhile
+            lease.release()
+            return
+        self._reply_get(rid, lease, flags, t0)
+
+    def _reply_get(self, rid: int, lease, flags: int, t0: float) -> None:
+        node = self.node
         if lease.extent is not None:
             try:
-                self._take(rid)
+                self.take_request(rid)
                 if self.failed is None and not self.closed:
                     self._send_extent(rid, *lease.extent)
             finally:
@@ -694,11 +733,11 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             self._counters.observe(_GET, 0, time.perf_counter() - t0)
             return
         try:
-            if frame.flags & FLAG_PAYLOAD_CRC or self.failed is not None or self.closed:
+            if flags & FLAG_PAYLOAD_CRC or self.failed is not None or self.closed:
                 self._started[rid] = t0
-                self._ok(rid, _GET, b"", [lease.view], crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
+                self._ok(rid, _GET, b"", [lease.view], crc=bool(flags & FLAG_PAYLOAD_CRC))
                 return
-            self._take(rid)
+            self.take_request(rid)
             size = lease.size
             head = encode_frame_header(_GET, rid, flags=_GET_REPLY_FLAGS, payload_length=size)
             t = self.transport
@@ -759,31 +798,57 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
 
     def _get_many(self, frame) -> None:
         keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_MANY")]
-        leases, items = [], []
-        cluster = self.node.cluster if not self.peer_node else None
+        got = []
         try:
             for key in keys:
                 try:
-                    lease = self.store.get(key)
+                    lease = self.store.get_nowait(key)
                 except (NotFound, UnsafeReuse, Busy) as exc:
-                    items.append((exc.status, 0))
-                    if cluster is not None:
-                        leases.append(None)
-                    continue
-                leases.append(lease)
-                items.append((0, lease.size))
-            if cluster is not None:
-                if any(status == NotFound.status for status, _ in items):
-                    # the hook owns the leases now; it replies when the other nodes answered
-                    owned, leases = leases, []
-                    self._spawn(cluster.serve_get_many(
-                        self, frame.request_id, keys, owned, items, frame.flags,
-                        lambda it: messages.encode_get_many_reply(it, self.limits)))
-                    return
-                leases = [lease for lease in leases if lease is not None]
+                    lease = exc
+                if lease is None:           # an SSD-only block: all of it off the loop
+                    break
+                got.append(lease)
+        except BaseException:
+            _release(got)
+            raise
+        if len(got) < len(keys):
+            _release(got)
+            self._spawn(self._get_many_async(frame.request_id, keys, frame.flags))
+            return
+        self._reply_get_many(frame.request_id, got, frame.flags, keys)
+
+    async def _get_many_async(self, rid: int, keys: list, flags: int) -> None:
+        got = []
+        try:
+            for key in keys:
+                try:
+                    got.append(await self.store.get_async(key))
+                except (NotFound, UnsafeReuse, Busy) as exc:
+                    got.append(exc)
+        except Exception as exc:
+            _release(got)
+            if self.is_in_flight(rid):
+                self._err(rid, Opcode.GET_MANY, exc)
+            return
+        self._reply_get_many(rid, got, flags, keys)
+
+    def _reply_get_many(self, rid: int, got: list, flags: int, keys: list) -> None:
+        """``got``: per key, its lease or the miss (NotFound, UnsafeReuse, Busy) to report."""
+        cluster = self.node.cluster
+        if cluster is not None and not self.peer_node and any(type(g) is NotFound for g in got):
+            # other nodes may hold the local misses: the hook owns the leases and replies
+            self._spawn(cluster.serve_get_many(
+                self, rid, keys, [None if isinstance(g, Exception) else g for g in got],
+                [(g.status, 0) if isinstance(g, Exception) else (0, g.size) for g in got], flags,
+                lambda it: messages.encode_get_many_reply(it, self.limits)))
+            return
+        leases = [g for g in got if not isinstance(g, Exception)]
+        try:
+            if not self.is_in_flight(rid):
+                return
+            items = [(g.status, 0) if isinstance(g, Exception) else (0, g.size) for g in got]
             body = messages.encode_get_many_reply(items, self.limits)
-            self._ok(frame.request_id, Opcode.GET_MANY, body, [l.view for l in leases],
-                     crc=bool(frame.flags & FLAG_PAYLOAD_CRC))
+            self._ok(rid, Opcode.GET_MANY, body, [l.view for l in leases], crc=bool(flags & FLAG_PAYLOAD_CRC))
         finally:
             self._hold(leases)
 
@@ -826,17 +891,10 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
 
     def _list(self, frame) -> None:
         req = messages.decode_list_request(frame.header, self.limits)
-        scope, prefix_hash = _decode_scope_prefix(req.prefix)
+        scope, _prefix_hash = _decode_scope_prefix(req.prefix)     # validates it
         self._own(scope.tenant_id)
-        if prefix_hash is None:
-            keys = self.store.list_scope(scope)
-        else:
-            keys = self.store.list_prefix(scope, prefix_hash)
-        encoded = sorted(encode_key(k) for k in keys)
-        if req.start_after:
-            encoded = [k for k in encoded if k > req.start_after]
-        page = encoded[:req.limit]
-        more = len(encoded) > req.limit
+        # a walk of the store's residency index from the cursor: no sort of the scope
+        page, more = self.store.list_page(req.prefix, req.start_after, req.limit)
         self._ok(frame.request_id, Opcode.LIST, messages.encode_list_reply(page, more, self.limits))
 
     def _cluster_request(self, frame) -> None:
@@ -889,6 +947,13 @@ class _Resume:
                     fut = coro.send(value)
                 except StopIteration as stop:
                     return stop.value
+
+
+def _release(got: list) -> None:
+    """Release the leases among ``got`` (leases and misses, as GET_MANY collects them)."""
+    for g in got:
+        if not isinstance(g, Exception):
+            g.release()
 
 
 async def _finish(coro, fut):

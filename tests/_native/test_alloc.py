@@ -58,15 +58,15 @@ def test_bins_are_exact_below_sixteen_units_and_use_three_mantissa_bits_above():
 # ---- construction limits --------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(capacity=0), "capacity"),
-    (dict(capacity=1000), "multiple of unit"),
-    (dict(capacity=4096, unit=3), "power of two"),
-    (dict(capacity=4096, unit=0), "power of two"),
-    (dict(capacity=4096, unit=2**31), "power of two"),
-    (dict(capacity=-4096), "capacity"),
-    (dict(capacity=4096, max_allocs=0), "max_allocs"),
-    (dict(capacity=4096, max_allocs=2**31), "max_allocs"),
-    (dict(capacity=(MAX_UNITS + 1) * 256), "units"),
+    ({"capacity": 0}, "capacity"),
+    ({"capacity": 1000}, "multiple of unit"),
+    ({"capacity": 4096, "unit": 3}, "power of two"),
+    ({"capacity": 4096, "unit": 0}, "power of two"),
+    ({"capacity": 4096, "unit": 2**31}, "power of two"),
+    ({"capacity": -4096}, "capacity"),
+    ({"capacity": 4096, "max_allocs": 0}, "max_allocs"),
+    ({"capacity": 4096, "max_allocs": 2**31}, "max_allocs"),
+    ({"capacity": (MAX_UNITS + 1) * 256}, "units"),
 ])
 def test_bad_constructor_arguments_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -14,7 +14,7 @@ from pathlib import Path
 from quillcache.client import Client
 from quillcache.cluster import wire
 from quillcache.protocol.opcodes import Opcode
-from tests.test_daemon import Daemon
+from tests._support.daemon import Daemon
 
 __all__ = ["CREDENTIAL", "Pool", "cluster_view", "cluster_section"]
 

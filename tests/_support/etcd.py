@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,15 +14,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tests._support.net import free_port
+
 __all__ = ["EtcdServer", "etcd_binary", "free_port"]
 
 START_TIMEOUT_S = 20.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def etcd_binary() -> str | None:

@@ -13,7 +13,7 @@ import pytest
 from quillcache._native.wal import WalReader, WalWriter, list_segments, lsn_offset
 from quillcache_cli import exitcodes
 from quillcache_cli.ctl_wal import CORRUPT
-from tests.conftest import free_port
+from tests._support.net import free_port
 
 BIN = Path(sys.executable).parent
 SCOPE = ["--model", "org/llama-3-8b", "--tokenizer", "llama3-tok", "--tenant", "default"]
@@ -327,6 +327,7 @@ def test_token_binds_the_tenant_and_a_bad_token_exits_permission(tmp_path):
 
 def test_cli_durations_take_units_or_bare_seconds():
     import click
+
     from quillcache_cli.params import cli_duration
     assert cli_duration("2") == 2.0 and cli_duration("1.5") == 1.5
     assert cli_duration("200ms") == pytest.approx(0.2) and cli_duration("2m") == 120.0

@@ -14,7 +14,7 @@ import pytest
 from tests._support.cluster import cluster_section
 from tests._support.etcd import EtcdServer, etcd_binary
 from tests._support.netns import Netns, netns_available
-from tests.test_daemon import QUILLCACHED, Daemon
+from tests._support.daemon import QUILLCACHED, Daemon
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None or not netns_available(),
                                 reason="needs etcd and root with `ip netns`")

@@ -179,7 +179,7 @@ def test_kill9_under_load_serves_misses_or_correct_bytes_and_is_seen_within_ttl(
 def test_sigstop_past_the_ttl_comes_back_with_a_new_epoch_and_serves_nothing_wrong(tmp_path, etcd):
     with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s") as pool:
         pool.wait_members(3)
-        keys = {i: 128 << 10 for i in range(24)}
+        keys = dict.fromkeys(range(24), 128 << 10)
         with Client(pool["a"].addr) as a:
             for i, size in keys.items():
                 a.put(key(i), content(i, size))
@@ -212,7 +212,7 @@ def test_sigstop_past_the_ttl_comes_back_with_a_new_epoch_and_serves_nothing_wro
 def test_etcd_restart_under_load_keeps_the_data_path_working(tmp_path, etcd):
     with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s") as pool:
         pool.wait_members(3)
-        keys = {i: 64 << 10 for i in range(30)}
+        keys = dict.fromkeys(range(30), 64 << 10)
         with Client(pool["a"].addr) as a:
             for i, size in keys.items():
                 a.put(key(i), content(i, size))
@@ -249,7 +249,7 @@ def test_etcd_restart_under_load_keeps_the_data_path_working(tmp_path, etcd):
 def test_replicas_2_survive_a_kill_of_the_first_holder(tmp_path, etcd):
     with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s", replicas=2) as pool:
         pool.wait_members(3)
-        keys = {i: 64 << 10 for i in range(24)}
+        keys = dict.fromkeys(range(24), 64 << 10)
         with Client(pool["a"].addr) as a:
             for i, size in keys.items():
                 a.put(key(i), content(i, size))
@@ -270,7 +270,7 @@ def test_replicas_2_survive_a_kill_of_the_first_holder(tmp_path, etcd):
 def test_a_fourth_node_finds_blocks_after_reannouncement_with_progress_in_info(tmp_path, etcd):
     with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s") as pool:
         pool.wait_members(3)
-        keys = {i: 4 << 10 for i in range(300)}
+        keys = dict.fromkeys(range(300), 4 << 10)
         for n, letter in enumerate("abc"):
             with Client(pool[letter].addr) as c:
                 c.put_many([(key(i), content(i, keys[i])) for i in keys if i % 3 == n])

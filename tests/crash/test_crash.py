@@ -41,7 +41,7 @@ def test_long_crash_campaign(tmp_path, crash_cycles, capsys):
     totals = {"cycles": 0, "acked": 0, "lost": 0, "corrupted": 0, "detected": 0}
     failures = []
     t0 = time.time()
-    for i in range(crash_cycles):
+    for _i in range(crash_cycles):
         mode = rng.choice(ALL_MODES)
         seed = rng.randrange(1 << 30)
         try:

@@ -132,7 +132,8 @@ def test_torn_wal_tail_is_dropped_and_the_rest_recovered(tmp_path):
         f.truncate(size - 5)              # the writer died inside the last record
     again = PersistentArtIndex(tmp_path)
     assert again.snapshot() == expected
-    assert again.recovery.corruption == [] and again.recovery.tail_bytes == len(encode_put(res(key("last"), "w7"))) + 7 - 5
+    assert again.recovery.corruption == []
+    assert again.recovery.tail_bytes == len(encode_put(res(key("last"), "w7"))) + 7 - 5
     again.put(res(key("after"), "w7"))     # appending continues after the cut
     again.close()
     third = PersistentArtIndex(tmp_path)

@@ -7,8 +7,6 @@ from quillcache.errors import CapacityError, InvalidArgument
 from quillcache.model import KvBlockKey
 from quillcache.store.dram import ARENA_UNIT, DramTier
 
-pytest.importorskip("quillcache._native.alloc")
-
 
 class Clock:
     def __init__(self, t=1000.0):

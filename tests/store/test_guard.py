@@ -8,12 +8,10 @@ import pytest
 from quillcache.errors import InvalidArgument, NotFound, UnsafeReuse
 from quillcache.model import CacheResidency, CacheTier, IdentityScope, KvBlockKey
 from quillcache.store.guard import IdentityGuard, Refusal, audit_reuse, violation_of
+from quillcache.store.tiers import LocalKvStore
 
-pytest.importorskip("quillcache._native.alloc")
-from quillcache.store.tiers import LocalKvStore  # noqa: E402
-
-BASE = dict(model_id="llama", tokenizer_id="tok", adapter_id=None, tenant_id="acme",
-            prefix_hash="p0", block_hash="b0")
+BASE = {"model_id": "llama", "tokenizer_id": "tok", "adapter_id": None, "tenant_id": "acme",
+            "prefix_hash": "p0", "block_hash": "b0"}
 
 
 def k(**changes):

@@ -130,7 +130,7 @@ def test_recovery_is_idempotent(tmp_path):
 
 
 def _flip_data_byte(tmp_path, tier, k, at=10):
-    off = dict((kk, o) for kk, o, _, _ in tier.entries())[k]
+    off = {kk: o for kk, o, _, _ in tier.entries()}[k]
     with open(tmp_path / ssdmod.DATA_NAME, "r+b") as f:
         f.seek(off + at)
         b = f.read(1)[0]
@@ -170,7 +170,7 @@ def test_eager_verification_drops_corrupt_block_at_open(tmp_path):
     r = SsdTier(tmp_path, CAP, verify="eager")
     assert r.keys() == [key(1)] and r.stats()["crc_failures"] == 1 and len(extents(r)) == 1
     _need_direct_io(r)
-    assert r.extent_of(key(1))[1:3] == (dict((k, o) for k, o, _, _ in r.entries())[key(1)], 5000)
+    assert r.extent_of(key(1))[1:3] == ({k: o for k, o, _, _ in r.entries()}[key(1)], 5000)
     r.close_sync()
 
 
@@ -306,3 +306,46 @@ def test_crc32c_matches_the_reference_on_any_buffer():
     ref = google_crc32c.value(blob)
     assert crc32c(blob) == crc32c(bytearray(blob)) == crc32c(memoryview(blob)[0:]) == ref
     assert crc32c(memoryview(blob)[5:300]) == google_crc32c.value(blob[5:300])
+
+
+def test_read_into_async_reads_and_checks_off_the_loop(tmp_path):
+    async def go():
+        t = await SsdTier.open(tmp_path, CAP)
+        await t.put(key(1), data(1))
+        await t.put(key(2), data(2))
+        _flip_data_byte(tmp_path, t, key(2))
+        bufs = [bytearray(5000) for _ in range(4)]
+        assert await asyncio.gather(*(t.read_into_async(key(1), b) for b in bufs)) == [5000] * 4
+        assert all(bytes(b) == data(1) for b in bufs)
+        bad = bytearray(b"\xee" * 5000)
+        with pytest.raises(NotFound):
+            await t.read_into_async(key(2), bad)
+        assert bad == bytes(5000) and not t.contains(key(2)) and t.stats()["crc_failures"] == 1
+        await t.close()
+    run(go())
+
+
+def test_an_extent_removed_during_an_async_read_is_reused_only_after_it(tmp_path, monkeypatch):
+    from quillcache import faults
+    monkeypatch.setattr(faults, "SSD_READ_DELAY_S", 0.3)   # QUILLCACHE_SSD_READ_DELAY_MS=300
+
+    async def go():
+        t = await SsdTier.open(tmp_path, CAP)
+        await t.put(key(1), data(1))
+        buf = bytearray(5000)
+        reading = asyncio.ensure_future(t.read_into_async(key(1), buf))
+        await asyncio.sleep(0)                     # the read holds the extent now
+        await t.remove(key(1))
+        assert t.used == 2 * UNIT                  # removed, but the extent is still being read
+        assert await reading == 5000 and bytes(buf) == data(1)
+        assert t.used == 0
+        await t.close()
+    run(go())
+
+
+def test_read_delay_fault_parses_milliseconds_and_refuses_nonsense():
+    from quillcache import faults
+    assert faults._parse_delay("") == 0.0 and faults._parse_delay("200") == 0.2
+    for bad in ("fast", "-1", "1e9"):
+        with pytest.raises(ValueError, match="QUILLCACHE_SSD_READ_DELAY_MS"):
+            faults._parse_delay(bad)

@@ -2,15 +2,14 @@
 import asyncio
 import inspect
 import os
+import time
 
 import numpy as np
 import pytest
 
 from quillcache.errors import Busy, CapacityError, InvalidArgument, NotFound
 from quillcache.model import IdentityScope, KvBlockKey
-
-pytest.importorskip("quillcache._native.alloc")
-from quillcache.store.tiers import LocalKvStore  # noqa: E402
+from quillcache.store.tiers import LocalKvStore
 
 BLOCK = 1024
 SCOPE = IdentityScope("m", "tok", None, "t")
@@ -339,13 +338,15 @@ async def _open_ssd(tmp_path, capacity):
     # Assumed constructor of store/ssd.py: SsdTier(directory, capacity=bytes) or an async open().
     from quillcache.store.ssd import SsdTier
     opener = getattr(SsdTier, "open", None)
-    ssd = opener(str(tmp_path / "ssd"), capacity=capacity) if opener else SsdTier(str(tmp_path / "ssd"), capacity=capacity)
+    path = str(tmp_path / "ssd")
+    ssd = opener(path, capacity=capacity) if opener else SsdTier(path, capacity=capacity)
     return await ssd if inspect.isawaitable(ssd) else ssd
 
 
 @pytest.fixture
 def ssd_mod():
-    return pytest.importorskip("quillcache.store.ssd")
+    from quillcache.store import ssd
+    return ssd
 
 
 def test_demotion_under_pressure_then_promotion_keeps_the_bytes(ssd_mod, tmp_path):
@@ -354,14 +355,15 @@ def test_demotion_under_pressure_then_promotion_keeps_the_bytes(ssd_mod, tmp_pat
         store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, high_watermark=0.7, low_watermark=0.4)
         for i in range(8):
             await store.put(key(i), data(i))
-        done = await store.maintenance()
-        assert done["demoted"] >= 3
-        s = store.stats()
-        assert s["dram"]["used"] <= 0.4 * 8 * BLOCK and s["ssd"]["blocks"] == done["demoted"]
+        await store.maintenance()
+        s = store.stats()                                   # puts above the high watermark demote ahead too
+        demoted = s["dram"]["demotions"]
+        assert demoted >= 5 and s["ssd"]["blocks"] == demoted
+        assert s["dram"]["used"] <= 0.4 * 8 * BLOCK
         for i in range(8):                                  # every block still reads back exactly
             with store.get(key(i)) as lease:
                 assert bytes(lease.view) == data(i)
-        assert store.stats()["dram"]["promotions"] == done["demoted"]
+        assert store.stats()["dram"]["promotions"] == demoted
         await store.close()
     run(scenario())
 
@@ -478,5 +480,117 @@ def test_unverified_ssd_block_is_read_and_checked_before_it_is_offered_as_an_ext
             assert lease.extent is None and bytes(lease.view) == data(1)     # read + CRC checked
         with store.get(key(1), extent_ok=True) as lease:
             assert lease.extent is not None and lease.extent[3] == ssd_mod.crc32c(data(1))
+        await store.close()
+    run(scenario())
+
+
+# ---------------------------------------------------------------- under pressure (SSD tier)
+
+def test_puts_far_beyond_dram_wait_for_demotion_and_lose_nothing(ssd_mod, tmp_path):
+    async def scenario():
+        ssd = await _open_ssd(tmp_path, 256 * 4096)
+        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK)
+        await asyncio.gather(*(store.put(key(i), data(i)) for i in range(40)))   # 10x the DRAM
+        for i in range(40):
+            with store.get(key(i)) as lease:
+                assert bytes(lease.view) == data(i)
+        st = store.stats()["store"]
+        assert st["dropped_dirty"] == 0 and st["put_waits"] > 0 and st["put_wait_seconds"] > 0
+        assert st["puts_waiting"] == 0
+        await store.close()                                 # waits for the demotions in flight
+        assert not store._demotion_tasks
+    run(scenario())
+
+
+def test_a_put_that_could_only_wait_is_refused_by_the_sync_put_start(ssd_mod, tmp_path):
+    async def scenario():
+        ssd = await _open_ssd(tmp_path, 64 * 4096)
+        store = LocalKvStore(2 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, high_watermark=1.0)
+        await store.put(key(1), data(1))
+        await store.put(key(2), data(2))                    # DRAM full of dirty blocks
+        assert store.reserve_nowait([(key(3), BLOCK)]) is None
+        with pytest.raises(Busy):
+            store.put_start(key(3), BLOCK)
+        (h,) = await store.reserve([(key(3), BLOCK)])      # waits for a demotion
+        h.view[:] = data(3)
+        await store.put_end(h)
+        assert [store.exists(key(i)) for i in (1, 2, 3)] == [True, True, True]
+        await store.close()
+    run(scenario())
+
+
+def test_a_reserve_waits_at_most_put_timeout_then_busy(ssd_mod, tmp_path):
+    async def scenario():
+        from quillcache.store.ssd import SsdTier
+        ssd = SsdTier(str(tmp_path / "ssd"), 64 * 4096, commit_window_s=0.5)   # each SSD write: 0.5 s
+        store = LocalKvStore(2 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, put_timeout_s=0.1, high_watermark=1.0)
+        await store.put(key(1), data(1))
+        await store.put(key(2), data(2))
+        t0 = time.monotonic()
+        with pytest.raises(Busy, match="waited"):
+            await store.reserve([(key(3), BLOCK)])
+        assert 0.1 <= time.monotonic() - t0 < 0.4
+        assert store.stats()["store"]["put_wait_timeouts"] == 1
+        await asyncio.sleep(0.6)                           # the demotions end: nothing lost
+        assert store.exists(key(1)) and store.exists(key(2))
+        await store.close()
+    run(scenario())
+
+
+def test_dirty_block_is_dropped_and_logged_only_when_the_ssd_cannot_take_it(ssd_mod, tmp_path, caplog):
+    async def scenario():
+        ssd = await _open_ssd(tmp_path, 4 * 4096)           # room for 4 blocks
+        store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, max_hard_pin_fraction=1.0,
+                             high_watermark=1.0)
+        for i in range(4):                                  # the SSD full of hard-pinned blocks
+            await store.put(key(i), data(i), durable=True)
+            store.pin(key(i), 600, hard=True)
+        for i in range(4, 8):                               # DRAM full: 4 pinned + 4 dirty
+            await store.put(key(i), data(i))
+        await store.put(key(8), data(8))                    # must demote: the SSD cannot take it
+        st = store.stats()["store"]
+        assert st["dropped_dirty"] == 1
+        assert sum(store.exists(key(i)) for i in range(4, 9)) == 4 and store.exists(key(8))
+        await store.close()
+    with caplog.at_level("ERROR", logger="quillcache.store"):
+        run(scenario())
+    assert any("dropped" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_concurrent_gets_of_an_ssd_only_block_share_one_read(ssd_mod, tmp_path, room):
+    async def scenario():
+        ssd = await _open_ssd(tmp_path, 64 * 4096)
+        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through")
+        for i in range(6):
+            await store.put(key(i), data(i))                # 0 and 1 are on SSD only now
+        if room:
+            await store.remove(key(5))                      # room to promote without evicting
+        assert store.get_nowait(key(0)) is None
+        reads = ssd.stats()["reads"]
+        leases = await asyncio.gather(*(store.get_async(key(0)) for _ in range(5)))
+        assert all(bytes(lease.view) == data(0) for lease in leases)
+        assert ssd.stats()["reads"] == reads + 1
+        assert {lease.tier for lease in leases} == ({"dram"} if room else {"ssd"})
+        for lease in leases:
+            lease.release()
+            assert all(bytes(other.view) == data(0) for other in leases if not other.released)
+        await store.close()
+    run(scenario())
+
+
+def test_ssd_only_block_removed_while_it_is_read_is_a_miss(ssd_mod, tmp_path):
+    async def scenario():
+        ssd = await _open_ssd(tmp_path, 64 * 4096)
+        store = LocalKvStore(2 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through")
+        for i in range(3):
+            await store.put(key(i), data(i))                # 0 is on SSD only
+        task = asyncio.ensure_future(store.get_async(key(0)))
+        await asyncio.sleep(0)                              # the read is in the pool now
+        assert await store.remove(key(0))
+        with pytest.raises(NotFound):
+            await task
+        await asyncio.sleep(0.05)
+        assert ssd.used == 2 * 4096                          # the old extent went back after the read
         await store.close()
     run(scenario())

@@ -39,6 +39,7 @@ __all__ = [
     "FLAG_REPLY", "FLAG_PAYLOAD_CRC", "OP_ERROR", "MAX_REQUEST_ID",
     "EV_NEED_DATA", "EV_FRAME", "EV_PAYLOAD_START", "EV_PAYLOAD_CHUNK", "EV_PAYLOAD_END",
     "REASONS", "CRC32C_IMPL",
+    "encode_key_body", "decode_key_body", "decode_key_field", "encode_put_body", "decode_put_body",
 ]
 
 # ----------------------------------------------------------------------------- constants
@@ -196,6 +197,11 @@ def encode_frame_header(opcode, request_id, *, flags=0, header=b"", payload_leng
     finally:
         PyBuffer_Release(&hv)
     return out
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+include "codec_bodies.pxi"
 
 
 # ----------------------------------------------------------------------------- frames

@@ -468,7 +468,7 @@ class ClusterHook:
                 break
             deadline = time.monotonic() + self.hop_timeout
 
-            async def ask(holder: Holder, idx: list[int]) -> None:
+            async def ask(holder: Holder, idx: list[int], deadline: float = deadline) -> None:
                 peer = Peer(holder.node_id, self.view[holder.node_id].address, holder.epoch) \
                     if holder.node_id in self.view else None
                 if peer is None:
@@ -560,7 +560,7 @@ class ClusterHook:
     async def _push(self, peer: Peer, key: KvBlockKey) -> None:
         async with self._push_slots:
             try:
-                lease = self.store.get(key)
+                lease = await self._lease(key)
             except QuillCacheError:
                 return                  # gone already
             try:
@@ -599,7 +599,7 @@ class ClusterHook:
                        for k in wire.decode_locate(frame.header, self.limits)]
             conn.finish(rid, op, wire.encode_locate_reply(per_key, self.limits))
         elif op == Opcode.FETCH:
-            self._serve_fetch(conn, frame)
+            conn.spawn(self._serve_fetch(conn, frame))
         elif op == Opcode.CLUSTER_VIEW:
             conn.finish(rid, op, wire.encode_json(self.describe()))
         elif op == Opcode.CLUSTER_LOCATE:
@@ -608,8 +608,16 @@ class ClusterHook:
         else:
             raise InvalidArgument(f"opcode {op:#04x} is not a cluster request")
 
-    def _serve_fetch(self, conn, frame) -> None:
-        tenant, ekeys = wire.decode_fetch(frame.header, self.limits)
+    async def _lease(self, key: KvBlockKey):
+        lease = self.store.get_nowait(key)
+        return lease if lease is not None else await self.store.get_async(key)   # SSD: off the loop
+
+    async def _serve_fetch(self, conn, frame) -> None:
+        try:
+            tenant, ekeys = wire.decode_fetch(frame.header, self.limits)
+        except QuillCacheError as exc:
+            conn.finish_error(frame.request_id, Opcode.FETCH, exc)
+            return
         leases, items = [], []
         try:
             for ekey in ekeys:
@@ -620,7 +628,7 @@ class ClusterHook:
                     items.append((NotFound.status, 0))
                     continue
                 try:
-                    lease = self.store.get(key)
+                    lease = await self._lease(key)
                 except _MISS as exc:
                     items.append((exc.status, 0))
                     continue
@@ -628,10 +636,17 @@ class ClusterHook:
                 items.append((0, lease.size))
             self.counters["fetches_served"] += 1
             body = wire.encode_fetch_reply(self.epoch, items, self.limits)
-        except BaseException:
+        except BaseException as exc:
             for lease in leases:
                 lease.release()
+            if isinstance(exc, Exception):
+                conn.finish_error(frame.request_id, Opcode.FETCH, exc)
+                return
             raise
+        if not conn.is_in_flight(frame.request_id):
+            for lease in leases:
+                lease.release()
+            return
         conn.finish(frame.request_id, Opcode.FETCH, body, [lease.view for lease in leases], crc=True, leases=leases)
 
     async def _cluster_locate(self, conn, rid: int, keys: list[KvBlockKey]) -> None:

@@ -8,7 +8,13 @@ puts scope then prefix hash first, ``prefix_scan`` is one ordered range walk of 
 
 Side maps keep the other operations proportional to what they touch:
 ``_by_worker[worker_id]`` = encoded keys where that worker has a record (clear_worker),
-``_by_block[block_hash]`` = encoded keys with that block hash in any scope (remove_block).
+``_by_block[block_hash][tenant_id]`` = encoded keys with that block hash, per tenant
+(remove_block, and the identity guard: a lookup for one tenant never iterates another's).
+
+The store (store/tiers.py) keeps its residency here: ``set_holder`` replaces one worker's
+records of a key (one per tier), ``holder`` reads them back, ``page`` is LIST (an ordered
+walk from a cursor, limited, never a sort) and ``block_keys`` is what the guard asks.
+docs/residency-index.md describes the record layout.
 
 For a persistent subclass (WAL + checkpoints): all state changes go through
 ``_apply_put``, ``_apply_remove`` and ``_apply_clear``; the public methods only pick what
@@ -21,7 +27,7 @@ from typing import Iterable, Iterator, Optional
 
 from quillcache._native.art import AdaptiveRadixTree
 from quillcache.model import (
-    CacheResidency, IdentityScope, IndexMetrics, KvBlockKey, encode_key, encode_scope_prefix,
+    CacheResidency, CacheTier, IdentityScope, IndexMetrics, KvBlockKey, encode_key, encode_scope_prefix,
 )
 
 __all__ = ["ArtIndex"]
@@ -29,6 +35,19 @@ __all__ = ["ArtIndex"]
 
 def _order(r: CacheResidency) -> tuple[str, str]:
     return (r.worker_id, r.tier.value)
+
+
+def _forget_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
+    tenants = by_block.get(block_hash)
+    if tenants is None:
+        return
+    keys = tenants.get(tenant_id)
+    if keys is not None:
+        keys.discard(ek)
+        if not keys:
+            del tenants[tenant_id]
+    if not tenants:
+        del by_block[block_hash]
 
 
 class ArtIndex:
@@ -42,7 +61,7 @@ class ArtIndex:
         self._slots: list[Optional[list[CacheResidency]]] = []
         self._free_slots: list[int] = []
         self._by_worker: dict[str, set[bytes]] = {}
-        self._by_block: dict[str, set[bytes]] = {}
+        self._by_block: dict[str, dict[str, set[bytes]]] = {}
         self._records = 0
         self._resident_bytes = 0
         self._puts = 0
@@ -51,9 +70,11 @@ class ArtIndex:
 
     # ------------------------------------------------------------------ state changes
 
-    def _apply_put(self, residency: CacheResidency) -> None:
-        """Add residency, replacing the record of the same worker and tier for its key."""
-        ek = encode_key(residency.key)       # validates the key before anything changes
+    def _apply_put(self, residency: CacheResidency, ek: Optional[bytes] = None) -> None:
+        """Add residency, replacing the record of the same worker and tier for its key.
+        ``ek``: encode_key(residency.key) when the caller has it already."""
+        if ek is None:
+            ek = encode_key(residency.key)   # validates the key before anything changes
         slot = self._tree.get(ek)
         if slot is None:
             slot = self._new_slot([residency])
@@ -62,7 +83,8 @@ class ArtIndex:
             except BaseException:
                 self._release_slot(slot)
                 raise
-            self._by_block.setdefault(residency.key.block_hash, set()).add(ek)
+            key = residency.key
+            self._by_block.setdefault(key.block_hash, {}).setdefault(key.tenant_id, set()).add(ek)
         else:
             records = self._slots[slot]
             order = _order(residency)
@@ -102,14 +124,10 @@ class ArtIndex:
         if keep:
             self._slots[slot] = keep
         else:
-            block_hash = records[0].key.block_hash
+            key = records[0].key
             self._tree.delete(ek)
             self._release_slot(slot)
-            same_block = self._by_block.get(block_hash)
-            if same_block is not None:
-                same_block.discard(ek)
-                if not same_block:
-                    del self._by_block[block_hash]
+            _forget_block(self._by_block, key.block_hash, key.tenant_id, ek)
         return removed
 
     def _apply_clear(self) -> None:
@@ -151,7 +169,7 @@ class ArtIndex:
         return [r for _, slot in self._tree.scan_prefix(prefix) for r in slots[slot]]
 
     def remove_block(self, scope: IdentityScope, worker_id: str, block_hash: str) -> int:
-        candidates = self._by_block.get(block_hash)
+        candidates = self._by_block.get(block_hash, {}).get(scope.tenant_id)
         mine = self._by_worker.get(worker_id)
         if not candidates or not mine:
             return 0
@@ -184,6 +202,98 @@ class ArtIndex:
             puts=self._puts, removes=self._removes, prefix_scans=self._prefix_scans,
             bytes_written=0, memory_bytes=self._tree.memory_bytes(),
         )
+
+    # ------------------------------------------------------------------ one holder's records (the store)
+
+    def holder(self, ek: bytes, worker_id: str) -> tuple[int, tuple[CacheTier, ...]]:
+        """(bytes, tiers) of worker_id's records under encoded key ek; (0, ()) if none."""
+        slot = self._tree.get(ek)
+        if slot is None:
+            return 0, ()
+        mine = [r for r in self._slots[slot] if r.worker_id == worker_id]
+        return (mine[0].bytes if mine else 0), tuple(r.tier for r in mine)
+
+    def set_holder(self, key: KvBlockKey, ek: bytes, worker_id: str, tiers: tuple[CacheTier, ...],
+                   nbytes: int) -> bool:
+        """Make worker_id's records of key exactly one per tier in ``tiers`` (in the order
+        of CacheTier), each of ``nbytes``; no tiers removes them.  ``ek`` is encode_key(key).
+        Returns False when the records were already so (nothing changed, nothing logged)."""
+        slot = self._tree.get(ek)
+        if slot is not None:
+            mine = [r for r in self._slots[slot] if r.worker_id == worker_id]
+            if (len(mine) == len(tiers) and all(r.bytes == nbytes for r in mine)
+                    and {r.tier for r in mine} == set(tiers)):
+                return False
+            if mine:
+                self._removes += self._apply_remove(ek, worker_id)
+        elif not tiers:
+            return False
+        for tier in tiers:
+            self._apply_put(CacheResidency(key, worker_id, tier, nbytes), ek)
+            self._puts += 1
+        return True
+
+    def page(self, prefix: bytes, start_after: bytes, limit: int,
+             worker_id: Optional[str] = None) -> tuple[list[bytes], bool]:
+        """LIST: up to ``limit`` encoded keys that start with ``prefix`` and sort after
+        ``start_after`` (b"" = from the first), in key order, each holding a record of
+        ``worker_id`` (any worker when None).  ``more``: another such key follows.
+
+        One ordered walk of the tree from the cursor (items() refills 256 entries at a
+        time): the cost follows the page, not the size of the prefix or of the index."""
+        if limit < 1:
+            raise ValueError(f"limit {limit!r}: must be >= 1")
+        start = start_after + b"\x00" if start_after and start_after >= prefix else prefix
+        out: list[bytes] = []
+        slots = self._slots
+        self._prefix_scans += 1
+        for ek, slot in self._tree.items(start):
+            if not ek.startswith(prefix):
+                break
+            if worker_id is not None and not any(r.worker_id == worker_id for r in slots[slot]):
+                continue
+            if len(out) == limit:
+                return out, True
+            out.append(ek)
+        return out, False
+
+    def block_keys(self, block_hash: str, tenant_id: str, worker_id: str) -> list[KvBlockKey]:
+        """Keys of one tenant with this block hash (any scope, any prefix) where worker_id
+        holds a record.  Only that tenant's entries are looked at (the identity guard's
+        request path: another tenant's keys are never iterated)."""
+        eks = self._by_block.get(block_hash, {}).get(tenant_id)
+        if not eks:
+            return []
+        tree, slots = self._tree, self._slots
+        out = []
+        for ek in eks:
+            records = slots[tree[ek]]
+            if any(r.worker_id == worker_id for r in records):
+                out.append(records[0].key)
+        return out
+
+    def block_tenants(self, block_hash: str, worker_id: str) -> dict[str, list[KvBlockKey]]:
+        """tenant -> block_keys(block_hash, tenant, worker_id), for every tenant that has
+        one (audits and the guard's mode "off"; off the strict request path)."""
+        out = {}
+        for tenant in list(self._by_block.get(block_hash, {})):
+            keys = self.block_keys(block_hash, tenant, worker_id)
+            if keys:
+                out[tenant] = keys
+        return out
+
+    def records_of(self, worker_id: str) -> int:
+        """How many encoded keys hold a record of worker_id."""
+        return len(self._by_worker.get(worker_id, ()))
+
+    def keys_of(self, worker_id: str) -> set[bytes]:
+        """The encoded keys where worker_id holds a record (a copy)."""
+        return set(self._by_worker.get(worker_id, ()))
+
+    def holder_sizes(self, worker_id: str) -> dict[bytes, int]:
+        """encoded key -> bytes of worker_id's record, for every key where it holds one
+        (the store's start-up check against the SSD tier)."""
+        return {ek: self.holder(ek, worker_id)[0] for ek in self._by_worker.get(worker_id, ())}
 
     # ------------------------------------------------------------------ dump / load
 

@@ -163,8 +163,12 @@ def write_checkpoint(path: str, wal_lsn: int, groups) -> int:
             wi = worker_ids.get(w)
             if wi is None:
                 wi = worker_ids[w] = len(worker_ids)
-            cols[0].append(b); cols[1].append(last); cols[2].append(ref)
-            cols[3].append(wi); cols[4].append(t); cols[5].append(pin)
+            cols[0].append(b)
+            cols[1].append(last)
+            cols[2].append(ref)
+            cols[3].append(wi)
+            cols[4].append(t)
+            cols[5].append(pin)
     G, R, W = len(eks), len(cols[0]), len(worker_ids)
     rec = np.zeros(R, dtype=RECORD_DTYPE)
     for name, col in zip(("bytes", "last", "ref", "worker", "tier", "pinned"), cols):

@@ -54,7 +54,7 @@ import numpy as np
 from quillcache.fsutil import fsync_dir
 from quillcache._native.wal import WalReader, WalWriter
 from quillcache.errors import InvalidArgument, QuillCacheError
-from quillcache.index.art import ArtIndex
+from quillcache.index.art import ArtIndex, _forget_block
 from quillcache.index.checkpoint import (  # CorruptCheckpoint: re-exported
     CHECKPOINT_NAME, TIER_CODE, TIERS, Checkpoint, CorruptCheckpoint, read_checkpoint, write_checkpoint,
 )
@@ -228,10 +228,25 @@ class _LazyMap(dict):
         self._warmed.clear()
 
 
+def _tenant_of(ek: bytes) -> str:
+    """The tenant_id field of an encoded key (the first field after the version byte)."""
+    return ek[2:2 + ek[1]].decode("utf-8")
+
+
 class _LazyBlockMap(_LazyMap):
-    """ArtIndex._by_block: block hash -> encoded keys in the tree with that block hash;
-    cold entries come from the checkpoint's block-hash table (binary search) plus keys the
-    replay added (``note``), keeping those still in the tree."""
+    """ArtIndex._by_block: block hash -> tenant -> encoded keys in the tree with that block
+    hash; cold entries come from the checkpoint's block-hash table (binary search) plus keys
+    the replay added (``note``), keeping those still in the tree."""
+
+    def _warm(self, name) -> None:
+        if name in self._warmed:
+            return
+        self._warmed.add(name)
+        found = self._cold(name)
+        if found:
+            tenants = dict.setdefault(self, name, {})
+            for ek in found:
+                tenants.setdefault(_tenant_of(ek), set()).add(ek)
 
     def __init__(self, ck: "Optional[Checkpoint]", tree) -> None:
         super().__init__()
@@ -255,17 +270,13 @@ class _LazyBlockMap(_LazyMap):
 
     def note(self, block_hash: str, ek: bytes) -> None:
         if block_hash in self._warmed:
-            dict.setdefault(self, block_hash, set()).add(ek)
+            dict.setdefault(self, block_hash, {}).setdefault(_tenant_of(ek), set()).add(ek)
         else:
             self._pending.setdefault(block_hash, set()).add(ek)
 
     def forget(self, block_hash: str, ek: bytes) -> None:
         if block_hash in self._warmed:          # else: filtered out when warmed
-            keys = dict.get(self, block_hash)
-            if keys is not None:
-                keys.discard(ek)
-                if not keys:
-                    dict.__delitem__(self, block_hash)
+            _forget_block(self, block_hash, _tenant_of(ek), ek)
 
     def warm_all(self) -> dict:
         ck = self._ck
@@ -356,6 +367,8 @@ class PersistentArtIndex(ArtIndex):
     ``checkpoint_wal_bytes``: ``sync()`` takes a checkpoint when this many WAL bytes were
     written since the last one (0 = only explicit ``checkpoint()``).
     ``strict``: refuse (CorruptLog) a WAL with corruption before its tail.
+    ``volatile_tiers``: records of these tiers are kept in memory only (never logged, never
+    checkpointed): the store passes CPU_DRAM, whose blocks do not outlive the process.
     """
 
     name = "art-persistent"
@@ -364,12 +377,13 @@ class PersistentArtIndex(ArtIndex):
     def __init__(self, directory, *, sync_every: bool = False,
                  checkpoint_wal_bytes: int = DEFAULT_CHECKPOINT_WAL_BYTES,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, wal_backend: str = "auto",
-                 strict: bool = True) -> None:
+                 strict: bool = True, volatile_tiers: Iterable[CacheTier] = ()) -> None:
         if not isinstance(checkpoint_wal_bytes, int) or checkpoint_wal_bytes < 0:
             raise InvalidArgument(f"checkpoint_wal_bytes {checkpoint_wal_bytes!r}: must be an integer >= 0")
         super().__init__()
         self.directory = os.fspath(directory)
         self.sync_every = bool(sync_every)
+        self.volatile_tiers = frozenset(CacheTier.parse(t) for t in volatile_tiers)
         self.checkpoint_wal_bytes = checkpoint_wal_bytes
         self._logging = False
         self._logical_bytes = 0
@@ -547,18 +561,23 @@ class PersistentArtIndex(ArtIndex):
         self._wal.append(payload)
         self._logical_bytes += len(payload)
 
-    def _apply_put(self, residency: CacheResidency) -> None:
-        if self._logging:
+    def _apply_put(self, residency: CacheResidency, ek: Optional[bytes] = None) -> None:
+        if ek is None:
             ek = encode_key(residency.key)
+        if self._logging and residency.tier not in self.volatile_tiers:
             self._log(_encode_put_ek(ek, residency))     # validates before anything changes
-        super()._apply_put(residency)
+        super()._apply_put(residency, ek)
 
     def _apply_remove(self, ek: bytes, worker_id: str) -> int:
         if self._logging:
             slot = self._tree.get(ek)
-            if slot is None or not any(r.worker_id == worker_id for r in self._slots[slot]):
+            if slot is None:
                 return 0
-            self._log(_encode_remove(ek, worker_id))
+            mine = [r for r in self._slots[slot] if r.worker_id == worker_id]
+            if not mine:
+                return 0
+            if any(r.tier not in self.volatile_tiers for r in mine):
+                self._log(_encode_remove(ek, worker_id))
         return super()._apply_remove(ek, worker_id)
 
     def _apply_clear(self) -> None:
@@ -636,7 +655,7 @@ class PersistentArtIndex(ArtIndex):
         return nbytes
 
     def _checkpoint_groups(self):
-        slots, ck, code = self._slots, self._ck, TIER_CODE
+        slots, ck, code, volatile = self._slots, self._ck, TIER_CODE, self.volatile_tiers
         for ek, slot in self._tree.items():
             v = list.__getitem__(slots, slot)
             if v is _COLD:
@@ -644,9 +663,38 @@ class PersistentArtIndex(ArtIndex):
             elif type(v) is _RawGroup:
                 yield ek, _block_hash_of(ek), v.rows
             else:
-                yield ek, v[0].key.block_hash.encode("utf-8"), [
-                    (r.worker_id, code[r.tier], r.bytes, r.last_access_ms, r.ref_count, int(r.pinned))
-                    for r in v]
+                rows = [(r.worker_id, code[r.tier], r.bytes, r.last_access_ms, r.ref_count, int(r.pinned))
+                        for r in v if r.tier not in volatile]
+                if rows:                    # a key held only in volatile tiers is not persisted
+                    yield ek, v[0].key.block_hash.encode("utf-8"), rows
+
+    def holder_sizes(self, worker_id: str) -> dict[bytes, int]:
+        """ArtIndex.holder_sizes without decoding a key: records still only in the
+        checkpoint are read from its record table with numpy, replayed ones from their rows."""
+        out: dict[bytes, int] = {}
+        slots, ck, tree = self._slots, self._ck, self._tree
+        lazy = isinstance(slots, _LazySlots)
+        if lazy and ck is not None and ck.n_records and worker_id in ck.workers:
+            G = ck.n_groups
+            recs = ck.records
+            mask = recs["worker"] == ck.workers.index(worker_id)
+            groups = np.repeat(np.arange(G, dtype=np.int64), np.diff(ck.rec_off.astype(np.int64)))[mask]
+            nbytes = recs["bytes"][mask]
+            # only groups untouched since the load still speak for the checkpoint
+            cold = np.fromiter((list.__getitem__(slots, g) is _COLD for g in range(G)), bool, G)
+            keep = cold[groups]
+            groups, nbytes = groups[keep], nbytes[keep]
+            _, first = np.unique(groups, return_index=True)      # one size per key
+            out = dict(zip(ck.eks_obj[groups[first]].tolist(), nbytes[first].tolist()))
+        for ek in self._by_worker.get(worker_id, ()):
+            if ek in out:
+                continue
+            v = list.__getitem__(slots, tree[ek]) if lazy else slots[tree[ek]]
+            if type(v) is _RawGroup:
+                out[ek] = next(r[2] for r in v.rows if r[0] == worker_id)
+            else:
+                out[ek] = self.holder(ek, worker_id)[0]
+        return out
 
     def materialize(self) -> None:
         """Decode every lazily loaded record now (later calls skip the lazy path)."""

@@ -30,11 +30,24 @@ from quillcache.protocol.opcodes import (
     PAYLOAD_REQUEST_OPCODES, REQUEST_OPCODES, Opcode, ProtocolLimits, Status,
 )
 
-__all__ = ["ProtocolConnection", "ClientProtocolConnection", "Reply", "Destination"]
+__all__ = ["ProtocolConnection", "ClientProtocolConnection", "Reply", "Destination", "DEFER"]
 
 # What a hook may hand back for a payload: one writable buffer, a list of them
 # (filled in order), or None (the parser collects the payload into a bytearray).
 Destination = Any
+
+
+class _Deferred:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DEFER"
+
+
+# ``_on_put_start`` may return DEFER: its destination is not known yet (the store waits for
+# room).  The connection then takes no input until ``resume_put(dest)`` or
+# ``refuse_put(exc)``; the owner stops feeding it meanwhile (``transport.pause_reading()``).
+DEFER = _Deferred()
 
 _SCRATCH = 65536    # bytes: get_buffer() target once the connection has failed (input is dropped)
 
@@ -47,6 +60,7 @@ class _Base:
     """Input plumbing and failure handling shared by both sides."""
 
     _replies = False
+    put_deferred = False       # input is held: a PUT waits for its destination (server side, DEFER)
 
     def __init__(self, limits: ProtocolLimits | None = None) -> None:
         self.limits = limits or ProtocolLimits()
@@ -64,6 +78,9 @@ class _Base:
     def data_received(self, data: bytes) -> None:
         if self.failed is not None or self.closed:
             return
+        if self.put_deferred:
+            self._hold_input(bytes(data))
+            return
         try:
             self._parser.feed(data)
         except MalformedFrame as exc:
@@ -72,7 +89,7 @@ class _Base:
         self._process()
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        if self.failed is not None or self.closed:
+        if self.failed is not None or self.closed or self.put_deferred:
             if self._scratch is None:
                 self._scratch = bytearray(_SCRATCH)
             return memoryview(self._scratch)
@@ -81,8 +98,14 @@ class _Base:
     def buffer_updated(self, nbytes: int) -> None:
         if self.failed is not None or self.closed:
             return
+        if self.put_deferred:           # the owner should have paused reading: keep it for later
+            self._hold_input(bytes(self._scratch[:nbytes]))
+            return
         self._parser.buffer_updated(nbytes)
         self._process()
+
+    def _hold_input(self, data: bytes) -> None:
+        raise NotImplementedError
 
     def eof_received(self) -> None:
         """The peer closed its side; a frame cut short is lost (ConnectionLost)."""
@@ -97,10 +120,28 @@ class _Base:
         if self.failed is None:
             self._lost(ConnectionLost(f"connection lost: {exc}" if exc else "connection closed"))
 
+    # ------------------------------------------------------------------ an owner that drives the parser
+
+    @property
+    def parser(self) -> FrameParser:
+        """The connection's frame parser, for an owner that reads events from it itself (the
+        sync client's GET): what it does not take goes back through ``hand_over``."""
+        return self._parser
+
+    def hand_over(self, ev: int, frame: Frame) -> None:
+        """An event the owner read from ``parser`` and does not handle itself: the connection
+        handles it as if it had read it, then every event already buffered behind it."""
+        self._event(ev, frame)
+        self._process()
+
+    def fail(self, exc: BaseException) -> None:
+        """The owner saw ``parser`` raise (a malformed frame): the connection fails with ``exc``."""
+        self._fail(exc)
+
     def _process(self) -> None:
         parser = self._parser
         try:
-            while self.failed is None:
+            while self.failed is None and not self.put_deferred:
                 ev = parser.next_event()
                 if ev == EV_NEED_DATA:
                     return
@@ -175,6 +216,7 @@ class ProtocolConnection(_Base):
         self.negotiated_version: Optional[int] = None
         self._in_flight: dict[int, int] = {}     # request id -> opcode
         self._current: Optional[tuple[Frame, str]] = None   # frame in its payload phase, its kind
+        self._backlog: Optional[bytearray] = None  # input that came while a PUT was deferred
 
     @property
     def in_flight(self) -> int:
@@ -203,7 +245,7 @@ class ProtocolConnection(_Base):
                  payload_views: Sequence[Any] = (), *, flags: int = 0, payload_crc: bool = False) -> None:
         """Send the OK reply of an in-flight request; ``payload_views`` follow the header
         without being copied (writelines)."""
-        expected = self._take(request_id)
+        expected = self.take_request(request_id)
         if opcode != expected:
             raise InvalidArgument(f"reply opcode {opcode:#04x} for a request with opcode {expected:#04x}")
         if opcode == Opcode.HELLO and header_body:
@@ -215,11 +257,14 @@ class ProtocolConnection(_Base):
 
     def reply_error(self, request_id: int, exc: BaseException) -> None:
         """Send the ERROR reply of an in-flight request (status and message from ``exc``)."""
-        self._take(request_id)
+        self.take_request(request_id)
         if self.failed is None and not self.closed:
             self._send_error(request_id, exc)
 
-    def _take(self, request_id: int) -> int:
+    def take_request(self, request_id: int) -> int:
+        """Take an in-flight request out of flight without replying: its owner writes the
+        reply itself (``encode_frame_header`` + payload views, the GET fast path).  Returns
+        its opcode; InvalidArgument if it is not in flight."""
         try:
             return self._in_flight.pop(request_id)
         except KeyError:
@@ -280,6 +325,10 @@ class ProtocolConnection(_Base):
             return
         try:
             dest = self._on_put_start(frame)
+            if dest is DEFER:
+                self._current = (frame, "put")
+                self.put_deferred = True
+                return
             if dest is not None:
                 self._parser.set_destination(dest)
             elif frame.payload_length > self.limits.max_collect_bytes:
@@ -291,6 +340,44 @@ class ProtocolConnection(_Base):
                 self.reply_error(rid, exc)
             return
         self._current = (frame, "put")
+
+    def resume_put(self, dest: Destination) -> None:
+        """The destination of the deferred PUT (see DEFER); then go on with the input."""
+        self.put_deferred = False
+        if self.failed is not None or self.closed:
+            return
+        cur = self._current
+        try:
+            self._parser.set_destination(dest)
+        except QuillCacheError as exc:
+            self._current = None
+            self._parser.discard_payload()
+            self._on_put_abort(cur[0], exc)
+            if cur[0].request_id in self._in_flight:
+                self.reply_error(cur[0].request_id, exc)
+        self._go_on()
+
+    def refuse_put(self, exc: QuillCacheError) -> None:
+        """Reply ``exc`` to the deferred PUT, drop its payload, go on with the input."""
+        self.put_deferred = False
+        if self.failed is not None or self.closed:
+            return
+        cur, self._current = self._current, None
+        self._parser.discard_payload()
+        if cur is not None and cur[0].request_id in self._in_flight:
+            self.reply_error(cur[0].request_id, exc)
+        self._go_on()
+
+    def _hold_input(self, data: bytes) -> None:
+        if self._backlog is None:
+            self._backlog = bytearray()
+        self._backlog += data
+
+    def _go_on(self) -> None:
+        self._process()
+        backlog, self._backlog = self._backlog, None
+        if backlog and self.failed is None and not self.closed:
+            self.data_received(bytes(backlog))     # held back while deferred: in order, after the buffer
 
     def _run(self, hook: Callable[[Frame], None], frame: Frame) -> None:
         try:
@@ -415,6 +502,24 @@ class ClientProtocolConnection(_Base):
             del self._pending[rid]
             raise
         return rid
+
+    def send_bare(self, opcode: int, header_body: bytes, into: Destination | Callable[[Frame], Destination]) -> int:
+        """``send_request`` for a request without payload or flags whose body the caller
+        already checked against ``peer_limits`` (the hot path of a GET): one header
+        encode and one write, none of the other checks.  Returns the request id."""
+        rid = self._new_id()
+        self._pending[rid] = (opcode, into)     # before the write: a reply may come back at once
+        try:
+            self._write([encode_frame_header(opcode, rid, header=header_body)])
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
+        return rid
+
+    def complete(self, request_id: int) -> None:
+        """The owner consumed the whole reply of ``request_id`` from ``parser`` itself (up to
+        its EV_PAYLOAD_END): the request is no longer pending."""
+        del self._pending[request_id]
 
     def _new_id(self) -> int:
         rid = self._next_id

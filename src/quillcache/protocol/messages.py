@@ -17,6 +17,9 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple, Sequence
 
+from quillcache._native.codec import (
+    decode_key_body, decode_key_field, decode_put_body, encode_key_body, encode_put_body,
+)
 from quillcache.errors import (
     STATUS_CLASSES, CapacityError, InvalidArgument, ProtocolError, QuillCacheError, UnsafeReuse,
 )
@@ -107,10 +110,9 @@ class _Reader:
         except UnicodeDecodeError:
             raise InvalidArgument(f"{self.what}: {field} is not UTF-8") from None
 
-    def key(self, limits: ProtocolLimits, field: str = "key") -> bytes:
-        n = self.u16(field + " length")
-        _check_key_len(n, limits, self.what)
-        return self.take(n, field)
+    def key(self, limits: ProtocolLimits) -> bytes:
+        key, self.pos = decode_key_field(self.buf, self.pos, limits.max_key_bytes, self.what)
+        return key
 
     def count(self, limits: ProtocolLimits, min_item: int) -> int:
         n = self.u32("count")
@@ -141,20 +143,8 @@ class _Reader:
 BodyReader = _Reader     # the checked reader, for message modules outside this one (cluster.wire)
 
 
-def _check_key_len(n: int, limits: ProtocolLimits, what: str) -> None:
-    if n == 0:
-        raise InvalidArgument(f"{what}: empty key")
-    if n > limits.max_key_bytes:
-        raise InvalidArgument(f"{what}: key of {n} bytes, at most {limits.max_key_bytes}")
-
-
 def _key(out: bytearray, key: BytesLike, limits: ProtocolLimits, what: str) -> None:
-    if not isinstance(key, (bytes, bytearray, memoryview)):
-        raise InvalidArgument(f"{what}: key must be bytes (quillcache.model.encode_key), not {type(key).__name__}")
-    raw = bytes(key)
-    _check_key_len(len(raw), limits, what)
-    out += _U16.pack(len(raw))
-    out += raw
+    out += encode_key_body(key, limits.max_key_bytes, what)      # the codec writes every key field
 
 
 def _count(out: bytearray, n: int, limits: ProtocolLimits, what: str) -> None:
@@ -288,39 +278,27 @@ class PutItem(NamedTuple):
     nbytes: int
 
 
+# The codec (quillcache._native.codec, codec_bodies.pxi) owns these two formats: the
+# server's and the client's fast paths call it directly, these names are for everyone else.
+
+
 def encode_put_request(key: BytesLike, nbytes: int, limits: ProtocolLimits = DEFAULT_LIMITS) -> bytes:
     """``key, u64 nbytes`` (nbytes must equal the frame's payload_length)."""
-    out = bytearray()
-    _key(out, key, limits, "PUT")
-    n = _nbytes(nbytes, "PUT")
-    if n > limits.max_payload_bytes:
-        raise InvalidArgument(f"PUT: {n} bytes, at most {limits.max_payload_bytes}")
-    out += _U64.pack(n)
-    return bytes(out)
+    return encode_put_body(key, nbytes, limits.max_key_bytes, limits.max_payload_bytes, "PUT")
 
 
 def decode_put_request(body: BytesLike, payload_length: int | None = None,
                        limits: ProtocolLimits = DEFAULT_LIMITS) -> PutItem:
-    r = _Reader(body, "PUT")
-    key = r.key(limits)
-    n = r.u64("nbytes")
-    r.end()
-    _check_payload(n, payload_length, "PUT")
-    return PutItem(key, n)
+    return PutItem(*decode_put_body(body, payload_length, limits.max_key_bytes, "PUT"))
 
 
 def encode_get_request(key: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> bytes:
     """``key``.  The OK reply has an empty body and the block as payload."""
-    out = bytearray()
-    _key(out, key, limits, "GET")
-    return bytes(out)
+    return encode_key_body(key, limits.max_key_bytes, "GET")
 
 
 def decode_get_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> bytes:
-    r = _Reader(body, "GET")
-    key = r.key(limits)
-    r.end()
-    return key
+    return decode_key_body(body, limits.max_key_bytes, "GET")
 
 
 # --------------------------------------------------------------------------- PUT_MANY

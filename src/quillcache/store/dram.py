@@ -100,7 +100,8 @@ class DramTier:
                  put_timeout_s: float = DEFAULT_PUT_TIMEOUT_S, hugepages: bool = False,
                  prefault: bool = False, clock: Callable[[], float] = time.monotonic):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or not ARENA_UNIT <= capacity <= MAX_ARENA_BYTES:
-            raise InvalidArgument(f"dram capacity {capacity!r}: must be an integer of {ARENA_UNIT}..{MAX_ARENA_BYTES} bytes")
+            raise InvalidArgument(f"dram capacity {capacity!r}: must be an integer of "
+                                  f"{ARENA_UNIT}..{MAX_ARENA_BYTES} bytes")
         capacity -= capacity % ARENA_UNIT
         if max_block_bytes is None:
             max_block_bytes = capacity

@@ -1,8 +1,9 @@
 """The identity guard: KV bytes are reused only by the identity that computed them.
 
 Every block carries its IdentityScope (model, tokenizer, adapter, tenant) in its key.  The
-guard indexes resident content, ``(prefix_hash, block_hash)`` -> keys, so a get whose exact
-key is absent can tell a true miss from content resident under another identity:
+guard asks the store's residency index (index/art.py: block hash -> tenant -> keys) for
+resident content with the same ``(prefix_hash, block_hash)``, so a get whose exact key is
+absent can tell a true miss from content resident under another identity:
 
 * same tenant, other model / tokenizer / adapter: ``UnsafeReuse(violation)`` (mode strict);
   when several fields differ (over all candidates) the reported one is the first in the
@@ -25,12 +26,14 @@ from collections import deque
 from typing import Iterable, NamedTuple, Optional, Union
 
 from quillcache.errors import InvalidArgument, NotFound, UnsafeReuse
+from quillcache.index.art import ArtIndex
 from quillcache.model import CacheResidency, IdentityScope, KvBlockKey
 
 __all__ = ["IdentityGuard", "Refusal", "audit_reuse", "violation_of", "miss_error", "GUARD_MODES",
-           "AUDIT_QUEUE_MAX"]
+           "AUDIT_QUEUE_MAX", "LOCAL_HOLDER"]
 
 GUARD_MODES = ("strict", "tenant", "off")
+LOCAL_HOLDER = "local"         # the holder id of this node's records when it has no node id
 AUDIT_QUEUE_MAX = 16_384       # misses queued for classification between two flush_audit calls
 _IDENTITY_PRECEDENCE = ("model", "tokenizer", "adapter")
 
@@ -91,16 +94,20 @@ def audit_reuse(request_scope: Scoped, candidates: Iterable[Union[CacheResidency
 
 
 class IdentityGuard:
-    """Content index plus the serve / refuse / miss decision of the store."""
+    """The serve / refuse / miss decision of the store, asked of the residency index.
 
-    def __init__(self, mode: str = "strict") -> None:
+    The guard keeps no key set of its own: ``index`` (the store's ART, index/art.py) is the
+    one record of what is resident, and the guard asks it for the keys with a given block
+    hash in one tenant (``ArtIndex.block_keys``) where ``holder`` (this node) holds a
+    record.  Records of other holders (other nodes, issue 14) are never served here."""
+
+    def __init__(self, mode: str = "strict", index: Optional[ArtIndex] = None,
+                 holder: str = LOCAL_HOLDER) -> None:
         self.mode = _check_mode(mode)
-        # (prefix_hash, block_hash) -> every resident key with that content, any identity
-        self._content: dict[tuple[str, str], set[KvBlockKey]] = {}
-        # (tenant, prefix_hash, block_hash) -> the requester's own tenant's keys
-        self._tenant: dict[tuple[str, str, str], set[KvBlockKey]] = {}
+        self.index = index if index is not None else ArtIndex()
+        self.holder = holder
         self.refused_tenant = 0
-        self.refused = {v: 0 for v in _IDENTITY_PRECEDENCE}
+        self.refused = dict.fromkeys(_IDENTITY_PRECEDENCE, 0)
         self.served_cross_identity = 0     # tenant/off modes: served a block of another identity
         self.served_cross_tenant = 0       # off mode only
         self._unclassified: deque = deque(maxlen=AUDIT_QUEUE_MAX)   # misses not yet classified
@@ -108,29 +115,27 @@ class IdentityGuard:
         self._classified = 0
         self.audit_dropped = 0       # misses never classified because the queue overflowed
 
-    # ------------------------------------------------------------------ index
+    # ------------------------------------------------------------------ what the index holds
 
-    def add(self, key: KvBlockKey) -> None:
-        ck = (key.prefix_hash, key.block_hash)
-        self._content.setdefault(ck, set()).add(key)
-        self._tenant.setdefault((key.tenant_id, key.prefix_hash, key.block_hash), set()).add(key)
+    def _own(self, key: KvBlockKey) -> list[KvBlockKey]:
+        """This tenant's resident keys with the content of key (only this tenant's entries
+        of the index are looked at)."""
+        return [k for k in self.index.block_keys(key.block_hash, key.tenant_id, self.holder)
+                if k.prefix_hash == key.prefix_hash]
 
-    def discard(self, key: KvBlockKey) -> None:
-        ck = (key.prefix_hash, key.block_hash)
-        keys = self._content.get(ck)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._content[ck]
-        tk = (key.tenant_id, key.prefix_hash, key.block_hash)
-        keys = self._tenant.get(tk)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._tenant[tk]
+    def _by_tenant(self, key: KvBlockKey) -> dict[str, list[KvBlockKey]]:
+        """tenant -> resident keys with the content of key, every tenant (off the strict path)."""
+        out = {}
+        for tenant, keys in self.index.block_tenants(key.block_hash, self.holder).items():
+            same = [k for k in keys if k.prefix_hash == key.prefix_hash]
+            if same:
+                out[tenant] = same
+        return out
 
     def content_keys(self, prefix_hash: str, block_hash: str) -> frozenset:
-        return frozenset(self._content.get((prefix_hash, block_hash), ()))
+        """Every resident key (any identity) with this content."""
+        probe = KvBlockKey("", "", None, "", prefix_hash, block_hash)
+        return frozenset(k for keys in self._by_tenant(probe).values() for k in keys)
 
     # ------------------------------------------------------------------ decision
 
@@ -140,7 +145,7 @@ class IdentityGuard:
         Raises UnsafeReuse (same tenant, strict) or NotFound (a miss, or a refusal across
         tenants: the caller cannot tell those two apart).
         """
-        own = self._tenant.get((key.tenant_id, key.prefix_hash, key.block_hash))
+        own = self._own(key)
         mode = self.mode
         if own:
             scope = key.scope
@@ -153,7 +158,7 @@ class IdentityGuard:
             self.served_cross_identity += 1
             return _closest(key, own)
         if mode == "off":
-            anyone = self._content.get((key.prefix_hash, key.block_hash))
+            anyone = [k for keys in self._by_tenant(key).values() for k in keys]
             if anyone:
                 self.served_cross_identity += 1
                 self.served_cross_tenant += 1
@@ -168,7 +173,7 @@ class IdentityGuard:
 
     def would_serve(self, key: KvBlockKey) -> Optional[KvBlockKey]:
         """Like resolve_missing without raising, counting or auditing (exists/exists_prefix)."""
-        own = self._tenant.get((key.tenant_id, key.prefix_hash, key.block_hash))
+        own = self._own(key)
         if own:
             scope = key.scope
             same = [k for k in own if scope.matches(k)]
@@ -177,12 +182,12 @@ class IdentityGuard:
             if self.mode != "strict":
                 return _closest(key, own)
         if self.mode == "off":
-            anyone = self._content.get((key.prefix_hash, key.block_hash))
+            anyone = [k for keys in self._by_tenant(key).values() for k in keys]
             if anyone:
                 return _closest(key, anyone)
         return None
 
-    def _unsafe(self, key: KvBlockKey, own: set) -> UnsafeReuse:
+    def _unsafe(self, key: KvBlockKey, own: list) -> UnsafeReuse:
         differing = set()
         for other in own:
             if other.model_id != key.model_id:
@@ -210,13 +215,10 @@ class IdentityGuard:
         self._classified += dropped
         self.audit_dropped += dropped
         written = 0
-        content, tenant = self._content, self._tenant
         while queue:
             key = queue.popleft()
             self._classified += 1
-            others = len(content.get((key.prefix_hash, key.block_hash), ())) - \
-                len(tenant.get((key.tenant_id, key.prefix_hash, key.block_hash), ()))
-            if others > 0:
+            if any(tenant != key.tenant_id for tenant in self._by_tenant(key)):
                 self.refused_tenant += 1
                 audit_log.info("reuse refused: tenant=%s model=%s prefix=%s block=%s: content resident "
                                "only under another tenant", key.tenant_id, key.model_id,
@@ -238,11 +240,10 @@ class IdentityGuard:
             "reuse_served_cross_identity": self.served_cross_identity,
             "reuse_served_cross_tenant": self.served_cross_tenant,
             "audit_dropped": self.audit_dropped,
-            "content_entries": len(self._content),
         }
 
 
-def _closest(key: KvBlockKey, keys: set) -> KvBlockKey:
+def _closest(key: KvBlockKey, keys) -> KvBlockKey:
     """Deterministic choice among candidates: fewest differing fields by precedence, then block_index."""
     def rank(other: KvBlockKey):
         return (other.tenant_id != key.tenant_id, other.model_id != key.model_id,

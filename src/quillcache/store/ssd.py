@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import errno
 import functools
 import logging
@@ -68,6 +69,7 @@ MAX_BLOCK_LIMIT = 1 << 30         # bytes: largest max_block_bytes (length is a 
 MAX_KEY_BYTES = 65535             # bytes: an encoded key (u16 length in records)
 BOUNCE_BYTES = 4 << 20            # bytes per O_DIRECT bounce buffer (a larger block goes in pieces)
 BOUNCE_BUFFERS = 4                # bounce buffers in the mmap'd pool (writes in flight at once)
+READ_THREADS = 4                  # threads of the read pool: SSD reads (+ CRC) in flight at once
 VERIFY_CHUNK = 8 << 20            # bytes: read size of eager verification
 DEFAULT_CHECKPOINT_RECORDS = 65536       # WAL records between periodic checkpoints
 DEFAULT_CHECKPOINT_WAL_BYTES = 64 << 20  # WAL bytes between periodic checkpoints
@@ -101,7 +103,7 @@ def decode_record(payload: bytes):
 
 
 class _Entry:
-    __slots__ = ("kb", "offset", "length", "crc", "handle", "lsn", "verified")
+    __slots__ = ("kb", "offset", "length", "crc", "handle", "lsn", "verified", "readers", "freed")
 
     def __init__(self, kb, offset, length, crc, handle, lsn=0, verified=False):
         self.kb = kb
@@ -111,6 +113,8 @@ class _Entry:
         self.handle = handle
         self.lsn = lsn
         self.verified = verified
+        self.readers = 0          # reads in flight on the extent (read_into_async)
+        self.freed = False        # unpublished: the extent goes back when the last reader ends
 
 
 class _BouncePool:
@@ -202,6 +206,7 @@ class SsdTier:
         self._ckpt_base_records = 0     # committed WAL records at the last checkpoint
         self._ckpt_wal_bytes = 0        # WAL bytes written at the last checkpoint
         self._ckpt_task: Optional[asyncio.Task] = None
+        self._reader: Optional[concurrent.futures.ThreadPoolExecutor] = None   # started at the first read
         self._counters = dict.fromkeys(
             ("puts", "removes", "reads", "crc_failures", "recovered_blocks", "dropped_blocks",
              "wal_corrupt_bytes", "wal_tail_bytes", "checkpoints", "data_syncs"), 0)
@@ -268,6 +273,9 @@ class SsdTier:
                                        BOUNCE_BUFFERS)
 
     def _close_files(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)     # no read may outlive the descriptors
+            self._reader = None
         for fd in (self._fd, self._rfd):
             if fd >= 0:
                 os.close(fd)
@@ -382,7 +390,7 @@ class SsdTier:
             log.error("WAL %s: %d bytes dropped (%s)", self.wal_dir, nbytes, reason)
             self._counters["wal_corrupt_bytes"] += nbytes
         self.wal_corruption = list(reader.corruption)
-        for kb, (off, length, _, _) in entries.items():
+        for off, length, _, _ in entries.values():
             if off + _round_up(length, self.unit) > self.capacity:
                 raise InvalidArgument(f"capacity {self.capacity} is smaller than the existing data in "
                                       f"{self.data_path} (an extent ends at {off + length}): open it with "
@@ -545,7 +553,7 @@ class SsdTier:
         old = self._map.get(key)
         self._map[key] = entry               # published only now: the record is durable
         if old is not None:
-            self._allocator.free(old.handle)  # the new record is durable: no recovery points at old
+            self._free_extent(old)            # the new record is durable: no recovery points at old
         self._counters["puts"] += 1
 
     def put_sync(self, key: KvBlockKey, data) -> None:
@@ -582,7 +590,7 @@ class SsdTier:
         e = self._map.pop(key, None)
         if e is None:
             return False
-        self._allocator.free(e.handle)       # the remove record is durable: nothing points here now
+        self._free_extent(e)                 # the remove record is durable: nothing points here now
         self._counters["removes"] += 1
         return True
 
@@ -596,7 +604,7 @@ class SsdTier:
         rec = encode_remove(entry.kb, entry.offset, REASON_CRC)
 
         def free(lsn: int) -> None:
-            self._allocator.free(entry.handle)
+            self._free_extent(entry)
 
         if self._committer.failed is not None or self._failed is not None or self._closed:
             return                            # read-only: leave the extent allocated (never reused)
@@ -614,11 +622,14 @@ class SsdTier:
             free(lsn)
 
     # ---- reads ----------------------------------------------------------------------------------------
-    def read_into(self, key: KvBlockKey, buffer) -> int:
-        """Read the block into ``buffer`` (verifying its CRC32C every time); return its length.
+    def _free_extent(self, e: _Entry) -> None:
+        """Give an unpublished block's extent back, or mark it so that its last reader does."""
+        e.freed = True
+        if not e.readers:
+            self._allocator.free(e.handle)
 
-        NotFound if absent or if its bytes do not match the CRC (then it is dropped and counted,
-        and the buffer's first ``length`` bytes are zeroed: bad bytes are never handed out)."""
+    def _read_target(self, key: KvBlockKey, buffer):
+        """(entry, destination view of its length) for a read; the checks of every read."""
         if self._closed:
             raise InvalidArgument("the SSD tier is closed")
         e = self._map.get(key)
@@ -631,15 +642,54 @@ class SsdTier:
             mv = mv.cast("B")
         if len(mv) < e.length:
             raise InvalidArgument(f"buffer of {len(mv)} bytes is smaller than the {e.length}-byte block")
-        dst = mv[:e.length]
+        return e, mv[:e.length]
+
+    def _read_extent(self, e: _Entry, dst: memoryview) -> str:
+        """Read and check one extent (any thread: preadv and the CRC release the GIL);
+        returns "" when the bytes are good, else why not (and ``dst`` is zeroed)."""
+        faults.ssd_read_delay()
         n = pread_full(self._rfd, dst, e.offset)
-        if n != e.length or crc32c(dst) != e.crc:
-            dst[:] = bytes(e.length)
-            self._drop(key, e, "short read" if n != e.length else "CRC32C mismatch")
+        if n == e.length and crc32c(dst) == e.crc:
+            return ""
+        dst[:] = bytes(e.length)              # bad bytes are never handed out
+        return "short read" if n != e.length else "CRC32C mismatch"
+
+    def _read_done(self, key: KvBlockKey, e: _Entry, why: str) -> int:
+        if why:
+            self._drop(key, e, why)
             raise NotFound(f"block {key} failed verification on the SSD tier and was dropped")
         e.verified = True
         self._counters["reads"] += 1
         return e.length
+
+    def read_into(self, key: KvBlockKey, buffer) -> int:
+        """Read the block into ``buffer`` (verifying its CRC32C every time); return its length.
+
+        Blocking (tools, tests, recovery): the daemon reads with ``read_into_async``.
+        NotFound if absent or if its bytes do not match the CRC (then it is dropped and counted,
+        and the buffer's first ``length`` bytes are zeroed: bad bytes are never handed out)."""
+        e, dst = self._read_target(key, buffer)
+        return self._read_done(key, e, self._read_extent(e, dst))
+
+    async def read_into_async(self, key: KvBlockKey, buffer) -> int:
+        """``read_into`` off the event loop: the read and its CRC check run in the tier's
+        read pool (READ_THREADS threads); the extent is kept from reuse until it ends.
+
+        A block removed or replaced meanwhile was read from its old extent, still intact:
+        its bytes are those of the version that was current when the read started."""
+        e, dst = self._read_target(key, buffer)
+        if self._reader is None:
+            self._reader = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="qc-ssd-read")
+        e.readers += 1
+        try:
+            why = await asyncio.get_running_loop().run_in_executor(self._reader, self._read_extent, e, dst)
+        finally:
+            e.readers -= 1
+            if e.freed and not e.readers and not self._closed:
+                self._allocator.free(e.handle)
+        if why and self._map.get(key) is not e:
+            raise NotFound(f"block not on the SSD tier: {key}")
+        return self._read_done(key, e, why)
 
     def read_view(self, key: KvBlockKey) -> memoryview:
         """The block's verified bytes in a new buffer."""
@@ -695,6 +745,11 @@ class SsdTier:
     @property
     def allocator(self) -> OffsetAllocator:
         return self._allocator
+
+    def blocks(self) -> Iterator[tuple]:
+        """(key, encoded key, length) of every published block (the store adopts them at start)."""
+        for k, e in self._map.items():
+            yield k, e.kb, e.length
 
     def entries(self) -> Iterator[tuple]:
         """(key, offset, length, crc) of every published block (tools and the crash checker)."""

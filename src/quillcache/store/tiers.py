@@ -12,15 +12,21 @@ the policy; the short version:
   durable publish; the block is then in both tiers and DRAM can drop it without I/O.
 * A get of an SSD-only block promotes it into a new DRAM slot when the arena has room
   without evicting; otherwise it is read into a temporary buffer that the lease owns.
-* A put that finds no room evicts DRAM blocks in LRU order (unpinned first, then soft
-  pins); a block with a current SSD copy stays readable from SSD, any other is dropped.
-  Leased, hard-pinned and in-flight blocks are never evicted; when nothing can go the put
+* A put that finds no room evicts DRAM copies that cost no I/O (a current SSD copy, or any
+  block in a store without SSD) in policy order (unpinned first, then soft pins); when only
+  dirty blocks hold the room it waits (``await reserve``, up to ``put_timeout_s``) while
+  they are demoted: nothing is dropped while the SSD tier can take it (``dropped_dirty``
+  counts the blocks it could not).  ``_may_evict`` is the one rule for every victim:
+  leased, hard-pinned and in-flight blocks are never evicted; when nothing can go the put
   fails with CapacityError and nothing changes.
+* SSD reads run off the event loop (``get_nowait`` / ``await get_async``).
 * remove of a leased block unpublishes it at once (no new reader finds it); its slot is
   freed when the last lease ends.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import itertools
 import logging
@@ -29,9 +35,12 @@ import time
 from typing import Callable, Iterable, Optional
 
 from quillcache.errors import Busy, CapacityError, InvalidArgument, NotFound, QuillCacheError
-from quillcache.model import IdentityScope, KvBlockKey
+from quillcache.index.art import ArtIndex
+from quillcache.model import (
+    CacheTier, IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope, encode_scope_prefix,
+)
 from quillcache.store.dram import ARENA_UNIT, DEFAULT_PUT_TIMEOUT_S, DramTier, PendingPut, Slot
-from quillcache.store.guard import IdentityGuard, miss_error
+from quillcache.store.guard import LOCAL_HOLDER, IdentityGuard, miss_error
 from quillcache.store.policy import make_policy
 
 __all__ = ["LocalKvStore", "Lease", "PutHandle", "WRITE_POLICIES"]
@@ -46,24 +55,43 @@ DEFAULT_MAX_INFLIGHT_PUTS = 4_096    # puts between start and end at once
 MAX_PIN_TTL_S = 7 * 24 * 3600.0      # seconds: longest pin
 MAX_LEASE_S = 3600.0                 # seconds: longest lease
 MAX_PREFIX_KEYS = 65_536             # keys in one exists_prefix call
+MAX_LIST_PAGE = 65_536               # keys in one list_page call
 DEFAULT_MAX_HARD_PIN_FRACTION = 0.5  # of the dram capacity that hard pins may hold
+MAX_DEMOTIONS_IN_FLIGHT = 8          # SSD writes started at once to make room for waiting puts
+
+_IN_DRAM = (CacheTier.CPU_DRAM,)
+_IN_SSD = (CacheTier.LOCAL_SSD,)
+_IN_BOTH = (CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD)
 
 _TIER_COUNTERS = ("hits", "misses", "demotions", "promotions", "evictions", "lease_waits")
 
 
 class _Entry:
-    """One resident block: its size, the version of its bytes and where copies are."""
+    """The hot per-key state of a resident block (the version of its bytes, pins, last
+    access), cached by exact key for GET/PUT.  What is resident where (tier, size,
+    identity) is recorded in the residency index; ``_record`` keeps the two in step."""
 
-    __slots__ = ("key", "size", "version", "ssd_version", "pin_until", "hard", "last_access")
+    __slots__ = ("key", "ek", "size", "version", "ssd_version", "pin_until", "hard", "last_access")
 
-    def __init__(self, key: KvBlockKey, size: int, version: int, now: float):
+    def __init__(self, key: KvBlockKey, size: int, version: int, now: float, ek: Optional[bytes] = None):
         self.key = key
+        self.ek = encode_key(key) if ek is None else ek    # the index key, encoded once
         self.size = size
         self.version = version           # bumped by every publish of new bytes for the key
         self.ssd_version: Optional[int] = None   # the version the SSD copy holds, or None
         self.pin_until = 0.0             # clock time; 0 = not pinned
         self.hard = False
         self.last_access = now
+
+
+class _Waiter:
+    """A reserve waiting for room: how many bytes, and the future its next try waits on."""
+
+    __slots__ = ("size", "fut")
+
+    def __init__(self, size: int):
+        self.size = size
+        self.fut: Optional[asyncio.Future] = None
 
 
 class PutHandle:
@@ -126,7 +154,8 @@ class LocalKvStore:
                  prefault: bool = False, max_leases: int = DEFAULT_MAX_LEASES,
                  max_inflight_puts: int = DEFAULT_MAX_INFLIGHT_PUTS,
                  max_hard_pin_fraction: float = DEFAULT_MAX_HARD_PIN_FRACTION,
-                 promote_on_get: bool = True):
+                 promote_on_get: bool = True, index: Optional[ArtIndex] = None,
+                 holder: str = LOCAL_HOLDER):
         if policy not in WRITE_POLICIES:
             raise InvalidArgument(f"policy {policy!r}: must be one of {', '.join(WRITE_POLICIES)}")
         if policy == "write_through" and ssd is None:
@@ -145,7 +174,11 @@ class LocalKvStore:
             raise InvalidArgument(f"max_hard_pin_fraction {max_hard_pin_fraction!r}: must be in [0, 1]")
         if max_block_bytes is None and isinstance(dram_capacity, int):
             max_block_bytes = min(DEFAULT_MAX_BLOCK_BYTES, dram_capacity - dram_capacity % 256)
-        self.guard = IdentityGuard(guard_mode)      # validates the mode before allocating the arena
+        # The residency index: the one record of what is resident where (index/art.py,
+        # docs/residency-index.md).  ``holder`` names this node's records in it.
+        self._index = index if index is not None else ArtIndex()
+        self.holder = holder
+        self.guard = IdentityGuard(guard_mode, self._index, holder)   # checks the mode before the arena
         self._clock = clock
         self._dram = DramTier(dram_capacity, max_block_bytes=max_block_bytes, put_timeout_s=put_timeout_s,
                               hugepages=hugepages, prefault=prefault, clock=clock)
@@ -163,8 +196,7 @@ class LocalKvStore:
         self.max_hard_pin_bytes = int(self._dram.capacity * max_hard_pin_fraction)
         self._dram_lru = make_policy(eviction)
         self._ssd_lru = make_policy(eviction)
-        self._entries: dict[KvBlockKey, _Entry] = {}
-        self._by_prefix: dict[tuple[IdentityScope, str], set[KvBlockKey]] = {}
+        self._entries: dict[KvBlockKey, _Entry] = {}      # exact-key cache of the index's local records
         self._handles: dict[int, PutHandle] = {}          # slot seq -> in-flight put
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
@@ -172,10 +204,17 @@ class LocalKvStore:
         self._pinned: set[KvBlockKey] = set()
         self._busy: set[KvBlockKey] = set()               # demotion / SSD write in flight
         self._ssd_garbage: set[KvBlockKey] = set()        # stale SSD copies to remove
+        self._waiting: list[_Waiter] = []                 # reserves waiting for room, oldest first
+        self._demoting: dict[KvBlockKey, int] = {}        # key -> bytes: demotions started for room
+        self._demoting_bytes = 0
+        self._demotion_tasks: set[asyncio.Task] = set()
+        self._put_wait_s = 0.0                            # seconds reserves spent waiting, summed
+        self._reads: dict[KvBlockKey, asyncio.Future] = {}  # SSD reads in flight (get_async)
         self._stats = {"dram": dict.fromkeys(_TIER_COUNTERS, 0), "ssd": dict.fromkeys(_TIER_COUNTERS, 0)}
         self._stats["ssd"]["extent_leases"] = 0           # SSD hits handed out as extents (sendfile)
         self._counters = {"puts": 0, "puts_aborted": 0, "puts_reaped": 0, "leases_expired": 0,
-                          "dropped_dirty": 0, "removes": 0, "unsafe_served": 0}
+                          "dropped_dirty": 0, "removes": 0, "unsafe_served": 0,
+                          "put_waits": 0, "put_wait_timeouts": 0}
         self.closed = False
         self._on_added: Optional[Callable[[KvBlockKey, int], None]] = None    # residency listener
         self._on_dropped: Optional[Callable[[KvBlockKey], None]] = None
@@ -183,16 +222,8 @@ class LocalKvStore:
             log.warning("IDENTITY GUARD OFF: blocks are reused by content hash across models, "
                         "tokenizers, adapters and TENANTS. This serves wrong KV and leaks data "
                         "between tenants; use it only for studies.")
-        if ssd is not None:
-            now = clock()
-            for key in list(ssd.keys()):      # blocks recovered by the SSD tier are resident
-                size = ssd.size_of(key)
-                if size is None:
-                    continue
-                entry = _Entry(key, size, next(self._versions), now)
-                entry.ssd_version = entry.version
-                self._add_entry(entry)
-                self._ssd_lru.insert(key)
+        self.reconciled = {"index_added": 0, "index_dropped": 0, "index_resized": 0, "index_agreed": 0}
+        self._adopt_ssd(ssd)
 
     # ------------------------------------------------------------------ index upkeep
 
@@ -207,25 +238,76 @@ class LocalKvStore:
             for entry in list(self._entries.values()):
                 added(entry.key, entry.size)
 
+    def _adopt_ssd(self, ssd) -> None:
+        """At start: the blocks the SSD tier recovered (CRC-checked per its ``verify``) are
+        resident, and the index must say exactly that.  A persistent index comes back with
+        its own records; where the two disagree the SSD tier wins: a local record without
+        an SSD block is dropped, an SSD block without a record is added; each kind of
+        mismatch is counted (``reconciled``) and logged."""
+        index, holder = self._index, self.holder
+        recorded = index.holder_sizes(holder)   # this node's records as the index recovered them
+        if ssd is None:
+            self._adopt_dropped(set(recorded))
+            return
+        now = self._clock()
+        added = agreed = resized = 0
+        entries, lru, versions = self._entries, self._ssd_lru, self._versions
+        for key, kb, size in ssd.blocks():
+            entry = _Entry(key, size, next(versions), now, kb)
+            entry.ssd_version = entry.version
+            entries[key] = entry
+            lru.insert(key)
+            was = recorded.pop(kb, None)
+            if was == size:
+                agreed += 1
+                continue
+            index.set_holder(key, kb, holder, _IN_SSD, size)
+            if was is None:
+                added += 1
+            else:
+                resized += 1
+        self.reconciled.update(index_agreed=agreed, index_resized=resized,
+                               index_added=added if index.persistent else 0)
+        if index.persistent and added:
+            log.warning("residency index: %d SSD blocks had no record in the index: added "
+                        "(the SSD tier's data wins)", added)
+        if resized:
+            log.warning("residency index: %d records had another size than their SSD block: "
+                        "corrected (the SSD tier's data wins)", resized)
+        self._adopt_dropped(set(recorded))
+
+    def _adopt_dropped(self, stale: set) -> None:
+        if not stale:
+            return
+        index, holder = self._index, self.holder
+        for ek in stale:
+            index.set_holder(None, ek, holder, (), 0)
+        self.reconciled["index_dropped"] = len(stale)
+        log.warning("residency index: %d records of this node name no block of the SSD tier: "
+                    "dropped (the SSD tier's data wins)", len(stale))
+
+    def _record(self, entry: _Entry, gone: bool = False) -> None:
+        """Write entry's residency (tiers, size) to the index: call after every change of
+        where a block is (DRAM publish/unpublish, SSD copy made/dropped, entry gone)."""
+        if gone:
+            tiers = ()
+        elif entry.ssd_version is None:
+            tiers = _IN_DRAM if self._dram.lookup(entry.key) is not None else ()
+        else:
+            tiers = _IN_BOTH if self._dram.lookup(entry.key) is not None else _IN_SSD
+        self._index.set_holder(entry.key, entry.ek, self.holder, tiers, entry.size)
+
     def _add_entry(self, entry: _Entry) -> None:
-        key = entry.key
-        self._entries[key] = entry
-        self.guard.add(key)
-        self._by_prefix.setdefault((key.scope, key.prefix_hash), set()).add(key)
+        self._entries[entry.key] = entry
+        self._record(entry)
         if self._on_added is not None:
-            self._on_added(key, entry.size)
+            self._on_added(entry.key, entry.size)
 
     def _drop_entry(self, key: KvBlockKey) -> Optional[_Entry]:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
-        self.guard.discard(key)
-        pk = (key.scope, key.prefix_hash)
-        keys = self._by_prefix.get(pk)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._by_prefix[pk]
+        self._record(entry, gone=True)
         self._pinned.discard(key)
         self._dram_lru.remove(key)
         self._ssd_lru.remove(key)
@@ -244,81 +326,180 @@ class LocalKvStore:
     # ------------------------------------------------------------------ puts
 
     def put_start(self, key: KvBlockKey, size: int, durable: bool = False) -> PutHandle:
-        """Reserve a DRAM slot (evicting if needed); write ``size`` bytes into ``handle.view``."""
+        """Reserve a DRAM slot now; write ``size`` bytes into ``handle.view``.
+
+        Never waits: where room needs a demotion first (an SSD write) it raises Busy; the
+        daemon and ``put`` use ``reserve`` (awaitable) and ``reserve_nowait`` instead."""
+        handles = self.reserve_nowait(((key, size),), durable)
+        if handles is None:
+            raise Busy(f"dram full: {size} bytes need a demotion to the SSD tier first "
+                       "(await reserve() to wait for it)")
+        return handles[0]
+
+    def reserve_nowait(self, items, durable: bool = False) -> Optional[list[PutHandle]]:
+        """Reserve DRAM slots for every ``(key, size)`` of ``items`` at once (all or nothing).
+
+        Evicts blocks that can go without I/O (clean copies; any block in a store without an
+        SSD tier).  Returns None when only demotions (SSD writes) can make the room, or when
+        earlier puts already wait for them: then ``await reserve(...)``.  CapacityError when
+        nothing could ever make the room; nothing changes then."""
         self._check_open()
-        self._check_key(key)
-        self._dram.check_size(size)
+        items = list(items)
+        if not items:
+            return []
+        for key, size in items:
+            self._check_key(key)
+            self._dram.check_size(size)
         if durable and self._ssd is None:
             raise InvalidArgument("durable put needs an SSD tier (this store is DRAM only)")
-        if len(self._handles) >= self.max_inflight_puts:
+        if len(self._handles) + len(items) > self.max_inflight_puts:
             raise Busy(f"{len(self._handles)} puts in flight (max_inflight_puts={self.max_inflight_puts})")
-        pending = self._reserve(key, size)
-        handle = PutHandle(pending, durable or self.policy == "write_through")
-        self._handles[pending.slot.seq] = handle
-        return handle
+        if self._waiting:
+            return None                     # first come, first served: queue behind the waiters
+        return self._reserve_all(items, durable)
 
-    def _reserve(self, key: KvBlockKey, size: int) -> PendingPut:
+    async def reserve(self, items, durable: bool = False) -> list[PutHandle]:
+        """``reserve_nowait``, waiting (up to ``put_timeout_s``) while demotions make room."""
+        handles = self.reserve_nowait(items, durable)
+        if handles is not None:
+            return handles
+        items = list(items)
+        waiter = _Waiter(sum(size for _, size in items))
+        self._waiting.append(waiter)
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        deadline = loop.time() + self.put_timeout_s
+        self._counters["put_waits"] += 1
+        try:
+            while True:
+                waiter.fut = loop.create_future()
+                self._pressure()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await waiter.fut
+                except TimeoutError:
+                    self._counters["put_wait_timeouts"] += 1
+                    raise Busy(f"dram full: waited {self.put_timeout_s:g} s for demotions to the SSD "
+                               f"tier to make room for {waiter.size} bytes") from None
+                self._check_open()
+                handles = self._reserve_all(items, durable)
+                if handles is not None:
+                    return handles
+        finally:
+            self._waiting.remove(waiter)
+            self._put_wait_s += time.perf_counter() - t0
+            if self._waiting:
+                self._wake()                # the room this waiter did not take is for the next
+
+    def _reserve_all(self, items: list, durable: bool) -> Optional[list[PutHandle]]:
+        total = sum(size for _, size in items)
+        if total > self._dram.capacity:
+            raise CapacityError(total, *self._dram.report(),
+                                f"{total} bytes in one request: more than the dram capacity "
+                                f"({self._dram.capacity})")
+        placed: list[PendingPut] = []
+        try:
+            for key, size in items:
+                pending = self._place(key, size)
+                if pending is None:
+                    for p in placed:
+                        self._dram.put_abort(p)
+                    return None
+                placed.append(pending)
+        except BaseException:
+            for p in placed:
+                self._dram.put_abort(p)
+            raise
+        durable = durable or self.policy == "write_through"
+        handles = [PutHandle(p, durable) for p in placed]
+        for h in handles:
+            self._handles[h._pending.slot.seq] = h
+        return handles
+
+    def _place(self, key: KvBlockKey, size: int) -> Optional[PendingPut]:
+        """One slot now, evicting what can go without I/O; None when a demotion must come first."""
         try:
             return self._dram.put_start(key, size)
         except CapacityError:
             pass
-        if self._evictable_bytes(size) + self._dram.report()[0] >= size:
-            self._make_room(size)           # only when eviction can succeed: a doomed put evicts nothing
-        try:
-            return self._dram.put_start(key, size)
-        except CapacityError as exc:
-            free, largest = self._dram.report()
-            raise CapacityError(size, free, largest,
-                                f"dram full: cannot place {size} bytes ({free} bytes free, largest "
-                                f"extent {largest}) and nothing is evictable (leased, pinned or "
-                                "in flight)") from exc
-
-    def _evictable_bytes(self, enough: int) -> int:
-        """Bytes (in allocator units) that eviction could free, counted up to ``enough``."""
         now = self._clock()
-        dram = self._dram
+        free = self._dram.report()[0]
+        if self._evictable_bytes(now, size - free, no_io=True) + free >= size:
+            self._make_room(size, now)      # only when eviction can succeed: a doomed put evicts nothing
+            try:
+                return self._dram.put_start(key, size)
+            except CapacityError:
+                pass                        # fragmented: what is left needs demotions
+        if self._ssd is not None and (self._demoting or self._busy or self._evictable_bytes(now, 1, no_io=False)):
+            return None                     # demotions (or SSD writes in flight) will free it: wait
+        free, largest = self._dram.report()
+        raise CapacityError(size, free, largest,
+                            f"dram full: cannot place {size} bytes ({free} bytes free, largest "
+                            f"extent {largest}) and nothing is evictable (leased, pinned or "
+                            "in flight)")
+
+    # ------------------------------------------------------------------ eviction: one predicate
+
+    def _may_evict(self, key: KvBlockKey, now: float, soft_ok: bool, slot: Optional[Slot] = None) -> bool:
+        """May this block's copy (its DRAM ``slot``, or with None its SSD copy) be evicted now?
+
+        Never while a copy of it is in flight (busy, or queued for demotion), while a lease holds the DRAM slot, or
+        while it is hard-pinned; a soft-pinned block only when ``soft_ok``."""
+        if key in self._busy or key in self._demoting or (slot is not None and slot.refs > 0):
+            return False
+        entry = self._entries.get(key)
+        return entry is not None and not (entry.pin_until > now and (entry.hard or not soft_ok))
+
+    def _victims(self, tier: str, now: float, soft_ok: bool = True, leased: Optional[list] = None):
+        """(key, slot) of the blocks whose copy in ``tier`` may be evicted (``_may_evict``),
+        in policy order: unpinned ones first, then soft-pinned ones (``soft_ok``); slot is
+        None for the SSD tier.  Lazy: collect what to evict, then evict.  ``leased`` collects
+        the keys skipped because a lease holds them (first pass)."""
+        dram = tier == "dram"
+        lru = self._dram_lru if dram else self._ssd_lru
+        for soft in ((False, True) if soft_ok else (False,)):
+            for key in lru.candidates():
+                slot = self._dram.lookup(key) if dram else None
+                if dram and slot is None:
+                    continue
+                if not self._may_evict(key, now, soft, slot):
+                    if leased is not None and not soft and slot is not None and slot.refs > 0:
+                        leased.append(key)
+                    continue
+                if soft and not self._entries[key].pin_until > now:
+                    continue                # unpinned: the first pass had it
+                yield key, slot
+
+    def _costs_no_io(self, key: KvBlockKey) -> bool:
+        """Evicting the DRAM copy loses nothing: no SSD tier (a cache drops), or the SSD copy is current."""
+        if self._ssd is None:
+            return True
+        entry = self._entries[key]
+        return entry.ssd_version == entry.version
+
+    def _evictable_bytes(self, now: float, enough: int, no_io: bool) -> int:
+        """Bytes (in allocator units) that evicting DRAM copies could free, up to ``enough``;
+        ``no_io``: only copies that can go without a demotion."""
         total = 0
-        for key in self._dram_lru.candidates():
-            slot = dram.lookup(key)
-            if slot is None or key in self._busy:
-                continue
-            if slot.refs > 0:
-                self._stats["dram"]["lease_waits"] += 1    # a lease kept eviction off this block
-                continue
-            entry = self._entries[key]
-            if entry.pin_until > now and entry.hard:
+        leased = [] if no_io else None      # the leases that kept eviction off a block, once per attempt
+        for key, slot in self._victims("dram", now, leased=leased):
+            if no_io and not self._costs_no_io(key):
                 continue
             total += -(-slot.size // ARENA_UNIT) * ARENA_UNIT
             if total >= enough:
                 break
+        if leased:
+            self._stats["dram"]["lease_waits"] += len(leased)
         return total
 
-    def _make_room(self, size: int) -> None:
-        """Evict DRAM blocks in policy order until ``size`` fits in one extent, or none is left."""
-        now = self._clock()
+    def _make_room(self, size: int, now: float) -> None:
+        """Evict DRAM copies that cost no I/O, in policy order, until ``size`` fits in one extent."""
         dram = self._dram
-        for allow_soft in (False, True):
-            while dram.report()[1] < size:
-                victim = self._dram_victim(now, allow_soft)
-                if victim is None:
-                    break
-                self._evict_dram(victim)
-            else:
+        victims = [key for key, _ in self._victims("dram", now) if self._costs_no_io(key)]
+        for key in victims:
+            if dram.report()[1] >= size:
                 return
-
-    def _dram_victim(self, now: float, allow_soft: bool) -> Optional[KvBlockKey]:
-        dram = self._dram
-        for key in self._dram_lru.candidates():
-            slot = dram.lookup(key)
-            if slot is None or key in self._busy:
-                continue
-            if slot.refs > 0:
-                continue
-            entry = self._entries[key]
-            if entry.pin_until > now and (entry.hard or not allow_soft):
-                continue
-            return key
-        return None
+            self._evict_dram(key)
 
     def _evict_dram(self, key: KvBlockKey) -> None:
         """Free the DRAM copy; the block stays resident only if the SSD copy is current."""
@@ -327,12 +508,57 @@ class LocalKvStore:
         self._dram_lru.remove(key)
         self._stats["dram"]["evictions"] += 1
         if entry.ssd_version is not None and entry.ssd_version == entry.version:
+            self._record(entry)
             return                                  # still readable from SSD
         if entry.ssd_version is not None:
             self._ssd_garbage.add(key)              # stale copy of older bytes
-        if self._ssd is not None:
-            self._counters["dropped_dirty"] += 1
         self._drop_entry(key)
+
+    # ------------------------------------------------------------------ back-pressure
+
+    def _wake(self) -> None:
+        """Room may have been freed: every waiting reserve tries again, oldest first."""
+        for waiter in self._waiting:
+            if waiter.fut is not None and not waiter.fut.done():
+                waiter.fut.set_result(None)
+
+    def _pressure(self) -> None:
+        """Start demotions (up to MAX_DEMOTIONS_IN_FLIGHT) while puts wait for room or DRAM
+        is above the high watermark; each one that ends wakes the waiters and comes back here."""
+        if self._ssd is None or self.closed:
+            return
+        dram = self._dram
+        # Free bytes are not counted for the waiters: they could not place their blocks in
+        # them (fragmentation), so the room must come from blocks that go.
+        need = max(sum(w.size for w in self._waiting), dram.used - int(self.high_watermark * dram.capacity))
+        need -= self._demoting_bytes
+        if need <= 0 or len(self._demoting) >= MAX_DEMOTIONS_IN_FLIGHT:
+            return
+        now = self._clock()
+        victims = []
+        for key, slot in self._victims("dram", now):
+            if len(self._demoting) + len(victims) >= MAX_DEMOTIONS_IN_FLIGHT or need <= 0:
+                break
+            if self._costs_no_io(key):
+                continue                    # clean copies go without I/O when a put needs them
+            victims.append((key, slot.size))
+            need -= slot.size
+        loop = asyncio.get_running_loop()
+        for key, size in victims:
+            self._demoting[key] = size
+            self._demoting_bytes += size
+            task = loop.create_task(self._demote(key, for_room=True))
+            self._demotion_tasks.add(task)
+            task.add_done_callback(functools.partial(self._demotion_done, key))
+
+    def _demotion_done(self, key: KvBlockKey, task: asyncio.Task) -> None:
+        self._demotion_tasks.discard(task)
+        self._demoting_bytes -= self._demoting.pop(key, 0)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("demotion of %r failed: %r", key, task.exception())
+        if self._waiting:
+            self._wake()
+        self._pressure()
 
     async def put_end(self, handle: PutHandle) -> None:
         """Publish the put.  Durable puts return after the SSD tier's durable publish."""
@@ -363,7 +589,7 @@ class LocalKvStore:
         stale_ssd = False
         if entry is None:
             entry = _Entry(key, handle.size, version, now)
-            self._add_entry(entry)
+            self._entries[key] = entry                 # recorded in the index below
         else:
             stale_ssd = entry.ssd_version is not None and not ssd_written
             entry.size = handle.size
@@ -375,25 +601,35 @@ class LocalKvStore:
             entry.ssd_version = version
             self._ssd_lru.insert(key)
             self._ssd_garbage.discard(key)
-        elif stale_ssd:
+        if self._waiting:
+            self._wake()                            # a replaced slot was freed, or a clean block came
+        if self._ssd is not None and self._dram.used > self.high_watermark * self._dram.capacity:
+            self._pressure()                        # demote ahead of the next puts
+        if stale_ssd:
             # The SSD holds older bytes of the key: drop them so they are never served.
             entry.ssd_version = None
             self._ssd_lru.remove(key)
+            self._record(entry)
             await self._ssd_remove_if_unowned(key)
+            return
+        self._record(entry)
 
     def put_abort(self, handle: PutHandle) -> bool:
         pending = handle._pending
         if self._handles.pop(pending.slot.seq, None) is None:
             return False
         self._counters["puts_aborted"] += 1
-        return self._dram.put_abort(pending)
+        freed = self._dram.put_abort(pending)
+        if self._waiting:
+            self._wake()
+        return freed
 
     async def put(self, key: KvBlockKey, data, durable: bool = False) -> None:
         """Convenience: start, copy ``data`` (any bytes-like object) into the slot, end."""
         src = memoryview(data)
         if src.ndim != 1 or src.itemsize != 1:
             src = src.cast("B")
-        handle = self.put_start(key, src.nbytes, durable)
+        (handle,) = await self.reserve(((key, src.nbytes),), durable)
         try:
             handle.view[:] = src
         except BaseException:
@@ -421,66 +657,149 @@ class LocalKvStore:
     def get(self, key: KvBlockKey, *, extent_ok: bool = False) -> Lease:
         """A lease on the block's bytes (read-only view); release it (or use ``with``).
 
+        Blocking where the block must be read from the SSD tier (tools, tests); the daemon
+        calls ``get_nowait`` and, when that says the SSD must be read, ``await get_async``.
+
         ``extent_ok``: the caller can send from a file (sendfile).  Then a block served from
         the SSD tier without being promoted (``promote_on_get`` off, or no DRAM room now)
         whose bytes were verified in this process comes as a lease with ``view`` None and
         ``extent`` = (fd, offset, length, crc32c), valid until the caller's next await."""
+        entry = self._lookup(key)
+        lease = self._lease_now(entry, extent_ok)
+        if lease is not None:
+            return lease
+        read = self._ssd_read_start(entry)
+        try:
+            n = self._ssd.read_into(entry.key, read[1])
+        except BaseException as exc:
+            return self._ssd_read_end(entry, read, exc) or self.get(key)
+        return self._ssd_read_end(entry, read, n) or self.get(key)
+
+    def get_nowait(self, key: KvBlockKey, *, extent_ok: bool = False) -> Optional[Lease]:
+        """``get`` without I/O: a lease on the DRAM copy, or a verified SSD extent (with
+        ``extent_ok``), or None when the block must be read from the SSD tier first."""
+        return self._lease_now(self._lookup(key), extent_ok)
+
+    def _lookup(self, key: KvBlockKey) -> _Entry:
         self._check_open()
         self._check_key(key)
         if len(self._leases) >= self.max_leases:
             raise Busy(f"{len(self._leases)} leases alive (max_leases={self.max_leases})")
-        entry = self._locate(key)
+        return self._locate(key)
+
+    def _lease_now(self, entry: _Entry, extent_ok: bool) -> Optional[Lease]:
         served = entry.key
         now = self._clock()
-        entry.last_access = now
         slot = self._dram.lookup(served)
         if slot is not None:
+            entry.last_access = now
             self._stats["dram"]["hits"] += 1
             self._dram_lru.touch(served)
             return self._new_lease(served, self._dram.acquire(slot), "dram", slot, now)
-        self._stats["dram"]["misses"] += 1
-        return self._get_from_ssd(entry, now, extent_ok)
-
-    def _get_from_ssd(self, entry: _Entry, now: float, extent_ok: bool = False) -> Lease:
-        key = entry.key
-        ssd = self._ssd
-        pending = None
-        if self.promote_on_get:
-            try:
-                pending = self._dram.put_start(key, entry.size)   # promote only if there is room now
-            except CapacityError:
-                pass
-        if pending is None and extent_ok:
-            extent = ssd.extent_of(key)        # None until its bytes were verified: read below
+        if extent_ok and not self._promotes(entry):
+            extent = self._ssd.extent_of(served)     # None until its bytes were verified
             if extent is not None and extent[2] == entry.size:
+                entry.last_access = now
+                self._stats["dram"]["misses"] += 1
                 self._stats["ssd"]["hits"] += 1
                 self._stats["ssd"]["extent_leases"] += 1
-                self._ssd_lru.touch(key)
-                return self._new_lease(key, None, "ssd", None, now, extent)
-        try:
-            if pending is not None:
-                n = ssd.read_into(key, pending.view)
-            else:
-                buf = bytearray(entry.size)
-                n = ssd.read_into(key, buf)
-            if n != entry.size:
-                raise NotFound(f"ssd returned {n} bytes for a {entry.size}-byte block")
-        except NotFound:
-            # The SSD tier dropped the block (CRC mismatch) or lost it: it is gone for everyone.
+                self._ssd_lru.touch(served)
+                return self._new_lease(served, None, "ssd", None, now, extent)
+        return None
+
+    async def get_async(self, key: KvBlockKey) -> Lease:
+        """``get`` that reads SSD-only blocks off the event loop (the tier's read pool).
+
+        Concurrent gets of one SSD-only block share one read: the later ones wait for it
+        and then find the block promoted, or share the buffer it was read into."""
+        while True:
+            entry = self._lookup(key)
+            lease = self._lease_now(entry, False)
+            if lease is not None:
+                return lease
+            other = self._reads.get(entry.key)
+            if other is not None:
+                shared = await asyncio.shield(other)   # its errors are the first reader's to report
+                if shared is not None and shared[0] is entry and shared[1] == entry.version \
+                        and self._entries.get(entry.key) is entry and self._dram.lookup(entry.key) is None:
+                    self._stats["dram"]["misses"] += 1
+                    self._stats["ssd"]["hits"] += 1
+                    return self._new_lease(entry.key, memoryview(shared[2]).toreadonly(), "ssd", None,
+                                           self._clock())
+                continue
+            fut = asyncio.get_running_loop().create_future()
+            self._reads[entry.key] = fut
+            lease = None
+            try:
+                read = self._ssd_read_start(entry)
+                try:
+                    n = await self._ssd.read_into_async(entry.key, read[1])
+                except BaseException as exc:
+                    lease = self._ssd_read_end(entry, read, exc)
+                else:
+                    lease = self._ssd_read_end(entry, read, n)
+            finally:
+                del self._reads[entry.key]
+                # a buffer read (not promoted) is shared, read-only, with the gets that waited
+                fut.set_result((entry, read[2], read[1]) if lease is not None and lease.tier == "ssd"
+                               else None)
+            if lease is not None:
+                return lease                           # else: rewritten meanwhile, look again
+
+    def _promotes(self, entry: _Entry) -> bool:
+        """A get of this SSD-only block copies it into DRAM: allowed, no put waits for room,
+        and room without evicting anything."""
+        return (self.promote_on_get and not self._waiting
+                and self._dram.report()[1] >= entry.size)
+
+    def _ssd_read_start(self, entry: _Entry):
+        """(DRAM slot to promote into or None, destination buffer, version) for one SSD read."""
+        pending = None
+        if self._promotes(entry):
+            try:
+                pending = self._dram.put_start(entry.key, entry.size)
+                pending.slot.started = math.inf         # being filled: the reaper must not free it
+            except CapacityError:
+                pending = None
+        return (pending, pending.view if pending is not None else bytearray(entry.size), entry.version)
+
+    def _ssd_read_end(self, entry: _Entry, read, outcome) -> Optional[Lease]:
+        """The lease for an SSD read that ended with ``outcome`` (its length, or the
+        exception); None when the key was rewritten meanwhile (look it up again)."""
+        pending, buf, version = read
+        key = entry.key
+        now = self._clock()
+        if isinstance(outcome, BaseException):
             if pending is not None:
                 self._dram.put_abort(pending)
-            self._drop_entry(key)
-            self._stats["ssd"]["misses"] += 1
-            raise miss_error(key) from None
-        except BaseException:
+            if isinstance(outcome, NotFound) and self._entries.get(key) not in (entry, None):
+                return None                            # rewritten meanwhile: look again
+            if isinstance(outcome, NotFound):
+                # The SSD tier dropped the block (CRC mismatch) or lost it: gone for everyone.
+                if self._entries.get(key) is entry and self._dram.lookup(key) is None:
+                    self._drop_entry(key)
+                self._stats["ssd"]["misses"] += 1
+                raise miss_error(key) from None
+            raise outcome
+        if outcome != entry.size:
             if pending is not None:
                 self._dram.put_abort(pending)
-            raise
+            raise NotFound(f"ssd returned {outcome} bytes for a {entry.size}-byte block")
+        if self._entries.get(key) is not entry or entry.version != version or self._dram.lookup(key) is not None:
+            # Replaced, rewritten or removed while reading (an await): what we read is not current.
+            if pending is not None:
+                self._dram.put_abort(pending)
+            if self._entries.get(key) is None:
+                raise miss_error(key)
+            return None
+        entry.last_access = now
+        self._stats["dram"]["misses"] += 1
         self._stats["ssd"]["hits"] += 1
         self._ssd_lru.touch(key)
         if pending is None:
             return self._new_lease(key, memoryview(buf).toreadonly(), "ssd", None, now)
         self._dram.put_end(pending)
+        self._record(entry)
         slot = self._dram.lookup(key)
         self._dram_lru.insert(key)
         self._stats["dram"]["promotions"] += 1
@@ -502,6 +821,8 @@ class LocalKvStore:
             pass                          # the caller made a derived view; documented hazard
         if lease._slot is not None and not self._dram.closed:
             self._dram.release(lease._slot)
+            if self._waiting:
+                self._wake()              # the block may be evictable (or its slot freed) now
 
     def get_into(self, key: KvBlockKey, buffer) -> int:
         """Copy the block into ``buffer`` (writable, large enough); returns its size."""
@@ -545,19 +866,52 @@ class LocalKvStore:
             n += 1
         return n
 
+    def list_page(self, prefix: bytes, start_after: bytes = b"", limit: int = MAX_LIST_PAGE
+                  ) -> tuple[list[bytes], bool]:
+        """LIST: up to ``limit`` encoded keys resident on this node that start with ``prefix``
+        (``encode_scope`` or ``encode_scope_prefix`` bytes) and sort after ``start_after``,
+        in key order, and whether more follow.  A walk of the residency index from the
+        cursor: its cost follows the page, not the size of the scope."""
+        if not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_PAGE:
+            raise InvalidArgument(f"list limit {limit!r}: must be in 1..{MAX_LIST_PAGE}")
+        return self._index.page(prefix, start_after, limit, self.holder)
+
     def list_prefix(self, scope: IdentityScope, prefix_hash: str) -> list[KvBlockKey]:
-        """The resident keys of exactly this scope and prefix hash, by block_index."""
-        if isinstance(scope, KvBlockKey):
-            scope = scope.scope
-        keys = self._by_prefix.get((scope, prefix_hash), ())
-        return sorted(keys, key=lambda k: (k.block_index, k.block_hash, k.token_count))
+        """The resident keys of exactly this scope and prefix hash, in encoded-key order
+        (block_index, then block_hash, then token_count)."""
+        return self._list_all(encode_scope_prefix(scope, prefix_hash))
 
     def list_scope(self, scope: IdentityScope) -> list[KvBlockKey]:
         """The resident keys of one identity scope, in encoded-key order (quillctl ls)."""
-        if isinstance(scope, KvBlockKey):
-            scope = scope.scope
-        keys = [k for (sc, _prefix), ks in self._by_prefix.items() if sc == scope for k in ks]
-        return sorted(keys, key=lambda k: (k.prefix_hash, k.block_index, k.block_hash, k.token_count))
+        return self._list_all(encode_scope(scope))
+
+    def _list_all(self, prefix: bytes) -> list[KvBlockKey]:
+        out, cursor, more = [], b"", True
+        while more:
+            page, more = self.list_page(prefix, cursor, MAX_LIST_PAGE)
+            out.extend(decode_key(ek) for ek in page)
+            if page:
+                cursor = page[-1]
+        return out
+
+    def check_residency(self) -> None:
+        """Assert that the index's records of this node are exactly what the tiers hold
+        (tests and QC_DEBUG): the exact-key cache, the DRAM and SSD tiers and the index
+        must name the same keys, tiers and sizes.  O(resident blocks)."""
+        index, holder = self._index, self.holder
+        held = index.keys_of(holder)
+        cached = {e.ek: e for e in self._entries.values()}
+        assert held == set(cached), (f"index holds {len(held - set(cached))} keys the store does not, "
+                                     f"misses {len(set(cached) - held)}")
+        for ek, entry in cached.items():
+            size, tiers = index.holder(ek, holder)
+            want = set()
+            if self._dram.lookup(entry.key) is not None:
+                want.add(CacheTier.CPU_DRAM)
+            if entry.ssd_version is not None:
+                want.add(CacheTier.LOCAL_SSD)
+                assert self._ssd is not None and entry.key in self._ssd, f"{entry.key}: no SSD block"
+            assert set(tiers) == want and size == entry.size, (entry.key, tiers, size, want, entry.size)
 
     @property
     def put_timeout_s(self) -> float:
@@ -583,6 +937,8 @@ class LocalKvStore:
         if slot is not None and slot.refs > 0:
             self._stats["dram"]["lease_waits"] += 1
         self._counters["removes"] += 1
+        if self._waiting:
+            self._wake()
         if entry.ssd_version is not None or key in self._ssd_garbage:
             await self._ssd_remove_if_unowned(key)
         return True
@@ -626,7 +982,7 @@ class LocalKvStore:
     # ------------------------------------------------------------------ SSD moves
 
     async def _ssd_write(self, key: KvBlockKey, data) -> None:
-        """ssd.put, evicting SSD blocks (LRU) while the SSD tier says it is full."""
+        """ssd.put, evicting SSD blocks (policy order) while the SSD tier says it is full."""
         while True:
             try:
                 await self._ssd.put(key, data)
@@ -637,25 +993,23 @@ class LocalKvStore:
 
     async def _evict_ssd_one(self, exclude: Optional[KvBlockKey] = None) -> bool:
         now = self._clock()
-        for allow_soft in (False, True):
-            for key in self._ssd_lru.candidates():
-                entry = self._entries.get(key)
-                if key == exclude or key in self._busy or entry is None:
-                    continue
-                if entry.pin_until > now and (entry.hard or not allow_soft):
-                    continue
-                if self._dram.lookup(key) is None:
-                    self._drop_entry(key)               # its only copy goes
-                else:
-                    entry.ssd_version = None            # the DRAM copy stays, now dirty
-                    self._ssd_lru.remove(key)
-                self._stats["ssd"]["evictions"] += 1
-                self._busy.add(key)
-                try:
-                    await self._ssd.remove(key)
-                finally:
-                    self._busy.discard(key)
-                return True
+        for key, _ in self._victims("ssd", now):
+            if key == exclude:
+                continue
+            entry = self._entries[key]
+            if self._dram.lookup(key) is None:
+                self._drop_entry(key)               # its only copy goes
+            else:
+                entry.ssd_version = None            # the DRAM copy stays, now dirty
+                self._ssd_lru.remove(key)
+                self._record(entry)
+            self._stats["ssd"]["evictions"] += 1
+            self._busy.add(key)
+            try:
+                await self._ssd.remove(key)
+            finally:
+                self._busy.discard(key)
+            return True
         return False
 
     async def _ssd_remove_if_unowned(self, key: KvBlockKey) -> None:
@@ -666,8 +1020,12 @@ class LocalKvStore:
         self._ssd_garbage.discard(key)
         await self._ssd.remove(key)
 
-    async def _demote(self, key: KvBlockKey) -> bool:
-        """Move one block's DRAM copy to SSD (write it if the SSD copy is not current)."""
+    async def _demote(self, key: KvBlockKey, for_room: bool = False) -> bool:
+        """Move one block's DRAM copy to SSD (write it if the SSD copy is not current).
+
+        ``for_room``: a put waits for the slot.  If the SSD tier cannot take the block (full
+        of pinned blocks, or failed) the block is then dropped, counted in ``dropped_dirty``
+        and logged; otherwise (maintenance) it stays in DRAM."""
         entry = self._entries.get(key)
         slot = self._dram.lookup(key)
         if entry is None or slot is None:
@@ -678,6 +1036,16 @@ class LocalKvStore:
             self._busy.add(key)
             try:
                 await self._ssd_write(key, self._dram.raw_view(slot).toreadonly())
+            except (QuillCacheError, OSError) as exc:
+                if not for_room:
+                    raise
+                self._busy.discard(key)
+                if self._entries.get(key) is entry and entry.version == version and self._dram.lookup(key) is slot:
+                    log.error("dram full and the SSD tier cannot take block %r (%d bytes): %s; "
+                              "the block is dropped", key, slot.size, exc)
+                    self._counters["dropped_dirty"] += 1
+                    self._evict_dram(key)
+                return False
             finally:
                 self._busy.discard(key)
                 self._dram.release(slot)
@@ -689,41 +1057,36 @@ class LocalKvStore:
                 return False
             entry.ssd_version = version
             self._ssd_lru.insert(key)
+            self._record(entry)
         if self._dram.lookup(key) is not slot or slot.refs > 0:
             return False                           # leased meanwhile: stays in DRAM, now clean
         self._dram.unpublish(key)
+        self._record(entry)
         self._dram_lru.remove(key)
         self._stats["dram"]["demotions"] += 1
         self._stats["ssd"]["demotions"] += 1
+        if self._waiting:
+            self._wake()
         return True
 
     def _demotion_victims(self, now: float, target_used: int) -> list[KvBlockKey]:
+        """Victims bringing DRAM use down to ``target_used`` (maintenance, high -> low watermark)."""
         victims = []
-        excess = self._dram.used - target_used
-        for allow_soft in (False, True):
-            for key in self._dram_lru.candidates():
-                if excess <= 0:
-                    return victims
-                slot = self._dram.lookup(key)
-                if slot is None or slot.refs > 0 or key in self._busy or key in victims:
-                    continue
-                entry = self._entries[key]
-                if entry.pin_until > now and (entry.hard or not allow_soft):
-                    continue
-                victims.append(key)
-                excess -= slot.size
+        excess = self._dram.used - target_used - self._demoting_bytes
+        for key, slot in self._victims("dram", now):
+            if excess <= 0:
+                break
+            victims.append(key)
+            excess -= slot.size
         return victims
 
     def _aged_victims(self, now: float) -> list[KvBlockKey]:
+        """Unpinned blocks not read for ``demote_after_s`` (policy order: stop at the first younger)."""
         cutoff = now - self.demote_after_s
         victims = []
-        for key in self._dram_lru.candidates():
-            entry = self._entries[key]
-            if entry.last_access > cutoff:
-                break                              # LRU order: the rest are younger
-            slot = self._dram.lookup(key)
-            if slot is None or slot.refs > 0 or key in self._busy or entry.pin_until > now:
-                continue
+        for key, _ in self._victims("dram", now, soft_ok=False):
+            if self._entries[key].last_access > cutoff:
+                break
             victims.append(key)
         return victims
 
@@ -735,8 +1098,10 @@ class LocalKvStore:
             return {}
         now = self._clock() if now is None else now
         done = {"reaped": 0, "leases_expired": 0, "pins_expired": 0, "demoted": 0, "audit_lines": 0}
-        for key in self._dram.reap_stale(now):
+        for _key in self._dram.reap_stale(now):
             done["reaped"] += 1
+        if done["reaped"] and self._waiting:
+            self._wake()
         if done["reaped"]:
             for seq in [s for s, h in self._handles.items() if not self._dram.is_pending(h._pending)]:
                 del self._handles[seq]
@@ -749,6 +1114,10 @@ class LocalKvStore:
             self.unpin(key)
             done["pins_expired"] += 1
         done["audit_lines"] = self.guard.flush_audit()
+        if self._index.persistent:
+            # group commit of the index's log (it may lag the SSD tier by one interval: at
+            # start the SSD tier's records win, see _adopt_ssd)
+            self._index.sync()
         if self._ssd is not None:
             for key in list(self._ssd_garbage):
                 await self._ssd_remove_if_unowned(key)
@@ -772,8 +1141,11 @@ class LocalKvStore:
             "guard": self.guard.stats(),
             "store": {"policy": self.policy, "promote_on_get": self.promote_on_get,
                       "entries": len(self._entries), "leases": len(self._leases),
+                      "index_records": len(self._index), "index_persistent": self._index.persistent,
+                      **{f"{k}_at_start": v for k, v in self.reconciled.items()},
                       "puts_in_flight": len(self._handles), "pinned": len(self._pinned),
-                      **self._counters},
+                      "puts_waiting": len(self._waiting), "demotions_in_flight": len(self._demoting),
+                      "put_wait_seconds": round(self._put_wait_s, 6), **self._counters},
         }
         if self._ssd is not None:
             out["ssd"] = {"blocks": sum(1 for e in self._entries.values() if e.ssd_version is not None),
@@ -783,13 +1155,19 @@ class LocalKvStore:
     async def close(self) -> None:
         if self.closed:
             return
+        self.closed = True                  # no new demotion starts; waiting reserves fail
+        self._wake()
+        if self._demotion_tasks:            # the SSD writes in flight end before the tiers close
+            await asyncio.gather(*self._demotion_tasks, return_exceptions=True)
         for lease in list(self._leases.values()):
             lease.release()
         for handle in list(self._handles.values()):
             self.put_abort(handle)
-        self.closed = True
         self._dram.close()
         if self._ssd is not None:
             result = self._ssd.close()
             if inspect.isawaitable(result):
                 await result
+        if self._index.persistent:
+            self._index.checkpoint()        # the next start loads it instead of replaying the log
+            self._index.close()

@@ -1,0 +1,40 @@
+"""quillcached's own front end: a build without its native extensions refuses to start."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from quillcache import exitcodes
+from quillcache._native import extension_names, missing_extensions
+
+# Runs quillcached's main() in a fresh interpreter where one extension cannot be imported,
+# as when its .so is missing or was built for another Python.
+_BROKEN = textwrap.dedent("""
+    import sys
+    class NoSo:
+        def find_spec(self, name, path=None, target=None):
+            if name == "quillcache._native.alloc":
+                raise ImportError("libquill: cannot open shared object file (simulated)")
+            return None
+    sys.meta_path.insert(0, NoSo())
+    from quillcache_cli.quillcached import main
+    main(["--config", sys.argv[1]])
+""")
+
+
+def test_this_build_has_every_native_extension():
+    names = extension_names()
+    assert {"quillcache._native.codec", "quillcache._native.alloc", "quillcache._native.wal"} <= set(names)
+    assert missing_extensions() == []
+
+
+def test_a_build_without_a_native_extension_exits_69_naming_it(tmp_path):
+    conf = tmp_path / "quillcache.toml"
+    conf.write_text(f'[node]\nlisten = "127.0.0.1:0"\ndata_dir = "{tmp_path / "data"}"\n')
+    r = subprocess.run([sys.executable, "-c", _BROKEN, str(conf)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == exitcodes.UNAVAILABLE == 69
+    assert "native extension quillcache._native.alloc does not load" in r.stderr
+    assert "simulated" in r.stderr and "make build" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "data").exists()          # refused before touching anything

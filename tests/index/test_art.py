@@ -1,0 +1,122 @@
+"""ArtIndex as the store's residency record: one holder's records, LIST pages, the guard's
+block lookup -- each against a simple oracle, in memory and after a persistent reopen."""
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from quillcache.index.art import ArtIndex
+from quillcache.index.persistent import PersistentArtIndex
+from quillcache.model import CacheResidency, CacheTier, KvBlockKey, encode_key, encode_scope, encode_scope_prefix
+
+DRAM, SSD = CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD
+
+
+def key(i, prefix="p", tenant="t", model="m", block=None):
+    return KvBlockKey(model, "tok", None, tenant, prefix, block or f"b{i}", i)
+
+
+def test_set_holder_replaces_only_that_holders_records():
+    index = ArtIndex()
+    k = key(1)
+    ek = encode_key(k)
+    index.put(CacheResidency(k, "other", SSD, 10))
+    assert index.set_holder(k, ek, "me", (DRAM,), 100)
+    assert index.holder(ek, "me") == (100, (DRAM,))
+    assert not index.set_holder(k, ek, "me", (DRAM,), 100)        # unchanged: nothing done
+    assert index.set_holder(k, ek, "me", (DRAM, SSD), 100)
+    assert index.holder(ek, "me") == (100, (DRAM, SSD))
+    assert index.set_holder(k, ek, "me", (SSD,), 120)
+    assert index.holder(ek, "me") == (120, (SSD,))
+    assert len(index) == 2 and index.metrics().resident_bytes == 130
+    assert index.set_holder(k, ek, "me", (), 0)
+    assert index.holder(ek, "me") == (0, ())
+    assert [r.worker_id for r in index.locate(k)] == ["other"]
+    assert not index.set_holder(key(2), encode_key(key(2)), "me", (), 0)   # absent: no-op
+    assert index.keys_of("me") == set() and index.keys_of("other") == {ek}
+
+
+def test_block_keys_looks_only_at_the_tenant_asked():
+    index = ArtIndex()
+    same = [key(1, tenant="a"), key(2, tenant="a", model="m2", block="b1"), key(3, tenant="b", block="b1")]
+    for k in same:
+        index.put(CacheResidency(k, "me", DRAM, 1))
+    index.put(CacheResidency(key(4, tenant="a", block="b1"), "node-b", DRAM, 1))
+    assert sorted(k.block_index for k in index.block_keys("b1", "a", "me")) == [1, 2]
+    assert [k.block_index for k in index.block_keys("b1", "b", "me")] == [3]
+    assert index.block_keys("b1", "c", "me") == []
+    assert sorted(index.block_tenants("b1", "me")) == ["a", "b"]
+    index.remove_block(same[2].scope, "me", "b1")
+    assert index.block_keys("b1", "b", "me") == [] and sorted(index.block_tenants("b1", "me")) == ["a"]
+
+
+keys_st = st.lists(st.tuples(st.sampled_from(["p0", "p1", "p2"]), st.integers(0, 50),
+                             st.sampled_from(["me", "node-b"])), max_size=60)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(keys_st, st.integers(1, 9), st.sampled_from([None, "p1"]))
+def test_pages_concatenate_to_the_sorted_keys_of_the_holder(items, limit, prefix_hash):
+    index = ArtIndex()
+    for p, i, holder in items:
+        index.put(CacheResidency(key(i, prefix=p), holder, DRAM, 1))
+    k0 = key(0)
+    prefix = encode_scope(k0) if prefix_hash is None else encode_scope_prefix(k0, prefix_hash)
+    want = sorted({encode_key(key(i, prefix=p)) for p, i, h in items if h == "me"})
+    want = [ek for ek in want if ek.startswith(prefix)]
+    got, cursor = [], b""
+    while True:
+        page, more = index.page(prefix, cursor, limit, "me")
+        assert len(page) <= limit
+        got += page
+        if not more:
+            break
+        assert len(page) == limit
+        cursor = page[-1]
+    assert got == want
+
+
+def test_persistent_reopen_keeps_holders_pages_and_block_lookups_but_not_volatile_tiers(tmp_path):
+    with PersistentArtIndex(tmp_path, volatile_tiers=(DRAM,)) as index:
+        for i in range(10):
+            k = key(i, block="shared" if i < 3 else None)
+            index.set_holder(k, encode_key(k), "me", (DRAM, SSD) if i % 2 else (DRAM,), 100 + i)
+        index.checkpoint()
+        k = key(20, tenant="t2", block="shared")                 # after the checkpoint: replayed
+        index.set_holder(k, encode_key(k), "me", (SSD,), 7)
+        index.sync()
+    with PersistentArtIndex(tmp_path, volatile_tiers=(DRAM,)) as again:
+        # only the SSD records came back (odd i, and key 20)
+        assert again.holder(encode_key(key(3)), "me") == (103, (SSD,))
+        assert again.holder(encode_key(key(2)), "me") == (0, ())
+        assert len(again) == 6
+        assert sorted(k.block_index for k in again.block_keys("shared", "t", "me")) == [1]
+        assert [k.block_index for k in again.block_keys("shared", "t2", "me")] == [20]
+        page, more = again.page(encode_scope(key(0)), b"", 3, "me")
+        mine = [key(i, block="shared" if i < 3 else None) for i in (1, 3, 5, 7, 9)]
+        assert page == sorted(encode_key(k) for k in mine)[:3] and more
+
+
+def test_page_refuses_a_limit_below_one():
+    with pytest.raises(ValueError):
+        ArtIndex().page(b"", b"", 0)
+
+
+def test_holder_sizes_without_decoding_matches_the_decoded_answer(tmp_path):
+    with PersistentArtIndex(tmp_path) as index:
+        for i in range(30):
+            k = key(i)
+            index.set_holder(k, encode_key(k), "me" if i % 3 else "node-b", (SSD,), 100 + i)
+        index.put(CacheResidency(key(1), "node-b", SSD, 5))     # two holders of one key
+        index.checkpoint()
+        for i in (2, 30):                                        # replayed after the checkpoint
+            k = key(i)
+            index.set_holder(k, encode_key(k), "me", (SSD,), 7)
+        index.sync()
+    with PersistentArtIndex(tmp_path) as again:
+        again.locate(key(4))                                     # one record decoded, the rest lazy
+        lazy = again.holder_sizes("me")
+        assert lazy[encode_key(key(2))] == 7 and lazy[encode_key(key(30))] == 7
+        assert lazy[encode_key(key(4))] == 104 and lazy[encode_key(key(1))] == 101
+        again.materialize()
+        assert lazy == ArtIndex.holder_sizes(again, "me")
+        assert len(lazy) == 21

@@ -1,0 +1,97 @@
+"""Checks on the source tree itself (the asyncpg/uvloop ``test__sourcecode`` habit): the linter
+passes, and the "one place for each thing" rules hold."""
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src" / "quillcache"
+TESTS = ROOT / "tests"
+
+# A behaviour suite that other backends re-run on their own fixture (not a helper).
+SHARED_SUITES = {"tests.index.test_backends"}
+
+
+def _ruff() -> str:
+    exe = Path(sys.executable).with_name("ruff")
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("ruff")
+    if found is None:
+        pytest.fail("ruff is not installed: it is in the [test] extra (pip install -e '.[test]')")
+    return found
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def test_ruff_check_passes_on_the_whole_tree():
+    r = subprocess.run([_ruff(), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, f"ruff check found problems:\n{r.stdout}\n{r.stderr}"
+
+
+def test_no_test_module_imports_another_test_module():
+    """Shared test code lives in tests/_support/, never in a test file another one imports."""
+    offenders = []
+    for path in TESTS.rglob("*.py"):
+        for node in ast.walk(_tree(path)):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if name in SHARED_SUITES or any(name.startswith(m + ".") for m in SHARED_SUITES):
+                    continue
+                if parts[0] == "tests" and any(p.startswith("test_") or p == "conftest" for p in parts[1:]):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+# --------------------------------------------------------------------------- one place for each fact
+
+
+def _int_assignments(path: Path) -> dict[str, int]:
+    """Module-level ``NAME = <int literal>`` of ``path``."""
+    out = {}
+    for node in _tree(path).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                and type(node.value.value) is int:
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    out[target.id] = node.value.value
+    return out
+
+
+def test_exit_codes_are_defined_only_in_quillcache_exitcodes():
+    from quillcache import exitcodes
+    codes = {getattr(exitcodes, n) for n in exitcodes.__all__ if isinstance(getattr(exitcodes, n), int)}
+    offenders = []
+    for path in [*SRC.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]:
+        if path == SRC / "exitcodes.py":
+            continue
+        for name, value in _int_assignments(path).items():
+            if name.startswith("EX_") or (path.name == "exitcodes.py" and value in codes):
+                offenders.append(f"{path.relative_to(ROOT)}: {name} = {value}")
+    assert not offenders, "exit codes belong in src/quillcache/exitcodes.py:\n" + "\n".join(offenders)
+
+
+def test_no_test_skips_when_a_native_extension_or_the_ssd_tier_is_missing():
+    """A broken build fails the store tests loudly instead of skipping them."""
+    offenders = []
+    for path in TESTS.rglob("*.py"):
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "importorskip" and node.args \
+                    and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("quillcache"):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, "\n".join(offenders)
