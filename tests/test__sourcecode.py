@@ -95,3 +95,49 @@ def test_no_test_skips_when_a_native_extension_or_the_ssd_tier_is_missing():
                     and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("quillcache"):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, "\n".join(offenders)
+
+
+def _constants(path: Path):
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Constant):
+            yield node
+
+
+def test_the_default_address_is_written_only_in_config():
+    from quillcache.config import DEFAULT_ADDRESS
+    offenders = [f"{p.relative_to(ROOT)}:{c.lineno}"
+                 for p in [*SRC.rglob("*.py"), *(ROOT / "cli").rglob("*.py")] if p != SRC / "config.py"
+                 for c in _constants(p) if c.value == DEFAULT_ADDRESS]
+    assert not offenders, "use quillcache.config.DEFAULT_ADDRESS:\n" + "\n".join(offenders)
+
+
+def test_the_longest_pin_is_defined_only_in_the_model():
+    from quillcache.model import MAX_PIN_TTL_S
+    offenders = []
+    for path in [*SRC.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]:
+        if path == SRC / "model.py":
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Assign) and isinstance(node.value, (ast.BinOp, ast.Constant)):
+                try:
+                    value = ast.literal_eval(node.value) if isinstance(node.value, ast.Constant) \
+                        else eval(compile(ast.Expression(node.value), "<expr>", "eval"), {"__builtins__": {}})
+                except Exception:
+                    continue
+                if value == MAX_PIN_TTL_S:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, "use quillcache.model.MAX_PIN_TTL_S:\n" + "\n".join(offenders)
+
+
+def test_the_info_format_and_the_status_map_have_one_home():
+    homes = {"render_info": SRC / "protocol" / "info.py", "parse_info": SRC / "protocol" / "info.py",
+             "error_for_status": SRC / "errors.py"}
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.FunctionDef) and node.name in homes and homes[node.name] != path:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: def {node.name}")
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "STATUS_CLASSES"
+                                                    for t in node.targets) and path != SRC / "errors.py":
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: STATUS_CLASSES =")
+    assert not offenders, "\n".join(offenders)

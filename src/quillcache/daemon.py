@@ -316,10 +316,9 @@ class Node:
             if closed:
                 log.info("reload: closed %d connections of removed tenants", closed)
         elif name == "wal.commit_window":
-            committer = getattr(self.ssd, "_committer", None)
-            if committer is None or not hasattr(committer, "window_s"):
-                raise ConfigError("the SSD tier does not take a new commit window at run time")
-            committer.window_s = float(value)
+            if self.ssd is None:
+                raise ConfigError("no SSD tier: the commit window applies to its WAL")
+            self.ssd.set_commit_window(value)
         else:
             raise ConfigError("no run-time hook for this setting (restart to apply)")
 
