@@ -590,6 +590,8 @@ class LocalKvStore:
         if entry is None:
             entry = _Entry(key, handle.size, version, now)
             self._entries[key] = entry                 # recorded in the index below
+            if self._on_added is not None:
+                self._on_added(key, handle.size)
         else:
             stale_ssd = entry.ssd_version is not None and not ssd_written
             entry.size = handle.size
