@@ -7,11 +7,11 @@ VENV     ?= .venv
 PY       := $(VENV)/bin/python
 PIP      := $(VENV)/bin/pip
 STAMP    := $(VENV)/.quillcache-installed
-DEB_PKGS := liburing-dev pkg-config redis-server
+DEB_PKGS := liburing-dev pkg-config redis-server etcd-server
 N        ?= 500
 PYTEST_ARGS ?=
 
-.PHONY: all build deps bench-deps _debs run gateway lint test bench crash man clean distclean engines engines-clean
+.PHONY: all build deps bench-deps _debs run gateway lint test bench crash man clean distclean engines engines-clean cluster
 
 # The engines' own venv (vLLM, SGLang, LMCache on the CPU torch wheel), for the tests marked
 # `engines`. Every pin is in requirements/engines.txt and installed with --no-deps, torch first.
@@ -60,6 +60,10 @@ build: deps $(STAMP)
 
 run: build
 	$(VENV)/bin/quillcached
+
+# etcd and three nodes on loopback (tests/_support/devcluster.py); Ctrl-C stops them.
+cluster: build
+	$(PY) -m tests._support.devcluster
 
 # ruff (configured in pyproject.toml) on the whole tree, then the suite.
 lint: $(STAMP)

@@ -857,6 +857,12 @@ class Client(_Ops):
 
     # ------------------------------------------------------------------ calls with their own loop
 
+    def call(self, opcode: int, header: bytes = b"", views: Sequence[Any] = (), *, flags: int = 0,
+             into: Any = None) -> Reply:
+        """One raw request (``quillctl cluster``/``locate`` use it): the OK reply, or its error raised."""
+        rid = self._send(_Req(opcode, header, views, flags, into, None))
+        return self._wait(rid, time.monotonic() + self.timeout).raise_for_status()
+
     def ls(self, scope, prefix_hash: "str | None" = None) -> list[KvBlockKey]:
         prefix = self._scope_prefix(scope, prefix_hash)
         out: list[KvBlockKey] = []
@@ -1081,6 +1087,12 @@ class AsyncClient(_Ops):
                     pass
         await self._drive(client_shm.commit_flow(self, reserves))
 
+    @property
+    def is_open(self) -> bool:
+        """Connected, and the connection has neither failed nor closed."""
+        conn = self._conn
+        return conn is not None and conn.failed is None and not conn.closed
+
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()
 
@@ -1137,6 +1149,14 @@ class AsyncClient(_Ops):
             reply.raise_for_status()
             results.append(req.finish(reply))
         return combine(results)
+
+    async def call(self, opcode: int, header: bytes = b"", views: Sequence[Any] = (), *, flags: int = 0,
+                   into: Any = None, timeout: Optional[float] = None) -> Reply:
+        """One raw request (the node-to-node ops of cluster/ use it): the OK reply, or its
+        error raised; ``into`` as in ``ClientProtocolConnection.send_request``."""
+        fut = self._send(_Req(opcode, header, views, flags, into, None))
+        reply = await self._wait(fut, time.monotonic() + (self.timeout if timeout is None else timeout))
+        return reply.raise_for_status()
 
     async def ls(self, scope, prefix_hash: "str | None" = None) -> list[KvBlockKey]:
         prefix = self._scope_prefix(scope, prefix_hash)

@@ -225,6 +225,31 @@ def _tenants(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _endpoints(value: Any) -> tuple[tuple[str, int], ...]:
+    if not isinstance(value, list) or not value:
+        raise ConversionError('not a list of host:port (e.g. ["127.0.0.1:2379"])')
+    return tuple(parse_hostport(v) for v in value)
+
+
+def _ident(value: Any) -> str:
+    if isinstance(value, str) and _TENANT_RE.match(value):
+        return value
+    raise ConversionError('not 1-64 of A-Z a-z 0-9 _ . - (e.g. "pool-1")')
+
+
+def _advertise(value: Any) -> Any:
+    return value if value == "" else parse_hostport(value)
+
+
+def _duration_range(lo: float, hi: float) -> Callable[[Any], float]:
+    def convert(value: Any) -> float:
+        seconds = parse_duration(value)
+        if not lo <= seconds <= hi:
+            raise ConversionError(f"out of range {format_duration(lo)}..{format_duration(hi)} (e.g. \"3s\")")
+        return seconds
+    return convert
+
+
 # --------------------------------------------------------------------------- the registry
 
 
@@ -260,6 +285,7 @@ SECTIONS = {
               "format (medium cpu, topic = node id), so routers see the pool as a tier.",
     "guard": "The identity guard: who may reuse a block.",
     "index": "The residency index: the store's record of which blocks are resident in which tier.",
+    "cluster": "A pool of nodes: membership on etcd, residency by rendezvous hashing, cross-node fetch.",
 }
 
 SETTINGS: tuple[Setting, ...] = (
@@ -388,6 +414,34 @@ SETTINGS: tuple[Setting, ...] = (
     _s("guard", "mode", _choice("strict", "tenant", "off"), "strict", True,
        "strict: serve only an exact model, tokenizer, adapter and tenant match; tenant: tenant "
        "isolation only; off: content-hash reuse (for studies; logged loudly)."),
+    _s("cluster", "enabled", _bool, False, False,
+       "Join a pool of nodes; false: a single node with no etcd and no peers."),
+    _s("cluster", "etcd", _endpoints, ["127.0.0.1:2379"], False,
+       "The etcd endpoints (host:port) that hold the membership."),
+    _s("cluster", "cluster_id", _ident, "quillcache", False,
+       "Name of the pool: nodes with the same etcd and cluster_id see each other."),
+    _s("cluster", "node_id", _string, "", False,
+       "This node's name in the pool; empty means [node] id, else the host name."),
+    _s("cluster", "advertise", _advertise, "", False,
+       "host:port that peers dial to reach this node; empty means [node] listen."),
+    _s("cluster", "lease_ttl", _duration_range(1.0, 60.0), "3s", False,
+       "TTL of the etcd lease under this node's record (kept alive every TTL/3); a dead node "
+       "leaves the view within this."),
+    _s("cluster", "hop_timeout", _duration_range(0.01, 30.0), "1s", True,
+       "Deadline of one node-to-node request (locate, fetch, announce)."),
+    _s("cluster", "replicas", _int_range(1, 16), 1, False,
+       "Copies of each put block: the first where placement says, the others on the next "
+       "nodes in rendezvous order."),
+    _s("cluster", "placement", _choice("local", "hashed"), "local", False,
+       "local: the node a client writes to keeps the first copy (no hop on the put path); "
+       "hashed: the first copy also goes to the key's first node in rendezvous order."),
+    _s("cluster", "cache_remote", _bool, True, True,
+       "Keep a local copy of a block fetched from another node."),
+    _s("cluster", "credential", _string, "", False,
+       "Shared secret that nodes present to each other (at least 16 characters; required "
+       "when enabled)."),
+    _s("cluster", "reannounce_rate", _int_range(1, 1 << 24), 20000, True,
+       "Records per second a node re-announces to their new homes after a membership change."),
 )
 
 
@@ -422,6 +476,11 @@ def _check_node(cfg: "Config") -> None:
         raise ConfigError(
             f"{cfg.source}: [store] max_block = \"{format_byte_size(store.max_block)}\": larger "
             f"than [store] dram = \"{format_byte_size(store.dram)}\" (e.g. \"64MiB\")")
+    cluster = cfg.cluster
+    if cluster.enabled and len(cluster.credential) < 16:
+        raise ConfigError(
+            f"{cfg.source}: [cluster] credential: needs at least 16 characters when [cluster] "
+            "enabled = true (nodes present it to each other)")
 
 
 NODE_REGISTRY = Registry("quillcached", SECTIONS, SETTINGS, _check_node)
@@ -575,6 +634,8 @@ def load_config(path: str | None = None, text: str | None = None, source: str | 
 def _toml_value(value: Any) -> str:
     if isinstance(value, list) and not value:
         return "[]"
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "[" + ", ".join(f'"{v}"' for v in value) + "]"
     return _show(value)
 
 

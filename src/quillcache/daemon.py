@@ -116,6 +116,7 @@ class Node:
         self._maint: Optional[asyncio.Task] = None
         self._stop = asyncio.Event()
         self._stopped = False
+        self.cluster = None
 
     # ------------------------------------------------------------------ start
 
@@ -193,6 +194,8 @@ class Node:
         self.address = self._listener.sockets[0].getsockname()[:2]
         self.server.listen = format_hostport(self.address)
         await self._listen_unix(data_dir)
+        if cfg.cluster.enabled:
+            await self._join_cluster(limits, auth)
         if self.metrics is not None:
             self.metrics_address = self.metrics.serve(*cfg.metrics.listen)
             self.metrics.update_store(self._snapshot())
@@ -248,6 +251,17 @@ class Node:
             self.store.on_residency = self.residency
             log.info("residency events on %s (replay %s)", self.residency.endpoint,
                      self.residency.replay_endpoint)
+    async def _join_cluster(self, limits: ProtocolLimits, auth: Authenticator) -> None:
+        from quillcache.cluster.hook import ClusterHook, default_node_id   # etcd3gw only when clustered
+        cfg = self.cfg
+        node_id = default_node_id(cfg.cluster.node_id, cfg.node.id)
+        advertise = format_hostport(cfg.cluster.advertise) if cfg.cluster.advertise else self.server.listen
+        self.cluster = ClusterHook(cfg.cluster, store=self.store, node_id=node_id, address=advertise,
+                                   limits=limits, version=__version__, open_mode=auth.open_mode)
+        self.server.cluster = self.cluster
+        await self.cluster.start()
+        log.info("cluster %s: node %s (epoch %x) advertised at %s, etcd %s", cfg.cluster.cluster_id, node_id,
+                 self.cluster.epoch, advertise, ", ".join(format_hostport(e) for e in cfg.cluster.etcd))
 
     def _snapshot(self) -> dict:
         st = self.store.stats()
@@ -272,6 +286,8 @@ class Node:
                     await self.ssd.checkpoint()
                 if self.metrics is not None:
                     self.metrics.update_store(self._snapshot())
+                    if self.cluster is not None:
+                        self.metrics.set_cluster_state(self.cluster.cluster_state)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -345,6 +361,8 @@ class Node:
                 os.unlink(self.unix_path)       # the next start binds a fresh one
             except OSError:
                 pass
+        if self.cluster is not None:
+            await self.cluster.stop()           # leave the pool first: peers stop sending here
         if self.server is not None:
             n = self.server.in_flight
             log.info("draining %d in-flight requests (up to %s s)", n, self.cfg.node.drain_timeout)

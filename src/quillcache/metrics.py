@@ -176,6 +176,9 @@ class RequestCounters:
             yield c
 
 
+CLUSTER_STATES = ("starting", "ok", "degraded", "stopped")
+
+
 class NodeMetrics:
     """Every metric of one node on its own registry (never the global one)."""
 
@@ -198,6 +201,9 @@ class NodeMetrics:
         self.build = Info("quillcache_node", "This node", registry=r)
         self.build.info({"node_id": node_id, "version": version})
         self.wal_backend.info({"backend": "none"})
+        self.cluster_state = Gauge("quillcache_cluster_state",
+                                   "1 for this node's cluster state (ok, degraded, starting, stopped)",
+                                   ["state"], registry=r)
         self._store = _StoreCollector()
         r.register(self._store)
         self._server = None
@@ -216,6 +222,10 @@ class NodeMetrics:
 
     def set_wal_backend(self, backend: str) -> None:
         self.wal_backend.info({"backend": backend})
+
+    def set_cluster_state(self, state: str) -> None:
+        for s in CLUSTER_STATES:
+            self.cluster_state.labels(s).set(1 if s == state else 0)
 
     def update_store(self, stats: dict) -> None:
         self._store.update(stats)

@@ -60,8 +60,8 @@ from quillcache.protocol.connection import DEFER, ProtocolConnection
 from quillcache.protocol.info import render_info
 from quillcache.server_shm import LOCATED_HANDLERS, LocatedMixin
 from quillcache.protocol.opcodes import (
-    FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode, PinMode,
-    ProtocolLimits,
+    CLUSTER_OPCODES, FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode,
+    PinMode, ProtocolLimits,
 )
 
 __all__ = ["NodeServer", "ServerProtocol", "KeyCache", "render_info", "WRITE_HIGH_BYTES", "LEASE_MARGIN_S",
@@ -213,6 +213,7 @@ class NodeServer:
         self.shm = bool(shm)             # MAP allowed on the Unix socket (for trusted principals)
         self.unix_path = ""              # the Unix socket's path, when the daemon listens on one
         self.arena_id = int.from_bytes(os.urandom(8), "little") or 1   # tells one arena from the next
+        self.cluster = None     # cluster.hook.ClusterHook when [cluster] enabled: misses, puts, 0x40-0x47
 
     def protocol_factory(self) -> "ServerProtocol":
         return ServerProtocol(self)
@@ -298,6 +299,8 @@ class NodeServer:
         sections = {"Server": server, "Store": store, "Tiers": tiers, "Guard": guard, "WAL": wal, "Auth": auth}
         if self.router is not None:
             sections["Router"] = self.router.info()
+        if self.cluster is not None:
+            sections["Cluster"] = self.cluster.info()
         return sections
 
 
@@ -326,6 +329,7 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
         self._fd = -1                             # the socket's fd, for sendfile (-1: not available)
         self._deferred_task: Optional[asyncio.Task] = None   # a PUT waiting for DRAM room (DEFER)
         self._located_init()                      # located leases and reserves (server_shm)
+        self.peer_node = False                    # HELLO with the cluster credential: another node
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -468,6 +472,25 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
         self.reply_error(rid, exc)
         self._done(rid, opcode, exc.status if isinstance(exc, QuillCacheError) else 1)
 
+    # the calls the cluster hook makes (it never reaches the private ones)
+    def finish(self, rid: int, opcode: int, body: bytes = b"", views=(), *, crc: bool = False, leases=()) -> None:
+        """Reply OK to an in-flight request; ``leases`` are held until the transport sent them."""
+        try:
+            self._ok(rid, opcode, body, views, crc=crc)
+        finally:
+            self._hold(leases)
+
+    def finish_error(self, rid: int, opcode: int, exc: BaseException) -> None:
+        if self.is_in_flight(rid):
+            self._err(rid, opcode, exc)
+
+    def spawn(self, coro) -> None:
+        self._spawn(coro)
+
+    def key_of(self, raw: bytes) -> KvBlockKey:
+        """The decoded key, checked against this connection's tenant (peers may name any)."""
+        return self._key(raw)
+
     def _spawn(self, coro) -> None:
         """Run ``coro`` now, up to its first real suspension; only then give it a task.
 
@@ -491,7 +514,7 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
     def _check_access(self) -> None:
         if self.node.draining:
             raise Busy("the node is shutting down")
-        if not self.node.auth.open_mode and not self.tenant:
+        if not self.node.auth.open_mode and not self.tenant and not self.peer_node:
             raise PermissionDenied("authenticate with HELLO first (this node has tenants)")
 
     def _key(self, raw: bytes) -> KvBlockKey:
@@ -502,7 +525,7 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
     def _own(self, tenant_id: str) -> None:
         # Decided on the key alone, before the store is consulted: the refusal cannot tell
         # whether the other tenant has the block.
-        if not self.node.auth.open_mode and tenant_id != self.tenant:
+        if not self.node.auth.open_mode and tenant_id != self.tenant and not self.peer_node:
             raise PermissionDenied("the key names another tenant than this connection's")
 
     # ------------------------------------------------------------------ PUT / PUT_MANY
@@ -587,6 +610,8 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
                 self._err(rid, opcode, exc)
             else:
                 self._ok(rid, opcode)
+                if self.node.cluster is not None and not self.peer_node:
+                    self.node.cluster.after_put([handles[0].key])
             return
         statuses = []
         for h in handles:
@@ -599,6 +624,8 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
                 log.exception("internal error in PUT_MANY item from %s", self.peer)
                 statuses.append(1)
         self._ok(rid, opcode, messages.encode_status_list(statuses, self.limits))
+        if self.node.cluster is not None and not self.peer_node:
+            self.node.cluster.after_put([h.key for h, st in zip(handles, statuses) if st == 0])
 
     def _put_empty(self, frame) -> None:
         """A PUT/PUT_MANY whose payload is empty arrives as a complete frame."""
@@ -621,7 +648,7 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
             return
         self._started[rid] = time.perf_counter()
         try:
-            handler = _HANDLERS[op]
+            handler = _HANDLERS.get(op, ServerProtocol._cluster_request)
             if op not in (Opcode.HELLO, Opcode.PING):
                 self._check_access()
             handler(self, frame)
@@ -642,6 +669,12 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
             return
         req = messages.decode_hello_request(frame.header, self.limits)
         version = messages.negotiate_version(req)
+        cluster = self.node.cluster
+        if cluster is not None and req.token and cluster.is_credential(req.token):
+            self.peer_node = True           # another node of the pool: tenants travel per request
+            self.tenant = None
+            self._ok(rid, Opcode.HELLO, messages.encode_hello_reply(version, "", self.limits, self.node.node_id))
+            return
         try:
             tenant = auth.authenticate(req.token)
         except PermissionDenied as exc:
@@ -667,6 +700,7 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
         """GET, the hot path: no per-request closure, task or dict entry; one writelines."""
         t0 = time.perf_counter()
         rid = frame.request_id
+        key = None
         try:
             node = self.node
             if node.draining or (not self.tenant and not node.auth.open_mode):
@@ -678,6 +712,9 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
         except Exception as exc:
             if self.is_in_flight(rid):
                 self._started[rid] = t0
+                if type(exc) is NotFound and key is not None and node.cluster is not None and not self.peer_node:
+                    self._spawn(node.cluster.serve_get(self, rid, key, frame.flags, exc))   # another node may hold it
+                    return
                 self._err(rid, _GET, exc)
             return
         if lease is None:                   # SSD-only: read off the loop, reply when it is in
@@ -793,7 +830,7 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
             _release(got)
             self._spawn(self._get_many_async(frame.request_id, keys, frame.flags))
             return
-        self._reply_get_many(frame.request_id, got, frame.flags)
+        self._reply_get_many(frame.request_id, got, frame.flags, keys)
 
     async def _get_many_async(self, rid: int, keys: list, flags: int) -> None:
         got = []
@@ -808,10 +845,18 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
             if self.is_in_flight(rid):
                 self._err(rid, Opcode.GET_MANY, exc)
             return
-        self._reply_get_many(rid, got, flags)
+        self._reply_get_many(rid, got, flags, keys)
 
-    def _reply_get_many(self, rid: int, got: list, flags: int) -> None:
+    def _reply_get_many(self, rid: int, got: list, flags: int, keys: list) -> None:
         """``got``: per key, its lease or the miss (NotFound, UnsafeReuse, Busy) to report."""
+        cluster = self.node.cluster
+        if cluster is not None and not self.peer_node and any(type(g) is NotFound for g in got):
+            # other nodes may hold the local misses: the hook owns the leases and replies
+            self._spawn(cluster.serve_get_many(
+                self, rid, keys, [None if isinstance(g, Exception) else g for g in got],
+                [(g.status, 0) if isinstance(g, Exception) else (0, g.size) for g in got], flags,
+                lambda it: messages.encode_get_many_reply(it, self.limits)))
+            return
         leases = [g for g in got if not isinstance(g, Exception)]
         try:
             if not self.is_in_flight(rid):
@@ -866,6 +911,14 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
         # a walk of the store's residency index from the cursor: no sort of the scope
         page, more = self.store.list_page(req.prefix, req.start_after, req.limit)
         self._ok(frame.request_id, Opcode.LIST, messages.encode_list_reply(page, more, self.limits))
+
+    def _cluster_request(self, frame) -> None:
+        if frame.opcode not in CLUSTER_OPCODES:
+            raise InvalidArgument(f"opcode {frame.opcode:#04x} has no handler")
+        if self.node.cluster is None:
+            raise InvalidArgument(f"{Opcode(frame.opcode).name}: this node is not in a cluster "
+                                  "([cluster] enabled = false)")
+        self.node.cluster.on_request(self, frame)
 
     def _stats(self, frame) -> None:
         req = messages.decode_stats_request(frame.header)

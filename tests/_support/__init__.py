@@ -8,6 +8,8 @@ Modules, one concern each (add yours beside them, e.g. ``etcd.py``, ``engines.py
 - ``data``: deterministic keys and payloads.
 - ``metrics``: scraping and summing the Prometheus endpoint.
 - ``gateway``: simulated engines and a gateway on free ports, in the test's loop.
+- ``etcd``: a real etcd on free loopback ports; ``cluster``: a pool of nodes on it;
+  ``netns``: network namespaces joined by veth pairs; ``devcluster``: ``make cluster``.
 
 Test files import from here, never from another test file.
 """

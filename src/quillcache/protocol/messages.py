@@ -37,7 +37,7 @@ __all__ = [
     "encode_hello_reply", "decode_hello_reply",
     "encode_put_request", "decode_put_request", "encode_get_request", "decode_get_request",
     "encode_put_many_request", "decode_put_many_request", "encode_status_list", "decode_status_list",
-    "encode_keys_request", "decode_keys_request",
+    "encode_keys_request", "decode_keys_request", "BodyReader",
     "encode_get_many_reply", "decode_get_many_reply",
     "encode_exists_reply", "decode_exists_reply", "encode_bitmap_reply", "decode_bitmap_reply",
     "encode_pin_request", "decode_pin_request", "encode_unpin_request", "decode_unpin_request",
@@ -144,6 +144,9 @@ class _Reader:
     def end(self) -> None:
         if self.pos != len(self.buf):
             raise InvalidArgument(f"{self.what}: {len(self.buf) - self.pos} trailing bytes in the body")
+
+
+BodyReader = _Reader     # the checked reader, for message modules outside this one (cluster.wire)
 
 
 def _key(out: bytearray, key: BytesLike, limits: ProtocolLimits, what: str) -> None:

@@ -23,7 +23,7 @@ __all__ = [
     "MAGIC", "PROTOCOL_VERSION", "MIN_PROTOCOL_VERSION", "FIXED_PREFIX_SIZE", "CRC_SIZE",
     "FRAME_OVERHEAD", "FLAG_REPLY", "FLAG_PAYLOAD_CRC", "FLAG_DURABLE", "KNOWN_FLAGS",
     "OP_ERROR", "MAX_REQUEST_ID", "REQUEST_OPCODES", "PAYLOAD_REQUEST_OPCODES",
-    "PAYLOAD_REPLY_OPCODES", "MiB", "KiB",
+    "PAYLOAD_REPLY_OPCODES", "CLUSTER_OPCODES", "MiB", "KiB",
 ]
 
 KiB = 1 << 10
@@ -56,6 +56,14 @@ class Opcode(enum.IntEnum):
     ABORT = 0x35        # reserve id, reply: empty
     ROUTE = 0x50        # tokens or block hashes + identity, reply: worker + per-block plan
     ROUTE_UPDATE = 0x51  # a routed request's first token or end (the router's load feedback)
+    # node-to-node (cluster/, docs/cluster.md); the caller HELLOs with the cluster credential
+    ANNOUNCE = 0x40     # holder -> home: these keys are held by (node, epoch)
+    WITHDRAW = 0x41     # holder -> home: these keys are no longer held by (node, epoch)
+    LOCATE = 0x42       # -> home: the holders of n keys
+    FETCH = 0x43        # -> holder: n keys for a tenant, reply: per-key status + size, payload = blocks
+    # operator ops (any client; keys are checked against the connection's tenant)
+    CLUSTER_LOCATE = 0x44   # n keys -> JSON: each key's home and holders
+    CLUSTER_VIEW = 0x45     # -> JSON: the members this node sees, their epochs and state
     ERROR = OP_ERROR    # reply only: status in the fixed header, message in the body
 
     INFO = 0x20         # alias of STATS
@@ -72,7 +80,8 @@ KNOWN_FLAGS = int(Flag.REPLY | Flag.PAYLOAD_CRC | Flag.DURABLE)
 
 REQUEST_OPCODES = frozenset(op for op in Opcode if op is not Opcode.ERROR)
 PAYLOAD_REQUEST_OPCODES = frozenset({Opcode.PUT, Opcode.PUT_MANY, Opcode.PING})
-PAYLOAD_REPLY_OPCODES = frozenset({Opcode.GET, Opcode.GET_MANY, Opcode.PING, Opcode.STATS})
+PAYLOAD_REPLY_OPCODES = frozenset({Opcode.GET, Opcode.GET_MANY, Opcode.PING, Opcode.STATS, Opcode.FETCH})
+CLUSTER_OPCODES = frozenset(op for op in Opcode if 0x40 <= op <= 0x47)   # handled by cluster.hook
 
 
 # The wire name of each error class; the numbers are the classes' own ``status`` (errors.py,

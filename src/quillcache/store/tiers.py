@@ -229,6 +229,8 @@ class LocalKvStore:
                           "dropped_dirty": 0, "removes": 0, "unsafe_served": 0,
                           "put_waits": 0, "put_wait_timeouts": 0}
         self.closed = False
+        self._on_added: Optional[Callable[[KvBlockKey, int], None]] = None    # residency listener
+        self._on_dropped: Optional[Callable[[KvBlockKey], None]] = None
         if guard_mode == "off":
             log.warning("IDENTITY GUARD OFF: blocks are reused by content hash across models, "
                         "tokenizers, adapters and TENANTS. This serves wrong KV and leaks data "
@@ -237,6 +239,17 @@ class LocalKvStore:
         self._adopt_ssd(ssd)
 
     # ------------------------------------------------------------------ index upkeep
+
+    def set_residency_listener(self, added: Optional[Callable[[KvBlockKey, int], None]],
+                               dropped: Optional[Callable[[KvBlockKey], None]]) -> None:
+        """Be told of every key that becomes resident (``added(key, size)``, at once for the
+        keys resident now) and every key that stops being (``dropped(key)``: removed or
+        evicted from every tier).  The cluster announces them to their homes.  None, None:
+        stop.  The callbacks run inside store calls: they must be quick and not raise."""
+        self._on_added, self._on_dropped = added, dropped
+        if added is not None:
+            for entry in list(self._entries.values()):
+                added(entry.key, entry.size)
 
     def _adopt_ssd(self, ssd) -> None:
         """At start: the blocks the SSD tier recovered (CRC-checked per its ``verify``) are
@@ -302,6 +315,8 @@ class LocalKvStore:
         self._record(entry)
         if self.on_residency is not None:
             self.on_residency(True, entry.key)
+        if self._on_added is not None:
+            self._on_added(entry.key, entry.size)
 
     def _drop_entry(self, key: KvBlockKey) -> Optional[_Entry]:
         entry = self._entries.pop(key, None)
@@ -313,6 +328,8 @@ class LocalKvStore:
         self._pinned.discard(key)
         self._dram_lru.remove(key)
         self._ssd_lru.remove(key)
+        if self._on_dropped is not None:
+            self._on_dropped(key)
         return entry
 
     def _check_key(self, key: object) -> None:
@@ -590,6 +607,8 @@ class LocalKvStore:
         if entry is None:
             entry = _Entry(key, handle.size, version, now)
             self._entries[key] = entry                 # recorded in the index below
+            if self._on_added is not None:
+                self._on_added(key, handle.size)
         else:
             stale_ssd = entry.ssd_version is not None and not ssd_written
             entry.size = handle.size

@@ -1,0 +1,718 @@
+"""``ClusterHook``: the one object through which the node server takes part in a pool.
+
+The server calls it in four places and nowhere else:
+
+* a HELLO whose token is the cluster credential marks the connection as a peer node;
+* a GET or GET_MANY that misses locally is handed to ``serve_get`` / ``serve_get_many``
+  (locate at the key's home, fetch from a holder, check, serve; a miss otherwise);
+* a client PUT that landed is handed to ``after_put`` (replicas, hashed placement);
+* opcodes 0x40-0x45 go to ``on_request``.
+
+The store tells it what it holds (``set_residency_listener``): every block that appears
+is announced to its home, every block that goes is withdrawn, in batches sent by one
+flusher task a few milliseconds later (the put path has no network hop).  A view change
+from ``Membership`` re-homes keys: homes drop the records of nodes that left or changed
+epoch, and holders re-announce the keys whose home moved, at ``reannounce_rate`` keys/s.
+
+Faults cost misses: every hop has a deadline (``hop_timeout``); a holder that is gone,
+stale or answers wrongly is skipped for the next one; none left is a miss.  The bytes a
+fetch returns are covered by the frame's CRC32C trailer, come from the holder's store
+after its identity guard, and must have the size the record says.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections import OrderedDict
+import logging
+import socket
+import time
+from typing import Any, Optional, Sequence
+
+from quillcache.cluster import wire
+from quillcache.cluster.hrw import Ring, key_hash
+from quillcache.cluster.membership import Member, Membership
+from quillcache.cluster.records import ArtRecordStore, Holder
+from quillcache.errors import (
+    Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse,
+)
+from quillcache.model import KvBlockKey, encode_key
+from quillcache.protocol.opcodes import FLAG_PAYLOAD_CRC, Opcode, ProtocolLimits
+from quillcache.transfer.base import Peer
+from quillcache.transfer.tcp import TcpTransport
+
+log = logging.getLogger("quillcache.cluster")
+
+__all__ = ["ClusterHook", "FLUSH_S", "MAX_HOLDER_TRIES"]
+
+FLUSH_S = 0.002             # seconds: how long announcements gather before they are sent
+RETRY_HOME_S = 0.2          # seconds before a home that failed is tried again
+MAX_HOLDER_TRIES = 3        # holders tried per key before a miss
+MAX_PUSHES = 8              # replica pushes in flight
+REANNOUNCE_CHUNK = 512      # keys per step of a re-announcement round
+DEATH_PROBES = 3            # refused connects, PROBE_GAP_S apart, that make a closed peer dead
+PROBE_GAP_S = 0.05          # seconds
+LOCATION_CACHE = 65536      # keys whose holders a node remembers from its last LOCATE (LRU)
+
+_PEER_OPS = frozenset({Opcode.ANNOUNCE, Opcode.WITHDRAW, Opcode.LOCATE, Opcode.FETCH})
+_MISS = (NotFound, UnsafeReuse, Busy)
+
+
+class ClusterHook:
+    def __init__(self, settings, *, store, node_id: str, address: str, limits: ProtocolLimits,
+                 version: str = "", open_mode: bool = True, transport=None) -> None:
+        self.settings = settings
+        self.store = store
+        self.node_id = node_id
+        self.address = address
+        self.limits = limits
+        self.version = version
+        self.open_mode = open_mode
+        self.credential = settings.credential.encode("utf-8")
+        self.hop_timeout = float(settings.hop_timeout)
+        self.replicas = int(settings.replicas)
+        self.placement = settings.placement
+        self.cache_remote = bool(settings.cache_remote)
+        self.reannounce_rate = int(settings.reannounce_rate)
+        self.transport = transport or TcpTransport(settings.credential, node_id=node_id, limits=limits,
+                                                   max_fetch_bytes=limits.max_payload_bytes)
+        self.records = ArtRecordStore()
+        self.view: dict[str, Member] = {}
+        self.state = "starting"
+        self.ring = Ring([node_id])
+        self.membership: Optional[Membership] = None
+        self.held: dict[bytes, tuple[KvBlockKey, int]] = {}      # what this node holds
+        self.announced: dict[bytes, tuple[str, int]] = {}        # key -> (home, home epoch) told
+        self._ann: dict[str, dict[bytes, int]] = {}              # home -> keys to announce
+        self._wd: dict[str, set[bytes]] = {}                     # home -> keys to withdraw
+        self._retry_at: dict[str, float] = {}
+        self._wake = asyncio.Event()
+        self._reannounce = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._bg: set[asyncio.Task] = set()
+        self._push_slots = asyncio.Semaphore(MAX_PUSHES)
+        self._epoch_announced: Optional[int] = None
+        self.detected: dict[str, float] = {}                     # node -> time.time() it left the view
+        self.counters = dict.fromkeys((
+            "remote_hits", "remote_misses", "locates_sent", "locate_failures", "fetches_sent",
+            "fetch_failures", "stale_hops", "announced", "withdrawn", "announce_failures",
+            "records_dropped", "replicas_pushed", "replica_failures", "cached_remote",
+            "reannounce_rounds", "reannounce_scanned", "reannounce_queued", "fetches_served",
+            "locates_served", "location_cache_hits", "peers_seen_dead"), 0)
+        self.reannounce_total = 0
+        self.reannounce_active = False
+        # Holders learnt from homes, reused without a LOCATE while they stay in the view
+        # with the same epoch; a holder that no longer has the block costs one FETCH,
+        # then the home is asked again.
+        self._loc: OrderedDict[bytes, list[Holder]] = OrderedDict()
+        self._sentinels: dict[str, tuple[int, asyncio.Task]] = {}   # node -> (epoch, its watch task)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch if self.membership is not None else 0
+
+    def _space(self) -> tuple[int, int]:
+        st = self.store.stats()["dram"]
+        return int(st["capacity"]), int(st["capacity"]) - int(st["used"])
+
+    async def start(self, *, membership: bool = True) -> None:
+        loop = asyncio.get_running_loop()
+        s = self.settings
+        if membership:
+            self.membership = Membership(
+                endpoints=s.etcd, cluster_id=s.cluster_id, node_id=self.node_id, address=self.address,
+                ttl=s.lease_ttl, version=self.version, space=self._space, loop=loop,
+                on_change=self._on_view)
+            self.membership.start()
+        self.store.set_residency_listener(self._added, self._dropped)
+        self._tasks = [loop.create_task(self._flusher(), name="qc-cluster-flush"),
+                       loop.create_task(self._reannouncer(), name="qc-cluster-reannounce")]
+        if self.membership is not None:
+            # Serve at once either way; wait (bounded) only so a node that can reach etcd
+            # starts with a view.
+            await loop.run_in_executor(None, self.membership.registered.wait, s.lease_ttl)
+
+    async def stop(self) -> None:
+        for _, t in self._sentinels.values():
+            t.cancel()
+        self._sentinels.clear()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.store.set_residency_listener(None, None)
+        if self.membership is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.membership.stop)
+        await self.transport.close()
+
+    def is_credential(self, token: bytes) -> bool:
+        return bool(self.credential) and hmac.compare_digest(bytes(token), self.credential)
+
+    # ------------------------------------------------------------------ the view
+
+    def _on_view(self, view: dict[str, Member], state: str) -> None:
+        now = time.time()
+        old = self.view
+        self.state = state
+        self.view = view
+        for node, m in old.items():
+            cur = view.get(node)
+            if cur is None or cur.epoch != m.epoch:
+                self.transport.forget(node)
+                if cur is None:
+                    self.detected[node] = now
+        for node in self.records.nodes():
+            live = view.get(node)
+            for epoch in self.records.epochs(node):
+                if live is None or live.epoch != epoch:
+                    self.counters["records_dropped"] += self.records.drop_epoch(node, epoch)
+        self._watch_peers()
+        ring = Ring(set(view) | {self.node_id})
+        changed = ring != self.ring or any(
+            old.get(n) is None or old[n].epoch != m.epoch for n, m in view.items())
+        self.ring = ring
+        if changed or self._epoch_announced != self.epoch:
+            self._reannounce.set()
+
+    # A process that dies (kill -9, a crash) has its sockets closed by the kernel: a
+    # connection held open to every peer sees EOF at once.  If the peer's port then refuses
+    # DEATH_PROBES connects in a row, nothing listens there any more: its lease is revoked,
+    # and every node drops it from its view in milliseconds instead of after the TTL.  A
+    # stopped or cut-off node keeps its sockets (no EOF): the lease TTL covers those.
+
+    def _watch_peers(self) -> None:
+        for node, (epoch, task) in list(self._sentinels.items()):
+            m = self.view.get(node)
+            if m is None or m.epoch != epoch:
+                task.cancel()
+                del self._sentinels[node]
+        if self.membership is None:
+            return
+        loop = asyncio.get_running_loop()
+        for node, m in self.view.items():
+            if node != self.node_id and node not in self._sentinels and m.lease:
+                self._sentinels[node] = (m.epoch, loop.create_task(self._sentinel(m), name=f"qc-sentinel-{node}"))
+
+    async def _sentinel(self, m: Member) -> None:
+        host, _, port = m.address.rpartition(":")
+        host = host.strip("[]")
+        try:
+            while True:
+                try:
+                    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)),
+                                                            self.hop_timeout)
+                except (OSError, asyncio.TimeoutError):
+                    await asyncio.sleep(self.hop_timeout)
+                    continue
+                try:
+                    while await reader.read(4096):
+                        pass                # nothing is sent on it; anything read is ignored
+                except OSError:
+                    pass
+                finally:
+                    writer.close()
+                refused = 0
+                for _ in range(DEATH_PROBES):
+                    await asyncio.sleep(PROBE_GAP_S)
+                    try:
+                        _, w = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.hop_timeout)
+                        w.close()
+                        break
+                    except ConnectionRefusedError:
+                        refused += 1
+                    except (OSError, asyncio.TimeoutError):
+                        break
+                if refused == DEATH_PROBES:
+                    log.warning("cluster: %s (epoch %x) closed its connections and refuses new ones: "
+                                "revoking its lease", m.node_id, m.epoch)
+                    loop = asyncio.get_running_loop()
+                    await loop.run_in_executor(None, self.membership.revoke_peer, m.lease)
+                    self.counters["peers_seen_dead"] += 1
+                    return
+        except asyncio.CancelledError:
+            raise
+
+    def peer(self, node_id: str) -> Optional[Peer]:
+        m = self.view.get(node_id)
+        return None if m is None else Peer(node_id, m.address, m.epoch)
+
+    def home_of(self, ekey: bytes) -> str:
+        return self.ring.home(key_hash(ekey))
+
+    # ------------------------------------------------------------------ what this node holds
+
+    def _added(self, key: KvBlockKey, size: int) -> None:
+        ekey = encode_key(key)
+        self.held[ekey] = (key, size)
+        self._announce(ekey, key, size)
+
+    def _announce(self, ekey: bytes, key: KvBlockKey, size: int) -> None:
+        home = self.home_of(ekey)
+        if home == self.node_id:
+            self.records.add(key, self.node_id, self.epoch, size)
+            self.announced[ekey] = (home, self.epoch)
+            return
+        m = self.view.get(home)
+        self.announced[ekey] = (home, m.epoch if m is not None else 0)
+        self._ann.setdefault(home, {})[ekey] = size
+        wd = self._wd.get(home)
+        if wd:
+            wd.discard(ekey)
+        self._wake.set()
+
+    def _dropped(self, key: KvBlockKey) -> None:
+        ekey = encode_key(key)
+        self.held.pop(ekey, None)
+        told = self.announced.pop(ekey, None)
+        if told is None:
+            return
+        home = told[0]
+        if home == self.node_id:
+            self.records.drop(key, self.node_id, self.epoch)
+            return
+        ann = self._ann.get(home)
+        if ann is not None and ekey in ann:
+            del ann[ekey]               # never sent: nothing to take back
+            return
+        self._wd.setdefault(home, set()).add(ekey)
+        self._wake.set()
+
+    async def _flusher(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(FLUSH_S)
+            now = time.monotonic()
+            sends = []
+            for home in set(self._ann) | set(self._wd):
+                if self._retry_at.get(home, 0.0) > now:
+                    continue
+                peer = self.peer(home)
+                ann = self._ann.pop(home, {})
+                wd = self._wd.pop(home, set())
+                if peer is None or self.ring.nodes and home not in self.ring.nodes:
+                    continue            # the home left: re-announcement re-homes these keys
+                if ann or wd:
+                    sends.append(self._send_records(peer, ann, wd))
+            if sends:
+                await asyncio.gather(*sends)
+            if self._ann or self._wd:
+                self._wake.set()
+                await asyncio.sleep(RETRY_HOME_S / 4)
+
+    async def _send_records(self, peer: Peer, ann: dict[bytes, int], wd: set[bytes]) -> None:
+        deadline = time.monotonic() + self.hop_timeout
+        batch = self.limits.max_batch
+        epoch = self.epoch
+        try:
+            items = list(ann.items())
+            for i in range(0, len(items), batch):
+                body = wire.encode_announce(self.node_id, epoch, items[i:i + batch], self.limits)
+                await self.transport.request(peer, Opcode.ANNOUNCE, body, deadline)
+                self.counters["announced"] += len(items[i:i + batch])
+            keys = list(wd)
+            for i in range(0, len(keys), batch):
+                body = wire.encode_withdraw(self.node_id, epoch, keys[i:i + batch], self.limits)
+                await self.transport.request(peer, Opcode.WITHDRAW, body, deadline)
+                self.counters["withdrawn"] += len(keys[i:i + batch])
+        except QuillCacheError as exc:
+            self.counters["announce_failures"] += 1
+            log.debug("records to %s failed (%s): retrying", peer.node_id, exc)
+            self._retry_at[peer.node_id] = time.monotonic() + RETRY_HOME_S
+            pending = self._ann.setdefault(peer.node_id, {})
+            for k, size in ann.items():
+                if k in self.held:
+                    pending.setdefault(k, size)
+            self._wd.setdefault(peer.node_id, set()).update(wd)
+
+    async def _reannouncer(self) -> None:
+        """After a view change: every held key whose home (or the home's epoch) is not the
+        one last told is announced again, ``reannounce_rate`` keys per second."""
+        while True:
+            await self._reannounce.wait()
+            self._reannounce.clear()
+            self.reannounce_active = True
+            self.counters["reannounce_rounds"] += 1
+            epoch = self.epoch
+            if self._epoch_announced != epoch:
+                self.announced.clear()          # a new epoch: every home forgot the old one
+                self._epoch_announced = epoch
+            keys = list(self.held)
+            self.reannounce_total = len(keys)
+            scanned = 0
+            t0 = time.monotonic()
+            for i in range(0, len(keys), REANNOUNCE_CHUNK):
+                if self._reannounce.is_set():
+                    break                       # the view changed again: start over
+                for ekey in keys[i:i + REANNOUNCE_CHUNK]:
+                    held = self.held.get(ekey)
+                    if held is None:
+                        continue
+                    home = self.home_of(ekey)
+                    m = self.view.get(home)
+                    target = (home, m.epoch if m is not None else 0)
+                    if home == self.node_id:
+                        target = (home, epoch)
+                    if self.announced.get(ekey) != target:
+                        self._announce(ekey, *held)
+                        self.counters["reannounce_queued"] += 1
+                scanned += len(keys[i:i + REANNOUNCE_CHUNK])
+                self.counters["reannounce_scanned"] += len(keys[i:i + REANNOUNCE_CHUNK])
+                ahead = scanned / self.reannounce_rate - (time.monotonic() - t0)
+                await asyncio.sleep(max(ahead, 0.0))
+            self.reannounce_active = False
+
+    # ------------------------------------------------------------------ a local miss
+
+    def _live(self, holders: list[Holder]) -> list[Holder]:
+        view = self.view
+        return [h for h in holders if h.node_id != self.node_id
+                and (m := view.get(h.node_id)) is not None and m.epoch == h.epoch]
+
+    async def _locate(self, ekeys: Sequence[bytes], keys: Sequence[KvBlockKey],
+                      use_cache: bool = False) -> list[list[Holder]]:
+        """Holders of each key, from its home (one LOCATE per home), live ones only."""
+        out: list[list[Holder]] = [[] for _ in ekeys]
+        todo = range(len(ekeys))
+        if use_cache:
+            loc = self._loc
+            todo = []
+            for i, ekey in enumerate(ekeys):
+                cached = loc.get(ekey)
+                live = self._live(cached) if cached else None
+                if live:
+                    loc.move_to_end(ekey)
+                    out[i] = live
+                    self.counters["location_cache_hits"] += 1
+                else:
+                    todo.append(i)
+            if not todo:
+                return out
+        homes = self.ring.homes([key_hash(ekeys[i]) for i in todo])
+        by_home: dict[str, list[int]] = {}
+        for i, home in zip(todo, homes):
+            by_home.setdefault(home, []).append(i)
+        deadline = time.monotonic() + self.hop_timeout
+
+        async def ask(home: str, idx: list[int]) -> None:
+            if home == self.node_id:
+                for i in idx:
+                    out[i] = self.records.holders(keys[i])
+                return
+            peer = self.peer(home)
+            if peer is None:
+                return
+            self.counters["locates_sent"] += 1
+            try:
+                body = await self.transport.request(peer, Opcode.LOCATE,
+                                                    wire.encode_locate([ekeys[i] for i in idx], self.limits),
+                                                    deadline)
+                per_key = wire.decode_locate_reply(body, self.limits)
+            except QuillCacheError:
+                self.counters["locate_failures"] += 1
+                return
+            if len(per_key) != len(idx):
+                self.counters["locate_failures"] += 1
+                return
+            for i, holders in zip(idx, per_key):
+                out[i] = holders
+
+        await _all(ask(h, idx) for h, idx in by_home.items())
+        loc = self._loc
+        for i in todo:
+            out[i] = live = self._live(out[i])
+            if live:
+                loc[ekeys[i]] = live
+                loc.move_to_end(ekeys[i])
+            else:
+                loc.pop(ekeys[i], None)
+        while len(loc) > LOCATION_CACHE:
+            loc.popitem(last=False)
+        return out
+
+    async def fetch_many(self, tenant: str, keys: Sequence[KvBlockKey]) -> list[Optional[memoryview]]:
+        """The bytes of each key from another node, or None (a miss)."""
+        ekeys = [encode_key(k) for k in keys]
+        result: list[Optional[memoryview]] = [None] * len(keys)
+        candidates = await self._locate(ekeys, keys, use_cache=True)
+        await self._fetch_rounds(tenant, ekeys, candidates, result)
+        stale = [i for i, b in enumerate(result) if b is None and candidates[i]]
+        if stale:                       # holders remembered or named by the home failed: ask again
+            for i in stale:
+                self._loc.pop(ekeys[i], None)
+            again = await self._locate([ekeys[i] for i in stale], [keys[i] for i in stale])
+            fresh: list[list[Holder]] = [[] for _ in keys]
+            for i, hs in zip(stale, again):
+                fresh[i] = [h for h in hs if h not in candidates[i][:MAX_HOLDER_TRIES]]
+            await self._fetch_rounds(tenant, ekeys, fresh, result)
+        hits = sum(b is not None for b in result)
+        self.counters["remote_hits"] += hits
+        self.counters["remote_misses"] += len(keys) - hits
+        if self.cache_remote and hits:
+            self._background(self._keep_copies([(k, b) for k, b in zip(keys, result) if b is not None]))
+        return result
+
+    async def _fetch_rounds(self, tenant: str, ekeys: Sequence[bytes], candidates: list[list[Holder]],
+                            result: list[Optional[memoryview]]) -> None:
+        for attempt in range(MAX_HOLDER_TRIES):
+            by_holder: dict[Holder, list[int]] = {}
+            for i, hs in enumerate(candidates):
+                if result[i] is None and attempt < len(hs):
+                    by_holder.setdefault(hs[attempt], []).append(i)
+            if not by_holder:
+                break
+            deadline = time.monotonic() + self.hop_timeout
+
+            async def ask(holder: Holder, idx: list[int], deadline: float = deadline) -> None:
+                peer = Peer(holder.node_id, self.view[holder.node_id].address, holder.epoch) \
+                    if holder.node_id in self.view else None
+                if peer is None:
+                    return
+                self.counters["fetches_sent"] += 1
+                try:
+                    res = await self.transport.fetch(peer, tenant, [ekeys[i] for i in idx], deadline)
+                except QuillCacheError:
+                    self.counters["fetch_failures"] += 1
+                    return
+                if res.epoch != holder.epoch:
+                    self.counters["stale_hops"] += len(idx)     # it restarted: not the copy recorded
+                    return
+                for i, block in zip(idx, res.blocks):
+                    if block is None:
+                        self.counters["stale_hops"] += 1
+                    elif block.nbytes != holder.size:
+                        self.counters["fetch_failures"] += 1    # not the block recorded: skip it
+                    else:
+                        result[i] = block
+
+            await _all(ask(h, idx) for h, idx in by_holder.items())
+
+    async def _keep_copies(self, items) -> None:
+        for key, block in items:
+            if self.store.exists(key):
+                continue
+            try:
+                await self.store.put(key, block)
+                self.counters["cached_remote"] += 1
+            except QuillCacheError:
+                pass                    # no room: it stays remote
+
+    def _background(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    async def serve_get(self, conn, rid: int, key: KvBlockKey, flags: int, miss: QuillCacheError) -> None:
+        try:
+            tenant = conn.tenant or ""
+            block = (await self.fetch_many(tenant, [key]))[0]
+        except Exception:               # never a hang or a wrong byte: a miss
+            log.exception("cross-node fetch failed")
+            block = None
+        if block is None:
+            conn.finish_error(rid, Opcode.GET, miss)
+        else:
+            conn.finish(rid, Opcode.GET, b"", [block], crc=bool(flags & FLAG_PAYLOAD_CRC))
+
+    async def serve_get_many(self, conn, rid: int, keys: Sequence[KvBlockKey], leases: list, items: list,
+                             flags: int, encode_reply) -> None:
+        """GET_MANY with local misses: ``leases[i]``/``items[i]`` are the local results
+        (lease or None, (status, size)); the NotFound ones are fetched."""
+        try:
+            missing = [i for i, (status, _) in enumerate(items) if status == NotFound.status]
+            blocks = await self.fetch_many(conn.tenant or "", [keys[i] for i in missing])
+            views: list[Any] = [lease.view if lease is not None else None for lease in leases]
+            for i, block in zip(missing, blocks):
+                if block is not None:
+                    items[i] = (0, block.nbytes)
+                    views[i] = block
+            body = encode_reply(items)
+            conn.finish(rid, Opcode.GET_MANY, body, [v for v in views if v is not None],
+                        crc=bool(flags & FLAG_PAYLOAD_CRC), leases=[x for x in leases if x is not None])
+        except Exception as exc:
+            for lease in leases:
+                if lease is not None:
+                    lease.release()
+            conn.finish_error(rid, Opcode.GET_MANY, exc)
+
+    # ------------------------------------------------------------------ after a client put
+
+    def after_put(self, keys: Sequence[KvBlockKey]) -> None:
+        if self.replicas <= 1 and self.placement == "local":
+            return
+        for key in keys:
+            order = [n for n in self.ring.order(key_hash(encode_key(key))) if n != self.node_id]
+            if self.placement == "hashed":
+                first = self.ring.order(key_hash(encode_key(key)), self.replicas)
+                targets = [n for n in first if n != self.node_id]
+            else:
+                targets = order[:self.replicas - 1]
+            for node in targets:
+                peer = self.peer(node)
+                if peer is not None:
+                    self._background(self._push(peer, key))
+
+    async def _push(self, peer: Peer, key: KvBlockKey) -> None:
+        async with self._push_slots:
+            try:
+                lease = await self._lease(key)
+            except QuillCacheError:
+                return                  # gone already
+            try:
+                await self.transport.push(peer, key, lease.view, time.monotonic() + self.hop_timeout)
+                self.counters["replicas_pushed"] += 1
+            except QuillCacheError as exc:
+                self.counters["replica_failures"] += 1
+                log.debug("replica of a block to %s failed: %s", peer.node_id, exc)
+            finally:
+                lease.release()
+
+    # ------------------------------------------------------------------ requests from peers
+
+    def on_request(self, conn, frame) -> None:
+        op = frame.opcode
+        if op in _PEER_OPS and not conn.peer_node:
+            raise PermissionDenied(f"{Opcode(op).name} is for nodes of the pool (HELLO with the cluster credential)")
+        rid = frame.request_id
+        if op == Opcode.ANNOUNCE:
+            node, epoch, items = wire.decode_announce(frame.header, self.limits)
+            for ekey, size in items:
+                self.records.add(conn.key_of(ekey), node, epoch, size)
+            conn.finish(rid, op)
+        elif op == Opcode.WITHDRAW:
+            node, epoch, keys = wire.decode_withdraw(frame.header, self.limits)
+            for ekey in keys:
+                self.records.drop(conn.key_of(ekey), node, epoch)
+            conn.finish(rid, op)
+        elif op == Opcode.LOCATE:
+            self.counters["locates_served"] += 1
+            view, me, epoch = self.view, self.node_id, self.epoch
+            holders = self.records.holders_encoded
+            per_key = [[h for h in holders(k)
+                        if (h.node_id == me and h.epoch == epoch)
+                        or ((m := view.get(h.node_id)) is not None and m.epoch == h.epoch)]
+                       for k in wire.decode_locate(frame.header, self.limits)]
+            conn.finish(rid, op, wire.encode_locate_reply(per_key, self.limits))
+        elif op == Opcode.FETCH:
+            conn.spawn(self._serve_fetch(conn, frame))
+        elif op == Opcode.CLUSTER_VIEW:
+            conn.finish(rid, op, wire.encode_json(self.describe()))
+        elif op == Opcode.CLUSTER_LOCATE:
+            keys = [conn.key_of(k) for k in wire.decode_locate(frame.header, self.limits, "CLUSTER_LOCATE")]
+            conn.spawn(self._cluster_locate(conn, rid, keys))
+        else:
+            raise InvalidArgument(f"opcode {op:#04x} is not a cluster request")
+
+    async def _lease(self, key: KvBlockKey):
+        lease = self.store.get_nowait(key)
+        return lease if lease is not None else await self.store.get_async(key)   # SSD: off the loop
+
+    async def _serve_fetch(self, conn, frame) -> None:
+        try:
+            tenant, ekeys = wire.decode_fetch(frame.header, self.limits)
+        except QuillCacheError as exc:
+            conn.finish_error(frame.request_id, Opcode.FETCH, exc)
+            return
+        leases, items = [], []
+        try:
+            for ekey in ekeys:
+                key = conn.key_of(ekey)
+                # The requesting tenant is checked here as the identity guard would be on a
+                # local GET: another tenant's key is a miss, the same as an absent one.
+                if not self.open_mode and key.tenant_id != tenant:
+                    items.append((NotFound.status, 0))
+                    continue
+                try:
+                    lease = await self._lease(key)
+                except _MISS as exc:
+                    items.append((exc.status, 0))
+                    continue
+                leases.append(lease)
+                items.append((0, lease.size))
+            self.counters["fetches_served"] += 1
+            body = wire.encode_fetch_reply(self.epoch, items, self.limits)
+        except BaseException as exc:
+            for lease in leases:
+                lease.release()
+            if isinstance(exc, Exception):
+                conn.finish_error(frame.request_id, Opcode.FETCH, exc)
+                return
+            raise
+        if not conn.is_in_flight(frame.request_id):
+            for lease in leases:
+                lease.release()
+            return
+        conn.finish(frame.request_id, Opcode.FETCH, body, [lease.view for lease in leases], crc=True, leases=leases)
+
+    async def _cluster_locate(self, conn, rid: int, keys: list[KvBlockKey]) -> None:
+        try:
+            ekeys = [encode_key(k) for k in keys]
+            found = await self._locate(ekeys, keys)
+            out = []
+            for key, ekey, holders in zip(keys, ekeys, found):
+                kh = key_hash(ekey)
+                names = [h.node_id for h in holders]
+                if self.store.exists(key):
+                    names.insert(0, self.node_id)
+                out.append({"key": ekey.hex(), "home": self.ring.home(kh),
+                            "order": self.ring.order(kh), "holders": names})
+            conn.finish(rid, Opcode.CLUSTER_LOCATE, wire.encode_json(out))
+        except Exception as exc:
+            conn.finish_error(rid, Opcode.CLUSTER_LOCATE, exc)
+
+    # ------------------------------------------------------------------ operator view
+
+    def describe(self) -> dict:
+        members = []
+        for node_id in sorted(set(self.view) | {self.node_id}):
+            m = self.view.get(node_id)
+            members.append({
+                "node_id": node_id, "address": m.address if m else self.address,
+                "epoch": f"{m.epoch:x}" if m else f"{self.epoch:x}",
+                "capacity": m.capacity if m else 0, "free": m.free if m else 0,
+                "version": m.version if m else self.version,
+                "state": "up" if m else ("self (not in view)" if node_id == self.node_id else "gone"),
+                "self": node_id == self.node_id})
+        return {"node_id": self.node_id, "state": self.cluster_state, "epoch": f"{self.epoch:x}",
+                "members": members, "info": self.info()}
+
+    @property
+    def cluster_state(self) -> str:
+        if self.membership is None:
+            return "static"
+        return self.membership.state
+
+    def info(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "cluster_state": self.cluster_state, "cluster_node_id": self.node_id,
+            "cluster_epoch": f"{self.epoch:x}", "cluster_members": len(self.view),
+            "cluster_replicas": self.replicas, "cluster_placement": self.placement,
+            "cluster_records": len(self.records), "cluster_held": len(self.held),
+            "reannounce_active": self.reannounce_active, "reannounce_total": self.reannounce_total,
+        }
+        for k, v in self.counters.items():
+            out[k] = v
+        if self.membership is not None:
+            for k, v in self.membership.stats().items():
+                out[f"membership_{k}"] = v
+        for k, v in self.transport.stats().items():
+            out[f"transport_{k}"] = v
+        return out
+
+
+async def _all(coros) -> None:
+    """Run the coroutines concurrently; one alone runs in this task (no Task, no loop turn)."""
+    coros = list(coros)
+    if len(coros) == 1:
+        await coros[0]
+    elif coros:
+        await asyncio.gather(*coros)
+
+
+def default_node_id(cluster_node_id: str, node_id: str) -> str:
+    return cluster_node_id or node_id or socket.gethostname()

@@ -1,0 +1,324 @@
+"""A pool of real quillcached processes on one real etcd (loopback): cross-node reads,
+node death (kill -9, SIGSTOP past the lease), etcd restarting under load, replicas,
+a node joining, and tenancy across nodes.  Faults must cost misses, never wrong bytes.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from quillcache import Client
+from quillcache.cluster import wire
+from quillcache.config import hash_token
+from quillcache.errors import NotFound, PermissionDenied, QuillCacheError
+from quillcache.model import KvBlockKey, encode_key
+from quillcache.protocol.opcodes import Opcode
+from tests._support.cluster import CREDENTIAL, Pool, cluster_view
+from tests._support.etcd import EtcdServer, etcd_binary
+
+pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (Debian etcd-server)")
+
+TTL_S = 2.0
+
+
+def key(i: int, tenant: str = "t0") -> KvBlockKey:
+    return KvBlockKey("m", "tok", None, tenant, f"p{i // 8}", f"b{i}")
+
+
+def content(i: int, size: int) -> bytes:
+    # every block differs from every other in its first bytes: a wrong block is never equal
+    head = f"block-{i}-".encode()
+    return (head + bytes((i * 7 + j) & 0xFF for j in range(251)) * (size // 251 + 1))[:size]
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    with EtcdServer(tmp_path / "etcd") as server:
+        yield server
+
+
+def get_retry(c: Client, k: KvBlockKey, timeout: float = 3.0) -> bytes:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return c.get(k)
+        except NotFound:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def member_ids(addr: str) -> set[str]:
+    return {m["node_id"] for m in cluster_view(addr)["members"] if m["state"] == "up"}
+
+
+class Load:
+    """Readers (and a writer) in threads: every byte read is compared; counts hits, misses,
+    errors and wrong blocks."""
+
+    def __init__(self, addrs: list[str], keys: dict[int, int], writer_addr: str | None = None,
+                 write_base: int = 10_000) -> None:
+        self.addrs, self.keys = addrs, keys
+        self.stop = threading.Event()
+        self.hits = self.misses = self.errors = self.wrong = 0
+        self.writes = 0
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._read, args=(a,), daemon=True) for a in addrs]
+        if writer_addr:
+            self.threads.append(threading.Thread(target=self._write, args=(writer_addr, write_base), daemon=True))
+
+    def _read(self, addr: str) -> None:
+        c = None
+        i = 0
+        ids = sorted(self.keys)
+        while not self.stop.is_set():
+            k = ids[i % len(ids)]
+            i += 1
+            try:
+                if c is None:
+                    c = Client(addr, timeout=3.0)
+                data = c.get(key(k))
+                with self.lock:
+                    if data == content(k, self.keys[k]):
+                        self.hits += 1
+                    else:
+                        self.wrong += 1
+            except NotFound:
+                with self.lock:
+                    self.misses += 1
+            except QuillCacheError:
+                with self.lock:
+                    self.errors += 1
+                if c is not None:
+                    c.close()
+                c = None
+                time.sleep(0.01)
+        if c is not None:
+            c.close()
+
+    def _write(self, addr: str, base: int) -> None:
+        try:
+            with Client(addr, timeout=3.0) as c:
+                n = 0
+                while not self.stop.is_set():
+                    i = base + n % 50
+                    c.put(key(i), content(i, 64 << 10))
+                    n += 1
+                    self.writes += 1
+                    time.sleep(0.002)
+        except QuillCacheError:
+            pass                    # its node was killed
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+
+    def snapshot(self) -> tuple[int, int, int, int]:
+        with self.lock:
+            return self.hits, self.misses, self.errors, self.wrong
+
+
+def test_block_put_on_a_is_read_byte_for_byte_from_b_and_c(tmp_path, etcd):
+    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s") as pool:
+        pool.wait_members(3)
+        sizes = {0: 4 << 20, 1: 256 << 10, 2: 1, 3: 64 << 10}
+        with Client(pool["a"].addr) as a:
+            for i, size in sizes.items():
+                a.put(key(i), content(i, size))
+        for letter in "bc":
+            with Client(pool[letter].addr) as c:
+                for i, size in sizes.items():
+                    assert get_retry(c, key(i)) == content(i, size)
+                got = c.get_many([key(i) for i in sizes] + [key(99)])
+                assert got[:4] == [content(i, size) for i, size in sizes.items()] and got[4] is None
+                with pytest.raises(NotFound):
+                    c.get(key(98))
+        info = pool.info("b")["Cluster"]
+        assert info["remote_hits"] >= 4 and info["cluster_state"] == "ok" and info["cluster_members"] == 3
+
+
+def test_kill9_under_load_serves_misses_or_correct_bytes_and_is_seen_within_ttl(tmp_path, etcd):
+    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s") as pool:
+        pool.wait_members(3)
+        keys = {i: (256 << 10) if i % 2 else (32 << 10) for i in range(40)}
+        with Client(pool["a"].addr) as a:
+            for i, size in keys.items():
+                a.put(key(i), content(i, size))
+        with Client(pool["b"].addr) as b:
+            for i in keys:
+                get_retry(b, key(i))
+        with Load([pool["b"].addr, pool["c"].addr], keys, writer_addr=pool["a"].addr) as load:
+            time.sleep(0.5)
+            before = load.snapshot()
+            pool["a"].send(signal.SIGKILL)
+            t_kill = time.monotonic()
+            seen = {}
+            while len(seen) < 2 and time.monotonic() - t_kill < TTL_S + 3:
+                for letter in "bc":
+                    if letter not in seen and "node-a" not in member_ids(pool[letter].addr):
+                        seen[letter] = time.monotonic() - t_kill
+                time.sleep(0.02)
+            time.sleep(0.5)
+            after = load.snapshot()
+        print(f"kill -9: death seen by b in {seen.get('b')} s, by c in {seen.get('c')} s; "
+              f"reads before {before}, after (hits, misses, errors, wrong) {after}")
+        assert after[3] == 0, "a wrong block was served"
+        assert before[0] > 0 and after[1] > before[1], "reads hit before and missed after the kill"
+        assert set(seen) == {"b", "c"} and max(seen.values()) <= TTL_S + 1.0, seen
+
+
+def test_sigstop_past_the_ttl_comes_back_with_a_new_epoch_and_serves_nothing_wrong(tmp_path, etcd):
+    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s") as pool:
+        pool.wait_members(3)
+        keys = dict.fromkeys(range(24), 128 << 10)
+        with Client(pool["a"].addr) as a:
+            for i, size in keys.items():
+                a.put(key(i), content(i, size))
+        old_epoch = next(m["epoch"] for m in cluster_view(pool["b"].addr)["members"] if m["node_id"] == "node-a")
+        with Load([pool["b"].addr, pool["c"].addr], keys) as load:
+            pool["a"].send(signal.SIGSTOP)
+            time.sleep(TTL_S + 1.5)
+            assert "node-a" not in member_ids(pool["b"].addr)
+            pool["a"].send(signal.SIGCONT)
+            deadline = time.monotonic() + 10
+            new_epoch = None
+            while time.monotonic() < deadline:
+                view = {m["node_id"]: m for m in cluster_view(pool["b"].addr)["members"]}
+                if view.get("node-a", {}).get("state") == "up":
+                    new_epoch = view["node-a"]["epoch"]
+                    break
+                time.sleep(0.05)
+            assert new_epoch is not None and new_epoch != old_epoch
+            assert cluster_view(pool["a"].addr)["epoch"] == new_epoch
+            with Client(pool["c"].addr) as c:          # re-announced under the new epoch
+                for i in keys:
+                    assert get_retry(c, key(i), 5.0) == content(i, keys[i])
+        hits, misses, errors, wrong = load.snapshot()
+        print(f"SIGSTOP {TTL_S + 1.5}s: epoch {old_epoch} -> {new_epoch}; reads (hits, misses, errors, wrong) "
+              f"{(hits, misses, errors, wrong)}")
+        assert wrong == 0 and hits > 0
+        assert pool.info("a")["Cluster"]["membership_epochs_started"] == 2
+
+
+def test_etcd_restart_under_load_keeps_the_data_path_working(tmp_path, etcd):
+    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s") as pool:
+        pool.wait_members(3)
+        keys = dict.fromkeys(range(30), 64 << 10)
+        with Client(pool["a"].addr) as a:
+            for i, size in keys.items():
+                a.put(key(i), content(i, size))
+        with Client(pool["c"].addr) as c:
+            for i in keys:
+                get_retry(c, key(i))
+        with Load([pool["b"].addr, pool["c"].addr], keys, writer_addr=pool["a"].addr) as load:
+            time.sleep(0.3)
+            before = load.snapshot()
+            etcd.stop(signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while pool.info("b")["Cluster"]["cluster_state"] != "degraded" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pool.info("b")["Cluster"]["cluster_state"] == "degraded"
+            during0 = load.snapshot()
+            time.sleep(1.0)
+            during1 = load.snapshot()
+            etcd.start()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(
+                    pool.info(x)["Cluster"]["cluster_state"] != "ok" for x in "abc"):
+                time.sleep(0.05)
+            assert all(pool.info(x)["Cluster"]["cluster_state"] == "ok" for x in "abc")
+            time.sleep(0.3)
+            after = load.snapshot()
+        print(f"etcd down: reads (hits, misses, errors, wrong) before {before}, while down "
+              f"{during0} -> {during1}, after {after}")
+        assert after[3] == 0 and after[2] == before[2]          # no wrong bytes, no errors
+        assert during1[0] - during0[0] > 50                     # reads kept hitting while etcd was down
+        assert during1[1] == during0[1]                         # and nothing was lost to a miss
+        pool.wait_members(3)
+
+
+def test_replicas_2_survive_a_kill_of_the_first_holder(tmp_path, etcd):
+    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s", replicas=2) as pool:
+        pool.wait_members(3)
+        keys = dict.fromkeys(range(24), 64 << 10)
+        with Client(pool["a"].addr) as a:
+            for i, size in keys.items():
+                a.put(key(i), content(i, size))
+        deadline = time.monotonic() + 5
+        while pool.info("a")["Cluster"]["replicas_pushed"] < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.info("a")["Cluster"]["replicas_pushed"] == len(keys)
+        pool["a"].send(signal.SIGKILL)
+        deadline = time.monotonic() + TTL_S + 3
+        while time.monotonic() < deadline and any("node-a" in member_ids(pool[x].addr) for x in "bc"):
+            time.sleep(0.05)
+        for letter in "bc":
+            with Client(pool[letter].addr) as c:
+                for i in keys:
+                    assert get_retry(c, key(i), 3.0) == content(i, keys[i])
+
+
+def test_a_fourth_node_finds_blocks_after_reannouncement_with_progress_in_info(tmp_path, etcd):
+    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s") as pool:
+        pool.wait_members(3)
+        keys = dict.fromkeys(range(300), 4 << 10)
+        for n, letter in enumerate("abc"):
+            with Client(pool[letter].addr) as c:
+                c.put_many([(key(i), content(i, keys[i])) for i in keys if i % 3 == n])
+        before = {x: pool.info(x)["Cluster"]["reannounce_rounds"] for x in "abc"}
+        pool.add("d")
+        pool.wait_members(4)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            infos = {x: pool.info(x)["Cluster"] for x in "abc"}
+            if all(i["reannounce_rounds"] > before[x] and not i["reannounce_active"] for x, i in infos.items()):
+                break
+            time.sleep(0.05)
+        queued = sum(i["reannounce_queued"] for i in infos.values())
+        assert 0 < queued < len(keys)               # only the keys whose home moved (to node-d)
+        assert all(i["reannounce_total"] == len(keys) // 3 for i in infos.values())
+        with Client(pool["d"].addr) as d:
+            got = d.get_many([key(i) for i in keys])
+        assert got == [content(i, keys[i]) for i in keys]
+        assert pool.info("d")["Cluster"]["cluster_records"] > 0      # it is home for some keys now
+
+
+def test_tenancy_across_nodes_a_probe_of_another_tenant_looks_like_a_miss(tmp_path, etcd):
+    tenants = (f'[[auth.tenants]]\nname = "t1"\ntoken = "{hash_token("tok-one")}"\n'
+               f'[[auth.tenants]]\nname = "t2"\ntoken = "{hash_token("tok-two")}"\n')
+    with Pool(tmp_path, etcd.endpoint, 2, lease_ttl=f"{TTL_S}s") as pool:
+        for d in pool.nodes.values():
+            d.config.write_text(d.config.read_text() + tenants)
+            d.stop()
+            d.start()
+        pool.wait_members(2)
+        with Client(pool["a"].addr, token="tok-one") as a:
+            a.put(key(1, "t1"), content(1, 4096))
+        with Client(pool["b"].addr, token="tok-one") as b1:
+            assert get_retry(b1, key(1, "t1")) == content(1, 4096)
+        with Client(pool["b"].addr, token="tok-two") as b2:
+            with pytest.raises(PermissionDenied) as remote_probe:
+                b2.get(key(1, "t1"))
+            with pytest.raises(PermissionDenied) as absent_probe:
+                b2.get(key(2, "t1"))
+            assert str(remote_probe.value) == str(absent_probe.value)
+            with pytest.raises(PermissionDenied):           # a client is not a node
+                b2.call(Opcode.FETCH, wire.encode_fetch("t1", [encode_key(key(1, "t1"))], b2.limits))
+        # a node asking for the block on behalf of t2 is told exactly what an absent key gets
+        with Client(pool["a"].addr, token=CREDENTIAL) as peer:
+            def fetch(tenant, k):
+                r = peer.call(Opcode.FETCH, wire.encode_fetch(tenant, [encode_key(k)], peer.limits))
+                return wire.decode_fetch_reply(r.header, peer.limits, len(r.payload or b""))[1]
+            assert fetch("t2", key(1, "t1")) == fetch("t2", key(2, "t1")) == [(NotFound.status, 0)]
+            assert fetch("t1", key(1, "t1")) == [(0, 4096)]
+        with pytest.raises(PermissionDenied):
+            Client(pool["a"].addr, token="not-the-credential").close()

@@ -1,0 +1,46 @@
+"""The home's residency records on the ART index, against a dict of sets."""
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quillcache.cluster.records import ArtRecordStore, Holder
+from quillcache.model import KvBlockKey, encode_key
+
+
+def k(i: int) -> KvBlockKey:
+    return KvBlockKey("m", "t", None, "ten", f"p{i % 3}", f"b{i}")
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "drop", "drop_epoch"]), st.integers(0, 12),
+                         st.sampled_from(["n1", "n2", "n3"]), st.integers(1, 3)), max_size=80)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops)
+def test_records_match_a_dict_oracle(ops):
+    store, oracle = ArtRecordStore(), {}
+    for op, i, node, epoch in ops:
+        if op == "add":
+            store.add(k(i), node, epoch, 100 + i)
+            oracle.setdefault(i, {})[(node, epoch)] = 100 + i
+        elif op == "drop":
+            store.drop(k(i), node, epoch)
+            oracle.get(i, {}).pop((node, epoch), None)
+        else:
+            store.drop_epoch(node, epoch)
+            for holders in oracle.values():
+                holders.pop((node, epoch), None)
+    for i in range(13):
+        want = sorted(Holder(n, e, s) for (n, e), s in oracle.get(i, {}).items())
+        assert sorted(store.holders(k(i))) == want
+        assert sorted(store.holders_encoded(encode_key(k(i)))) == want
+    assert len(store) == sum(len(h) for h in oracle.values())
+
+
+def test_drop_epoch_leaves_the_new_epoch_of_the_same_node():
+    store = ArtRecordStore()
+    store.add(k(1), "a", 7, 10)
+    store.add(k(1), "a", 8, 10)
+    store.add(k(2), "b", 1, 10)
+    assert store.drop_epoch("a", 7) == 1
+    assert store.holders(k(1)) == [Holder("a", 8, 10)]
+    assert store.epochs("a") == {8}

@@ -1,0 +1,70 @@
+"""The node-to-node messages: round trips, and bad bodies refused before allocating."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quillcache.cluster import wire
+from quillcache.cluster.records import Holder
+from quillcache.errors import InvalidArgument
+from quillcache.protocol import messages
+from quillcache.protocol.opcodes import ProtocolLimits
+
+L = ProtocolLimits(max_batch=16)
+
+
+def test_round_trips():
+    items = [(b"k1", 5), (b"key-two", 1 << 33)]
+    assert wire.decode_announce(wire.encode_announce("node-a", 2**63 - 1, items, L), L) == ("node-a", 2**63 - 1, items)
+    assert wire.decode_withdraw(wire.encode_withdraw("n", 3, [b"a", b"b"], L), L) == ("n", 3, [b"a", b"b"])
+    per = [[Holder("a", 1, 10), Holder("b", 2, 10)], []]
+    assert wire.decode_locate_reply(wire.encode_locate_reply(per, L), L) == per
+    assert wire.decode_fetch(wire.encode_fetch("tenant", [b"x"], L), L) == ("tenant", [b"x"])
+    body = wire.encode_fetch_reply(9, [(0, 4), (3, 0), (0, 6)], L)
+    assert wire.decode_fetch_reply(body, L, 10) == (9, [(0, 4), (3, 0), (0, 6)])
+    assert wire.decode_json(wire.encode_json({"a": [1]})) == {"a": [1]}
+
+
+def test_fetch_reply_whose_sizes_do_not_add_up_to_the_payload_is_refused():
+    body = wire.encode_fetch_reply(1, [(0, 4)], L)
+    with pytest.raises(InvalidArgument, match="add up"):
+        wire.decode_fetch_reply(body, L, 5)
+
+
+@pytest.mark.parametrize("body", [
+    b"", b"\x05ab", wire.encode_withdraw("n", 1, [b"a"], L)[:-1],
+    wire.encode_withdraw("n", 1, [b"a"], L) + b"x",
+    b"\x01n" + (1).to_bytes(8, "little") + (10**6).to_bytes(4, "little"),   # count beyond the body
+])
+def test_truncated_long_or_huge_count_bodies_are_refused(body):
+    with pytest.raises(InvalidArgument):
+        wire.decode_withdraw(body, L)
+
+
+def test_batch_over_the_limit_is_refused_both_ways():
+    with pytest.raises(InvalidArgument, match="batch"):
+        wire.encode_announce("n", 1, [(b"k", 1)] * 17, L)
+    big = wire.encode_announce("n", 1, [(b"k", 1)] * 17, ProtocolLimits(max_batch=64))
+    with pytest.raises(InvalidArgument, match="batch"):
+        wire.decode_announce(big, L)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=5), max_size=6), st.integers(0, 20), st.integers(-3, 3), st.binary(max_size=3))
+def test_the_key_list_decoder_accepts_and_refuses_exactly_what_the_protocol_decoder_does(keys, count, cut, extra):
+    body = (count if count < 17 else len(keys)).to_bytes(4, "little") + b"".join(
+        len(k).to_bytes(2, "little") + k for k in keys)
+    body = body[:len(body) + cut] if cut < 0 else body + extra[:cut]
+    try:
+        want = messages.decode_keys_request(body, L, "x")
+    except InvalidArgument:
+        want = None
+    try:
+        got = wire.decode_locate(body, L)
+    except InvalidArgument:
+        got = None
+    assert got == want
+
+
+def test_the_key_list_decoder_matches_on_valid_lists():
+    keys = [b"a", b"bb" * 40, bytes(range(256)) * 2]
+    assert wire.decode_locate(messages.encode_keys_request(keys, L), L) == keys

@@ -1,0 +1,35 @@
+"""LocalKvStore.set_residency_listener: every key that becomes resident and every key that
+stops being (remove, eviction) is reported, the resident ones at once when set."""
+import asyncio
+
+from quillcache.model import KvBlockKey
+from quillcache.store.tiers import LocalKvStore
+
+
+def k(i: int) -> KvBlockKey:
+    return KvBlockKey("m", "t", None, "ten", "p", f"b{i}")
+
+
+def test_listener_sees_puts_removes_and_evictions():
+    async def run():
+        store = LocalKvStore(1 << 20, max_block_bytes=256 << 10)
+        await store.put(k(0), b"x" * 1000)
+        added, dropped = [], []
+        store.set_residency_listener(lambda key, size: added.append((key, size)), dropped.append)
+        assert added == [(k(0), 1000)]                  # what is resident now, at once
+        await store.put(k(1), b"y" * 2000)
+        assert added[-1] == (k(1), 2000)
+        await store.put(k(1), b"z" * 2000)              # an overwrite is not a new key
+        assert len(added) == 2
+        assert await store.remove(k(0))
+        assert dropped == [k(0)]
+        for i in range(2, 12):                          # 10 x 256 KiB in 1 MiB: evictions
+            await store.put(k(i), b"w" * (256 << 10))
+        resident = {key for key, _ in added} - set(dropped)
+        assert resident == {key for key in map(k, range(12)) if store.exists(key)}
+        assert len(dropped) > 1
+        store.set_residency_listener(None, None)
+        await store.put(k(99), b"q")
+        assert all(key != k(99) for key, _ in added)
+        await store.close()
+    asyncio.run(run())
