@@ -24,8 +24,10 @@ def scope_tuple(scope: IdentityScope) -> tuple[str, str, str, Optional[str]]:
     return (scope.tenant_id, scope.model_id, scope.tokenizer_id, scope.adapter_id)
 
 
-def step_events(res: StepResult, block_size: int, medium: str = DEVICE_MEDIUM) -> list[KvEvent]:
-    """The events of one iteration: evictions first (they made room), then stores."""
+def step_events(res: StepResult, block_size: int, medium: str = DEVICE_MEDIUM,
+                identity: bool = True) -> list[KvEvent]:
+    """The events of one iteration: evictions first (they made room), then stores.
+    ``identity`` False leaves out ``quill_scope``: exactly what a vLLM engine publishes."""
     events: list[KvEvent] = []
     if res.removed:
         events.append(BlockRemoved(tuple(h for _, h in res.removed), medium))
@@ -40,6 +42,6 @@ def step_events(res: StepResult, block_size: int, medium: str = DEVICE_MEDIUM) -
             block_size=block_size,
             medium=medium,
             lora_name=scope.adapter_id,
-            quill_scope=scope_tuple(scope),
+            quill_scope=scope_tuple(scope) if identity else None,
         ))
     return events

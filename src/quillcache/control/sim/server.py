@@ -79,6 +79,9 @@ class SimServerConfig:
     adapters: tuple[str, ...] = ()
     max_model_len: int = 32768          # prompt + max_tokens, tokens
     time_scale: float = 1.0             # wall-clock seconds per modelled second
+    # Publish the quill_scope identity extension in BlockStored.  Off by default: a real vLLM
+    # engine's events say nothing of tenants, and the gateway is tested against that.
+    identity_events: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -394,7 +397,7 @@ async def start_server(cfg: SimServerConfig, host: str = "127.0.0.1", port: int 
 
     def on_events(res: StepResult) -> None:
         if publisher is not None:
-            publisher.publish(step_events(res, bs))
+            publisher.publish(step_events(res, bs, identity=cfg.identity_events))
 
     runner = EngineRunner(engine, on_events, cfg.time_scale)
     app = build_app(cfg, runner)
