@@ -242,23 +242,18 @@ def decode_batch(payload: bytes, limits: EventLimits = DEFAULT_LIMITS) -> EventB
 
 
 def _event_map(event: KvEvent) -> dict:
-    # Optional fields are left out at their default, as vLLM's omit_defaults does.
+    # vLLM's decoder requires the fields it declares without a default (lora_id, medium,
+    # lora_name, even when None); fields with a default are left out, as omit_defaults does.
     if isinstance(event, BlockStored):
         out: dict = {"type": "BlockStored", "block_hashes": list(event.block_hashes),
                      "parent_block_hash": event.parent_block_hash,
-                     "token_ids": list(event.token_ids), "block_size": event.block_size}
-        for name in ("lora_id", "medium", "lora_name"):
-            value = getattr(event, name)
-            if value is not None:
-                out[name] = value
+                     "token_ids": list(event.token_ids), "block_size": event.block_size,
+                     "lora_id": event.lora_id, "medium": event.medium, "lora_name": event.lora_name}
         if event.quill_scope is not None:
             out["quill_scope"] = list(event.quill_scope)
         return out
     if isinstance(event, BlockRemoved):
-        out = {"type": "BlockRemoved", "block_hashes": list(event.block_hashes)}
-        if event.medium is not None:
-            out["medium"] = event.medium
-        return out
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"} if event.medium is None else \
             {"type": "AllBlocksCleared", "medium": event.medium}

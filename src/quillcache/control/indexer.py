@@ -42,7 +42,7 @@ _N_TIERS = 4
 _MEDIUM_TIER = {
     None: DEVICE, "": DEVICE, "gpu": DEVICE, "cuda": DEVICE, "device": DEVICE, "hbm": DEVICE,
     "cpu": HOST, "host": HOST, "dram": HOST, "cpu_dram": HOST,
-    "disk": DISK, "ssd": DISK, "local_ssd": DISK, "nvme": DISK,
+    "disk": DISK, "ssd": DISK, "local_ssd": DISK, "nvme": DISK, "storage": DISK,
 }
 
 _KEY = struct.Struct(">Iq")  # scope id, hash
