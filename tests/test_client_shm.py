@@ -228,3 +228,17 @@ def test_a_lease_that_ran_out_while_the_bytes_were_read_raises_instead_of_return
     with pytest.raises(Timeout, match="ran out"):
         check_lease(time.monotonic_ns() - 1, "get")
     check_lease(time.monotonic_ns() + 10**9, "get")
+
+
+def test_durable_reserved_puts_survive_a_restart_and_ssd_only_blocks_are_promoted_when_located(tmp_path):
+    with Daemon(tmp_path, ssd=True) as d:
+        with Client(unix_addr(d)) as u:
+            assert u.shm
+            u.put_many([(key(i), content(i)) for i in range(4)], durable=True)   # reserve, copy, COMMIT
+        d.stop()
+        d.start()                                               # DRAM is empty: the blocks are on SSD only
+        with Client(unix_addr(d)) as u:
+            with u.get_many_located([key(i) for i in range(4)]) as views:
+                assert [bytes(v) for v in views] == [content(i) for i in range(4)]
+            tiers = u.info()["Tiers"]
+            assert tiers["dram_promotions"] >= 4

@@ -4,6 +4,7 @@ never stall the event loop for the other connections."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import random
 import threading
 import time
@@ -11,9 +12,11 @@ import time
 import pytest
 
 from quillcache import AsyncClient, Client
-from tests.test_daemon import Daemon, content, key, metric_value, scrape
+from tests._support.daemon import Daemon
+from tests._support.data import content, key
+from tests._support.metrics import metric_value, scrape
 
-pytest.importorskip("quillcache.store.ssd")
+import quillcache.store.ssd  # noqa: E402,F401  (a broken build fails loudly, tests/test__sourcecode.py)
 
 MiB = 1 << 20
 
@@ -80,17 +83,22 @@ def test_eight_clients_bursting_ten_times_dram_lose_no_block(tmp_path):
             store = c.info()["Store"]
         assert (good, store["dropped_dirty"]) == (n, 0)
         assert store["put_waits"] > 0 and store["put_wait_timeouts"] == 0
+        deadline = time.monotonic() + 10          # /metrics shows the snapshot of the last maintenance
+        while metric_value(scrape(d.metrics_port), "quillcache_store_put_waits_total") == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
         text = scrape(d.metrics_port)
+        assert metric_value(text, "quillcache_store_put_wait_seconds_total") > 0
         assert metric_value(text, "quillcache_store_dropped_dirty_total") == 0
 
 
 def test_issue_repro_160_puts_of_1mib_into_64mib_of_dram_all_read_back(tmp_path):
-    with Daemon(tmp_path, ssd=True, dram="64MiB", ssd_capacity="1GiB", direct_io=True) as d:
-        with Client(d.addr, timeout=60) as c:
-            for i in range(160):
-                c.put(key(i), content(i, MiB))
-            assert sum(c.get(key(i)) == content(i, MiB) for i in range(160)) == 160
-            assert c.info()["Store"]["dropped_dirty"] == 0
+    with Daemon(tmp_path, ssd=True, dram="64MiB", ssd_capacity="1GiB", direct_io=True) as d, \
+            Client(d.addr, timeout=60) as c:
+        for i in range(160):
+            c.put(key(i), content(i, MiB))
+        assert sum(c.get(key(i)) == content(i, MiB) for i in range(160)) == 160
+        assert c.info()["Store"]["dropped_dirty"] == 0
 
 
 @pytest.mark.parametrize("policy,durable", [("write_through", False), ("write_back", True)])
@@ -123,6 +131,28 @@ def test_pipelined_puts_from_many_connections_lose_no_block(tmp_path):
             assert c.info()["Store"]["dropped_dirty"] == 0
 
 
+def _ssd_readers(addr: str, threads: int, seconds: float, out) -> None:
+    """GET SSD-only blocks 0..15 from ``threads`` connections for ``seconds``; send latencies."""
+    expected = {i: content(i, MiB) for i in range(16)}
+    lat: list[float] = []
+    stop = time.monotonic() + seconds
+
+    def reader(first):
+        with Client(addr, timeout=60) as rc:
+            i = first
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                ok = rc.get(key(i)) == expected[i]
+                lat.append(time.perf_counter() - t0 if ok else -1.0)
+                i = (i + threads) % 16
+    pool = [threading.Thread(target=reader, args=(r,)) for r in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    out.send(lat)
+
+
 def _p99(samples: list[float]) -> float:
     return sorted(samples)[int(0.99 * (len(samples) - 1))]
 
@@ -130,29 +160,20 @@ def _p99(samples: list[float]) -> float:
 def test_slow_ssd_reads_do_not_stall_dram_gets_on_another_connection(tmp_path):
     """200 ms injected per SSD read; DRAM GETs on another connection keep p99 under 10 ms."""
     with Daemon(tmp_path, ssd=True, dram="8MiB", ssd_capacity="128MiB", direct_io=False,
-                sections={"ssd": "promote_on_get = false"},
+                sections={"ssd": "promote_on_get = false", "store": 'policy = "write_through"'},
                 env={"QUILLCACHE_SSD_READ_DELAY_MS": "200"}) as d:
         with Client(d.addr, timeout=60) as c:
-            for i in range(40):                     # 40 MiB into 8 MiB: the first ones go to SSD
+            for i in range(40):                     # 40 MiB into 8 MiB: the first ones are on SSD only
                 c.put(key(i), content(i, MiB))
             c.put(key(999), b"hot" * 1000)           # the most recent: stays in DRAM
-            assert c.info()["Tiers"]["dram_demotions"] >= 20
-        stop = threading.Event()
-        slow_gets: list[float] = []
-
-        def ssd_reader(first):
-            with Client(d.addr, timeout=60) as rc:
-                i = first
-                while not stop.is_set():
-                    t0 = time.perf_counter()
-                    assert rc.get(key(i)) == content(i, MiB)
-                    slow_gets.append(time.perf_counter() - t0)
-                    i = (i + 4) % 16
-        readers = [threading.Thread(target=ssd_reader, args=(r,)) for r in range(4)]
-        for t in readers:
-            t.start()
+            assert c.info()["Tiers"]["dram_blocks"] <= 8
+        # The SSD readers run in another process: their GIL is not the measuring thread's.
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        readers = ctx.Process(target=_ssd_readers, args=(d.addr, 4, 4.0, child))
+        readers.start()
         try:
-            time.sleep(0.3)
+            time.sleep(0.5)
             lat = []
             with Client(d.addr, timeout=60) as c:
                 deadline = time.monotonic() + 3.0
@@ -161,9 +182,11 @@ def test_slow_ssd_reads_do_not_stall_dram_gets_on_another_connection(tmp_path):
                     assert c.get(key(999)) == b"hot" * 1000
                     lat.append(time.perf_counter() - t0)
                     time.sleep(0.005)
+            assert parent.poll(30)
+            slow_gets = parent.recv()
         finally:
-            stop.set()
-            for t in readers:
-                t.join(30)
-        assert min(slow_gets) >= 0.2                   # the fault was on: every SSD read took 200 ms
+            readers.join(30)
+            if readers.is_alive():
+                readers.kill()
+        assert len(slow_gets) >= 20 and min(slow_gets) >= 0.2   # the fault was on: each SSD read 200 ms
         assert len(lat) > 100 and _p99(lat) < 0.010, f"p99 {_p99(lat) * 1e3:.1f} ms over {len(lat)} GETs"

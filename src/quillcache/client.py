@@ -568,6 +568,19 @@ class Client(_Ops):
             for fd in fds:
                 os.close(fd)              # the mapping keeps the memory; the fd is not needed
 
+    def detach(self) -> tuple:
+        """Hand over (socket, the node's limits, the mapped arena or None) and leave this
+        client closed; the socket must be idle (no request in flight, nothing buffered).
+        AsyncClient connects over the Unix socket this way."""
+        conn = self._check()
+        if conn.in_flight or conn.replies:
+            raise InvalidArgument("detach: requests are in flight")
+        out = (self._sock, conn.peer_limits, self._arena)
+        self._arena = None
+        self._sock = None
+        conn.connection_lost(None)
+        return out
+
     def reconnect(self) -> None:
         """Close and connect again (HELLO, and MAP on the Unix socket): after the node
         restarted, this maps its new arena."""
@@ -925,13 +938,12 @@ class AsyncClient(_Ops):
         # then the socket, idle and with nothing buffered, is handed to the loop.
         sync = await asyncio.to_thread(Client, UNIX_PREFIX + self.address, self._token, self.timeout,
                                        client_name=self._name, shm=self._want_shm)
-        sock, limits = sync._sock, sync._conn.peer_limits
-        self._arena, sync._arena = sync._arena, None
         self.tenant, self.server_name, self.shm_refused = sync.tenant, sync.server_name, sync.shm_refused
+        sock, limits, self._arena = sync.detach()
         try:
             _, conn = await loop.create_unix_connection(_AsyncConnection, sock=sock)
         except BaseException:
-            sync.close()
+            sock.close()
             await self.close()
             raise
         conn.peer_limits = limits

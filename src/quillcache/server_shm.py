@@ -120,7 +120,7 @@ class LocatedMixin:
         try:
             for key in keys:
                 try:
-                    got.append(store.get_nowait(key))
+                    got.append(store.located_nowait(key))
                 except _MISS as exc:
                     got.append(exc.status)
         except BaseException:

@@ -10,6 +10,7 @@ so a client can tell by itself whether a lease or a reserve has run out.
 """
 from __future__ import annotations
 
+import functools
 import struct
 from typing import NamedTuple, Sequence
 
@@ -68,9 +69,14 @@ def decode_map_reply(body) -> MapReply:
     return MapReply(*_MAP.unpack(body))
 
 
+@functools.lru_cache(maxsize=64)
+def _items(n: int) -> struct.Struct:
+    return struct.Struct("<" + "HQQ" * n)       # n LOCATED_ITEM records, packed
+
+
 def encode_located_reply(lease_id: int, expires_ns: int, items: Sequence[tuple[int, int, int]]) -> bytes:
-    arr = np.array(items, dtype=LOCATED_ITEM) if items else np.zeros(0, LOCATED_ITEM)
-    return _LEASE.pack(lease_id, expires_ns, len(arr)) + arr.tobytes()
+    flat = [x for item in items for x in item]
+    return _LEASE.pack(lease_id, expires_ns, len(items)) + _items(len(items)).pack(*flat)
 
 
 def decode_located_reply(body, limits: ProtocolLimits) -> LocatedReply:

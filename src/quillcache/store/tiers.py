@@ -12,10 +12,14 @@ the policy; the short version:
   durable publish; the block is then in both tiers and DRAM can drop it without I/O.
 * A get of an SSD-only block promotes it into a new DRAM slot when the arena has room
   without evicting; otherwise it is read into a temporary buffer that the lease owns.
-* A put that finds no room evicts DRAM blocks in LRU order (unpinned first, then soft
-  pins); a block with a current SSD copy stays readable from SSD, any other is dropped.
-  Leased, hard-pinned and in-flight blocks are never evicted; when nothing can go the put
+* A put that finds no room evicts DRAM copies that cost no I/O (a current SSD copy, or any
+  block in a store without SSD) in policy order (unpinned first, then soft pins); when only
+  dirty blocks hold the room it waits (``await reserve``, up to ``put_timeout_s``) while
+  they are demoted: nothing is dropped while the SSD tier can take it (``dropped_dirty``
+  counts the blocks it could not).  ``_may_evict`` is the one rule for every victim:
+  leased, hard-pinned and in-flight blocks are never evicted; when nothing can go the put
   fails with CapacityError and nothing changes.
+* SSD reads run off the event loop (``get_nowait`` / ``await get_async``).
 * remove of a leased block unpublishes it at once (no new reader finds it); its slot is
   freed when the last lease ends.
 """
@@ -109,7 +113,7 @@ class Lease:
         # (fd, offset, length, crc32c) of a verified SSD extent, instead of a view: only for
         # get(extent_ok=True).  Read it (sendfile) before the next await; send the CRC along.
         self.extent = extent
-        self.size = len(view) if view is not None else extent[2]
+        self.size = len(view) if view is not None else extent[2] if extent is not None else slot.size
         self.tier = tier                 # "dram", or "ssd" (a temporary buffer or an extent)
         self._slot = slot
         self.expires_at = expires_at
@@ -738,18 +742,33 @@ class LocalKvStore:
 
     def _end_lease(self, lease: Lease) -> None:
         self._leases.pop(lease._id, None)
-        if lease.view is None:
-            return                        # an extent lease: nothing held
-        try:
-            lease.view.release()          # a view used after its lease ends raises ValueError
-        except BufferError:
-            pass                          # the caller made a derived view; documented hazard
+        if lease.view is not None:
+            try:
+                lease.view.release()      # a view used after its lease ends raises ValueError
+            except BufferError:
+                pass                      # the caller made a derived view; documented hazard
         if lease._slot is not None and not self._dram.closed:
             self._dram.release(lease._slot)
             if self._waiting:
                 self._wake()              # the block may be evictable (or its slot freed) now
 
     # ------------------------------------------------------------------ the shared arena
+
+    def located_nowait(self, key: KvBlockKey) -> Optional[Lease]:
+        """``get_nowait`` for a client that mapped the arena (docs/shm.md): a lease that holds
+        the DRAM slot in place, without a view (the client reads it by ``offset``); None
+        when the block is only on SSD (``await get_async`` promotes it where there is room)."""
+        entry = self._lookup(key)
+        served = entry.key
+        slot = self._dram.lookup(served)
+        if slot is None:
+            return None
+        now = self._clock()
+        entry.last_access = now
+        self._stats["dram"]["hits"] += 1
+        self._dram_lru.touch(served)
+        self._dram.hold(slot)
+        return self._new_lease(served, None, "dram", slot, now)
 
     @property
     def arena_fd(self) -> int:
