@@ -12,9 +12,9 @@ import time
 import pytest
 
 from quillcache import AsyncClient, Client
-from tests.test_daemon import Daemon, content, key, metric_value, scrape
-
-pytest.importorskip("quillcache.store.ssd")
+from tests._support.daemon import Daemon
+from tests._support.data import content, key
+from tests._support.metrics import metric_value, scrape
 
 MiB = 1 << 20
 
