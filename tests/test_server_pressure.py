@@ -12,7 +12,9 @@ import time
 import pytest
 
 from quillcache import AsyncClient, Client
-from tests.test_daemon import Daemon, content, key, metric_value, scrape
+from tests._support.daemon import Daemon
+from tests._support.data import content, key
+from tests._support.metrics import metric_value, scrape
 
 pytest.importorskip("quillcache.store.ssd")
 
@@ -81,7 +83,12 @@ def test_eight_clients_bursting_ten_times_dram_lose_no_block(tmp_path):
             store = c.info()["Store"]
         assert (good, store["dropped_dirty"]) == (n, 0)
         assert store["put_waits"] > 0 and store["put_wait_timeouts"] == 0
+        deadline = time.monotonic() + 10          # /metrics shows the snapshot of the last maintenance
+        while metric_value(scrape(d.metrics_port), "quillcache_store_put_waits_total") == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
         text = scrape(d.metrics_port)
+        assert metric_value(text, "quillcache_store_put_wait_seconds_total") > 0
         assert metric_value(text, "quillcache_store_dropped_dirty_total") == 0
 
 

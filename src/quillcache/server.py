@@ -317,6 +317,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         self._counters = node.request_counters
         self._keys = node.keys
         self._fd = -1                             # the socket's fd, for sendfile (-1: not available)
+        self._deferred_task: Optional[asyncio.Task] = None   # a PUT waiting for DRAM room (DEFER)
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -360,6 +361,9 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
             for h in handles:
                 self.store.put_abort(h)
         self._puts.clear()
+        if self._deferred_task is not None:
+            self._deferred_task.cancel()        # a PUT waiting for room: its client is gone
+            self._deferred_task = None
         self._release_held()
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -530,6 +534,7 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
         task = asyncio.get_running_loop().create_task(self._reserve_deferred(frame, items, durable))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        self._deferred_task = task
 
     async def _reserve_deferred(self, frame, items: list, durable: bool) -> None:
         rid = frame.request_id
@@ -547,6 +552,8 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
                     self.store.put_abort(h)
                 return
             self.resume_put(self._put_destination(frame, handles))
+        if self._deferred_task is asyncio.current_task():
+            self._deferred_task = None
         if self.close_requested and self.transport is not None:
             self.transport.close()
         elif not self.put_deferred and not self._reading_paused and self.transport is not None \

@@ -14,7 +14,7 @@ from quillcache.errors import (
 )
 from quillcache.model import KvBlockKey, encode_key
 from quillcache.protocol import messages as m
-from quillcache.protocol.connection import ClientProtocolConnection, ProtocolConnection
+from quillcache.protocol.connection import DEFER, ClientProtocolConnection, ProtocolConnection
 from quillcache.protocol.opcodes import Opcode, ProtocolLimits, Status
 
 TOKEN = b"s3cret"
@@ -346,3 +346,42 @@ def test_payloads_without_a_destination_are_buffered_only_up_to_the_collect_limi
     pump(client, server)
     assert isinstance(client.replies[big].error, InvalidArgument)
     assert client.replies[small].payload == b"p" * 1000 and server.failed is None
+
+
+class DeferringServer(StoreServer):
+    """A store that has no room yet: every PUT is deferred until the test resumes it."""
+
+    def _on_put_start(self, frame):
+        self.deferred_frame = frame
+        return DEFER
+
+
+@pytest.mark.parametrize("sizes", [None, [7, 100, 65536]])
+def test_a_deferred_put_holds_the_input_until_resume_put_then_everything_goes_on_in_order(sizes):
+    client, server = Client(), DeferringServer()
+    client.send_request(Opcode.HELLO, m.encode_hello_request(TOKEN, client_name="test"))
+    pump(client, server, sizes)
+    blob = os.urandom(100_000)
+    put = client.send_request(Opcode.PUT, m.encode_put_request(key(1), len(blob)), [blob])
+    ping = client.send_request(Opcode.PING, b"", [b"after"])
+    pump(client, server, sizes)                   # the payload and the PING arrive, nothing is parsed
+    assert server.put_deferred and put not in client.replies and ping not in client.replies
+    slot = bytearray(len(blob))
+    server.slots[put] = [(key(1), slot)]
+    server.resume_put(slot)
+    pump(client, server, sizes)
+    assert not server.put_deferred and client.replies[put].ok and bytes(server.store[key(1)]) == blob
+    assert bytes(client.replies[ping].payload) == b"after" and client.order[-2:] == [put, ping]
+
+
+def test_a_refused_deferred_put_replies_its_error_drops_the_payload_and_goes_on():
+    client, server = Client(), DeferringServer()
+    client.send_request(Opcode.HELLO, m.encode_hello_request(TOKEN, client_name="test"))
+    pump(client, server)
+    put = client.send_request(Opcode.PUT, m.encode_put_request(key(1), 5000), [os.urandom(5000)])
+    ping = client.send_request(Opcode.PING)
+    pump(client, server)
+    server.refuse_put(Busy("dram full: waited"))
+    pump(client, server)
+    assert isinstance(client.replies[put].error, Busy) and client.replies[ping].ok
+    assert key(1) not in server.store and server.in_flight == 0 and not server.errors
