@@ -16,7 +16,7 @@ import time
 
 import click
 
-from quillcache.config import ConversionError, parse_byte_size
+from quillcache.config import DEFAULT_ADDRESS, ConversionError, parse_byte_size
 from quillcache.errors import NotFound, QuillCacheError
 
 from quillcache_cli import exitcodes
@@ -231,7 +231,7 @@ def bench_command(ctx, block_size, concurrency, duration, mix, durable, nkeys, s
     if seed is None:
         seed = random.getrandbits(32)
     show_bar = not as_json and sys.stderr.isatty()
-    addr = obj.get("addr", "127.0.0.1:7470")
+    addr = obj.get("addr", DEFAULT_ADDRESS)
     try:
         import uvloop  # noqa: PLC0415  (the daemon's loop; the client's protocol is faster on it)
         stats, elapsed, moved = uvloop.run(_run(addr, obj.get("token"), obj.get("timeout", 10.0), block_size,

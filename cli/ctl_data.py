@@ -27,12 +27,13 @@ from contextlib import contextmanager
 
 import click
 
+from quillcache.config import DEFAULT_ADDRESS
 from quillcache.errors import (
     Busy, CapacityError, ConnectionLost, InvalidArgument, NotFound, PermissionDenied,
     ProtocolError, QuillCacheError, ReadOnlyError, Timeout, UnsafeReuse,
 )
 from quillcache.model import (
-    DEFAULT_TOKENS_PER_BLOCK, MAX_BLOCK_INDEX, MAX_TOKEN_COUNT, IdentityScope, KeyError_,
+    DEFAULT_TOKENS_PER_BLOCK, MAX_BLOCK_INDEX, MAX_PIN_TTL_S, MAX_TOKEN_COUNT, IdentityScope, KeyError_,
     KvBlockKey, decode_key, encode_key, encode_scope, encode_scope_prefix,
 )
 
@@ -41,7 +42,6 @@ from quillcache_cli.params import cli_duration
 
 MAX_INPUT_BYTES = 1 << 30     # bytes: largest block `put` reads (the node's max_payload default)
 READ_CHUNK = 1 << 20          # bytes: stdin is read in chunks of this size
-MAX_PIN_TTL = 7 * 24 * 3600.0  # seconds: the store's limit on a pin's TTL
 
 
 # --------------------------------------------------------------------------- plumbing
@@ -90,7 +90,7 @@ def node(ctx):
     from quillcache.client import Client  # noqa: PLC0415  (import cost only for data commands)
 
     obj = ctx.find_root().obj or {}
-    addr = obj.get("addr", "127.0.0.1:7470")
+    addr = obj.get("addr", DEFAULT_ADDRESS)
     try:
         client = Client(addr, token=obj.get("token"), timeout=obj.get("timeout", 10.0),
                         client_name="quillctl")
@@ -395,17 +395,20 @@ def rm_cmd(ctx, as_json, **kw):
 
 # --------------------------------------------------------------------------- pin, unpin
 
+_PIN_DAYS = f"{MAX_PIN_TTL_S / 86400:g} days"     # the store's limit, in words
+
+
 def _ttl(value):
     seconds = cli_duration(value)
-    if not 0 < seconds <= MAX_PIN_TTL:
-        raise click.BadParameter("must be more than 0 and at most 7 days (e.g. 60s, 10m, 2h)")
+    if not 0 < seconds <= MAX_PIN_TTL_S:
+        raise click.BadParameter(f"must be more than 0 and at most {_PIN_DAYS} (e.g. 60s, 10m, 2h)")
     return seconds
 
 
 @click.command("pin", epilog=KEYFIELDS_HELP, options_metavar=KEY_METAVAR)
 @key_options
 @click.option("--ttl", required=True, callback=lambda _c, _p, v: _ttl(v), metavar="DURATION",
-              help="How long the pin lasts, e.g. 60s, 10m, 2h (at most 7 days).")
+              help=f"How long the pin lasts, e.g. 60s, 10m, 2h (at most {_PIN_DAYS}).")
 @click.option("--hard", is_flag=True, help="Never evict while pinned (default: soft, evicted last).")
 @json_option
 @click.pass_context

@@ -94,57 +94,28 @@ def verify_log(directory: str, progress=None, on_record=None) -> dict:
 
 # ---- the SSD tier's view (read-only: opening SsdTier would recover, i.e. write) ------------------
 
-def _read_checkpoint(path: str):
-    """(lsn, {key_bytes: [offset, length, crc, lsn]}, problem or None) of an SSD checkpoint."""
-    from quillcache.store import ssd  # noqa: PLC0415
-    head, entry = ssd._CKPT_HEAD, ssd._CKPT_ENTRY   # the format's structs (docs/ssd-format.md)
-    if not os.path.exists(path):
-        return 0, {}, None
-    with open(path, "rb") as f:
-        blob = f.read()
-    if len(blob) < head.size + 4 or ssd.crc32c(memoryview(blob)[:-4]) != int.from_bytes(blob[-4:], "little"):
-        return 0, {}, "checkpoint checksum mismatch"
-    magic, version, _unit, _capacity, lsn, count = head.unpack_from(blob, 0)
-    if magic != ssd.CKPT_MAGIC or version != ssd.CKPT_VERSION:
-        return 0, {}, f"not a version {ssd.CKPT_VERSION} checkpoint"
-    entries, pos = {}, head.size
-    for _ in range(count):
-        if pos + entry.size > len(blob) - 4:
-            return 0, {}, "checkpoint shorter than its entry count"
-        klen, off, length, crc, elsn = entry.unpack_from(blob, pos)
-        pos += entry.size
-        entries[blob[pos:pos + klen]] = [off, length, crc, elsn]
-        pos += klen
-    return lsn, entries, None
-
-
 class SsdReplay:
-    """Replays an SSD tier's WAL records over its checkpoint, as recovery would, without writing."""
+    """The SSD tier's checkpoint + WAL records replayed read-only by the tier's own code
+    (``ssd.read_checkpoint`` and ``ssd.Replay``), with what verify reports about them."""
 
     def __init__(self, data_path: str, checkpoint_path: str):
         from quillcache.store import ssd  # noqa: PLC0415
         self.ssd = ssd
         self.data_path = data_path
-        self.ckpt_lsn, self.entries, self.problem = _read_checkpoint(checkpoint_path)
-        self.checkpoint_blocks = len(self.entries)
-        self.puts = self.removes = self.malformed = 0
+        self.problem = None
+        try:
+            lsn, _unit, entries = ssd.read_checkpoint(checkpoint_path)
+        except ssd.CorruptCheckpoint as exc:
+            lsn, entries, self.problem = 0, {}, f"checkpoint {exc.problem}"
+        self.checkpoint_blocks = len(entries)
+        self.replay = ssd.Replay(lsn, entries)
 
     def __call__(self, lsn: int, payload: bytes) -> None:
-        if lsn <= self.ckpt_lsn:
-            return
-        try:
-            rec = self.ssd.decode_record(payload)
-        except ValueError:
-            self.malformed += 1
-            return
-        if rec[0] == "put":
-            self.puts += 1
-            self.entries[rec[1]] = [rec[2], rec[3], rec[4], lsn]
-        else:
-            self.removes += 1
-            cur = self.entries.get(rec[1])
-            if cur is not None and (rec[2] == self.ssd.ANY_OFFSET or rec[2] == cur[0]):
-                del self.entries[rec[1]]
+        self.replay(lsn, payload)
+
+    @property
+    def entries(self) -> dict:
+        return self.replay.entries
 
     def report(self, deep: bool, progress=None) -> dict:
         data = self.data_path
@@ -152,7 +123,8 @@ class SsdReplay:
         out = {"path": data, "blocks": len(self.entries),
                "bytes": sum(e[1] for e in self.entries.values()), "data_file_bytes": size,
                "checkpoint_blocks": self.checkpoint_blocks, "checkpoint_problem": self.problem,
-               "wal_puts": self.puts, "wal_removes": self.removes, "malformed_records": self.malformed,
+               "wal_puts": self.replay.puts, "wal_removes": self.replay.removes,
+               "malformed_records": len(self.replay.malformed),
                "out_of_range": sum(1 for e in self.entries.values() if e[0] + e[1] > size),
                "crc_failures": None, "crc_failed_offsets": []}
         if deep:

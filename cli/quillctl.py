@@ -1,17 +1,18 @@
 """quillctl: the admin CLI of a QuillCache node.  Thin: one request per command."""
 import click
 
+from quillcache.config import DEFAULT_ADDRESS
+
 from quillcache_cli.ctl_bench import bench_command
 from quillcache_cli.ctl_config import auth_group, config_group
 from quillcache_cli.ctl_data import DATA_COMMANDS
 from quillcache_cli.ctl_wal import wal_group
 
-DEFAULT_ADDR = "127.0.0.1:7470"
 DEFAULT_TIMEOUT = 10.0  # seconds: connect + one request
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--addr", envvar="QUILLCACHE_ADDR", default=DEFAULT_ADDR, show_default=True,
+@click.option("--addr", envvar="QUILLCACHE_ADDR", default=DEFAULT_ADDRESS, show_default=True,
               help="HOST:PORT of the node (env QUILLCACHE_ADDR).")
 @click.option("--token", envvar="QUILLCACHE_TOKEN", default=None,
               help="Tenant token sent in HELLO (env QUILLCACHE_TOKEN); none on an open node.")

@@ -95,3 +95,112 @@ def test_no_test_skips_when_a_native_extension_or_the_ssd_tier_is_missing():
                     and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("quillcache"):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, "\n".join(offenders)
+
+
+def _constants(path: Path):
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Constant):
+            yield node
+
+
+def test_the_default_address_is_written_only_in_config():
+    from quillcache.config import DEFAULT_ADDRESS
+    offenders = [f"{p.relative_to(ROOT)}:{c.lineno}"
+                 for p in [*SRC.rglob("*.py"), *(ROOT / "cli").rglob("*.py")] if p != SRC / "config.py"
+                 for c in _constants(p) if c.value == DEFAULT_ADDRESS]
+    assert not offenders, "use quillcache.config.DEFAULT_ADDRESS:\n" + "\n".join(offenders)
+
+
+def test_the_longest_pin_is_defined_only_in_the_model():
+    from quillcache.model import MAX_PIN_TTL_S
+    offenders = []
+    for path in [*SRC.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]:
+        if path == SRC / "model.py":
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Assign) and isinstance(node.value, (ast.BinOp, ast.Constant)):
+                try:
+                    value = ast.literal_eval(node.value) if isinstance(node.value, ast.Constant) \
+                        else eval(compile(ast.Expression(node.value), "<expr>", "eval"), {"__builtins__": {}})
+                except Exception:
+                    continue
+                if value == MAX_PIN_TTL_S:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, "use quillcache.model.MAX_PIN_TTL_S:\n" + "\n".join(offenders)
+
+
+def test_the_info_format_and_the_status_map_have_one_home():
+    homes = {"render_info": SRC / "protocol" / "info.py", "parse_info": SRC / "protocol" / "info.py",
+             "error_for_status": SRC / "errors.py"}
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.FunctionDef) and node.name in homes and homes[node.name] != path:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: def {node.name}")
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "STATUS_CLASSES"
+                                                    for t in node.targets) and path != SRC / "errors.py":
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: STATUS_CLASSES =")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_every_reloadable_setting_has_exactly_one_reload_hook_and_nothing_else_does():
+    """A setting is declared reloadable once, in the registry; the daemon applies it through
+    its one hook table (a reloadable setting without a hook, or a hook for a fixed one, fails)."""
+    from quillcache.config import SETTINGS
+    from quillcache.daemon import RELOAD_HOOKS
+    assert set(RELOAD_HOOKS) == {s.qualname for s in SETTINGS if s.reloadable}
+
+
+# The hot paths and the front ends: server, client, daemon, the protocol package and the CLI.
+HOT_PATHS = [SRC / "server.py", SRC / "client.py", SRC / "daemon.py", *(SRC / "protocol").glob("*.py"),
+             *(ROOT / "cli").glob("*.py")]
+
+
+def _private_reaches(path: Path, root: Path = ROOT) -> list[str]:
+    """``x._name`` / ``getattr(x, "_name")`` where ``x`` is not self, cls, super() or a class
+    of the same module: one object driving another's private members."""
+    tree = _tree(path)
+    own_classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            name, base = node.attr, node.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            name, base = node.args[1].value, node.args[0]
+        else:
+            continue
+        if not name.startswith("_") or name.startswith("__"):
+            continue
+        if isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in own_classes):
+            continue
+        if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+            continue
+        out.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_hot_path_module_touches_another_objects_private_members():
+    offenders = [line for path in HOT_PATHS for line in _private_reaches(path)]
+    assert not offenders, "use (or add) a public call:\n" + "\n".join(offenders)
+
+
+def test_the_private_member_check_sees_what_it_must(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f(conn, ssd):\n    conn._pending.pop(1)\n    return getattr(ssd, '_committer')\n")
+    assert len(_private_reaches(sample, tmp_path)) == 2
+
+
+def test_the_server_and_client_do_not_pack_or_slice_request_bodies_by_hand():
+    """The GET/PUT bodies are the codec's (encode/decode_key_body, _put_body): no u16/u64
+    structs or byte-index arithmetic on a frame header in the server or the client."""
+    offenders = []
+    for path in (SRC / "server.py", SRC / "client.py"):
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Constant) and node.value in ("<H", "<Q", "<HQ"):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: struct {node.value!r}")
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                    and node.value.id in ("hdr", "header", "body"):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "\n".join(offenders)

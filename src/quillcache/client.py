@@ -40,22 +40,22 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 from quillcache._native.codec import (
     EV_NEED_DATA, EV_PAYLOAD_END, EV_PAYLOAD_START, FRAME_OVERHEAD, MalformedFrame, encode_key_body,
 )
-from quillcache.config import parse_hostport
+from quillcache.config import DEFAULT_ADDRESS, parse_hostport
 from quillcache.errors import (
-    STATUS_CLASSES, CapacityError, ConnectionLost, InvalidArgument, NotFound, ProtocolError,
-    QuillCacheError, Timeout, UnsafeReuse,
+    STATUS_CLASSES, ConnectionLost, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout,
+    UnsafeReuse, error_for_status,
 )
 from quillcache.model import (
     IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope, encode_scope_prefix,
 )
 from quillcache.protocol import messages
 from quillcache.protocol.connection import ClientProtocolConnection, Reply
+from quillcache.protocol.info import parse_info
 from quillcache.protocol.opcodes import FLAG_DURABLE, InfoFormat, Opcode, PinMode, ProtocolLimits
 
 __all__ = ["Client", "AsyncClient", "parse_info", "DEFAULT_ADDRESS", "DEFAULT_TIMEOUT_S",
            "KEY_CACHE_ENTRIES", "GET_MANY_BUFFER_BYTES"]
 
-DEFAULT_ADDRESS = "127.0.0.1:7470"
 DEFAULT_TIMEOUT_S = 10.0         # seconds: connect and every wait for a reply
 LIST_PAGE = 1024                 # keys asked per LIST request (capped at the server's max_batch)
 CLIENT_NAME = "quillcache-py"
@@ -139,40 +139,9 @@ def _pack_buffers(sizes: list[int]) -> list[tuple[bytearray, list[memoryview]]]:
 
 
 def _status_error(status: int, what: str) -> QuillCacheError:
-    cls = STATUS_CLASSES.get(status, QuillCacheError)
-    if cls is CapacityError:
-        return CapacityError(message=f"{what}: out of capacity")
-    if cls is UnsafeReuse:
-        return UnsafeReuse("model", f"{what}: unsafe reuse refused (GET the key for the violation)")
-    return cls(f"{what}: status {status} ({cls.__name__})")
-
-
-def _coerce(value: str) -> Any:
-    try:
-        return int(value)
-    except ValueError:
-        pass
-    try:
-        return float(value)
-    except ValueError:
-        return value
-
-
-def parse_info(text: str) -> dict[str, dict[str, Any]]:
-    """redis-style INFO text -> ``{section: {key: value}}`` (numbers converted)."""
-    out: dict[str, dict[str, Any]] = {}
-    current: Optional[dict] = None
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("#"):
-            current = out.setdefault(line.lstrip("#").strip(), {})
-            continue
-        k, sep, v = line.partition(":")
-        if sep and current is not None:
-            current[k] = _coerce(v)
-    return out
+    """The exception of one item's status in a PUT_MANY/GET_MANY reply (no ERROR body to read)."""
+    name = STATUS_CLASSES.get(status, QuillCacheError).__name__
+    return error_for_status(status, f"{what}: status {status} ({name})")
 
 
 class _Req(NamedTuple):

@@ -27,8 +27,10 @@ from quillcache.exitcodes import CONFIG as EX_CONFIG  # the exit code of a bad c
 __all__ = [
     "Setting", "SETTINGS", "SECTIONS", "Config", "ConfigError", "load_config", "parse_config",
     "render_sample", "parse_byte_size", "parse_duration", "parse_hostport", "format_byte_size",
-    "format_duration", "hash_token", "EX_CONFIG",
+    "format_duration", "hash_token", "EX_CONFIG", "DEFAULT_ADDRESS",
 ]
+
+DEFAULT_ADDRESS = "127.0.0.1:7470"   # [node] listen's default, and where clients connect by default
 
 
 class ConversionError(ValueError):
@@ -237,7 +239,7 @@ SECTIONS = {
 SETTINGS: tuple[Setting, ...] = (
     _s("node", "id", _string, "", False,
        "Name of this node in stats and logs; empty means the host name."),
-    _s("node", "listen", parse_hostport, "127.0.0.1:7470", False,
+    _s("node", "listen", parse_hostport, DEFAULT_ADDRESS, False,
        "Address of the binary protocol (TCP)."),
     _s("node", "data_dir", _string, "./var", False,
        "Directory for the SSD data file, the WAL and checkpoints."),

@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from quillcache import __version__, exitcodes
 from quillcache.auth import Authenticator
@@ -73,12 +73,15 @@ def sd_notify(message: str, env: Optional[Mapping[str, str]] = None) -> bool:
     return True
 
 
+class _StderrHandler(logging.StreamHandler):
+    """The daemon's own log handler (added once however often setup_logging runs)."""
+
+
 def setup_logging(level: str) -> None:
     root = logging.getLogger()
-    if not any(getattr(h, "_quillcache", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+        handler = _StderrHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler._quillcache = True      # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(_LOG_LEVELS[level])
 
@@ -263,48 +266,10 @@ class Node:
         return applied, fixed
 
     def _apply(self, name: str, value: Any, new: Config) -> None:
-        store, server = self.store, self.server
-        if name == "node.log_level":
-            logging.getLogger().setLevel(_LOG_LEVELS[value])
-        elif name in ("node.drain_timeout", "wal.checkpoint_interval"):
-            pass                                    # read from self.cfg where used
-        elif name == "store.policy":
-            if value == "write_through" and self.ssd is None:
-                raise ConfigError("write_through needs the SSD tier")
-            store.policy = value
-        elif name in ("store.high_watermark", "store.low_watermark"):
-            lo, hi = new.store.low_watermark, new.store.high_watermark
-            store.low_watermark, store.high_watermark = lo, hi
-        elif name == "store.demote_after":
-            store.demote_after_s = value or None
-        elif name == "store.lease":
-            store.lease_s = float(value)
-        elif name == "store.put_timeout":
-            store.put_timeout_s = float(value)
-        elif name == "ssd.promote_on_get":
-            store.promote_on_get = bool(value)
-        elif name == "guard.mode":
-            from quillcache.store.guard import GUARD_MODES
-            if value not in GUARD_MODES:
-                raise ConfigError(f"guard mode {value!r}")
-            if value == "off":
-                log.warning("IDENTITY GUARD OFF: blocks are reused by content hash across models, "
-                            "tokenizers, adapters and TENANTS")
-            store.guard.mode = value
-        elif name in ("auth.tenants", "auth.max_failed_hellos"):
-            server.auth.configure(new.auth.tenants, new.auth.max_failed_hellos)
-            closed = server.reauthorize()
-            if server.auth.open_mode:
-                log.warning("open mode (no tenants configured)")
-            if closed:
-                log.info("reload: closed %d connections of removed tenants", closed)
-        elif name == "wal.commit_window":
-            committer = getattr(self.ssd, "_committer", None)
-            if committer is None or not hasattr(committer, "window_s"):
-                raise ConfigError("the SSD tier does not take a new commit window at run time")
-            committer.window_s = float(value)
-        else:
+        hook = RELOAD_HOOKS.get(name)
+        if hook is None:
             raise ConfigError("no run-time hook for this setting (restart to apply)")
+        hook(self, value, new)
 
     # ------------------------------------------------------------------ stop
 
@@ -339,6 +304,89 @@ class Node:
             self.metrics.close()
         log.info("stopped%s", "" if drained else " (drain timed out)")
         return drained
+
+
+# --------------------------------------------------------------------------- reload hooks
+# How a SIGHUP applies each setting that the registry (config.SETTINGS) marks reloadable:
+# exactly one hook per such setting (tests/test__sourcecode.py holds it), nothing else reloads.
+
+
+def _reload_log_level(node: Node, value: Any, new: Config) -> None:
+    logging.getLogger().setLevel(_LOG_LEVELS[value])
+
+
+def _read_where_used(node: Node, value: Any, new: Config) -> None:
+    """Read from ``node.cfg`` each time it is used: the merged config is all it takes."""
+
+
+def _reload_policy(node: Node, value: Any, new: Config) -> None:
+    if value == "write_through" and node.ssd is None:
+        raise ConfigError("write_through needs the SSD tier")
+    node.store.policy = value
+
+
+def _reload_watermarks(node: Node, value: Any, new: Config) -> None:
+    node.store.low_watermark, node.store.high_watermark = new.store.low_watermark, new.store.high_watermark
+
+
+def _reload_demote_after(node: Node, value: Any, new: Config) -> None:
+    node.store.demote_after_s = value or None
+
+
+def _reload_lease(node: Node, value: Any, new: Config) -> None:
+    node.store.lease_s = float(value)
+
+
+def _reload_put_timeout(node: Node, value: Any, new: Config) -> None:
+    node.store.put_timeout_s = float(value)
+
+
+def _reload_promote_on_get(node: Node, value: Any, new: Config) -> None:
+    node.store.promote_on_get = bool(value)
+
+
+def _reload_guard_mode(node: Node, value: Any, new: Config) -> None:
+    from quillcache.store.guard import GUARD_MODES
+    if value not in GUARD_MODES:
+        raise ConfigError(f"guard mode {value!r}")
+    if value == "off":
+        log.warning("IDENTITY GUARD OFF: blocks are reused by content hash across models, "
+                    "tokenizers, adapters and TENANTS")
+    node.store.guard.mode = value
+
+
+def _reload_auth(node: Node, value: Any, new: Config) -> None:
+    server = node.server
+    server.auth.configure(new.auth.tenants, new.auth.max_failed_hellos)
+    closed = server.reauthorize()
+    if server.auth.open_mode:
+        log.warning("open mode (no tenants configured)")
+    if closed:
+        log.info("reload: closed %d connections of removed tenants", closed)
+
+
+def _reload_commit_window(node: Node, value: Any, new: Config) -> None:
+    if node.ssd is None:
+        raise ConfigError("no SSD tier: the commit window applies to its WAL")
+    node.ssd.set_commit_window(value)
+
+
+RELOAD_HOOKS: dict[str, Callable[[Node, Any, Config], None]] = {
+    "node.log_level": _reload_log_level,
+    "node.drain_timeout": _read_where_used,
+    "wal.checkpoint_interval": _read_where_used,
+    "store.policy": _reload_policy,
+    "store.high_watermark": _reload_watermarks,
+    "store.low_watermark": _reload_watermarks,
+    "store.demote_after": _reload_demote_after,
+    "store.lease": _reload_lease,
+    "store.put_timeout": _reload_put_timeout,
+    "ssd.promote_on_get": _reload_promote_on_get,
+    "guard.mode": _reload_guard_mode,
+    "auth.tenants": _reload_auth,
+    "auth.max_failed_hellos": _reload_auth,
+    "wal.commit_window": _reload_commit_window,
+}
 
 
 def _show(value: Any) -> str:

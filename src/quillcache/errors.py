@@ -9,7 +9,7 @@ from __future__ import annotations
 __all__ = [
     "QuillCacheError", "NotFound", "UnsafeReuse", "PermissionDenied", "CapacityError",
     "ProtocolError", "ConnectionLost", "ConfigError", "ReadOnlyError", "InvalidArgument",
-    "Timeout", "Busy", "STATUS_CLASSES",
+    "Timeout", "Busy", "STATUS_CLASSES", "error_for_status",
 ]
 
 
@@ -98,3 +98,21 @@ class ConfigError(QuillCacheError):
 STATUS_CLASSES = {cls.status: cls for cls in (
     QuillCacheError, InvalidArgument, NotFound, UnsafeReuse, PermissionDenied, CapacityError,
     ProtocolError, ConnectionLost, ReadOnlyError, Timeout, Busy, ConfigError)}
+
+
+def error_for_status(status: int, message: str, *, violation: str = "model",
+                     capacity: tuple[int, int, int] = (0, 0, 0)) -> QuillCacheError:
+    """The exception a wire ``status`` stands for (the class from STATUS_CLASSES), with
+    ``message``; an unknown status gives a QuillCacheError that carries it.  ``violation``
+    and ``capacity`` (requested, free, largest free) are the details of UnsafeReuse and
+    CapacityError where the caller knows them (an ERROR body has them, a status list not)."""
+    cls = STATUS_CLASSES.get(status)
+    if cls is None:
+        err = QuillCacheError(message)
+        err.status = status
+        return err
+    if cls is UnsafeReuse:
+        return UnsafeReuse(violation, message)
+    if cls is CapacityError:
+        return CapacityError(*capacity, message=message)
+    return cls(message)

@@ -20,7 +20,7 @@ __all__ = [
     "AllBlocksCleared", "KvEventBatch", "SloTarget", "RequestShape", "CostModel", "IndexMetrics",
     "IndexBackend", "MemoryIndex", "sort_residencies", "encode_key", "decode_key", "encode_scope",
     "encode_scope_prefix",
-    "KeyError_", "MAX_ID_BYTES", "KEY_FORMAT_VERSION", "GiB", "MiB",
+    "KeyError_", "MAX_ID_BYTES", "KEY_FORMAT_VERSION", "MAX_PIN_TTL_S", "GiB", "MiB",
 ]
 
 MiB = 1 << 20
@@ -31,6 +31,7 @@ MAX_BLOCK_INDEX = (1 << 32) - 1
 MAX_TOKEN_COUNT = (1 << 32) - 1
 KEY_FORMAT_VERSION = 1      # first byte of every encoded key
 DEFAULT_TOKENS_PER_BLOCK = 64
+MAX_PIN_TTL_S = 7 * 24 * 3600.0   # seconds: the longest pin a store keeps (PIN ttl 0 gets this)
 
 
 class KeyError_(ValueError):

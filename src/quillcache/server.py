@@ -52,11 +52,12 @@ from quillcache.errors import (
     Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse,
 )
 from quillcache.model import (
-    KEY_FORMAT_VERSION, IdentityScope, KeyError_, KvBlockKey, decode_key,
+    KEY_FORMAT_VERSION, MAX_PIN_TTL_S, IdentityScope, KeyError_, KvBlockKey, decode_key,
 )
 from quillcache.metrics import RequestCounters
 from quillcache.protocol import messages
 from quillcache.protocol.connection import DEFER, ProtocolConnection
+from quillcache.protocol.info import render_info
 from quillcache.protocol.opcodes import (
     FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode, PinMode,
     ProtocolLimits,
@@ -69,7 +70,6 @@ log = logging.getLogger("quillcache.server")
 
 WRITE_HIGH_BYTES = 64 << 20      # bytes waiting in a transport before reading pauses
 LEASE_MARGIN_S = 2.0             # seconds: abort a writer whose held lease expires this soon
-PIN_FOREVER_S = 7 * 24 * 3600.0  # seconds: what ttl_ms 0 ("until UNPIN") becomes (store maximum)
 SEND_BUFFER_BYTES = 4 << 20      # SO_SNDBUF of a client connection (the kernel doubles it, caps at wmem_max)
 KEY_CACHE_ENTRIES = 16384        # decoded keys kept per node (encoded bytes -> KvBlockKey), LRU
 _PAYLOAD_OPS = (Opcode.PUT, Opcode.PUT_MANY)
@@ -113,21 +113,6 @@ def _decode_scope_prefix(raw: bytes) -> tuple[IdentityScope, Optional[str]]:
     if pos != len(raw):
         raise InvalidArgument(f"LIST prefix has {len(raw) - pos} trailing bytes")
     return IdentityScope(model, tokenizer, adapter, tenant), prefix_hash
-
-
-def render_info(sections: dict[str, dict[str, Any]]) -> str:
-    """redis-style INFO text: ``# Section`` then ``key:value`` lines, a blank line between."""
-    out = []
-    for name, values in sections.items():
-        out.append(f"# {name}")
-        for k, v in values.items():
-            if isinstance(v, bool):
-                v = int(v)
-            elif isinstance(v, float):
-                v = f"{v:.6g}"
-            out.append(f"{k}:{v}")
-        out.append("")
-    return "\r\n".join(out)
 
 
 def _flatten(prefix: str, d: dict, out: dict) -> None:
@@ -833,8 +818,8 @@ class ServerProtocol(ProtocolConnection, asyncio.BufferedProtocol):
     def _pin(self, frame) -> None:
         req = messages.decode_pin_request(frame.header, self.limits)
         keys = [self._key(k) for k in req.keys]
-        ttl_s = req.ttl_ms / 1000.0 if req.ttl_ms else PIN_FOREVER_S
-        ttl_s = min(ttl_s, PIN_FOREVER_S)
+        # ttl 0 ("until UNPIN") and anything longer become the store's longest pin
+        ttl_s = min(req.ttl_ms / 1000.0, MAX_PIN_TTL_S) if req.ttl_ms else MAX_PIN_TTL_S
         done = []
         for key in keys:
             try:

@@ -22,6 +22,7 @@ from quillcache._native.codec import (
 )
 from quillcache.errors import (
     STATUS_CLASSES, CapacityError, InvalidArgument, ProtocolError, QuillCacheError, UnsafeReuse,
+    error_for_status,
 )
 from quillcache.protocol.opcodes import (
     MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, InfoFormat, PinMode, ProtocolLimits, Status, Violation,
@@ -649,15 +650,7 @@ def decode_error(status: int, body: BytesLike, limits: ProtocolLimits = DEFAULT_
         r.end()
     except InvalidArgument as exc:
         violation, message, extra = Violation.NONE, f"status {status} with a malformed ERROR body ({exc})", None
-    if cls is UnsafeReuse:
-        name = _VIOLATION_NAMES.get(violation)
-        if name is None:
-            return ProtocolError(f"UnsafeReuse error with violation code {violation}: {message}")
-        return UnsafeReuse(name, message)
-    if cls is CapacityError:
-        requested, free, largest = extra or (0, 0, 0)
-        return CapacityError(requested, free, largest, message=message)
-    err = cls(message)
-    if status not in STATUS_CLASSES:
-        err.status = status
-    return err
+    name = _VIOLATION_NAMES.get(violation)
+    if cls is UnsafeReuse and name is None:
+        return ProtocolError(f"UnsafeReuse error with violation code {violation}: {message}")
+    return error_for_status(status, message, violation=name or "model", capacity=extra or (0, 0, 0))

@@ -13,7 +13,10 @@ from quillcache._native.codec import (
     CRC_SIZE, FIXED_PREFIX_SIZE, FLAG_PAYLOAD_CRC, FLAG_REPLY, FRAME_OVERHEAD, MAGIC,
     MAX_REQUEST_ID, OP_ERROR, PROTOCOL_VERSION,
 )
-from quillcache.errors import STATUS_CLASSES, InvalidArgument
+from quillcache.errors import (
+    STATUS_CLASSES, Busy, CapacityError, ConfigError, ConnectionLost, InvalidArgument, NotFound,
+    PermissionDenied, ProtocolError, QuillCacheError, ReadOnlyError, Timeout, UnsafeReuse,
+)
 
 __all__ = [
     "Opcode", "Flag", "Status", "PinMode", "InfoFormat", "Violation", "ProtocolLimits",
@@ -63,25 +66,19 @@ PAYLOAD_REQUEST_OPCODES = frozenset({Opcode.PUT, Opcode.PUT_MANY, Opcode.PING})
 PAYLOAD_REPLY_OPCODES = frozenset({Opcode.GET, Opcode.GET_MANY, Opcode.PING, Opcode.STATS})
 
 
-class Status(enum.IntEnum):
-    """Status codes: 0 is success, the rest are quillcache.errors classes (``status``)."""
+# The wire name of each error class; the numbers are the classes' own ``status`` (errors.py,
+# the one place they are defined, with STATUS_CLASSES mapping them back).
+_STATUS_NAMES = {
+    QuillCacheError: "INTERNAL", InvalidArgument: "INVALID_ARGUMENT", NotFound: "NOT_FOUND",
+    UnsafeReuse: "UNSAFE_REUSE", PermissionDenied: "PERMISSION_DENIED", CapacityError: "CAPACITY",
+    ProtocolError: "PROTOCOL", ConnectionLost: "CONNECTION_LOST", ReadOnlyError: "READ_ONLY",
+    Timeout: "TIMEOUT", Busy: "BUSY", ConfigError: "CONFIG",
+}
+assert set(_STATUS_NAMES) == set(STATUS_CLASSES.values()), "a status class without a wire name"
 
-    OK = 0
-    INTERNAL = 1
-    INVALID_ARGUMENT = 2
-    NOT_FOUND = 3
-    UNSAFE_REUSE = 4
-    PERMISSION_DENIED = 5
-    CAPACITY = 6
-    PROTOCOL = 7
-    CONNECTION_LOST = 8
-    READ_ONLY = 9
-    TIMEOUT = 10
-    BUSY = 11
-    CONFIG = 12
-
-
-assert {int(s) for s in Status if s} == set(STATUS_CLASSES), "Status and errors.STATUS_CLASSES differ"
+Status = enum.IntEnum("Status", [("OK", 0)] + [(name, cls.status) for cls, name in _STATUS_NAMES.items()],
+                      module=__name__)
+Status.__doc__ = "Status codes: 0 is success, the rest are quillcache.errors classes (``status``)."
 
 
 class PinMode(enum.IntEnum):

@@ -38,7 +38,8 @@ from quillcache.errors import InvalidArgument, NotFound, QuillCacheError, ReadOn
 from quillcache.model import KvBlockKey, decode_key, encode_key
 from quillcache.store.commit import GroupCommitter
 
-__all__ = ["SsdTier", "crc32c", "DATA_NAME", "CHECKPOINT_NAME", "WAL_DIR_NAME"]
+__all__ = ["SsdTier", "crc32c", "DATA_NAME", "CHECKPOINT_NAME", "WAL_DIR_NAME", "CorruptCheckpoint",
+           "read_checkpoint", "Replay"]
 
 log = logging.getLogger("quillcache.store.ssd")
 
@@ -338,54 +339,36 @@ class SsdTier:
         faults.journal_sync(covered)
         self._counters["data_syncs"] += 1
 
+    # ---- settings changed at run time --------------------------------------------------------------
+    def set_commit_window(self, seconds: float) -> None:
+        """The group commit's window (``[wal] commit_window``) for the commits that start from now."""
+        if not 0 <= seconds <= 1.0:
+            raise InvalidArgument(f"commit window {seconds!r}: must be in [0, 1] seconds")
+        c = self._committer
+        c.window_s = 0.0 if c.sync == "always" else float(seconds)   # sync=always commits each put alone
+
     # ---- recovery ------------------------------------------------------------------------------------
     def _load_checkpoint(self):
         tmp = os.path.join(os.path.dirname(self.checkpoint_path), CHECKPOINT_TMP)
         if os.path.exists(tmp):
             os.unlink(tmp)                  # a checkpoint that never got renamed: not ours to use
-        if not os.path.exists(self.checkpoint_path):
-            return 0, {}
-        with open(self.checkpoint_path, "rb") as f:
-            blob = f.read()
-        where = f"checkpoint {self.checkpoint_path}"
-        if len(blob) < _CKPT_HEAD.size + 4 or crc32c(memoryview(blob)[:-4]) != _U32.unpack_from(blob, len(blob) - 4)[0]:
-            raise QuillCacheError(f"{where} is corrupt (checksum mismatch): refusing to start; "
-                                  f"move it away to recover from the WAL alone")
-        magic, version, unit, capacity, lsn, count = _CKPT_HEAD.unpack_from(blob, 0)
-        if magic != CKPT_MAGIC or version != CKPT_VERSION:
-            raise QuillCacheError(f"{where}: not a version {CKPT_VERSION} checkpoint")
-        if unit != self.unit:
-            raise InvalidArgument(f"{where} was written with unit={unit}, opened with unit={self.unit}")
-        entries = {}
-        pos = _CKPT_HEAD.size
-        for _ in range(count):
-            klen, off, length, crc, elsn = _CKPT_ENTRY.unpack_from(blob, pos)
-            pos += _CKPT_ENTRY.size
-            entries[blob[pos:pos + klen]] = [off, length, crc, elsn]
-            pos += klen
+        lsn, unit, entries = read_checkpoint(self.checkpoint_path)
+        if unit is not None and unit != self.unit:
+            raise InvalidArgument(f"checkpoint {self.checkpoint_path} was written with unit={unit}, "
+                                  f"opened with unit={self.unit}")
         return lsn, entries
 
     def _recover(self, max_blocks: Optional[int]) -> None:
         t0 = time.perf_counter()
         ckpt_lsn, entries = self._load_checkpoint()
         reader = WalReader(self.wal_dir)
-        replayed = 0
+        replay = Replay(ckpt_lsn, entries)
         for lsn, payload in reader:
-            if lsn <= ckpt_lsn:
-                continue                     # the checkpoint already reflects it
-            replayed += 1
-            try:
-                rec = decode_record(payload)
-            except ValueError as exc:
-                log.error("WAL record at lsn %#x is malformed (%s): skipped", lsn, exc)
-                self._counters["wal_corrupt_bytes"] += len(payload)
-                continue
-            if rec[0] == "put":
-                entries[rec[1]] = [rec[2], rec[3], rec[4], lsn]
-            else:
-                cur = entries.get(rec[1])
-                if cur is not None and (rec[2] == ANY_OFFSET or rec[2] == cur[0]):
-                    del entries[rec[1]]
+            replay(lsn, payload)
+        replayed = replay.replayed
+        for lsn, nbytes, why in replay.malformed:
+            log.error("WAL record at lsn %#x is malformed (%s): skipped", lsn, why)
+            self._counters["wal_corrupt_bytes"] += nbytes
         for nbytes, reason in reader.corruption:
             log.error("WAL %s: %d bytes dropped (%s)", self.wal_dir, nbytes, reason)
             self._counters["wal_corrupt_bytes"] += nbytes
@@ -803,3 +786,70 @@ def _ignore_result(fut: asyncio.Future) -> None:
 
 def _round_up(n: int, unit: int) -> int:
     return (n + unit - 1) // unit * unit
+
+
+# ---- checkpoint + WAL replay: the tier's recovery and `quillctl wal verify` share these ---------
+class CorruptCheckpoint(QuillCacheError):
+    """A checkpoint the tier refuses to start on; ``problem`` says why in a few words."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"checkpoint {path} is corrupt ({problem}): refusing to start; "
+                         f"move it away to recover from the WAL alone")
+
+
+def read_checkpoint(path: str) -> tuple[int, Optional[int], dict]:
+    """``(lsn, unit, {key bytes: [offset, length, crc, lsn]})`` of the checkpoint at ``path``;
+    ``(0, None, {})`` when there is none.  Raises CorruptCheckpoint (never a struct error on
+    bad bytes) and OSError when the file cannot be read."""
+    if not os.path.exists(path):
+        return 0, None, {}
+    with open(path, "rb") as f:
+        blob = f.read()
+    if len(blob) < _CKPT_HEAD.size + 4 or crc32c(memoryview(blob)[:-4]) != _U32.unpack_from(blob, len(blob) - 4)[0]:
+        raise CorruptCheckpoint(path, "checksum mismatch")
+    magic, version, unit, _capacity, lsn, count = _CKPT_HEAD.unpack_from(blob, 0)
+    if magic != CKPT_MAGIC or version != CKPT_VERSION:
+        raise CorruptCheckpoint(path, f"not a version {CKPT_VERSION} checkpoint")
+    entries = {}
+    pos, end = _CKPT_HEAD.size, len(blob) - 4
+    for _ in range(count):
+        if pos + _CKPT_ENTRY.size > end:
+            raise CorruptCheckpoint(path, "shorter than its entry count")
+        klen, off, length, crc, elsn = _CKPT_ENTRY.unpack_from(blob, pos)
+        pos += _CKPT_ENTRY.size
+        if pos + klen > end:
+            raise CorruptCheckpoint(path, "shorter than its entry count")
+        entries[blob[pos:pos + klen]] = [off, length, crc, elsn]
+        pos += klen
+    return lsn, unit, entries
+
+
+class Replay:
+    """The tier's block map rebuilt from a checkpoint and the WAL records after it, exactly
+    as recovery does it: call it with every ``(lsn, payload)`` a WalReader yields."""
+
+    def __init__(self, checkpoint_lsn: int, entries: dict) -> None:
+        self.checkpoint_lsn = checkpoint_lsn
+        self.entries = entries                  # key bytes -> [offset, length, crc, lsn]
+        self.replayed = self.puts = self.removes = 0
+        self.malformed: list[tuple[int, int, str]] = []     # (lsn, bytes, why) of skipped records
+
+    def __call__(self, lsn: int, payload) -> None:
+        if lsn <= self.checkpoint_lsn:
+            return                              # the checkpoint already reflects it
+        self.replayed += 1
+        try:
+            rec = decode_record(payload)
+        except ValueError as exc:
+            self.malformed.append((lsn, len(payload), str(exc)))
+            return
+        if rec[0] == "put":
+            self.puts += 1
+            self.entries[rec[1]] = [rec[2], rec[3], rec[4], lsn]
+        else:
+            self.removes += 1
+            cur = self.entries.get(rec[1])
+            if cur is not None and (rec[2] == ANY_OFFSET or rec[2] == cur[0]):
+                del self.entries[rec[1]]

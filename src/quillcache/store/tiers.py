@@ -37,7 +37,8 @@ from typing import Callable, Iterable, Optional
 from quillcache.errors import Busy, CapacityError, InvalidArgument, NotFound, QuillCacheError
 from quillcache.index.art import ArtIndex
 from quillcache.model import (
-    CacheTier, IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope, encode_scope_prefix,
+    MAX_PIN_TTL_S, CacheTier, IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope,
+    encode_scope_prefix,
 )
 from quillcache.store.dram import ARENA_UNIT, DEFAULT_PUT_TIMEOUT_S, DramTier, PendingPut, Slot
 from quillcache.store.guard import LOCAL_HOLDER, IdentityGuard, miss_error
@@ -52,7 +53,6 @@ DEFAULT_LEASE_S = 10.0               # seconds a get's view stays valid
 DEFAULT_MAX_BLOCK_BYTES = 16 << 20   # bytes: largest block (capped at the dram capacity)
 DEFAULT_MAX_LEASES = 65_536          # leases alive at once
 DEFAULT_MAX_INFLIGHT_PUTS = 4_096    # puts between start and end at once
-MAX_PIN_TTL_S = 7 * 24 * 3600.0      # seconds: longest pin
 MAX_LEASE_S = 3600.0                 # seconds: longest lease
 MAX_PREFIX_KEYS = 65_536             # keys in one exists_prefix call
 MAX_LIST_PAGE = 65_536               # keys in one list_page call
