@@ -427,7 +427,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("cluster", "lease_ttl", _duration_range(1.0, 60.0), "3s", False,
        "TTL of the etcd lease under this node's record (kept alive every TTL/3); a dead node "
        "leaves the view within this."),
-    _s("cluster", "hop_timeout", _duration_range(0.01, 30.0), "1s", True,
+    _s("cluster", "hop_timeout", _duration_range(0.01, 30.0), "1s", False,
        "Deadline of one node-to-node request (locate, fetch, announce)."),
     _s("cluster", "replicas", _int_range(1, 16), 1, False,
        "Copies of each put block: the first where placement says, the others on the next "
@@ -435,12 +435,12 @@ SETTINGS: tuple[Setting, ...] = (
     _s("cluster", "placement", _choice("local", "hashed"), "local", False,
        "local: the node a client writes to keeps the first copy (no hop on the put path); "
        "hashed: the first copy also goes to the key's first node in rendezvous order."),
-    _s("cluster", "cache_remote", _bool, True, True,
+    _s("cluster", "cache_remote", _bool, True, False,
        "Keep a local copy of a block fetched from another node."),
     _s("cluster", "credential", _string, "", False,
        "Shared secret that nodes present to each other (at least 16 characters; required "
        "when enabled)."),
-    _s("cluster", "reannounce_rate", _int_range(1, 1 << 24), 20000, True,
+    _s("cluster", "reannounce_rate", _int_range(1, 1 << 24), 20000, False,
        "Records per second a node re-announces to their new homes after a membership change."),
 )
 

@@ -11,7 +11,7 @@ from quillcache.control.events import (
     AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventConsumer, EventDecodeError,
     EventLimits, EventPublisher, decode_batch, encode_batch, encode_seq,
 )
-from tests.conftest import free_port
+from tests._support.net import free_port
 
 
 def tcp():

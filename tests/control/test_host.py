@@ -15,12 +15,8 @@ from quillcache.control.events import (
 from quillcache.control.indexer import chain_hashes
 from quillcache.errors import InvalidArgument
 from quillcache.model import IdentityScope, KvBlockKey
-from tests.conftest import free_port
-
-try:                                   # the shared test-support module, once it exists
-    from tests._support.daemon import QUILLCACHED, Daemon
-except ImportError:
-    from tests.test_daemon import QUILLCACHED, Daemon
+from tests._support.daemon import QUILLCACHED, Daemon
+from tests._support.net import free_port
 
 BS = 4
 ACME = IdentityScope("llama", "llama-tok", None, "acme")

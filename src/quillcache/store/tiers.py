@@ -313,10 +313,14 @@ class LocalKvStore:
     def _add_entry(self, entry: _Entry) -> None:
         self._entries[entry.key] = entry
         self._record(entry)
+        self._tell_added(entry.key, entry.size)
+
+    def _tell_added(self, key: KvBlockKey, size: int) -> None:
+        """A key became resident here: the residency publisher and the cluster hear of it."""
         if self.on_residency is not None:
-            self.on_residency(True, entry.key)
+            self.on_residency(True, key)
         if self._on_added is not None:
-            self._on_added(entry.key, entry.size)
+            self._on_added(key, size)
 
     def _drop_entry(self, key: KvBlockKey) -> Optional[_Entry]:
         entry = self._entries.pop(key, None)
@@ -607,8 +611,7 @@ class LocalKvStore:
         if entry is None:
             entry = _Entry(key, handle.size, version, now)
             self._entries[key] = entry                 # recorded in the index below
-            if self._on_added is not None:
-                self._on_added(key, handle.size)
+            self._tell_added(key, handle.size)
         else:
             stale_ssd = entry.ssd_version is not None and not ssd_written
             entry.size = handle.size
