@@ -16,8 +16,6 @@ from tests._support.daemon import Daemon
 from tests._support.data import content, key
 from tests._support.metrics import metric_value, scrape
 
-pytest.importorskip("quillcache.store.ssd")
-
 MiB = 1 << 20
 
 
