@@ -2,6 +2,7 @@
 import click
 
 from quillcache.config import DEFAULT_ADDRESS
+from quillcache.exitcodes import QUILLCTL_EXIT_CODES
 
 from quillcache_cli.ctl_bench import bench_command
 from quillcache_cli.ctl_config import auth_group, config_group
@@ -32,14 +33,25 @@ def main(ctx, addr, token, timeout, as_json):
     Every field is taken verbatim, so model ids with "/" need no quoting; or --key HEX, the
     encoded key that `ls --json` prints.
 
-    Exit codes: 0 ok, 1 the node refused the request, 2 bad usage, 3 key not found,
-    4 unsafe reuse refused, 5 permission denied, 6 node full, 65 corrupt data (wal verify),
-    69 node unreachable, 70 protocol or internal error, 74 local file error, 75 timed out,
-    78 bad configuration.
+    {exit_codes}
     """
     ctx.obj = {"addr": addr, "token": token, "timeout": timeout, "json": as_json}
 
 
+def _exit_codes_paragraph(width: int = 88) -> str:
+    """The help's exit-code paragraph, from quillcache.exitcodes (the one list)."""
+    words = ("Exit codes: " + ", ".join(f"{code} {meaning}" for code, meaning in QUILLCTL_EXIT_CODES) + ".").split()
+    lines, line = [], ""
+    for w in words:
+        if line and len(line) + 1 + len(w) > width:
+            lines.append(line)
+            line = w
+        else:
+            line = f"{line} {w}" if line else w
+    return "\n    ".join([*lines, line])
+
+
+main.help = main.help.replace("{exit_codes}", _exit_codes_paragraph())
 main.add_command(config_group)
 main.add_command(auth_group)
 for _cmd in DATA_COMMANDS:

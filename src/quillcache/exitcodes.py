@@ -6,7 +6,8 @@ re-exports this module for the command-line code.
 from __future__ import annotations
 
 __all__ = ["OK", "FAILURE", "USAGE", "NOT_FOUND", "UNSAFE_REUSE", "PERMISSION", "CAPACITY", "DATAERR",
-           "UNAVAILABLE", "SOFTWARE", "IOERR", "TEMPFAIL", "CONFIG", "QUILLCACHED_EXIT_CODES"]
+           "UNAVAILABLE", "SOFTWARE", "IOERR", "TEMPFAIL", "CONFIG", "QUILLCACHED_EXIT_CODES",
+           "QUILLCTL_EXIT_CODES"]
 
 OK = 0
 FAILURE = 1           # the request was answered with an error (not found, refused, ...)
@@ -34,4 +35,13 @@ QUILLCACHED_EXIT_CODES = (
     (CONFIG, "invalid configuration (the message names file, section, key and value), or one that the "
              "machine or the data directory contradicts: the address is in use, permission denied, "
              "an SSD capacity or unit that does not fit the data already there"),
+)
+
+# (code, meaning) for quillctl --help and quillctl(1)
+QUILLCTL_EXIT_CODES = (
+    (OK, "ok"), (FAILURE, "the node refused the request"), (USAGE, "bad usage"), (NOT_FOUND, "key not found"),
+    (UNSAFE_REUSE, "unsafe reuse refused"), (PERMISSION, "permission denied"), (CAPACITY, "node full"),
+    (DATAERR, "corrupt data (wal verify)"), (UNAVAILABLE, "node unreachable"),
+    (SOFTWARE, "protocol or internal error"), (IOERR, "local file error"), (TEMPFAIL, "timed out"),
+    (CONFIG, "bad configuration"),
 )
