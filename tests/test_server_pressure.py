@@ -16,8 +16,6 @@ from tests._support.daemon import Daemon
 from tests._support.data import content, key
 from tests._support.metrics import metric_value, scrape
 
-import quillcache.store.ssd  # noqa: E402,F401  (a broken build fails loudly, tests/test__sourcecode.py)
-
 MiB = 1 << 20
 
 
