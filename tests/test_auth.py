@@ -75,6 +75,7 @@ def test_reconfigure_replaces_tenants():
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     tenants = "\n".join(f'[[auth.tenants]]\nname = "{n}"\ntoken = "{h}"' for n, h in TENANTS)
+    tenants += f'\n[[auth.tenants]]\nname = "engine"\ntoken = "{hash_token("engine-secret")}"\nmay_act_for = ["*"]'
     d = Daemon(tmp_path_factory.mktemp("auth"), sections={"auth": "max_failed_hellos = 3\n" + tenants})
     # [[auth.tenants]] tables must come after the [auth] keys: write the file by hand
     d.config.write_text(d.config.read_text().replace("[auth]\nmax_failed_hellos = 3\n", "") .replace(
@@ -125,6 +126,32 @@ def test_other_tenants_key_is_permission_denied_whether_or_not_it_exists(daemon)
             alice.ls(key(1, tenant="bob").scope, "p")
     with Client(daemon.addr, token="bob-secret") as bob:
         assert bob.get(key(1, tenant="bob")) == b"bob's block"
+
+
+def test_an_engine_principal_with_may_act_for_names_tenants_and_others_still_cannot(daemon):
+    with Client(daemon.addr, token="engine-secret") as engine:
+        assert engine.tenant == "engine"
+        engine.put(key(7, tenant="alice"), b"alice's block via the engine")
+        engine.put(key(7, tenant="bob"), b"bob's block via the engine")
+        assert engine.get(key(7, tenant="bob")) == b"bob's block via the engine"
+    with Client(daemon.addr, token="alice-secret") as alice:
+        assert alice.get(key(7, tenant="alice")) == b"alice's block via the engine"
+        with pytest.raises(PermissionDenied):
+            alice.get(key(7, tenant="bob"))                    # alice still acts only as herself
+        with pytest.raises(PermissionDenied):
+            alice.put(key(8, tenant="engine"), b"x")
+
+
+def test_may_act_for_is_validated_and_only_widens_the_named_principal():
+    from quillcache.config import ConversionError, _tenants
+    h = hash_token("e")
+    entries = _tenants([{"name": "eng", "token": h, "may_act_for": ["alice"]}, {"name": "alice", "token": h}])
+    auth = Authenticator(entries)
+    assert auth.may_act_for("eng", "alice") and auth.may_act_for("eng", "eng")
+    assert not auth.may_act_for("eng", "bob") and not auth.may_act_for("alice", "eng")
+    for bad in ("*", ["bad name!"], [1]):
+        with pytest.raises(ConversionError):
+            _tenants([{"name": "eng", "token": h, "may_act_for": bad}])
 
 
 def test_failed_hellos_past_the_limit_close_the_connection_at_once(tmp_path):

@@ -49,10 +49,13 @@ class Authenticator:
         """(Re)load the tenant table and the limit (SIGHUP)."""
         table = []
         shm = set()
+        act: dict[str, frozenset] = {}
         for entry in tenants:
             name, stored = entry[0], entry[1]
             if len(entry) > 2 and entry[2]:
                 shm.add(name)           # (name, token, True): its Unix-socket clients may map
+            if len(entry) > 3 and entry[3]:
+                act[name] = frozenset(entry[3])    # (..., shm, names): it may act for these tenants
             if not isinstance(stored, str) or not stored.startswith(_HASH_PREFIX) \
                     or len(stored) != len(_HASH_PREFIX) + 64:
                 raise InvalidArgument(f"tenant {name!r}: token must be stored as sha256:<64 hex>")
@@ -61,6 +64,7 @@ class Authenticator:
             raise InvalidArgument(f"max_failed_hellos {max_failed_hellos!r}: must be a positive integer")
         self._tenants = tuple(table)
         self._shm = frozenset(shm)
+        self._act_for = act
         self.max_failed_hellos = max_failed_hellos
 
     @property
@@ -75,6 +79,14 @@ class Authenticator:
         """Whether a Unix-socket client bound to ``tenant`` may map the arena (docs/shm.md):
         every client in open mode (the socket's mode is the fence), else tenants with shm."""
         return self.open_mode or tenant in self._shm
+
+    def may_act_for(self, principal: Optional[str], tenant: str) -> bool:
+        """Whether a connection bound to ``principal`` may use keys of ``tenant``: itself
+        always; others only where its entry says ``may_act_for`` (docs/engines.md)."""
+        if tenant == principal:
+            return True
+        names = self._act_for.get(principal or "")
+        return names is not None and ("*" in names or tenant in names)
 
     def has_tenant(self, name: str) -> bool:
         return any(n == name for n, _ in self._tenants)

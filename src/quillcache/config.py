@@ -207,10 +207,15 @@ def _tenants(value: Any) -> tuple[tuple[str, str], ...]:
     seen = set()
     out = []
     for i, item in enumerate(value):
-        if not isinstance(item, dict) or not {"name", "token"} <= set(item) <= {"name", "token", "shm"}:
-            raise ConversionError(f"entry {i} must have name and token, and may have shm (e.g. {example})")
+        if not isinstance(item, dict) or not {"name", "token"} <= set(item) <= {"name", "token", "shm", "may_act_for"}:
+            raise ConversionError(f"entry {i} must have name and token, and may have shm and may_act_for "
+                                  f"(e.g. {example})")
         if not isinstance(item.get("shm", False), bool):
             raise ConversionError(f"entry {i}: shm must be true or false")
+        act = item.get("may_act_for", [])
+        if not isinstance(act, list) or not all(isinstance(a, str) and (a == "*" or _TENANT_RE.match(a))
+                                                for a in act):
+            raise ConversionError(f"entry {i}: may_act_for must be a list of tenant names or [\"*\"]")
         name, token = item["name"], item["token"]
         if not isinstance(name, str) or not _TENANT_RE.match(name):
             raise ConversionError(f"entry {i}: tenant name {name!r} must be 1-64 of A-Z a-z 0-9 _ . -")
@@ -220,8 +225,12 @@ def _tenants(value: Any) -> tuple[tuple[str, str], ...]:
         if name in seen:
             raise ConversionError(f"entry {i}: tenant {name!r} is listed twice")
         seen.add(name)
-        # (name, token), or (name, token, True) for a tenant whose clients may map the arena
-        out.append((name, token, True) if item.get("shm") else (name, token))
+        # (name, token), or (name, token, True) for a tenant whose clients may map the arena,
+        # then the tenants it may act for (an engine serving many tenants), when it has any
+        entry = (name, token, True) if item.get("shm") else (name, token)
+        if act:
+            entry = (name, token, bool(item.get("shm")), tuple(act))
+        out.append(entry)
     return tuple(out)
 
 
@@ -375,7 +384,9 @@ SETTINGS: tuple[Setting, ...] = (
        "Address of the /metrics HTTP endpoint."),
     _s("auth", "tenants", _tenants, [], True,
        "Tenants as [[auth.tenants]] tables with name and token (a hash: quillctl auth hash-token), "
-       "and shm = true where that tenant's Unix-socket clients may map the DRAM arena."),
+       "and shm = true where that tenant's Unix-socket clients may map the DRAM arena; "
+       "may_act_for = [\"*\"] (or a list of names) lets that principal (an engine) name those tenants "
+       "in its keys."),
     _s("auth", "max_failed_hellos", _int_range(1, 1 << 20), 10, True,
        "Failed HELLOs per peer address per minute before that peer is refused."),
     _s("router", "module", _router_module, "none", False,

@@ -525,7 +525,8 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
     def _own(self, tenant_id: str) -> None:
         # Decided on the key alone, before the store is consulted: the refusal cannot tell
         # whether the other tenant has the block.
-        if not self.node.auth.open_mode and tenant_id != self.tenant and not self.peer_node:
+        if not self.node.auth.open_mode and tenant_id != self.tenant and not self.peer_node \
+                and not self.node.auth.may_act_for(self.tenant, tenant_id):
             raise PermissionDenied("the key names another tenant than this connection's")
 
     # ------------------------------------------------------------------ PUT / PUT_MANY
