@@ -74,14 +74,17 @@ def test_same_tenant_reuses_another_tenant_is_refused_credit():
 
 def test_predictions_are_dropped_when_the_engine_events_contradict_them():
     async def main():
-        # A cache of 40 blocks: the second long prompt evicts the first from the engine.
-        async with harness(n=1, capacity_blocks=40) as h:
-            await h.complete(PROMPT, "acme", stream=False)
+        # A cache of 48 blocks: the second long prompt (38 blocks) evicts the first (33) from it.
+        async with harness(n=1, capacity_blocks=48) as h:
+            st, _, _ = await h.complete(PROMPT, "acme", stream=False)
+            assert st == 200
             await asyncio.sleep(0.2)
             _, hd, _ = await h.complete(PROMPT + "x", "acme")
             assert int(decision(hd)["local-hits"]) == len(PROMPT) // 16
-            await h.complete("lazy dog over the fox " * 30, "acme", stream=False)   # evicts PROMPT
-            await asyncio.sleep(2.5)          # CONFIRM_AFTER_S: the sweep checks the events
+            st, _, body = await h.complete("lazy dog over the fox " * 28, "acme", stream=False)
+            assert st == 200, body
+            # CONFIRM_AFTER_S, then up to one SWEEP_INTERVAL_S: the sweep checks the events.
+            await asyncio.sleep(3.5)
             _, hd, _ = await h.complete(PROMPT + "y", "acme")
             assert int(decision(hd)["local-hits"]) < len(PROMPT) // 16
     run(main())
@@ -189,7 +192,10 @@ def test_models_health_metrics_and_workers():
                          "quillcache_gateway_reuse_refused_blocks_total", "quillcache_gateway_slo_requests_total",
                          "quillcache_gateway_upstream_errors", "quillcache_gateway_retries_total"):
                 assert name in text, name
-            assert 'quillcache_gateway_slo_requests_total{met="true"} 1.0' in text
+            # One streamed request finished: counted once, met or not (its TTFT depends on the load).
+            met = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("quillcache_gateway_slo_requests_total{")]
+            assert sum(met) == 1.0
     run(main())
 
 
