@@ -181,3 +181,23 @@ def test_lmcache_remote_backend_stores_and_retrieves_through_the_plugin(node, lo
     finally:
         rb.close()
         other.close()
+
+
+def test_lmcache_plugin_value_that_does_not_decode_is_a_counted_miss(node, loop):
+    from quillcache import Client
+    conn, cpu, md = plugin(node, loop)
+    try:
+        qc = conn._connector
+        key, cut = (CacheEngineKey("m", 1, 0, h, torch.bfloat16) for h in (99, 100))
+        a = chunk(cpu, md, 4)
+        put(loop, conn, cut, a)
+        with Client(node.addr) as c:
+            whole = c.get(qc.block_key(cut))
+            c.put(qc.block_key(key), b"not an LMCache chunk")            # foreign bytes under the key
+            c.put(qc.block_key(cut), whole[:-2])                         # a value cut short
+        assert conn.exists_sync(key) and run(loop, conn.get(key)) is None
+        assert run(loop, conn.batched_get([cut, key])) == [None, None]
+        assert qc.stats()["bad_values"] == 2
+        a.ref_count_down()
+    finally:
+        run(loop, conn.close())

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import threading
+from concurrent.futures import Future
 from typing import Any, List, Optional
 
 import torch
@@ -175,16 +176,19 @@ class QuillCacheRemoteConnector(RemoteConnector):
         def take(i: int, view: memoryview) -> bool:          # on the core's I/O thread
             head = decode_header(view)
             obj = None
-            if head is not None:
-                shapes, dtypes, fmt, hlen = head
-                obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False)
-                if obj is not None and memoryview(obj.byte_array).nbytes != view.nbytes - hlen:
+            try:
+                if head is not None:
+                    shapes, dtypes, fmt, hlen = head
+                    obj = self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False)
+                    if obj is not None:
+                        memoryview(obj.byte_array).cast("B")[:] = view[hlen:]   # sizes differ: raises
+            except Exception:            # LMCache's allocator refusing: a miss, never the engine's error
+                if obj is not None:
                     obj.ref_count_down()
-                    obj = None
+                obj = None
             if obj is None:
                 self.bad_values += 1
                 return False
-            memoryview(obj.byte_array).cast("B")[:] = view[hlen:]
             with lock:
                 if abandoned[0]:
                     obj.ref_count_down()
@@ -204,10 +208,16 @@ class QuillCacheRemoteConnector(RemoteConnector):
         ``InstrumentedRemoteConnector`` drops it as soon as put returns, also after our
         deadline), so the save holds one of its own until the I/O thread is done with the
         bytes: a late send never reads a buffer LMCache has already reused."""
+        try:
+            bufs = [(encode_header(o), memoryview(o.byte_array).cast("B")) for o in objs]
+        except (ValueError, KeyError):   # a layout the header cannot describe: stored nowhere
+            self.core.count("save_errors")
+            done: Future = Future()
+            done.set_result(False)
+            return done
         for o in objs:
             o.ref_count_up()
         try:
-            bufs = [(encode_header(o), memoryview(o.byte_array).cast("B")) for o in objs]
             fut = self.core.save_async([self.block_key(k) for k in keys], bufs)
         except BaseException:
             for o in objs:
