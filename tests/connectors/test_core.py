@@ -90,3 +90,23 @@ def test_a_dead_node_is_a_counted_miss_not_an_exception(tmp_path):
         core.close()
         if d.proc is not None and d.proc.poll() is None:
             d.stop()
+
+
+@pytest.mark.parametrize("via", ["tcp", "unix"])
+def test_parts_are_stored_as_one_value_and_fetch_stops_at_the_first_miss(node, via):
+    core = ConnectorCore(addresses(node)[via], timeout=5.0)
+    try:
+        keys = chain_keys(ident(tenant=f"parts-{via}"), [bytes([0xA0 + i]) * 32 for i in range(3)], block_size=16)
+        head, (a, b) = b"HDR!", blocks(2, 7)
+        assert core.save(keys[:2], [(head, a), (head, b[:100])])      # two sizes, header + payload
+        seen = []
+
+        def take(i, view):
+            seen.append(bytes(view))
+            return True
+
+        assert core.fetch_async(keys, take).result(10) == 2
+        assert seen == [head + a.tobytes(), head + b[:100].tobytes()]
+        assert core.fetch_async(keys, lambda i, v: i == 0).result(10) == 1     # take refuses: stops
+    finally:
+        core.close()

@@ -28,7 +28,7 @@ from quillcache.errors import QuillCacheError
 from quillcache.model import KvBlockKey
 
 __all__ = ["TENANT_SALT_PREFIX", "TENANT_ARG", "model_scope", "hash_hex", "tenant_from_salt",
-           "tenant_from_args", "batch_len", "Identity", "chain_keys", "ConnectorCore"]
+           "tenant_from_args", "value_nbytes", "batch_len", "Identity", "chain_keys", "ConnectorCore"]
 
 TENANT_SALT_PREFIX = "tenant="      # cache_salt "tenant=<id>[;anything]" names the tenant
 TENANT_ARG = "quillcache_tenant"    # or the request's extra args / kv_transfer_params carry it
@@ -72,9 +72,17 @@ def tenant_from_args(args: Optional[dict], default: str = "") -> str:
     return default
 
 
+def value_nbytes(buffer: Any) -> int:
+    """The size of one value: a buffer, or a tuple of buffers stored back to back (a header
+    and its payload, without joining them first)."""
+    if isinstance(buffer, tuple):
+        return sum(memoryview(p).nbytes for p in buffer)
+    return memoryview(buffer).nbytes
+
+
 def batch_len(buffers: Sequence) -> int:
     """Blocks per request for blocks of this size (engines use one block size)."""
-    size = memoryview(buffers[0]).nbytes if buffers else 1
+    size = value_nbytes(buffers[0]) if buffers else 1
     return max(1, min(BATCH_BLOCKS, BATCH_BYTES // max(size, 1)))
 
 
@@ -120,6 +128,10 @@ class ConnectorCore:
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Count an error an adapter saw itself (a deadline it enforced on its own loop)."""
+        self._count(name, n)
 
     def _conn(self):
         if self._client is None:
@@ -204,6 +216,36 @@ class ConnectorCore:
                 n += 1
         return n
 
+    def _fetch(self, keys: list[KvBlockKey], take) -> int:
+        """Values of unknown size: ``take(i, view)`` gets keys[i]'s bytes (a read-only view,
+        valid during the call only) and returns False to stop; returns the count of leading
+        keys taken (0 after any error: the caller releases whatever it kept)."""
+        self._count("loads")
+        if not keys:
+            return 0
+        n = 0
+        try:
+            c = self._conn()
+            for i in range(0, len(keys), BATCH_BLOCKS):
+                chunk = keys[i:i + BATCH_BLOCKS]
+                with c.get_many_located(chunk) as views:
+                    got = 0
+                    for v in views:
+                        if v is None or not take(n + got, v):
+                            break
+                        got += 1
+                # counted only here: leaving the block checks the lease (a late one may have
+                # let the bytes be overwritten), so nothing counts until it returned
+                n += got
+                if got < len(chunk):
+                    break
+        except (QuillCacheError, OSError):
+            self._count("load_errors")
+            self._drop()
+            return 0
+        self._count("loaded_blocks", n)
+        return n
+
     def _save(self, keys: list[KvBlockKey], buffers: list) -> bool:
         self._count("saves")
         if not keys:
@@ -214,12 +256,16 @@ class ConnectorCore:
             for i in range(0, len(keys), step):
                 ks, bs = keys[i:i + step], buffers[i:i + step]
                 if getattr(c, "shm", False):
-                    srcs = [memoryview(b).cast("B") for b in bs]
-                    with c.put_many_reserved([(k, s.nbytes) for k, s in zip(ks, srcs)]) as slots:
+                    srcs = [[memoryview(p).cast("B") for p in (b if isinstance(b, tuple) else (b,))] for b in bs]
+                    sizes = [sum(p.nbytes for p in s) for s in srcs]
+                    with c.put_many_reserved(list(zip(ks, sizes))) as slots:
                         for slot, s in zip(slots, srcs):
-                            slot[:] = s
+                            at = 0
+                            for p in s:
+                                slot[at:at + p.nbytes] = p
+                                at += p.nbytes
                 else:
-                    c.put_many(list(zip(ks, bs)))
+                    c.put_many([(k, b"".join(b) if isinstance(b, tuple) else b) for k, b in zip(ks, bs)])
         except (QuillCacheError, OSError):
             self._count("save_errors")
             self._drop()
@@ -231,19 +277,28 @@ class ConnectorCore:
 
     def lookup(self, keys: Iterable[KvBlockKey]) -> int:
         """The length of the present prefix (0 on any failure); waits at most ``timeout``."""
-        keys = list(keys)
         try:
-            return self._io.submit(self._lookup, keys).result(self.timeout + 1.0)
+            return self.lookup_async(keys).result(self.timeout + 1.0)
         except TimeoutError:
             self._count("lookup_errors")
             return 0
+
+    def lookup_async(self, keys: Iterable[KvBlockKey]) -> Future:
+        """Start a prefix lookup; the future's result is the length of the present prefix."""
+        return self._io.submit(self._lookup, list(keys))
+
+    def fetch_async(self, keys: Iterable[KvBlockKey], take) -> Future:
+        """Start a load of values whose size the caller learns from the bytes (see ``_fetch``);
+        ``take`` runs on the I/O thread.  The future's result is the count of leading keys taken."""
+        return self._io.submit(self._fetch, list(keys), take)
 
     def load_async(self, keys: Iterable[KvBlockKey], buffers: Sequence) -> Future:
         """Start a load; the future's result is the count of leading blocks loaded."""
         return self._io.submit(self._load, list(keys), list(buffers))
 
     def save_async(self, keys: Iterable[KvBlockKey], buffers: Sequence) -> Future:
-        """Start a save; the buffers must stay unchanged until the future is done."""
+        """Start a save; the buffers must stay unchanged until the future is done.  A buffer
+        may be a tuple of parts, stored as one value (``value_nbytes``)."""
         return self._io.submit(self._save, list(keys), list(buffers))
 
     def wait(self, fut: Future, *, what: str = "load") -> Any:
@@ -253,6 +308,18 @@ class ConnectorCore:
         except TimeoutError:
             self._count(f"{what}_errors")
             return 0 if what == "load" else False
+
+    def _list(self, scope) -> list[KvBlockKey]:
+        try:
+            return self._conn().ls(scope)
+        except (QuillCacheError, OSError):
+            self._count("lookup_errors")
+            self._drop()
+            return []
+
+    def list_keys_async(self, scope) -> Future:
+        """Start a listing of the keys of one identity scope (``[]`` on any failure)."""
+        return self._io.submit(self._list, scope)
 
     def load(self, keys, buffers) -> int:
         return self.wait(self.load_async(keys, buffers), what="load")
