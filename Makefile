@@ -92,8 +92,8 @@ engines: build $(ESTAMP)
 $(ESTAMP): requirements/engines.txt pyproject.toml setup.py
 	$(PYTHON) -m venv $(ENGINES_VENV)
 	$(ENGINES_VENV)/bin/pip install -q --no-deps $(ENGINES_TORCH)
-	$(EPY) -c 'import sys, torch; sys.exit("CUDA torch installed: " + str(torch.version.cuda) if torch.version.cuda else 0)'
 	$(ENGINES_VENV)/bin/pip install -q --no-deps -r requirements/engines.txt
+	$(EPY) -c 'import sys, torch; sys.exit("CUDA torch installed: " + str(torch.version.cuda) if torch.version.cuda else 0)'
 	$(ENGINES_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	VLLM_TARGET_DEVICE=cpu $(EPY) -c 'import vllm, sglang, lmcache, torch; print("engines venv:", "vllm", vllm.__version__, "sglang", sglang.__version__, "torch", torch.__version__)'
 	touch $(ESTAMP)
