@@ -637,26 +637,16 @@ class Client(_Ops):
         ``get_many`` copies, read-only."""
         keys = list(keys)
         if self._arena is None:
-            out = client_shm.LocatedViews(None if v is None else v.toreadonly() for v in self.get_many(keys))
-            out.extents = [None] * len(out)
-            yield out
+            yield client_shm.LocatedViews.copies(self.get_many(keys))
             return
         loc = self._drive(client_shm.located_flow(self, keys))
-        view = self._arena.view
-        out = client_shm.LocatedViews(None if e is None else view[e[0]:e[0] + e[1]].toreadonly()
-                                      for e in loc.extents)
-        out.extents = loc.extents
+        out = client_shm.LocatedViews.of_arena(self._arena.view, loc.extents)
         ok = False
         try:
             yield out
             ok = True
         finally:
-            for v in out:
-                if v is not None:
-                    try:
-                        v.release()
-                    except BufferError:
-                        pass          # the caller kept a derived view: its own hazard (docs/shm.md)
+            out.release_views()
             if loc.lease_ids and not self._conn.closed and self._conn.failed is None:
                 self._drive(client_shm.release_flow(self, loc.lease_ids))
         if ok:
@@ -1037,26 +1027,16 @@ class AsyncClient(_Ops):
         """``Client.get_many_located``, as an async context manager."""
         keys = list(keys)
         if self._arena is None:
-            out = client_shm.LocatedViews(None if v is None else v.toreadonly() for v in await self.get_many(keys))
-            out.extents = [None] * len(out)
-            yield out
+            yield client_shm.LocatedViews.copies(await self.get_many(keys))
             return
         loc = await self._drive(client_shm.located_flow(self, keys))
-        view = self._arena.view
-        out = client_shm.LocatedViews(None if e is None else view[e[0]:e[0] + e[1]].toreadonly()
-                                      for e in loc.extents)
-        out.extents = loc.extents
+        out = client_shm.LocatedViews.of_arena(self._arena.view, loc.extents)
         ok = False
         try:
             yield out
             ok = True
         finally:
-            for v in out:
-                if v is not None:
-                    try:
-                        v.release()
-                    except BufferError:
-                        pass
+            out.release_views()
             conn = self._conn
             if loc.lease_ids and conn is not None and not conn.closed and conn.failed is None:
                 await self._drive(client_shm.release_flow(self, loc.lease_ids))

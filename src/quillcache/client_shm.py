@@ -98,6 +98,29 @@ class LocatedViews(list):
 
     extents: list
 
+    @classmethod
+    def copies(cls, blocks) -> "LocatedViews":
+        """The TCP fallback: read-only views of ``get_many``'s copies, no extents."""
+        out = cls(None if v is None else v.toreadonly() for v in blocks)
+        out.extents = [None] * len(out)
+        return out
+
+    @classmethod
+    def of_arena(cls, arena_view: memoryview, extents) -> "LocatedViews":
+        """Read-only views into the mapped arena at the leased extents."""
+        out = cls(None if e is None else arena_view[e[0]:e[0] + e[1]].toreadonly() for e in extents)
+        out.extents = extents
+        return out
+
+    def release_views(self) -> None:
+        """Invalidate every view: one used after its lease ends raises ValueError."""
+        for v in self:
+            if v is not None:
+                try:
+                    v.release()
+                except BufferError:
+                    pass          # the caller kept a derived view: its own hazard (docs/shm.md)
+
 
 def check_lease(expires_ns: int, what: str) -> None:
     if time.monotonic_ns() >= expires_ns:
