@@ -81,16 +81,16 @@ def test_real_vllm_publisher_feeds_the_indexer_and_a_gap_is_replayed(tmp_path):
         seen.append(seq)
         idx.apply("w0", batch, scope)
 
+    toks = list(range(64))
+    blocks = [bytes([i]) * 32 for i in range(4)]
+    # Published before the SUB exists: the consumer only learns of it from the gap when a
+    # later batch arrives, and fetches it from vLLM's replay socket.
+    pub.publish(vkv.KVEventBatch(ts=0.0, events=[vkv.BlockStored(
+        block_hashes=blocks[:2], parent_block_hash=None, token_ids=toks[:32], block_size=16,
+        lora_id=None, medium="GPU", lora_name=None)]))
+    time.sleep(0.3)
     con = EventConsumer(cfg.endpoint, on_batch, replay_endpoint=cfg.replay_endpoint, topic=b"kv@w0")
     try:
-        toks = list(range(64))
-        blocks = [bytes([i]) * 32 for i in range(4)]
-        # Published before the SUB has joined: the consumer only learns of them from the
-        # gap when a later batch arrives, and fetches them from vLLM's replay socket.
-        pub.publish(vkv.KVEventBatch(ts=0.0, events=[vkv.BlockStored(
-            block_hashes=blocks[:2], parent_block_hash=None, token_ids=toks[:32], block_size=16,
-            lora_id=None, medium="GPU", lora_name=None)]))
-        time.sleep(0.3)
         con.stats.last_seq = -1          # this consumer starts at the stream's beginning
         deadline = time.monotonic() + 10
         while not seen and time.monotonic() < deadline:
