@@ -83,7 +83,7 @@ else
 	@$(MAKE) --no-print-directory engines || { echo "*** make engines failed: the engine tests need \
 	$(ENGINES_VENV) (first build downloads ~500 MB). Fix the network/index, or run \
 	'make test QUILLCACHE_NO_ENGINES=1' to run the main suite only (not a full test run). ***"; exit 1; }
-	$(EPY) -m pytest -q -m engines $(ENGINE_TESTS) $(PYTEST_ARGS)
+	VLLM_TARGET_DEVICE=cpu $(EPY) -m pytest -q -m engines $(ENGINE_TESTS) $(PYTEST_ARGS)
 endif
 
 # Built once (stamp); rebuilt when the pins or the package metadata change. torch goes first and

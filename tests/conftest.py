@@ -5,6 +5,10 @@ import pytest
 
 from tests._support.net import free_port
 
+# vLLM infers its platform when first imported, possibly while a module is being collected;
+# on these GPU-less machines it must be told before any test imports it.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
