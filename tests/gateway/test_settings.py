@@ -39,6 +39,15 @@ def test_duplicate_engine_ids_and_bad_urls_are_refused():
         load_gateway_config(text=ENGINE.replace("http://127.0.0.1:9000", "ftp://x"))
 
 
+@pytest.mark.parametrize("extra", ['block_size = 32\n', 'tokenizer = "/tmp/other.json"\n',
+                                   'chat_template = "/tmp/t.jinja"\n'])
+def test_engines_of_one_model_must_share_tokenizer_and_block_size(extra):
+    second = ENGINE.replace('"e0"', '"e1"') + extra
+    with pytest.raises(ConfigError, match="differs from engine e0's"):
+        load_gateway_config(text=ENGINE + second)
+    load_gateway_config(text=ENGINE + ENGINE.replace('"e0"', '"e1"'))      # the same: fine
+
+
 def test_node_sections_are_unknown_to_the_gateway_and_vice_versa():
     with pytest.raises(ConfigError, match=r"unknown section \[store\]"):
         load_gateway_config(text='[store]\ndram = "1GiB"\n')

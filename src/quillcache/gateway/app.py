@@ -42,7 +42,6 @@ log = logging.getLogger("quillcache.gateway")
 
 HEADER_PREFIX = "x-quillcache-"
 MAX_UPSTREAM_BODY = 64 << 20        # bytes: largest non-streamed answer passed through
-HEALTH_PROBE_S = 2.0                 # seconds: a health probe's deadline
 UNHEALTHY_RETRY_S = 5.0              # seconds: an engine that refused a connection rests this long
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
                 "server", "date"}

@@ -168,7 +168,9 @@ class GatewayRouter:
         if gone:
             mr.router.remove_blocks(p.worker, p.scope, gone, DEVICE)
 
-    def _engine_scope(self, spec, identity: IdentityScope) -> IdentityScope:
+    @staticmethod
+    def _engine_scope(identity: IdentityScope) -> IdentityScope:
+        """The scope the engine's own events are indexed under: no tenant (vLLM names none)."""
         return IdentityScope(identity.model_id, identity.tokenizer_id, identity.adapter_id, "")
 
     def sweep(self) -> int:
@@ -187,7 +189,7 @@ class GatewayRouter:
                 del self._predictions[key]           # the events' own scope: nothing to confirm
                 continue
             mr = self._of_worker[p.worker]
-            m = mr.router.find_matches(self._engine_scope(mr.specs[p.worker], p.scope), p.hashes)
+            m = mr.router.find_matches(self._engine_scope(p.scope), p.hashes)
             depth = int(m.depth(list(m.workers).index(p.worker))) if p.worker in m.workers else 0
             if depth < len(p.hashes):
                 # The engine does not hold (all of) it: keep only the confirmed prefix.

@@ -187,13 +187,20 @@ _ROUTER_POLICY = Setting("router", "policy", _policy, "quillcache", True,
 
 
 def _check_gateway(cfg) -> None:
-    models: dict[str, str] = {}
+    first: dict[str, EngineSpec] = {}         # model -> its first engine
     for spec in cfg.gateway.engines:
         for name in spec.adapters:
             if name == spec.model:
                 raise ConfigError(f"{cfg.source}: [[gateway.engines]] {spec.id}: adapter {name!r} "
                                   "is also the base model name")
-        models.setdefault(spec.model, spec.id)
+        # One tokenizer and block size per model: the gateway hashes a prompt once, with them.
+        other = first.setdefault(spec.model, spec)
+        for field in ("tokenizer", "tokenizer_id", "chat_template", "block_size"):
+            if getattr(spec, field) != getattr(other, field):
+                raise ConfigError(f"{cfg.source}: [[gateway.engines]] {spec.id}: {field} "
+                                  f"{getattr(spec, field)!r} differs from engine {other.id}'s "
+                                  f"{getattr(other, field)!r}; engines of model {spec.model!r} "
+                                  "must share it")
 
 
 GATEWAY_REGISTRY = Registry("gateway", _GATEWAY_SECTIONS,
