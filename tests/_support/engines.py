@@ -48,3 +48,61 @@ def version(name: str) -> str:
     """The installed version of an engine package, for the test's own record."""
     from importlib.metadata import version as dist_version
     return dist_version(name)
+
+
+class _Unusable:
+    """An import-time stand-in: any attribute is another stand-in, any call raises."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Unusable(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name}: torchvision is not installed in the engines' venv")
+
+
+def _unusable_module(name: str) -> ModuleType:
+    import importlib.machinery
+
+    mod = ModuleType(name)
+    mod.__path__ = []
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+
+    def attr(a: str):
+        if a.startswith("__"):
+            raise AttributeError(a)
+        return _Unusable(f"{name}.{a}")
+    mod.__getattr__ = attr
+    return mod
+
+
+TORCHVISION_NAMES = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+
+
+def import_sglang(*names: str) -> list[ModuleType]:
+    """Import SGLang modules whose import chain reaches ``sglang.srt.configs`` (the host KV
+    pools, the radix cache), whose vision-model configs import torchvision at module level.
+    torchvision has no CPU build for torch 2.13 on this index (its manylinux wheel links
+    libc10_cuda), so while these modules are imported, and only then, torchvision is an
+    import-only stand-in whose every use raises; it is removed again, so
+    ``find_spec("torchvision")`` is None for everything else (transformers decided so already)."""
+    require("sglang")
+    import transformers  # noqa: F401  (decides "no torchvision" before the stand-in exists)
+    try:
+        importlib.import_module("torchvision")
+        stub = False
+    except ImportError:
+        stub = True
+    if stub:
+        for name in TORCHVISION_NAMES:
+            sys.modules[name] = _unusable_module(name)
+    try:
+        return [importlib.import_module(n) for n in names]
+    finally:
+        if stub:
+            for name in TORCHVISION_NAMES:
+                sys.modules.pop(name, None)

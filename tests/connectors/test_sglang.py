@@ -1,5 +1,8 @@
 """The SGLang HiCache backend, built by SGLang's own StorageBackendFactory ("dynamic" backend)
-from a real HiCacheStorageConfig, against a real quillcached.  Tested against sglang 0.5.23."""
+from a real HiCacheStorageConfig, against a real quillcached.  The zero-copy v1 path runs on
+SGLang's real MHA host pool (MHATokenToKVPoolHost, built from a real CPU MHATokenToKVPool as
+SGLang's pool assembler builds it) with SGLang's real page hashes, in the HiCache controller's
+call order.  Tested against sglang 0.5.23."""
 from __future__ import annotations
 
 import pytest
@@ -21,14 +24,19 @@ def node(tmp_path):
         yield d
 
 
-def backend(node, tp_rank=0, tenant=""):
+def backend(node, tp_rank=0, tenant="", via="unix", pool=None):
+    address = f"unix:{node.data_dir / 'quillcached.sock'}" if via == "unix" else node.addr
     cfg = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
         enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny",
         extra_config={"backend_name": "quillcache", "module_path": "quillcache.connectors.sglang",
                       "class_name": "QuillCacheStorage", "interface_v1": 1, "tenant": tenant,
-                      "address": f"unix:{node.data_dir / 'quillcached.sock'}", "page_size": 16})
-    return StorageBackendFactory.create_backend("dynamic", cfg, None)
+                      "address": address, "page_size": 16})
+    s = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    if pool is not None:                 # the controller's attach order
+        s.register_mem_pool_host(pool)
+        s.on_host_pools_registered()
+    return s
 
 
 def test_sglang_backend_round_trips_pages_and_counts_consecutive_hits(node):
@@ -60,5 +68,104 @@ def test_sglang_backend_round_trips_pages_and_counts_consecutive_hits(node):
             s.batch_get_v2([])
         with pytest.raises(NotImplementedError):
             s.batch_get(keys)
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------------- interface_v1 (zero copy)
+
+PS, LAYERS, KVH, HD, DEV_TOKENS = 16, 3, 2, 32, 256
+
+
+def host_pool(layout: str):
+    """SGLang's MHA host pool on CPU, built as its pool assembler builds it (buffer info of the
+    device pool, the class SGLang picks for it); pin_memory off: there is no CUDA here."""
+    memory_pool, mha = engines.import_sglang("sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.pool_host.mha")
+    dev = memory_pool.MHATokenToKVPool(DEV_TOKENS, PS, torch.bfloat16, KVH, HD, LAYERS, "cpu", False,
+                                       enable_alt_stream=False)
+    info = dev.get_device_pool_infos()[0].buffer_info
+    cls = mha.get_mha_host_pool_cls(info)
+    assert cls is mha.MHATokenToKVPoolHost
+    return cls(info, 2.0, 0, PS, layout, pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+               start_layer=dev.start_layer, end_layer=dev.end_layer)
+
+
+def page_hashes(tokens, lora):
+    """SGLang's own storage page hashes (seeded with the request's extra key, the LoRA id)."""
+    utils, radix = engines.import_sglang("sglang.srt.mem_cache.utils", "sglang.srt.mem_cache.radix_cache")
+    return utils.get_storage_hash_str(radix.RadixKey(list(tokens), extra_key=lora), None, page_size=PS)
+
+
+def page_bytes(pool, index) -> torch.Tensor:
+    return pool.get_data_page(int(index), flat=True).contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("layout,via", [("page_first", "unix"), ("layer_first", "unix"), ("page_first", "tcp")])
+def test_sglang_v1_moves_host_pages_byte_for_byte_in_the_controllers_order(node, layout, via):
+    pool = host_pool(layout)
+    s = backend(node, via=via, pool=pool)
+    try:
+        assert s.core.shm == (via == "unix")
+        g = torch.Generator().manual_seed(5)
+        tokens = range(2000, 2000 + 6 * PS)
+        keys = page_hashes(tokens, "lora-a")
+        src = pool.alloc(6 * PS)
+        for i in range(6):                   # the KV of 6 pages, written as SGLang's D2H backup leaves it
+            kv = torch.randn(2, LAYERS, PS, KVH, HD, generator=g).to(torch.bfloat16)
+            pool.set_from_flat_data_page(int(src[i * PS]), kv.flatten())
+        none = HiCacheStorageExtraInfo(prefix_keys=None)     # SGLang's default (pass_prefix_keys off)
+
+        # backup (_page_backup -> _page_set_zero_copy): two radix nodes, 4 pages then 2
+        assert all(s.batch_set_v1(keys[:4], src[:4 * PS], none))
+        assert all(s.batch_set_v1(keys[4:], src[4 * PS:], none))
+        # a page stored by v1 is SGLang's flat data page: the copying path reads the same bytes
+        flat = s.batch_get(keys[:1], [pool.get_dummy_flat_data_page()])[0]
+        assert torch.equal(flat.view(torch.uint8), page_bytes(pool, src[0]))
+
+        # prefetch (_storage_hit_query, then _page_transfer -> _page_get_zero_copy), starting
+        # where the host tier stopped (page 2): keys never depend on the batch they came in
+        assert s.batch_exists(keys[2:], none) == 4
+        dst = pool.alloc(4 * PS)
+        assert s.batch_get_v1(keys[2:], dst, none) == [True] * 4
+        for i in range(4):
+            assert torch.equal(page_bytes(pool, dst[i * PS]), page_bytes(pool, src[(i + 2) * PS])), f"page {i}"
+
+        # a page missing in the middle: the pages after it are not reported, whatever their bytes
+        gap = keys[:2] + [f"{0xdead:064x}"] + keys[3:4]
+        assert s.batch_get_v1(gap, pool.alloc(4 * PS), none) == [True, True, False, False]
+
+        # another adapter (SGLang's page hash) or another tenant (our key): a miss, nothing written
+        sentinel = torch.full((2 * LAYERS * PS * KVH * HD,), 7.0, dtype=torch.bfloat16)
+        other = pool.alloc(2 * PS)
+        for i in range(2):
+            pool.set_from_flat_data_page(int(other[i * PS]), sentinel)
+        assert s.batch_exists(page_hashes(tokens, "lora-b")[:2], none) == 0
+        assert s.batch_get_v1(page_hashes(tokens, "lora-b")[:2], other, none) == [False, False]
+        acme = HiCacheStorageExtraInfo(prefix_keys=None, extra_info={"quillcache_tenant": "acme"})
+        assert s.batch_exists(keys[:2], acme) == 0
+        assert s.batch_get_v1(keys[:2], other, acme) == [False, False]
+        t = backend(node, tenant="other", via=via, pool=pool)
+        try:
+            assert t.batch_get_v1(keys[:2], other, none) == [False, False]
+        finally:
+            t.close()
+        for i in range(2):
+            assert torch.equal(pool.get_data_page(int(other[i * PS])), sentinel), "a miss wrote into the host pool"
+
+        # SGLang's storage metrics collector gets its own type
+        m = s.get_stats()
+        assert m.prefetch_pgs == [4, 2] and m.backup_pgs == [4, 2] and all(b > 0 for b in m.prefetch_bandwidth)
+        assert s.get_stats().prefetch_pgs == []
+
+        # the node gone: misses and False, never an exception into SGLang's storage threads
+        node.stop()
+        assert s.batch_exists(keys, none) == 0
+        assert s.batch_get_v1(keys[:2], dst[:2 * PS], none) == [False, False]
+        assert s.batch_set_v1(keys[:2], src[:2 * PS], none) == [False, False]
+        st = s.stats()
+        assert st["load_errors"] >= 1 and st["save_errors"] >= 1 and st["lookup_errors"] >= 1
+        # bad input is a clear error
+        with pytest.raises(ValueError, match="host indices"):
+            s.batch_get_v1(keys[:2], dst[:PS], none)
     finally:
         s.close()

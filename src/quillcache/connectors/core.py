@@ -28,7 +28,7 @@ from quillcache.errors import QuillCacheError
 from quillcache.model import KvBlockKey
 
 __all__ = ["TENANT_SALT_PREFIX", "TENANT_ARG", "model_scope", "hash_hex", "tenant_from_salt",
-           "tenant_from_args", "value_nbytes", "batch_len", "Identity", "chain_keys", "ConnectorCore"]
+           "tenant_from_args", "value_nbytes", "value_parts", "batch_len", "Identity", "chain_keys", "ConnectorCore"]
 
 TENANT_SALT_PREFIX = "tenant="      # cache_salt "tenant=<id>[;anything]" names the tenant
 TENANT_ARG = "quillcache_tenant"    # or the request's extra args / kv_transfer_params carry it
@@ -74,10 +74,15 @@ def tenant_from_args(args: Optional[dict], default: str = "") -> str:
 
 def value_nbytes(buffer: Any) -> int:
     """The size of one value: a buffer, or a tuple of buffers stored back to back (a header
-    and its payload, without joining them first)."""
+    and its payload, or the K and V regions of a host page, without joining them first)."""
     if isinstance(buffer, tuple):
         return sum(memoryview(p).nbytes for p in buffer)
     return memoryview(buffer).nbytes
+
+
+def value_parts(buffer: Any) -> list[memoryview]:
+    """The byte views of one value: a buffer, or each part of a tuple in order."""
+    return [memoryview(p).cast("B") for p in (buffer if isinstance(buffer, tuple) else (buffer,))]
 
 
 def batch_len(buffers: Sequence) -> int:
@@ -204,11 +209,25 @@ class ConnectorCore:
         if getattr(c, "shm", False):
             with c.get_many_located(keys) as views:
                 for v, dst in zip(views, buffers):
-                    d = memoryview(dst).cast("B")
-                    if v is None or v.nbytes != d.nbytes:
+                    parts = value_parts(dst)
+                    if v is None or v.nbytes != sum(p.nbytes for p in parts):
                         break
-                    d[:] = v
+                    at = 0
+                    for p in parts:
+                        p[:] = v[at:at + p.nbytes]
+                        at += p.nbytes
                     n += 1
+        elif any(isinstance(b, tuple) for b in buffers):
+            # parts over TCP: received whole into one buffer per value, then scattered
+            whole = [bytearray(value_nbytes(b)) for b in buffers]
+            for g, w, dst in zip(c.get_many_into(keys, whole), whole, buffers):
+                if g is None or g != len(w):
+                    break
+                at = 0
+                for p in value_parts(dst):
+                    p[:] = memoryview(w)[at:at + p.nbytes]
+                    at += p.nbytes
+                n += 1
         else:
             for g, dst in zip(c.get_many_into(keys, buffers), buffers):
                 if g is None or g != memoryview(dst).nbytes:
@@ -256,7 +275,7 @@ class ConnectorCore:
             for i in range(0, len(keys), step):
                 ks, bs = keys[i:i + step], buffers[i:i + step]
                 if getattr(c, "shm", False):
-                    srcs = [[memoryview(p).cast("B") for p in (b if isinstance(b, tuple) else (b,))] for b in bs]
+                    srcs = [value_parts(b) for b in bs]
                     sizes = [sum(p.nbytes for p in s) for s in srcs]
                     with c.put_many_reserved(list(zip(ks, sizes))) as slots:
                         for slot, s in zip(slots, srcs):
@@ -293,8 +312,23 @@ class ConnectorCore:
         return self._io.submit(self._fetch, list(keys), take)
 
     def load_async(self, keys: Iterable[KvBlockKey], buffers: Sequence) -> Future:
-        """Start a load; the future's result is the count of leading blocks loaded."""
+        """Start a load; the future's result is the count of leading blocks loaded.  A buffer
+        may be a tuple of parts, filled in order from one value (``value_parts``)."""
         return self._io.submit(self._load, list(keys), list(buffers))
+
+    def _call(self, fn, what: str, default: Any) -> Any:
+        try:
+            return fn(self._conn())
+        except (QuillCacheError, OSError):
+            self._count(f"{what}_errors")
+            self._drop()
+            return default
+
+    def call_async(self, fn, *, what: str = "load", default: Any = 0) -> Future:
+        """Run ``fn(client)`` on the I/O thread, the connection's one owner, for an adapter that
+        moves the bytes itself (``paged.py``: device copies through ``quillcache.gpu``).  A node
+        failure is counted as ``<what>_errors``, drops the connection and returns ``default``."""
+        return self._io.submit(self._call, fn, what, default)
 
     def save_async(self, keys: Iterable[KvBlockKey], buffers: Sequence) -> Future:
         """Start a save; the buffers must stay unchanged until the future is done.  A buffer

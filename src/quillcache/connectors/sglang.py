@@ -6,22 +6,36 @@
         "interface_v1":1,"address":"unix:/run/quillcache/quillcached.sock"}'
 
 SGLang builds it as ``QuillCacheStorage(storage_config, {})`` and registers the host pool later
-(``register_mem_pool_host``).  Keys are SGLang's page hashes (hex strings chained over the
-prefix, with the request's extra key -- LoRA id, cache_salt -- mixed in by SGLang); the parent
-hash is the previous page's key (``extra_info.prefix_keys`` for the first of a batch).  The
-model scope carries SGLang's own rank suffixes: TP, PP, DP and attention-CP ranks, the MLA flag
-and the page layout.  Tenant: ``extra_info.extra_info["quillcache_tenant"]`` or the configured
-``tenant``.  Methods this backend does not implement (the v2 pool-transfer set) raise
-NotImplementedError.
+(``register_mem_pool_host``).  Keys are SGLang's page hashes: hex strings chained over the whole
+prefix, seeded with the request's extra key (LoRA) and cache_salt by SGLang itself.  Because a
+page hash already covers its prefix, and because the HiCache controller backs pages up per
+radix node and prefetches from wherever the host tier stops (``prefix_keys`` is None unless
+``hicache_storage_pass_prefix_keys`` is on), a key never depends on the call it came in:
+``prefix_hash`` is "" and ``block_index`` 0, so a page stored as the 3rd of one batch is found
+as the 1st of another.  The model scope carries SGLang's own rank suffixes: TP, PP, DP and
+attention-CP ranks, the MLA flag and the page layout.  Tenant: the configured ``tenant``
+(SGLang 0.5.23's controller never fills ``extra_info.extra_info``; a caller that does may name
+it under ``"quillcache_tenant"``).
+
+``interface_v1`` (zero copy): ``batch_set_v1`` / ``batch_get_v1`` take the host pool's page
+buffer metadata (``get_page_buffer_meta``: a pointer and a size per K and per V region of each
+page, per layer in the layer-first layout) and move each page as one value straight between
+those regions and the node (over ``unix:``, the mapped arena: one copy each way, no staging).
+The value is the page's K regions then its V regions, which is the host pool's flat data page
+(``get_data_page(flat=True)``), so pages stored by ``batch_set`` and ``batch_set_v1`` are the
+same bytes.  Methods this backend does not implement (the v2 pool-transfer set, ``clear``, v1
+on a pool without a KV buffer) raise NotImplementedError.
 """
 from __future__ import annotations
 
+import ctypes
+import time
 from typing import Any, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
-from quillcache.connectors.core import ConnectorCore, Identity, model_scope, tenant_from_args
+from quillcache.connectors.core import ConnectorCore, Identity, model_scope, tenant_from_args, value_nbytes
 from quillcache.model import KvBlockKey
 
 __all__ = ["QuillCacheStorage"]
@@ -33,33 +47,40 @@ class QuillCacheStorage(HiCacheStorage):
         cfg = storage_config
         extra = dict(getattr(cfg, "extra_config", None) or {})
         self.config = cfg
-        layout = ("page-first" if getattr(cfg, "is_page_first_layout", False) else "layer-first") + \
-            ("-mla" if getattr(cfg, "is_mla_model", False) else "")
-        model = str(extra.get("model") or getattr(cfg, "model_name", None) or "model")
-        self.scope = model_scope(
-            model, dtype=str(extra.get("dtype", "auto")), block_size=int(extra.get("page_size", 0)),
-            num_layers=int(extra.get("num_layers", 0)),
-            layout=f"sglang-{layout}-dp{cfg.dp_rank}-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}",
-            tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=cfg.pp_rank, pp_size=cfg.pp_size)
-        self.tokenizer_id = str(extra.get("tokenizer_id", model))
+        self.mla = bool(getattr(cfg, "is_mla_model", False))
+        self.model = str(extra.get("model") or getattr(cfg, "model_name", None) or "model")
+        self.scope = self._scope(str(extra.get("dtype", "auto")), int(extra.get("page_size", 0)),
+                                 int(extra.get("num_layers", 0)),
+                                 "page-first" if getattr(cfg, "is_page_first_layout", False) else "layer-first")
+        self.tokenizer_id = str(extra.get("tokenizer_id", self.model))
         self.default_tenant = str(extra.get("tenant", ""))
         self.core = ConnectorCore(str(extra.get("address", "127.0.0.1:7600")),
                                   timeout=float(extra.get("timeout_s", 5.0)))
         self.mem_pool_host = None
+        self._metrics: dict[str, list] = {"prefetch": [], "backup": []}
+
+    def _scope(self, dtype: str, page_size: int, layers: int, layout: str) -> str:
+        cfg = self.config
+        layout = layout.replace("_", "-") + ("-mla" if self.mla else "")
+        return model_scope(
+            self.model, dtype=dtype, block_size=page_size, num_layers=layers,
+            layout=f"sglang-{layout}-dp{cfg.dp_rank}-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}",
+            tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=cfg.pp_rank, pp_size=cfg.pp_size)
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """The host pool fixes the bytes of a page: its dtype, page size, layer count and
+        layout (page_first, layer_first, page_head, ...) go into the model scope."""
+        super().register_mem_pool_host(mem_pool_host)
+        p = mem_pool_host
+        self.scope = self._scope(str(p.dtype).replace("torch.", ""), int(p.page_size),
+                                 int(getattr(p, "layer_num", 0)), str(p.layout))
 
     # ------------------------------------------------------------------ keys
 
     def _keys(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[KvBlockKey]:
-        prefix = list(getattr(extra_info, "prefix_keys", None) or [])
         tenant = tenant_from_args(getattr(extra_info, "extra_info", None), self.default_tenant)
         ident = Identity(self.scope, self.tokenizer_id, None, tenant)   # LoRA: inside SGLang's hash
-        parent = prefix[-1] if prefix else ""
-        out = []
-        for i, k in enumerate(keys):
-            out.append(KvBlockKey(ident.model_id, ident.tokenizer_id, None, ident.tenant_id, parent, k,
-                                  len(prefix) + i, 0))
-            parent = k
-        return out
+        return [KvBlockKey(ident.model_id, ident.tokenizer_id, None, ident.tenant_id, "", k, 0, 0) for k in keys]
 
     # ------------------------------------------------------------------ the HiCacheStorage set
 
@@ -95,26 +116,62 @@ class QuillCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ interface_v1: host pool pages
 
-    def _pages(self, host_indices: torch.Tensor, count: int) -> list[int]:
-        ps = self.mem_pool_host.page_size
-        return [int(host_indices[i * ps]) for i in range(count)]
+    def _page_values(self, keys: List[str], host_indices: torch.Tensor) -> list[tuple[memoryview, ...]]:
+        """One value per page: views of its K regions then its V regions in the host pool
+        (``get_page_buffer_meta``), each checked to lie inside the pool's KV buffer."""
+        pool = self.mem_pool_host
+        if pool is None:
+            raise RuntimeError("QuillCacheStorage: batch_*_v1 before register_mem_pool_host")
+        buf = getattr(pool, "kv_buffer", None)
+        if buf is None:
+            raise NotImplementedError("QuillCacheStorage: a host pool without a KV buffer (hybrid "
+                                      "anchors) needs the v2 pool-transfer interface, not implemented")
+        if len(host_indices) != len(keys) * pool.page_size:
+            raise ValueError(f"QuillCacheStorage: {len(keys)} keys and {len(host_indices)} host indices "
+                             f"(page size {pool.page_size})")
+        if not keys:
+            return []
+        ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+        per = len(ptrs) // len(keys)
+        if per * len(keys) != len(ptrs) or len(sizes) != len(ptrs):
+            raise ValueError(f"QuillCacheStorage: {len(ptrs)} page buffers for {len(keys)} pages")
+        lo = buf.data_ptr()
+        hi = lo + buf.numel() * buf.element_size()
+        out = []
+        for i in range(len(keys)):
+            regions = []
+            for ptr, size in zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per]):
+                if not lo <= ptr <= hi - size:
+                    raise ValueError(f"QuillCacheStorage: page buffer {ptr:#x}+{size} is outside the host pool")
+                regions.append(memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B"))
+            if not self.mla and per % 2 == 0:      # MHA: (K, V) per buffer pair -> all K, then all V
+                regions = regions[0::2] + regions[1::2]
+            out.append(tuple(regions))
+        return out
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        pool = self.mem_pool_host
-        pages = self._pages(host_indices, len(keys))
-        bufs = [pool.get_dummy_flat_data_page().clone() for _ in pages]
-        n = self.core.load(self._keys(keys, extra_info), [b.view(torch.uint8).reshape(-1).numpy() for b in bufs])
-        for i in range(n):
-            pool.set_from_flat_data_page(pages[i], bufs[i])
+        """Receive each page straight into its host pool regions; True for the leading pages
+        that arrived whole (a page after the first miss is not used, whatever its bytes)."""
+        values = self._page_values(keys, host_indices)
+        t0 = time.perf_counter()
+        n = self.core.load(self._keys(keys, extra_info), values)
+        self._metric("prefetch", n, values, t0)
         return [i < n for i in range(len(keys))]
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        pool = self.mem_pool_host
-        bufs = [pool.get_data_page(p, flat=True).contiguous() for p in self._pages(host_indices, len(keys))]
-        ok = self.core.save(self._keys(keys, extra_info), [b.view(torch.uint8).reshape(-1).numpy() for b in bufs])
+        """Store each page from its host pool regions (one value per page)."""
+        values = self._page_values(keys, host_indices)
+        t0 = time.perf_counter()
+        ok = self.core.save(self._keys(keys, extra_info), values)
+        self._metric("backup", len(keys) if ok else 0, values, t0)
         return [ok] * len(keys)
+
+    def _metric(self, kind: str, pages: int, values: list, t0: float) -> None:
+        if pages:
+            nbytes = sum(value_nbytes(v) for v in values[:pages])
+            self._metrics[kind].append((pages, nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9))
 
     def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
         raise NotImplementedError("QuillCacheStorage: the v2 pool-transfer interface is not implemented")
@@ -129,6 +186,15 @@ class QuillCacheStorage(HiCacheStorage):
         raise NotImplementedError("QuillCacheStorage.clear: the pool is shared; evict with quillctl")
 
     def get_stats(self):
+        """SGLang's ``StorageMetrics`` since the last call (pages per v1 batch and GB/s, as its
+        storage metrics collector expects); the connector's counters are ``stats()``."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+        got, self._metrics = self._metrics, {"prefetch": [], "backup": []}    # one swap: no lock needed
+        return StorageMetrics(prefetch_pgs=[p for p, _ in got["prefetch"]], backup_pgs=[p for p, _ in got["backup"]],
+                              prefetch_bandwidth=[b for _, b in got["prefetch"]],
+                              backup_bandwidth=[b for _, b in got["backup"]])
+
+    def stats(self) -> dict[str, int]:
         return self.core.stats()
 
     def close(self) -> None:
