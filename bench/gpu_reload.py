@@ -17,6 +17,22 @@ attention kernel for the suffix make them close, not equal).
 
     PYTHONPATH=DIR python3 bench/gpu_reload.py [--prefix 2048,8192,16384] [--rounds 5]
 
+``--connector`` reloads through the vLLM connector's worker path instead:
+``quillcache.connectors.paged.PagedKVWorker`` (what ``QuillCacheConnector`` delegates to; it
+imports no vLLM) on per-layer paged caches in vLLM's layout ``[2, blocks, 16, 8, 128]``, in
+vLLM's call order: the prefix's 16-token blocks (2 MiB each) saved once through
+``wait_for_save`` / ``get_finished``; per request ``start_load_kv``, then ``wait_for_layer_load``
+before each layer of the suffix reads its cache (a paged gather).  Forward passes run eager
+there (the per-layer waits sit between the layers, as in vLLM), the recompute too.  Columns:
+recompute, reload + suffix, x faster, load alone, suffix alone, from ``start_load_kv`` until
+layer 0 was ready, save rate, max logit diff.  On the GPU machine (one line; DIR as above):
+
+    PYTHONPATH=DIR python3 bench/gpu_reload.py --connector
+
+and on a machine without a GPU (a test runs this, tests/connectors/test_paged.py):
+
+    python bench/gpu_reload.py --connector --device cpu --shape tiny --prefix 128,256 --rounds 1
+
 It starts its own DRAM-only quillcached (TCP + Unix socket).  Without a CUDA device it
 prints ``skipped: no CUDA device`` and exits 0.  Time-bounded: sizes left when
 TIME_BUDGET_S is spent are reported as skipped.
@@ -32,13 +48,29 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 32, 4096, 32, 8, 128, 14336, 128256
+
+class Shape(NamedTuple):
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab: int
+
+
+SHAPES = {
+    "llama-3-8b": Shape(32, 4096, 32, 8, 128, 14336, 128256),
+    "tiny": Shape(2, 128, 4, 2, 32, 256, 512),        # the CPU run of the connector mode (a test)
+}
 ROPE_THETA = 500000.0
 SUFFIX = 128                    # tokens prefilled after the prefix
 CHUNK_TOKENS = 512              # tokens per stored block (one layer, K or V): 1 MiB
+BLOCK_TOKENS = 16               # connector mode: vLLM's default block size (2 MiB blocks at 8B)
 TIME_BUDGET_S = 240.0           # seconds: the whole run stays under 5 minutes
 RAW_BYTES = 1 << 30             # bytes moved by the raw device <-> arena measurement
 RAW_BLOCK = 4 << 20             # bytes per block there
@@ -51,32 +83,36 @@ def skip(reason: str) -> int:
 
 
 class Model:
-    def __init__(self, torch, device):
+    def __init__(self, torch, device, shape: Shape, dtype):
         self.t = torch
         self.dev = device
+        self.s = S = shape
+        self.dtype = dtype
         g = torch.Generator(device=device).manual_seed(0)
 
-        def w(*shape, std=0.02):
-            return torch.empty(*shape, dtype=torch.bfloat16, device=device).normal_(0, std, generator=g)
+        def w(*dims, std=0.02):
+            return torch.empty(*dims, dtype=dtype, device=device).normal_(0, std, generator=g)
+
+        LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = S
 
         self.emb = w(VOCAB, HIDDEN)
         self.layers = []
         for _ in range(LAYERS):
             self.layers.append(dict(
-                n1=torch.ones(HIDDEN, dtype=torch.bfloat16, device=device),
-                n2=torch.ones(HIDDEN, dtype=torch.bfloat16, device=device),
+                n1=torch.ones(HIDDEN, dtype=dtype, device=device),
+                n2=torch.ones(HIDDEN, dtype=dtype, device=device),
                 wqkv=w((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), wo=w(HIDDEN, HEADS * HEAD_DIM),
                 wgu=w(2 * MLP, HIDDEN), wd=w(HIDDEN, MLP)))
-        self.norm = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
+        self.norm = torch.ones(HIDDEN, dtype=dtype, device=device)
         self.head = w(VOCAB, HIDDEN)
         self.inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, HEAD_DIM, 2, device=device,
                                                            dtype=torch.float32) / HEAD_DIM))
         self.gqa = self._gqa_supported()
 
     def _gqa_supported(self) -> bool:
-        t = self.t
-        q = t.zeros(1, HEADS, 4, HEAD_DIM, dtype=t.bfloat16, device=self.dev)
-        kv = t.zeros(1, KV_HEADS, 4, HEAD_DIM, dtype=t.bfloat16, device=self.dev)
+        t, S = self.t, self.s
+        q = t.zeros(1, S.heads, 4, S.head_dim, dtype=self.dtype, device=self.dev)
+        kv = t.zeros(1, S.kv_heads, 4, S.head_dim, dtype=self.dtype, device=self.dev)
         try:
             t.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
         except (TypeError, RuntimeError):
@@ -86,7 +122,7 @@ class Model:
     def _rms(self, x, w):
         F = self.t.nn.functional
         if hasattr(F, "rms_norm"):
-            return F.rms_norm(x, (HIDDEN,), w, 1e-5)
+            return F.rms_norm(x, (self.s.hidden,), w, 1e-5)
         v = x.float().pow(2).mean(-1, keepdim=True)
         return (x.float() * self.t.rsqrt(v + 1e-5)).to(x.dtype) * w
 
@@ -100,17 +136,20 @@ class Model:
         if self.gqa:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         else:
-            rep = HEADS // KV_HEADS
+            rep = self.s.heads // self.s.kv_heads
             o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                                attn_mask=mask, is_causal=mask is None)
         return o[0].transpose(0, 1)
 
-    def forward(self, ids, cache=None, P: int = 0):
+    def forward(self, ids, cache=None, P: int = 0, paged=None):
         """ids [T] at positions P..P+T.  ``cache``: per layer (K, V) buffers of at least P+T
         rows whose first P hold the prefix; the new rows are written after them (as an engine
-        writes its paged cache).  Without a cache the T tokens attend to themselves (a full
-        prefill).  Returns (logits of the last token, [(k, v)] of these T tokens)."""
-        t = self.t
+        writes its paged cache).  ``paged``: instead, ``(caches, block_table, wait)``: vLLM's
+        per-layer ``[2, blocks, BLOCK_TOKENS, kv_heads, head_dim]`` caches, the request's block
+        ids (P + T tokens), and ``wait(layer)`` called before each layer reads its cache (the
+        connector's wait_for_layer_load).  Without either the T tokens attend to themselves (a
+        full prefill).  Returns (logits of the last token, [(k, v)] of these T tokens)."""
+        t, S = self.t, self.s
         F = t.nn.functional
         T = ids.numel()
         f = t.outer(t.arange(P, P + T, device=self.dev).float(), self.inv_freq)
@@ -118,15 +157,27 @@ class Model:
         x = self.emb[ids]
         new_kv = []
         mask = None
-        if cache is not None:      # suffix queries see the whole prefix and themselves causally
+        if cache is not None or paged is not None:   # suffix queries see the prefix and themselves causally
             mask = t.ones(T, P + T, dtype=t.bool, device=self.dev).tril(diagonal=P)
+        if paged is not None:
+            caches, table, wait = paged
+            table = t.as_tensor(table, dtype=t.long, device=self.dev)
+            new_blocks = table[P // BLOCK_TOKENS:(P + T) // BLOCK_TOKENS]
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["n1"])
-            q, k, v = (h @ L["wqkv"].T).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
-            q = self._rope(q.view(T, HEADS, HEAD_DIM), cos, sin)
-            k = self._rope(k.reshape(T, KV_HEADS, HEAD_DIM), cos, sin)
-            v = v.reshape(T, KV_HEADS, HEAD_DIM)
-            if cache is None:
+            q, k, v = (h @ L["wqkv"].T).split([S.heads * S.head_dim, S.kv_heads * S.head_dim,
+                                                S.kv_heads * S.head_dim], -1)
+            q = self._rope(q.view(T, S.heads, S.head_dim), cos, sin)
+            k = self._rope(k.reshape(T, S.kv_heads, S.head_dim), cos, sin)
+            v = v.reshape(T, S.kv_heads, S.head_dim)
+            if paged is not None:
+                wait(i)
+                c = caches[i]
+                c[0, new_blocks] = k.reshape(-1, BLOCK_TOKENS, S.kv_heads, S.head_dim)
+                c[1, new_blocks] = v.reshape(-1, BLOCK_TOKENS, S.kv_heads, S.head_dim)
+                k = c[0, table].reshape(-1, S.kv_heads, S.head_dim)[:P + T]     # paged read (a gather)
+                v = c[1, table].reshape(-1, S.kv_heads, S.head_dim)[:P + T]
+            elif cache is None:
                 k, v = k.contiguous(), v.contiguous()
                 new_kv.append((k, v))
             else:
@@ -135,18 +186,18 @@ class Model:
                 vc[P:P + T] = v
                 k, v = kc[:P + T], vc[:P + T]
             o = self._attend(q, k, v, mask)
-            x = x + o.reshape(T, HEADS * HEAD_DIM) @ L["wo"].T
+            x = x + o.reshape(T, S.heads * S.head_dim) @ L["wo"].T
             h = self._rms(x, L["n2"])
-            gate, up = (h @ L["wgu"].T).split([MLP, MLP], -1)
+            gate, up = (h @ L["wgu"].T).split([S.mlp, S.mlp], -1)
             x = x + (F.silu(gate) * up) @ L["wd"].T
         logits = self._rms(x[-1:], self.norm) @ self.head.T
         return logits.float(), new_kv
 
 
-def kv_keys(P: int, tag: str):
+def kv_keys(P: int, tag: str, layers: int):
     from quillcache import KvBlockKey
     keys = []
-    for layer in range(LAYERS):
+    for layer in range(layers):
         for kind in "kv":
             for c in range(P // CHUNK_TOKENS):
                 keys.append(KvBlockKey("llama-3-8b-shape", "tok", None, "", tag, f"{layer}{kind}{c}", 0,
@@ -213,16 +264,17 @@ def graphed(torch, fn, enabled: bool):
 
 def measure_prefix(torch, model, copier, tcp, P: int, timed, rounds: int, graphs: bool) -> dict:
     dev = copier.device
-    ids = torch.randint(0, VOCAB, (P + SUFFIX,), device=dev)
+    S = model.s
+    ids = torch.randint(0, S.vocab, (P + SUFFIX,), device=dev)
     with torch.inference_mode():
         full = graphed(torch, lambda: model.forward(ids)[0], graphs)
         full_s = timed(full)
         ref_logits = full().clone()
         _, kv = model.forward(ids[:P])
-    keys = kv_keys(P, f"p{P}")
+    keys = kv_keys(P, f"p{P}", S.layers)
     save_s = timed(lambda: copier.save(keys, kv_views(kv, P)), 1)
-    cache = [(torch.empty(P + SUFFIX, KV_HEADS, HEAD_DIM, dtype=k.dtype, device=dev),
-              torch.empty(P + SUFFIX, KV_HEADS, HEAD_DIM, dtype=v.dtype, device=dev)) for k, v in kv]
+    cache = [(torch.empty(P + SUFFIX, S.kv_heads, S.head_dim, dtype=k.dtype, device=dev),
+              torch.empty(P + SUFFIX, S.kv_heads, S.head_dim, dtype=v.dtype, device=dev)) for k, v in kv]
     dsts = kv_views([(k[:P], v[:P]) for k, v in cache], P)
 
     def load():
@@ -267,29 +319,122 @@ def measure_prefix(torch, model, copier, tcp, P: int, timed, rounds: int, graphs
             "bytes": nbytes, "diff": (logits - ref_logits).abs().max().item()}
 
 
-def main() -> int:
+def measure_connector(torch, model, core, P: int, timed, rounds: int) -> dict:
+    """The vLLM connector's worker path (quillcache.connectors.paged.PagedKVWorker, which the
+    vLLM adapter delegates to) on paged caches in vLLM's layout, in vLLM's call order: the
+    prefix's blocks saved once (wait_for_save, then get_finished until done); per request
+    start_load_kv, then wait_for_layer_load before each layer of the suffix reads its cache."""
+    from quillcache.connectors.core import Identity, chain_keys, model_scope
+    from quillcache.connectors.paged import PagedKVWorker, Transfer
+    S, dev = model.s, model.dev
+    nb, ns = P // BLOCK_TOKENS, SUFFIX // BLOCK_TOKENS
+    blocks = 2 * nb + ns
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, blocks, BLOCK_TOKENS, S.kv_heads, S.head_dim,
+                                                               dtype=model.dtype, device=dev)
+              for i in range(S.layers)}
+    layers = list(caches.values())
+    names = list(caches)
+    worker = PagedKVWorker(core)
+    worker.register_kv_caches(caches)
+    scope = model_scope("bench", dtype=str(model.dtype).replace("torch.", ""), block_size=BLOCK_TOKENS,
+                        num_layers=S.layers, layout="vllm-2nbhd")
+    keys = chain_keys(Identity(scope, "tok", None, ""), [(P << 32 | i).to_bytes(32, "big") for i in range(nb)],
+                      block_size=BLOCK_TOKENS)
+    ids = torch.randint(0, S.vocab, (P + SUFFIX,), device=dev)
+    with torch.inference_mode():
+        full_s = timed(lambda: model.forward(ids)[0])
+        ref = model.forward(ids)[0]
+        _, kv = model.forward(ids[:P])
+        for c, (k, v) in zip(layers, kv):                 # request A's prefix in blocks 0..nb-1
+            c[0, :nb] = k.view(nb, BLOCK_TOKENS, S.kv_heads, S.head_dim)
+            c[1, :nb] = v.view(nb, BLOCK_TOKENS, S.kv_heads, S.head_dim)
+
+    def save():
+        worker.wait_for_save([Transfer("A", keys, list(range(nb)))])
+        while not worker.get_finished({"A"}):
+            time.sleep(0.0005)
+    save_s = timed(save, 1)
+    if worker.take_stored() == [] or core.stats()["save_errors"]:
+        raise SystemExit("connector save: the blocks were not stored")
+    table = list(range(nb, 2 * nb)) + list(range(2 * nb, blocks))      # request B: the prefix reloaded
+    load_t: list = []
+
+    def reload_and_suffix():
+        t0 = time.perf_counter()
+        worker.start_load_kv([Transfer("B", keys, table[:nb])])
+
+        def wait(i):
+            worker.wait_for_layer_load(names[i])
+            if i == 0:
+                load_t.append(time.perf_counter() - t0)
+        with torch.inference_mode():
+            out = model.forward(ids[P:], P=P, paged=(layers, table, wait))[0]
+        worker.wait_for_save([])
+        if worker.take_load_errors():
+            raise SystemExit("connector reload: blocks were reported missing")
+        return out
+
+    def load_only():
+        worker.start_load_kv([Transfer("B", keys, table[:nb])])
+        worker.wait_for_layer_load(names[-1])
+        worker.wait_for_save([])
+
+    def suffix_only():
+        with torch.inference_mode():
+            return model.forward(ids[P:], P=P, paged=(layers, table, lambda i: None))[0]
+
+    shm_s = timed(reload_and_suffix, rounds)
+    first = statistics.median(load_t[1:] or load_t)
+    load_s = timed(load_only, rounds)
+    suffix_s = timed(suffix_only, rounds)
+    logits = reload_and_suffix()
+    for i, c in enumerate(layers):
+        if not torch.equal(c[:, nb:2 * nb].view(torch.uint8), c[:, :nb].view(torch.uint8)):
+            raise SystemExit(f"connector reload: layer {i}: the blocks read back differ from the blocks saved")
+    worker.shutdown()
+    return {"full": full_s, "conn": shm_s, "load": load_s, "suffix": suffix_s, "first": first, "save": save_s,
+            "bytes": nb * worker.block_nbytes, "diff": (logits - ref).abs().max().item()}
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prefix", default="2048,8192,16384", help="prefix lengths (multiples of %d)" % CHUNK_TOKENS)
+    ap.add_argument("--prefix", default="2048,8192,16384",
+                    help=f"prefix lengths (multiples of {CHUNK_TOKENS}; {BLOCK_TOKENS} with --connector)")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement (median)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for the forward passes")
-    args = ap.parse_args()
+    ap.add_argument("--connector", action="store_true",
+                    help="reload through the vLLM connector's worker path (paged caches, eager forward)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: the connector mode only, to check it on a machine without a GPU")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
+    args = ap.parse_args(argv)
     started = time.monotonic()
     try:
         import torch
     except ImportError:
         return skip("no CUDA device (torch is not installed)")
-    if not torch.cuda.is_available():
+    if args.device == "cpu" and not args.connector:
+        raise SystemExit("--device cpu: only with --connector (the other modes measure CUDA copies)")
+    if args.device == "cuda" and not torch.cuda.is_available():
         return skip("no CUDA device")
     prefixes = [int(p) for p in args.prefix.split(",")]
-    if any(p % CHUNK_TOKENS for p in prefixes):
-        raise SystemExit(f"--prefix: every length must be a multiple of {CHUNK_TOKENS}")
+    unit = BLOCK_TOKENS if args.connector else CHUNK_TOKENS
+    if any(p % unit for p in prefixes):
+        raise SystemExit(f"--prefix: every length must be a multiple of {unit}")
     from _local_node import LocalNode
     from quillcache import Client
     from quillcache.gpu import ArenaCopier
 
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    sync = torch.cuda.synchronize
+    shape = SHAPES[args.shape]
+    if args.device == "cuda":
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+        sync, dtype, name = torch.cuda.synchronize, torch.bfloat16, torch.cuda.get_device_name(dev)
+    else:
+        dev, dtype, name = torch.device("cpu"), torch.float32, "CPU"
+
+        def sync():
+            pass
 
     def timed(fn, rounds=args.rounds):
         fn()
@@ -303,11 +448,14 @@ def main() -> int:
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
 
-    kv_bytes = max(prefixes) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
-    dram = 1 << math.ceil(math.log2(2 * kv_bytes + 2 * RAW_BYTES))
-    print(f"gpu_reload: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}; "
-          f"Llama-3-8B shape, random bf16 weights; suffix {SUFFIX} tokens; arena {dram >> 30} GiB")
-    model = Model(torch, dev)
+    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * (2 if dtype == torch.bfloat16 else 4)
+    kv_bytes = (sum(prefixes) if args.connector else max(prefixes)) * per_token
+    dram = 1 << math.ceil(math.log2(2 * kv_bytes + (64 << 20 if args.connector else 2 * RAW_BYTES)))
+    print(f"gpu_reload: {name}, torch {torch.__version__}; {args.shape} shape, random {str(dtype)[6:]} weights; "
+          f"suffix {SUFFIX} tokens; arena {dram >> 20} MiB")
+    model = Model(torch, dev, shape, dtype)
+    if args.connector:
+        return run_connector(torch, model, prefixes, timed, args, dram, started)
     with LocalNode(dram=f"{dram >> 20}MiB", max_block="64MiB", lease="60s") as node, \
             Client(node.unix, timeout=120) as uni, Client(node.tcp, timeout=120) as tcp:
         if not uni.shm:
@@ -337,6 +485,41 @@ def main() -> int:
               f"| {r['bytes'] / r['save'] / 1e9:.1f} | {r['diff']:.3f} |")
     print(f"\ntotal {time.monotonic() - started:.0f} s; targets: arena -> device >= 40 GB/s, reload+suffix "
           "<= 1/3 of recompute at 2k, <= 1/5 at 8k and 16k")
+    return 0
+
+
+def run_connector(torch, model, prefixes, timed, args, dram: int, started: float) -> int:
+    from _local_node import LocalNode
+    from quillcache.connectors.core import ConnectorCore
+    rows = []
+    with LocalNode(dram=f"{dram >> 20}MiB", max_block="64MiB", lease="60s") as node:
+        core = ConnectorCore(node.unix, timeout=120)
+        try:
+            if not core.shm:
+                raise SystemExit("the connector's Unix-socket client did not map the arena")
+            for P in prefixes:
+                if time.monotonic() - started > TIME_BUDGET_S:
+                    rows.append((P, None))
+                    continue
+                rows.append((P, measure_connector(torch, model, core, P, timed, args.rounds)))
+                if model.dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            stats = core.stats()
+        finally:
+            core.close()
+    print(f"\nvLLM connector worker path (PagedKVWorker, block {BLOCK_TOKENS} tokens, vLLM layout, forward "
+          f"passes eager; connector counters: {stats})")
+    print("| prefix tokens | recompute ms | reload + suffix ms | x faster | (load ms | suffix ms) "
+          "| first layer ready ms | save GB/s | max logit diff |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for P, r in rows:
+        if r is None:
+            print(f"| {P} | skipped: time budget ({TIME_BUDGET_S:.0f} s) spent | | | | | | | |")
+            continue
+        print(f"| {P} | {r['full'] * 1e3:.1f} | {r['conn'] * 1e3:.1f} | {r['full'] / r['conn']:.2f} "
+              f"| {r['load'] * 1e3:.1f} | {r['suffix'] * 1e3:.1f} | {r['first'] * 1e3:.1f} "
+              f"| {r['bytes'] / r['save'] / 1e9:.2f} | {r['diff']:.3g} |")
+    print(f"\ntotal {time.monotonic() - started:.0f} s")
     return 0
 
 

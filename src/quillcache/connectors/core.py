@@ -28,7 +28,8 @@ from quillcache.errors import QuillCacheError
 from quillcache.model import KvBlockKey
 
 __all__ = ["TENANT_SALT_PREFIX", "TENANT_ARG", "model_scope", "hash_hex", "tenant_from_salt",
-           "tenant_from_args", "value_nbytes", "value_parts", "batch_len", "Identity", "chain_keys", "ConnectorCore"]
+           "tenant_from_args", "value_nbytes", "value_parts", "blocks_per_request",
+           "batch_len", "Identity", "chain_keys", "ConnectorCore"]
 
 TENANT_SALT_PREFIX = "tenant="      # cache_salt "tenant=<id>[;anything]" names the tenant
 TENANT_ARG = "quillcache_tenant"    # or the request's extra args / kv_transfer_params carry it
@@ -85,10 +86,14 @@ def value_parts(buffer: Any) -> list[memoryview]:
     return [memoryview(p).cast("B") for p in (buffer if isinstance(buffer, tuple) else (buffer,))]
 
 
+def blocks_per_request(block_nbytes: int) -> int:
+    """Blocks per load/save request for blocks of this size."""
+    return max(1, min(BATCH_BLOCKS, BATCH_BYTES // max(block_nbytes, 1)))
+
+
 def batch_len(buffers: Sequence) -> int:
     """Blocks per request for blocks of this size (engines use one block size)."""
-    size = value_nbytes(buffers[0]) if buffers else 1
-    return max(1, min(BATCH_BLOCKS, BATCH_BYTES // max(size, 1)))
+    return blocks_per_request(value_nbytes(buffers[0]) if buffers else 1)
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,13 @@ Extra config keys: address, timeout_s, model (default: the served model name), t
 (default: the model's tokenizer), tenant (the engine's default tenant), layout (default
 "vllm-2nbhd"), num_layers (default: the registered caches).  docs/engines.md has the rest.
 
-Unit of transfer: one full block of tokens across every layer, ``[layers, 2, block_size,
-kv_heads, head_size]``, the per-layer caches being vLLM's ``[2, num_blocks, block_size,
-kv_heads, head_size]``.  Loads start in ``start_load_kv`` on the core's I/O thread and are
-waited for (and scattered into the paged cache) at the first ``wait_for_layer_load``; saves are
-gathered (a copy) in ``wait_for_save`` and sent asynchronously; the scheduler keeps a request's
-blocks until ``get_finished`` reports its saves done.
+The worker side is ``quillcache.connectors.paged.PagedKVWorker`` (no vLLM import; the GPU
+benchmark drives it directly): one full block of tokens across every layer is one value,
+``[layers, 2, block_size, kv_heads, head_size]``, the per-layer caches being vLLM's ``[2,
+num_blocks, block_size, kv_heads, head_size]``.  Loads start in ``start_load_kv`` on the core's
+I/O thread and are waited for per layer in ``wait_for_layer_load``; saves are gathered (a copy)
+in ``wait_for_save`` and sent asynchronously; the scheduler keeps a request's blocks until
+``get_finished`` reports its saves done.
 """
 from __future__ import annotations
 
@@ -28,18 +29,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from quillcache.connectors.core import (
     ConnectorCore, Identity, chain_keys, model_scope, tenant_from_args, tenant_from_salt,
 )
+from quillcache.connectors.paged import PagedKVWorker, Transfer
 from quillcache.model import KvBlockKey
 
 __all__ = ["QuillCacheConnector", "QuillCacheMeta"]
 
 DEFAULT_LAYOUT = "vllm-2nbhd"
-
-
-@dataclass
-class Transfer:
-    req_id: str
-    keys: list[KvBlockKey]
-    block_ids: list[int]
 
 
 @dataclass
@@ -83,11 +78,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         self._saving: set[str] = set()
         # worker side
-        self._caches: list[torch.Tensor] = []
-        self._loads: list[tuple[Transfer, Any, list[torch.Tensor]]] = []
-        self._save_futs: dict[str, list] = {}
-        self._finishing: set[str] = set()
-        self._load_errors: set[int] = set()
+        self.worker = PagedKVWorker(self.core)
 
     # ------------------------------------------------------------------ identity
 
@@ -180,57 +171,30 @@ class QuillCacheConnector(KVConnectorBase_V1):
             return True, None
         return False, None
 
-    # ------------------------------------------------------------------ worker side
+    # ------------------------------------------------------------------ worker side (PagedKVWorker)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._caches = list(kv_caches.values())
+        self.worker.register_kv_caches(kv_caches)
         if not self.num_layers:
-            self.num_layers = len(self._caches)
-
-    def _block_shape(self) -> tuple[int, ...]:
-        c = self._caches[0]
-        return (len(self._caches), 2, *c.shape[2:])
+            self.num_layers = self.worker.num_layers
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        for t in meta.loads:
-            staging = [torch.empty(self._block_shape(), dtype=self._caches[0].dtype) for _ in t.keys]
-            views = [s.view(torch.uint8).numpy().reshape(-1) for s in staging]
-            self._loads.append((t, self.core.load_async(t.keys, views), staging))
+        self.worker.start_load_kv(self._get_connector_metadata().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        while self._loads:
-            t, fut, staging = self._loads.pop(0)
-            n = self.core.wait(fut, what="load")
-            for i in range(n):
-                blk = t.block_ids[i]
-                for layer, cache in enumerate(self._caches):
-                    cache[:, blk].copy_(staging[i][layer])
-            self._load_errors.update(t.block_ids[n:])    # vLLM recomputes these
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        """Blocks are saved whole (every layer) in wait_for_save; nothing to do per layer."""
+        self.worker.save_kv_layer(layer_name, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        for t in meta.saves:
-            bufs = [torch.stack([c[:, blk] for c in self._caches]).contiguous() for blk in t.block_ids]
-            views = [b.view(torch.uint8).numpy().reshape(-1) for b in bufs]
-            self._save_futs.setdefault(t.req_id, []).append((self.core.save_async(t.keys, views), bufs))
+        self.worker.wait_for_save(self._get_connector_metadata().saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        self._finishing |= {r for r in finished_req_ids if r in self._save_futs}
-        done = set()
-        for rid in list(self._finishing):
-            if all(f.done() for f, _ in self._save_futs[rid]):
-                done.add(rid)
-                self._finishing.discard(rid)
-                del self._save_futs[rid]
-        return (done or None), None
+        return self.worker.get_finished(finished_req_ids), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.worker.take_load_errors()
 
     def get_kv_connector_stats(self):
         return None
@@ -239,7 +203,5 @@ class QuillCacheConnector(KVConnectorBase_V1):
         return self.core.stats()
 
     def shutdown(self) -> None:
-        for futs in self._save_futs.values():
-            for f, _ in futs:
-                self.core.wait(f, what="save")
+        self.worker.shutdown()
         self.core.close()

@@ -1,0 +1,308 @@
+"""Paged KV caches to and from the pool, with no engine imported: the worker side of the vLLM
+connector (``vllm.py`` delegates to it), also driven directly by ``bench/gpu_reload.py``.
+
+A cache is one tensor per layer in vLLM's layout, ``[2, num_blocks, block_size, kv_heads,
+head_size]`` (K then V), all on one device (CPU or CUDA).  The unit of transfer is one block of
+every layer, stored as one contiguous value ``[layers, 2, block_size, kv_heads, head_size]``.
+
+Call order (vLLM's)::
+
+    register_kv_caches(caches)          once
+    start_load_kv(loads)                per step: the loads start on the core's I/O thread
+    wait_for_layer_load(name)           per layer, before its attention
+    save_kv_layer(name, ...)            per layer: nothing (a block is saved across all layers)
+    wait_for_save(saves)                per step: the blocks are gathered (a device copy, on
+                                        the engine's stream), then sent asynchronously
+    get_finished(finished_req_ids)      requests whose saves are all done
+    take_load_errors()                  block ids to recompute
+
+Loads: on the I/O thread, ``quillcache.gpu.ArenaCopier`` copies up to ``staging_bytes`` of
+blocks at a time from the node into a staging tensor on the caches' device (over ``unix:`` a
+located GET and arena -> device copies on the copier's stream, adjacent blocks merged into one
+copy; over TCP through a host buffer), then they are scattered into the paged caches layer by
+layer on that stream, with an event after each layer.  ``wait_for_layer_load(L)`` waits on the
+host until the job has issued everything, then makes the engine's current stream wait for
+layer L's event only: layer L computes while the scatters of the layers after it still run.
+The host -> device copy itself is not split by layer: layer L's bytes lie in every block's
+value, so per-layer copies would be blocks x layers small copies (docs/engines.md).
+
+Every failure is a miss: a load that fails or runs past the core's deadline reports all of its
+blocks not loaded before it (``take_load_errors``) and never writes a cache block afterwards; a
+save that fails is not reported stored (batches the node committed before the failure stay:
+their bytes are right).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from quillcache.connectors.core import ConnectorCore, blocks_per_request
+from quillcache.model import KvBlockKey
+
+__all__ = ["Transfer", "PagedKVWorker", "STAGING_BYTES"]
+
+STAGING_BYTES = 256 << 20        # bytes of device staging per load job (one chunk of blocks)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Transfer:
+    """Blocks of one request: ``keys[i]`` is stored in paged block ``block_ids[i]``."""
+    req_id: str
+    keys: list[KvBlockKey]
+    block_ids: list[int]
+    token_ids: Optional[list[int]] = None       # the blocks' tokens, when events are published
+
+
+@dataclass
+class _Load:
+    transfer: Transfer
+    future: Optional[Future] = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False                     # set under lock: no scatter is issued after it
+    loaded: Optional[int] = None                # leading blocks in place (None: not waited yet)
+    events: Optional[list] = None               # per layer, CUDA only
+
+
+def _torch():
+    import torch
+    return torch
+
+
+class PagedKVWorker:
+    """Moves whole blocks between per-layer paged caches and the pool, through one core."""
+
+    def __init__(self, core: ConnectorCore, *, staging_bytes: int = STAGING_BYTES) -> None:
+        self.core = core
+        self.staging_bytes = int(staging_bytes)
+        self._names: list[str] = []
+        self._index: dict[str, int] = {}
+        self._caches: list = []
+        self._copier = None
+        self._loads: list[_Load] = []
+        self._saves: dict[str, list[tuple[Transfer, Future]]] = {}
+        self._finishing: set[str] = set()
+        self._stored: list[Transfer] = []
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------------ registration
+
+    def register_kv_caches(self, caches: Mapping[str, Any]) -> None:
+        """Per-layer caches, in layer order: ``[2, num_blocks, block_size, kv_heads, head_size]``
+        each, one shape, dtype and device."""
+        torch = _torch()
+        tensors = list(caches.values())
+        if not tensors:
+            raise ValueError("register_kv_caches: no caches")
+        first = tensors[0]
+        for name, c in caches.items():
+            if not isinstance(c, torch.Tensor) or c.dim() != 5 or c.shape[0] != 2:
+                raise ValueError(f"register_kv_caches: {name}: expected [2, num_blocks, block_size, kv_heads, "
+                                 f"head_size], got {getattr(c, 'shape', type(c).__name__)}")
+            if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
+                raise ValueError(f"register_kv_caches: {name}: {tuple(c.shape)} {c.dtype} on {c.device} differs "
+                                 f"from the first layer's {tuple(first.shape)} {first.dtype} on {first.device}")
+        self._names = list(caches)
+        self._index = {n: i for i, n in enumerate(self._names)}
+        self._caches = tensors
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._caches)
+
+    @property
+    def device(self):
+        return self._caches[0].device
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (len(self._caches), 2, *self._caches[0].shape[2:])
+
+    @property
+    def block_nbytes(self) -> int:
+        c = self._caches[0]
+        return len(self._caches) * 2 * c[0, 0].numel() * c.element_size()
+
+    def _copier_for(self, client):
+        from quillcache.gpu import ArenaCopier
+        if self._copier is None or self._copier.client is not client:     # a reconnect: a new client
+            self._copier = ArenaCopier(client, device=self.device)
+        return self._copier
+
+    # ------------------------------------------------------------------ loads
+
+    def start_load_kv(self, loads: Sequence[Transfer]) -> None:
+        self._finish_loads()
+        for t in loads:
+            if not t.keys:
+                continue
+            load = _Load(t)
+            load.future = self.core.call_async(lambda client, load=load: self._load_job(load, client),
+                                               what="load", default=(0, None))
+            self._loads.append(load)
+
+    def _load_job(self, load: _Load, client) -> tuple[int, Optional[list]]:
+        """On the I/O thread: chunks of blocks into staging, then scattered layer by layer."""
+        torch = _torch()
+        t = load.transfer
+        self.core.count("loads")
+        copier = self._copier_for(client)
+        stream = copier.stream
+        per = max(1, self.staging_bytes // self.block_nbytes)
+        events: Optional[list] = [None] * self.num_layers if stream is not None else None
+        n = 0
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                staging = torch.empty((min(per, len(t.keys)), *self.block_shape), dtype=self._caches[0].dtype,
+                                      device=self.device)
+                for a in range(0, len(t.keys), per):
+                    keys = t.keys[a:a + per]
+                    got = copier.load(keys, list(staging[:len(keys)]))
+                    lead = 0
+                    while lead < len(got) and got[lead] == self.block_nbytes:
+                        lead += 1
+                    if lead:
+                        ids = torch.tensor(t.block_ids[a:a + lead], dtype=torch.long, device=self.device)
+                        with load.lock:
+                            if load.cancelled:
+                                break
+                            for layer, cache in enumerate(self._caches):
+                                cache[:, ids] = staging[:lead, layer].transpose(0, 1)
+                                if events is not None:
+                                    events[layer] = torch.cuda.Event()
+                                    events[layer].record(stream)
+                    n += lead
+                    if lead < len(keys):
+                        break
+        except BaseException:
+            if stream is not None:
+                stream.synchronize()      # what was issued lands before the blocks are recomputed
+            raise
+        self.core.count("loaded_blocks", n)
+        return n, events
+
+    def _resolve(self, load: _Load) -> None:
+        if load.loaded is not None:
+            return
+        try:
+            got = self.core.wait(load.future, what="load")
+        except Exception:                 # not a node failure (e.g. device memory): still a miss
+            log.warning("quillcache: a load failed; its blocks are recomputed", exc_info=True)
+            self.core.count("load_errors")
+            got = 0
+        if isinstance(got, tuple):
+            load.loaded, load.events = got
+        else:                             # past the deadline: nothing more may be written
+            with load.lock:
+                load.cancelled = True
+            if self._copier is not None and self._copier.stream is not None:
+                self._copier.stream.synchronize()
+            load.loaded, load.events = 0, None
+        self._load_errors.update(load.transfer.block_ids[load.loaded:])      # the engine recomputes these
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return when ``layer_name``'s blocks are in place for the engine's current stream (on
+        CUDA: a stream wait on that layer's event, no host synchronisation); a name not
+        registered waits for every layer."""
+        if not self._loads:
+            return
+        i = self._index.get(layer_name, self.num_layers - 1)
+        torch = _torch()
+        for load in self._loads:
+            self._resolve(load)
+            if load.events is not None:
+                ev = next((e for e in reversed(load.events[:i + 1]) if e is not None), None)
+                if ev is not None:
+                    torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def _finish_loads(self) -> None:
+        if self._loads:
+            self.wait_for_layer_load("")      # every layer: nothing is left running unseen
+        self._loads = []
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ saves
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None, **kwargs: Any) -> None:
+        """Nothing per layer: a block is saved across every layer in ``wait_for_save``."""
+
+    def wait_for_save(self, saves: Sequence[Transfer]) -> None:
+        """Gather each transfer's blocks (a copy on the engine's current stream, so a block
+        reused later cannot change what is saved) and send them asynchronously."""
+        self._finish_loads()
+        torch = _torch()
+        for t in saves:
+            if not t.keys:
+                continue
+            ids = torch.tensor(t.block_ids, dtype=torch.long, device=self.device)
+            buf = torch.empty((len(ids), *self.block_shape), dtype=self._caches[0].dtype, device=self.device)
+            for layer, cache in enumerate(self._caches):
+                buf[:, layer] = cache.index_select(1, ids).transpose(0, 1)
+            ready = None
+            if buf.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
+            fut = self.core.call_async(lambda client, t=t, buf=buf, ready=ready: self._save_job(t, buf, ready, client),
+                                       what="save", default=False)
+            self._saves.setdefault(t.req_id, []).append((t, fut))
+
+    def _save_job(self, t: Transfer, buf, ready, client) -> bool:
+        self.core.count("saves")
+        if ready is not None:
+            ready.synchronize()              # the gather on the engine's stream is done
+        copier = self._copier_for(client)
+        rows = list(buf)
+        step = blocks_per_request(self.block_nbytes)
+        for a in range(0, len(rows), step):
+            copier.save(t.keys[a:a + step], rows[a:a + step])
+        self.core.count("saved_blocks", len(rows))
+        return True
+
+    def get_finished(self, finished_req_ids: set[str]) -> Optional[set[str]]:
+        """The finished requests whose saves have all completed (None if none)."""
+        self._collect_saves()
+        self._finishing |= {r for r in finished_req_ids if r in self._saves}
+        done = set()
+        for rid in list(self._finishing):
+            if not self._saves.get(rid):
+                done.add(rid)
+                self._finishing.discard(rid)
+                self._saves.pop(rid, None)
+        return done or None
+
+    def _collect_saves(self) -> None:
+        for futs in self._saves.values():
+            left = []
+            for t, f in futs:
+                if not f.done():
+                    left.append((t, f))
+                elif f.exception() is not None:
+                    log.warning("quillcache: a save failed", exc_info=f.exception())
+                    self.core.count("save_errors")
+                elif f.result() is True:
+                    self._stored.append(t)
+            futs[:] = left
+
+    def take_stored(self) -> list[Transfer]:
+        """Transfers stored in full since the last call (for the engine's KV events)."""
+        self._collect_saves()
+        stored, self._stored = self._stored, []
+        return stored
+
+    def shutdown(self) -> None:
+        self._finish_loads()
+        for futs in self._saves.values():
+            for _, f in futs:
+                try:
+                    self.core.wait(f, what="save")
+                except Exception:         # counted in _collect_saves' terms; shutting down anyway
+                    self.core.count("save_errors")
+        self._saves.clear()
