@@ -5,6 +5,7 @@ wait_for_save, get_finished; scheduler: request_finished) with real Request obje
 real block hashes, against a real quillcached.  Tested against vllm 0.33.0."""
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -16,15 +17,20 @@ pytestmark = pytest.mark.engines
 torch = engines.require("torch")
 engines.require("vllm")
 
-from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.config import KVTransferConfig, ParallelConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_events import BlockStored, KVEventBatch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256_cbor  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    KVCacheBlock, get_request_block_hasher, init_none_hash, maybe_convert_block_hash,
+)
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 BS, LAYERS, NBLOCKS, KVH, HD = 16, 3, 24, 2, 32
@@ -36,12 +42,13 @@ def node(tmp_path):
         yield d
 
 
-def connector(node, role):
-    cfg = VllmConfig(kv_transfer_config=KVTransferConfig(
+def connector(node, role, *, tp: int = 1, rank: int = 0, **extra):
+    cfg = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp, rank=rank),
+                     kv_transfer_config=KVTransferConfig(
         kv_connector="QuillCacheConnector", kv_connector_module_path="quillcache.connectors.vllm",
         kv_role="kv_both", kv_connector_extra_config={
             "address": f"unix:{node.data_dir / 'quillcached.sock'}", "model": "tiny", "block_size": BS,
-            "tokenizer_id": "tiny-tok", "dtype": "float32"}))
+            "tokenizer_id": "tiny-tok", "dtype": "float32", **extra}))
     return KVConnectorFactory.create_connector(cfg, role, None)
 
 
@@ -52,8 +59,9 @@ def request(rid: str, tokens: list[int], lora: str | None = None, salt: str | No
                    block_hasher=get_request_block_hasher(BS, sha256_cbor))
 
 
-def step(sched, worker, caches, req, block_ids, hit_tokens):
-    """One scheduler step for a new request, then the worker's forward, in vLLM's order."""
+def step(sched, worker, caches, req, block_ids, hit_tokens, workers=()):
+    """One scheduler step for a new request, then the worker's forward (every worker's: the
+    same metadata is broadcast to each TP rank), in vLLM's order."""
     blocks = KVCacheBlocks((([KVCacheBlock(b) for b in block_ids]),))
     sched.update_state_after_alloc(req, blocks, hit_tokens)
     out = SchedulerOutput.make_empty()
@@ -61,13 +69,14 @@ def step(sched, worker, caches, req, block_ids, hit_tokens):
     out.num_scheduled_tokens = {req.request_id: req.num_prompt_tokens - req.num_computed_tokens - hit_tokens}
     out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
     meta = sched.build_connector_meta(out)
-    worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)
-    for i, c in enumerate(caches):
-        worker.wait_for_layer_load(f"model.layers.{i}.attn")
-        worker.save_kv_layer(f"model.layers.{i}.attn", c, None)
-    worker.wait_for_save()
-    worker.clear_connector_metadata()
+    for w, layers in [(worker, caches), *workers]:
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        for i, c in enumerate(layers):
+            w.wait_for_layer_load(f"model.layers.{i}.attn")
+            w.save_kv_layer(f"model.layers.{i}.attn", c, None)
+        w.wait_for_save()
+        w.clear_connector_metadata()
     return meta
 
 
@@ -124,3 +133,75 @@ def test_vllm_connector_saves_then_loads_the_prefix_and_scopes_adapter_and_tenan
     finally:
         sched.shutdown()
         worker.shutdown()
+
+
+def test_vllm_tp_ranks_keep_their_own_shards_and_stored_blocks_become_events_once_all_ranks_stored(node):
+    sched = connector(node, KVConnectorRole.SCHEDULER, tp=2, events=True)
+    w0 = connector(node, KVConnectorRole.WORKER, tp=2, rank=0, events=True)
+    w1 = connector(node, KVConnectorRole.WORKER, tp=2, rank=1, events=True)
+    try:
+        g = torch.Generator().manual_seed(11)
+        shards = []
+        for w in (w0, w1):                   # each rank holds other bytes (its KV heads)
+            kv = {f"model.layers.{i}.attn": torch.randn(2, NBLOCKS, BS, KVH, HD, generator=g) for i in range(LAYERS)}
+            w.register_kv_caches(kv)
+            shards.append(list(kv.values()))
+        assert (w0.tp_rank, w1.tp_rank) == (0, 1)
+        prompt = list(range(3000, 3000 + 3 * BS + 2))
+        a = request("A", prompt, "a", "tenant=acme")
+        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        step(sched, w0, shards[0], a, [0, 1, 2, 3], 0, workers=[(w1, shards[1])])
+
+        # vLLM's own aggregator merges the two workers' outputs; the scheduler publishes an
+        # event only for blocks both ranks stored
+        agg = KVOutputAggregator(expected_finished_count=2)
+        events = []
+        for _ in range(200):
+            outs = []
+            for w in (w0, w1):
+                o = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+                o.kv_connector_output = KVConnectorOutput(kv_cache_events=w.get_kv_connector_kv_cache_events())
+                outs.append(o)
+            sched.update_connector_output(agg.aggregate(outs).kv_connector_output)
+            events += list(sched.take_events())
+            if events:
+                break
+            time.sleep(0.01)
+        assert len(events) == 1 and isinstance(events[0], BlockStored)
+        ev = events[0]
+        # the hashes as vLLM's own events carry them (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        assert ev.block_hashes == [maybe_convert_block_hash(h) for h in a.block_hashes[:3]]
+        assert ev.parent_block_hash is None
+        assert ev.token_ids == prompt[:3 * BS] and ev.block_size == BS and ev.lora_name == "a"
+        assert ev.medium == "STORAGE"
+        assert list(sched.take_events()) == []
+        KVEventBatch(ts=0.0, events=events)              # what the scheduler hands its publisher
+
+        # only rank 1 stored request B's blocks: no event until rank 0's arrive in a later step
+        b = request("B", list(range(5000, 5000 + BS + 1)), None, "tenant=acme")
+        step(sched, w1, shards[1], b, [5, 6], 0)
+        deadline = time.monotonic() + 5
+        got1 = []
+        while not got1 and time.monotonic() < deadline:
+            got1 = w1.get_kv_connector_kv_cache_events().get_all_events()
+            time.sleep(0.01)
+        half = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+        c1 = w1.get_kv_connector_kv_cache_events()
+        c1.add_events(got1)
+        c1.increment_workers(1)                            # rank 0 reported nothing this step
+        half.kv_connector_output = KVConnectorOutput(kv_cache_events=c1)
+        sched.update_connector_output(half.kv_connector_output)
+        assert list(sched.take_events()) == []
+
+        # loads: each rank gets its own shard back (rank-scoped keys), bytes for bytes
+        c = request("C", prompt[:3 * BS] + [1, 2], "a", "tenant=acme")
+        assert sched.get_num_new_matched_tokens(c, 0) == (3 * BS, False)
+        step(sched, w0, shards[0], c, [10, 11, 12, 13], 3 * BS, workers=[(w1, shards[1])])
+        for r, layers in enumerate(shards):
+            for i, t in enumerate(layers):
+                assert torch.equal(t[:, 10:13], t[:, 0:3]), f"rank {r} layer {i}: not its own shard"
+        assert not torch.equal(shards[0][0][:, 10:13], shards[1][0][:, 0:3])
+        assert w0.get_block_ids_with_load_errors() == set() == w1.get_block_ids_with_load_errors()
+    finally:
+        for c in (sched, w0, w1):
+            c.shutdown()

@@ -56,7 +56,7 @@ class Transfer:
     req_id: str
     keys: list[KvBlockKey]
     block_ids: list[int]
-    token_ids: Optional[list[int]] = None       # the blocks' tokens, when events are published
+    event: Any = None                           # the adapter's, reported once stored (take_stored)
 
 
 @dataclass

@@ -18,13 +18,17 @@ in ``wait_for_save`` and sent asynchronously; the scheduler keeps a request's bl
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import replace as dc_replace
+from typing import Any, Iterable, Optional
 
 import torch
+from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from quillcache.connectors.core import (
     ConnectorCore, Identity, chain_keys, model_scope, tenant_from_args, tenant_from_salt,
@@ -32,9 +36,63 @@ from quillcache.connectors.core import (
 from quillcache.connectors.paged import PagedKVWorker, Transfer
 from quillcache.model import KvBlockKey
 
-__all__ = ["QuillCacheConnector", "QuillCacheMeta"]
+__all__ = ["QuillCacheConnector", "QuillCacheMeta", "QuillCacheKVEvents", "worker_ranks"]
 
 DEFAULT_LAYOUT = "vllm-2nbhd"
+
+
+def worker_ranks(pc, tp_size: int, pp_size: int) -> tuple[int, int]:
+    """This worker's (TP rank, PP rank): from vLLM's process groups once they exist, else from
+    the global rank (TP is the innermost dimension of vLLM's rank layout)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    except (AssertionError, AttributeError):          # the groups are not initialised (tests, tools)
+        rank = int(getattr(pc, "rank", 0) or 0)
+        return rank % tp_size, (rank // tp_size) % pp_size
+
+
+class QuillCacheKVEvents(KVConnectorKVEvents):
+    """Stored-block events from the workers.  A block is in the pool in full once every worker
+    (each TP rank, each PP stage) stored its shard, possibly in different steps, so the counts
+    persist across polls and an event is published when its count reaches the worker count."""
+
+    def __init__(self, num_workers: int = 1) -> None:
+        if num_workers <= 0:
+            raise ValueError("num_workers must be greater than zero")
+        self._counts: Counter = Counter()
+        self._workers = num_workers
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._counts.update(events)
+
+    def merge_from(self, other: "QuillCacheKVEvents") -> None:
+        self._counts.update(other.get_all_events())
+        self._workers = max(self._workers, other.get_number_of_workers())
+
+    def pop_common_events(self) -> list[KVCacheEvent]:
+        done = [e for e, n in self._counts.items() if n >= self._workers]
+        for e in done:
+            del self._counts[e]
+        return done
+
+    def aggregate(self) -> "QuillCacheKVEvents":
+        common = self.pop_common_events()
+        self._counts = Counter(common)
+        self._workers = 1
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._counts.elements())
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._counts.clear()
 
 
 @dataclass
@@ -66,17 +124,26 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self.tokenizer_id = str(extra.get("tokenizer_id") or (mc and mc.tokenizer) or self.model)
         self.default_tenant = str(extra.get("tenant", ""))
         self.layout = str(extra.get("layout", DEFAULT_LAYOUT))
-        self.num_layers = int(extra.get("num_layers") or 0)
+        # the model's layer count (not this stage's: PP stages differ by pp rank in the scope), so
+        # the scheduler's lookup scope and rank 0's save scope agree without the caches
+        self.num_layers = int(extra.get("num_layers") or (mc.get_total_num_hidden_layers() if mc else 0))
         dtype = extra.get("dtype") or (cc and cc.cache_dtype != "auto" and cc.cache_dtype) or \
             (mc and str(mc.dtype).replace("torch.", "")) or "auto"
         self.dtype = str(dtype)
-        self.tp_rank, self.tp_size = int(getattr(pc, "rank", 0) or 0), int(getattr(pc, "tensor_parallel_size", 1))
-        self.pp_rank, self.pp_size = 0, int(getattr(pc, "pipeline_parallel_size", 1))
+        self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self.pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+        # the scheduler builds every key in rank 0's scope; each worker moves its own shard under
+        # its own TP and PP rank (register_kv_caches), so two ranks never share a key
+        self.tp_rank, self.pp_rank = 0, 0
+        self._pc = pc
+        self.publish_events = bool(extra.get("events", False))
+        self.events_medium = str(extra.get("events_medium", MEDIUM_STORAGE))
         self.core = ConnectorCore(str(extra.get("address", "127.0.0.1:7600")),
                                   timeout=float(extra.get("timeout_s", 5.0)))
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._saving: set[str] = set()
+        self._events: Optional[QuillCacheKVEvents] = None
         # worker side
         self.worker = PagedKVWorker(self.core)
 
@@ -156,10 +223,39 @@ class QuillCacheConnector(KVConnectorBase_V1):
             ready = min(self._full_prompt_blocks(req), done // self.block_size, len(st.block_ids))
             if ready > st.saved_upto:
                 a = st.saved_upto
-                meta.saves.append(Transfer(rid, self._keys(req, a, ready), st.block_ids[a:ready]))
+                meta.saves.append(Transfer(rid, self._keys(req, a, ready), st.block_ids[a:ready],
+                                           self._stored_event(req, a, ready) if self.publish_events else None))
                 st.saved_upto = ready
                 self._saving.add(rid)
         return meta
+
+    def _stored_event(self, request, a: int, b: int) -> BlockStored:
+        """vLLM's own BlockStored for blocks a..b of the request, in the pool's medium; the
+        worker reports it once the save completed (take_events)."""
+        lora = getattr(request, "lora_request", None)
+        hashes = list(request.block_hashes)
+        return BlockStored(block_hashes=[maybe_convert_block_hash(h) for h in hashes[a:b]],
+                           parent_block_hash=maybe_convert_block_hash(hashes[a - 1]) if a > 0 else None,
+                           token_ids=list(request.all_token_ids[a * self.block_size:b * self.block_size]),
+                           block_size=self.block_size, lora_id=lora.adapter_id if lora is not None else None,
+                           medium=self.events_medium, lora_name=lora.name if lora is not None else None,
+                           group_idx=0)
+
+    def update_connector_output(self, connector_output) -> None:
+        """Collect the workers' stored-block events (every TP/PP worker reports its own)."""
+        got = getattr(connector_output, "kv_cache_events", None)
+        if not self.publish_events or not isinstance(got, QuillCacheKVEvents):
+            return
+        if self._events is None:
+            self._events = QuillCacheKVEvents(got.get_number_of_workers())
+        self._events.merge_from(got)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Blocks the pool holds in full: an event once every worker reported its shard stored
+        (events off: nothing).  Evictions are the node's own to publish ([events] on the node)."""
+        if self._events is None:
+            return ()
+        return self._events.pop_common_events()
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         """Hold the blocks while saves for this request may be in flight (the worker reports it
@@ -175,11 +271,16 @@ class QuillCacheConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
-        if not self.num_layers:
-            self.num_layers = self.worker.num_layers
+        self.tp_rank, self.pp_rank = worker_ranks(self._pc, self.tp_size, self.pp_size)
+
+    def _own(self, transfers: list[Transfer]) -> list[Transfer]:
+        """The scheduler's keys (rank 0's scope) in this worker's scope."""
+        scope = self._scope()
+        return [t if not t.keys or t.keys[0].model_id == scope else
+                dc_replace(t, keys=[dc_replace(k, model_id=scope) for k in t.keys]) for t in transfers]
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self.worker.start_load_kv(self._get_connector_metadata().loads)
+        self.worker.start_load_kv(self._own(self._get_connector_metadata().loads))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(layer_name)
@@ -188,13 +289,22 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self.worker.save_kv_layer(layer_name, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
-        self.worker.wait_for_save(self._get_connector_metadata().saves)
+        self.worker.wait_for_save(self._own(self._get_connector_metadata().saves))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         return self.worker.get_finished(finished_req_ids), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> Optional[QuillCacheKVEvents]:
+        """This worker's stored blocks since the last step (an empty container still counts
+        the worker towards the quorum of take_events)."""
+        if not self.publish_events:
+            return None
+        out = QuillCacheKVEvents(1)
+        out.add_events([t.event for t in self.worker.take_stored() if t.event is not None])
+        return out
 
     def get_kv_connector_stats(self):
         return None
