@@ -32,7 +32,8 @@ def in_engines_venv() -> bool:
 
 def require(name: str) -> ModuleType:
     """Import ``name`` (e.g. "torch", "vllm"): skip the calling module outside the engines'
-    venv, raise inside it."""
+    venv, raise inside it -- also when the installed version is not the one in ``VERSIONS``,
+    which every engine test names: a test never passes against an engine it does not name."""
     if name == "vllm" or name.startswith("vllm."):
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")   # a VllmConfig needs it on CPU
     if not in_engines_venv():
@@ -41,7 +42,12 @@ def require(name: str) -> ModuleType:
         except ImportError as exc:
             pytest.skip(f"engine test: needs {name} ({exc}); runs in .venv-engines under `make test`",
                         allow_module_level=True)
-    return importlib.import_module(name)
+    mod = importlib.import_module(name)
+    top = name.split(".")[0]
+    if top in VERSIONS and not version(top).startswith(VERSIONS[top]):
+        raise RuntimeError(f"{top} {version(top)} is installed; the engine tests name {VERSIONS[top]} "
+                           "(update VERSIONS, requirements/engines.txt, docs/engines.md and the tests)")
+    return mod
 
 
 def version(name: str) -> str:

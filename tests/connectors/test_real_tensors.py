@@ -7,6 +7,8 @@ through the connector core into a real quillcached and loaded back for a second 
 - another adapter or tenant: a miss (the keys differ), so the engine recomputes;
 - forced reuse across adapters (the guard bypassed by loading adapter A's blocks for adapter B):
   logits measurably differ.  The numbers are printed and quoted in docs/identity-safe-reuse.md.
+
+Tested with torch 2.13.0 (CPU); no engine package is imported here.
 """
 from __future__ import annotations
 

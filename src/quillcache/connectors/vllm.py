@@ -6,7 +6,8 @@
 
 Extra config keys: address, timeout_s, model (default: the served model name), tokenizer_id
 (default: the model's tokenizer), tenant (the engine's default tenant), layout (default
-"vllm-2nbhd"), num_layers (default: the registered caches).  docs/engines.md has the rest.
+"vllm-2nbhd"), num_layers (default: the model's layer count), events (false: publish the pool's
+stored blocks through take_events), events_medium ("STORAGE").  docs/engines.md has the rest.
 
 The worker side is ``quillcache.connectors.paged.PagedKVWorker`` (no vLLM import; the GPU
 benchmark drives it directly): one full block of tokens across every layer is one value,
