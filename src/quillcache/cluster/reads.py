@@ -157,26 +157,29 @@ class PoolReads:
             deadline = time.monotonic() + self.hop_timeout
             await _all(self._fetch_from(h, idx, tenant, ekeys, result, deadline) for h, idx in by_holder.items())
 
-    async def _fetch_from(self, holder: Holder, idx: list[int], tenant: str, ekeys: Sequence[bytes],
+    async def _fetch_from(self, holder: Holder, idx: Sequence[int], tenant: str, ekeys: Sequence[bytes],
                           result: list[Optional[memoryview]], deadline: float) -> None:
+        """One FETCH of ``ekeys[i]`` for i in ``idx`` from ``holder``; what it returns that
+        is the copy recorded (the holder's epoch, the recorded size) lands in ``result[i]``."""
         m = self.view.get(holder.node_id)
         if m is None:
             return
-        self.counters["fetches_sent"] += 1
+        counters = self.counters
+        counters["fetches_sent"] += 1
         try:
             res = await self.transport.fetch(Peer(holder.node_id, m.address, holder.epoch), tenant,
                                              [ekeys[i] for i in idx], deadline)
         except QuillCacheError:
-            self.counters["fetch_failures"] += 1
+            counters["fetch_failures"] += 1
             return
         if res.epoch != holder.epoch:
-            self.counters["stale_hops"] += len(idx)         # it restarted: not the copy recorded
+            counters["stale_hops"] += len(idx)              # it restarted: not the copy recorded
             return
         for i, block in zip(idx, res.blocks):
             if block is None:
-                self.counters["stale_hops"] += 1
+                counters["stale_hops"] += 1
             elif block.nbytes != holder.size:
-                self.counters["fetch_failures"] += 1        # not the block recorded: skip it
+                counters["fetch_failures"] += 1             # not the block recorded: skip it
             else:
                 result[i] = block
 
@@ -199,9 +202,34 @@ class PoolReads:
 
     async def serve_get(self, conn, rid: int, key: KvBlockKey, flags: int, miss: QuillCacheError,
                         ekey: Optional[bytes] = None) -> None:
-        """GET that missed locally; ``ekey``: the key as the request encoded it."""
+        """GET that missed locally; ``ekey``: the key as the request encoded it.
+
+        The common case, a key read before from a holder still in the view, is one FETCH
+        to that holder straight from here (``fetch_many`` would take the same step through
+        its batching); anything else, or that FETCH failing, takes ``fetch_many``."""
+        tenant = conn.tenant or ""
         try:
-            block = (await self.fetch_many(conn.tenant or "", (key,), (ekey,) if ekey else None))[0]
+            if ekey is None:
+                ekey = encode_key(key)
+            block = None
+            cached = self._loc.get(ekey)
+            if cached:
+                h = cached[0]
+                m = self.view.get(h.node_id)
+                if m is not None and m.epoch == h.epoch and h.node_id != self.node_id:
+                    self._loc.move_to_end(ekey)
+                    self.counters["location_cache_hits"] += 1
+                    got: list[Optional[memoryview]] = [None]
+                    await self._fetch_from(h, (0,), tenant, (ekey,), got, time.monotonic() + self.hop_timeout)
+                    block = got[0]
+                    if block is None:
+                        self._loc.pop(ekey, None)           # stale: the home is asked below
+                    else:
+                        self.counters["remote_hits"] += 1
+                        if self.cache_remote:
+                            self._background(self._keep_copies([(key, block)]))
+            if block is None:
+                block = (await self.fetch_many(tenant, (key,), (ekey,)))[0]
         except Exception:               # never a hang or a wrong byte: a miss
             log.exception("cross-node fetch failed")
             block = None
