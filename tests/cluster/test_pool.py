@@ -166,28 +166,70 @@ def test_replicas_2_survive_a_kill_of_the_first_holder(tmp_path, etcd):
 
 
 def test_a_fourth_node_finds_blocks_after_reannouncement_with_progress_in_info(tmp_path, etcd):
-    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s") as pool:
+    rate = 1500                     # keys/s: a node's round of 1000 keys takes about 0.7 s
+    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s", reannounce_rate=rate) as pool:
         pool.wait_members(3)
-        keys = dict.fromkeys(range(300), 4 << 10)
+        keys = dict.fromkeys(range(3000), 1 << 10)
         for n, letter in enumerate("abc"):
             with Client(pool[letter].addr) as c:
                 c.put_many([(key(i), content(i, keys[i])) for i in keys if i % 3 == n])
-        before = {x: pool.info(x)["Cluster"]["reannounce_rounds"] for x in "abc"}
+        before = {x: pool.info(x)["Cluster"] for x in "abc"}
         pool.add("d")
         pool.wait_members(4)
         deadline = time.monotonic() + 10
+        midway = set()              # nodes seen re-announcing, part of their keys scanned
         while time.monotonic() < deadline:
             infos = {x: pool.info(x)["Cluster"] for x in "abc"}
-            if all(i["reannounce_rounds"] > before[x] and not i["reannounce_active"] for x, i in infos.items()):
+            for x, i in infos.items():
+                scanned = i["reannounce_scanned"] - before[x]["reannounce_scanned"]
+                if i["reannounce_active"] and 0 < scanned < i["reannounce_total"]:
+                    midway.add(x)
+            if all(i["reannounce_rounds"] > before[x]["reannounce_rounds"] and not i["reannounce_active"]
+                   for x, i in infos.items()):
                 break
-            time.sleep(0.05)
-        queued = sum(i["reannounce_queued"] for i in infos.values())
+            time.sleep(0.02)
+        assert midway, "INFO never showed a re-announcement in progress"
+        queued = sum(i["reannounce_queued"] - before[x]["reannounce_queued"] for x, i in infos.items())
         assert 0 < queued < len(keys)               # only the keys whose home moved (to node-d)
         assert all(i["reannounce_total"] == len(keys) // 3 for i in infos.values())
         with Client(pool["d"].addr) as d:
             got = d.get_many([key(i) for i in keys])
         assert got == [content(i, keys[i]) for i in keys]
         assert pool.info("d")["Cluster"]["cluster_records"] > 0      # it is home for some keys now
+
+
+def test_hashed_placement_puts_the_first_copy_at_the_home(tmp_path, etcd):
+    """placement = "hashed": a put on A also lands at the key's first node in HRW order (its
+    home), so the block survives A; with replicas = 2, at the first two."""
+    for replicas in (1, 2):
+        with Pool(tmp_path / f"r{replicas}", etcd.endpoint, 3, lease_ttl=f"{TTL_S}s", placement="hashed",
+                  replicas=replicas, cluster_id=f"hashed{replicas}") as pool:
+            pool.wait_members(3)
+            keys = dict.fromkeys(range(30), 16 << 10)
+            ring = Ring(["node-a", "node-b", "node-c"])
+            first = {i: ring.order(key_hash(encode_key(key(i))), replicas) for i in keys}
+            with Client(pool["a"].addr) as a:
+                for i, size in keys.items():
+                    a.put(key(i), content(i, size))
+            pushes = sum(len([n for n in first[i] if n != "node-a"]) for i in keys)
+            deadline = time.monotonic() + 5
+            while pool.info("a")["Cluster"]["replicas_pushed"] < pushes and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pool.info("a")["Cluster"]["replicas_pushed"] == pushes
+            for letter in "bc":
+                # a node's own connection reads only that node's store (no cross-node fetch)
+                with Client(pool[letter].addr, token=CREDENTIAL) as c:
+                    for i in keys:
+                        if f"node-{letter}" in first[i]:
+                            assert c.get(key(i)) == content(i, keys[i])
+                        else:
+                            with pytest.raises(NotFound):
+                                c.get(key(i))
+            pool["a"].send(signal.SIGKILL)
+            with Client(pool["b"].addr) as b:
+                for i in keys:
+                    if set(first[i]) - {"node-a"}:
+                        assert get_retry(b, key(i)) == content(i, keys[i])
 
 
 def test_home_records_live_in_the_store_index_and_never_come_back_from_its_disk(tmp_path, etcd):
