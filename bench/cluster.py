@@ -13,6 +13,8 @@ every cross-node GET crosses), then measures:
   most a cross-node GET through a second process could reach on this machine;
 * the first cross-node GET of a block (LOCATE at its home, then FETCH) against a repeated
   one (the holder remembered: FETCH only), 256 KiB, p50;
+* a located GET through B's Unix socket of a block held on A (LOCATE, FETCH, stored in B's
+  arena) against the same located GET repeated (B's own copy now), 256 KiB, p50;
 * LOCATE of a batch of 64 keys at their home (the request a missing node sends), p50
   and p99, against a PING round trip on the same kind of connection; target p50 <= 0.2 ms;
 * failure detection: kill -9 of a node until the others' views drop it, with the
@@ -39,7 +41,7 @@ from quillcache.cluster import wire  # noqa: E402
 from quillcache.cluster.hrw import Ring, key_hash  # noqa: E402
 from quillcache.model import KvBlockKey, encode_key  # noqa: E402
 from quillcache.protocol.opcodes import Opcode  # noqa: E402
-from tests._support.cluster import CREDENTIAL, Pool, cluster_view  # noqa: E402
+from tests._support.cluster import CREDENTIAL, Pool, cluster_view, unix_addr  # noqa: E402
 from tests._support.etcd import EtcdServer  # noqa: E402
 
 
@@ -115,6 +117,29 @@ def bench_first_get(pool: Pool, size: int, count: int) -> tuple[float, float]:
             b.get(k)
             first.append(t1 - t0)
             again.append(time.perf_counter() - t1)
+    return statistics.median(first), statistics.median(again)
+
+
+def bench_located(pool: Pool, size: int, count: int) -> tuple[float, float]:
+    """p50 seconds of a located GET on B of a block held on A (fetched into B's arena) and of
+    the same located GET repeated (B's copy)."""
+    payload = os.urandom(size)
+    keys = [key(r, f"located{size}") for r in range(count)]
+    with Client(pool["a"].addr, timeout=30) as a:
+        for k in keys:
+            a.put(k, payload)
+    time.sleep(0.2)                          # the records reach their homes
+    first, again = [], []
+    with Client(unix_addr(pool["b"]), timeout=30) as b:
+        if not b.shm:
+            raise SystemExit(f"B's arena was not mapped: {b.shm_refused}")
+        for k in keys:
+            for out in (first, again):
+                t0 = time.perf_counter()
+                with b.get_many_located([k]) as views:
+                    if views[0] is None or views[0][:64] != payload[:64]:
+                        raise SystemExit("wrong bytes or a miss")
+                out.append(time.perf_counter() - t0)
     return statistics.median(first), statistics.median(again)
 
 
@@ -283,6 +308,9 @@ def main(argv=None) -> int:
                          f"{direct / 1e9:.2f} GB/s", f"{ratio:.2f}x", "(ceiling of the row)"))
         first, again = bench_first_get(pool, 256 << 10, args.first_samples)
         rows.append(("first cross-node GET 256 KiB vs repeated, p50", f"{first * 1e3:.3f} ms",
+                     f"{again * 1e3:.3f} ms", f"{first / again:.2f}x", "-"))
+        first, again = bench_located(pool, 256 << 10, args.first_samples)
+        rows.append(("located GET 256 KiB from A via B vs B's copy, p50", f"{first * 1e3:.3f} ms",
                      f"{again * 1e3:.3f} ms", f"{first / again:.2f}x", "-"))
         p50, p99, ping = bench_locate(pool, args.locate_samples)
         rows.append(("LOCATE 64 keys p50 (p99) vs PING", f"{p50 * 1e3:.3f} ms ({p99 * 1e3:.3f})",
