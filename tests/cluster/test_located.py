@@ -9,8 +9,10 @@ import pytest
 
 from quillcache import Client
 from quillcache.config import hash_token
-from quillcache.errors import PermissionDenied
-from tests._support.cluster import Pool, content, key, member_ids, unix_addr
+from quillcache.cluster.hrw import Ring, key_hash
+from quillcache.errors import NotFound, PermissionDenied
+from quillcache.model import encode_key
+from tests._support.cluster import Pool, content, get_retry, key, member_ids, unix_addr
 from tests._support.etcd import etcd_binary
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (Debian etcd-server)")
@@ -68,14 +70,22 @@ def test_a_dead_or_hung_holder_costs_a_located_miss_never_wrong_bytes_or_a_hang(
         with Client(pool["a"].addr) as a:
             for i, size in keys.items():
                 a.put(key(i), content(i, size))
-        with Client(unix_addr(pool["b"])) as b:
+        ring = Ring(["node-a", "node-b", "node-c"])
+        remembered = next(i for i in range(4, 12) if ring.home(key_hash(encode_key(key(i)))) != "node-a")
+        with Client(unix_addr(pool["b"])) as b, Client(pool["b"].addr) as tcp:
             assert located_retry(b, [key(0)]) == [content(0, keys[0])]     # the records are in
+            assert get_retry(tcp, key(remembered)) == content(remembered, keys[remembered])   # B remembers A
             # hung: A stopped (no EOF, its lease still alive): the hop's deadline, then a miss
             pool["a"].send(signal.SIGSTOP)
             t0 = time.monotonic()
             got = located(b, [key(1), key(2)])
             hung_s = time.monotonic() - t0
             assert got == [None, None] and hung_s < 2.0, (got, hung_s)
+            # the remembered holder costs one FETCH: the home names it again, it is not retried
+            fetches = pool.info("b")["Cluster"]["fetches_sent"]
+            with pytest.raises(NotFound):
+                tcp.get(key(remembered))
+            assert pool.info("b")["Cluster"]["fetches_sent"] == fetches + 1
             pool["a"].send(signal.SIGCONT)
             assert located_retry(b, [key(3)]) == [content(3, keys[3])]
             # dead: kill -9, then reads through B at once and until the death is seen

@@ -178,6 +178,9 @@ class ClusterHook(PoolReads):
                 elif mono - self._unseen.get((node, epoch), -math.inf) > self._unseen_grace:
                     self._unseen.pop((node, epoch), None)
                     self.counters["records_dropped"] += self.records.drop_epoch(node, epoch)
+        for seen_late, since in list(self._unseen.items()):
+            if mono - since > self._unseen_grace:
+                del self._unseen[seen_late]         # its records were withdrawn meanwhile
         self._watch_peers()
         ring = Ring(set(view) | {self.node_id})
         changed = ring != self.ring or any(

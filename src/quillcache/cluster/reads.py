@@ -120,14 +120,17 @@ class PoolReads:
     # ------------------------------------------------------------------ fetch
 
     async def fetch_many(self, tenant: str, keys: Sequence[KvBlockKey], ekeys: Optional[Sequence[bytes]] = None,
-                         *, keep: Optional[bool] = None) -> list[Optional[memoryview]]:
+                         *, keep: Optional[bool] = None, skip: Optional[Holder] = None) -> list[Optional[memoryview]]:
         """The bytes of each key from another node, or None (a miss).  ``ekeys``: the
         encoded keys when the caller has them.  ``keep`` (default ``cache_remote``): store
-        a copy of what was found, in the background."""
+        a copy of what was found, in the background.  ``skip``: a holder whose FETCH just
+        failed for these keys (not asked again)."""
         if ekeys is None:
             ekeys = [encode_key(k) for k in keys]
         result: list[Optional[memoryview]] = [None] * len(keys)
         candidates = await self._locate(ekeys, use_cache=True)
+        if skip is not None:
+            candidates = [[h for h in hs if h != skip] for hs in candidates]
         await self._fetch_rounds(tenant, ekeys, candidates, result)
         stale = [i for i, b in enumerate(result) if b is None and candidates[i]]
         if stale:                       # holders remembered or named by the home failed: ask again
@@ -136,7 +139,7 @@ class PoolReads:
             again = await self._locate([ekeys[i] for i in stale])
             fresh: list[list[Holder]] = [[] for _ in keys]
             for i, hs in zip(stale, again):
-                fresh[i] = [h for h in hs if h not in candidates[i][:MAX_HOLDER_TRIES]]
+                fresh[i] = [h for h in hs if h not in candidates[i][:MAX_HOLDER_TRIES] and h != skip]
             await self._fetch_rounds(tenant, ekeys, fresh, result)
         hits = sum(b is not None for b in result)
         self.counters["remote_hits"] += hits
@@ -212,6 +215,7 @@ class PoolReads:
             if ekey is None:
                 ekey = encode_key(key)
             block = None
+            failed = None
             cached = self._loc.get(ekey)
             if cached:
                 h = cached[0]
@@ -224,12 +228,13 @@ class PoolReads:
                     block = got[0]
                     if block is None:
                         self._loc.pop(ekey, None)           # stale: the home is asked below
+                        failed = h
                     else:
                         self.counters["remote_hits"] += 1
                         if self.cache_remote:
                             self._background(self._keep_copies([(key, block)]))
             if block is None:
-                block = (await self.fetch_many(tenant, (key,), (ekey,)))[0]
+                block = (await self.fetch_many(tenant, (key,), (ekey,), skip=failed))[0]
         except Exception:               # never a hang or a wrong byte: a miss
             log.exception("cross-node fetch failed")
             block = None
