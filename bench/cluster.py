@@ -1,12 +1,20 @@
 """The pool's figures, each with its baseline measured in the same run (issue 14).
 
-    .venv/bin/python bench/cluster.py [--rounds 8] [--detect-trials 3]
+    .venv/bin/python bench/cluster.py [--rounds 8] [--first-samples 200] [--detect-trials 3]
 
 Starts a real etcd and three real quillcached nodes on loopback (cache_remote = false, so
 every cross-node GET crosses), then measures:
 
 * cross-node GET (client -> B, B fetches from A) against local GET (client -> A) of the
-  same blocks, 4 MiB and 256 KiB, one client, rounds interleaved; target >= 0.5x;
+  same blocks, 4 MiB and 256 KiB, one client; batches of 8 GETs alternate between the two
+  and the ratio is the median of adjacent pairs (machine noise falls on both); target >= 0.5x;
+* the two-hop floor: the same sizes through raw Python sockets, client -> forwarder ->
+  server against client -> server (store-and-forward, no protocol, no CRC, no store): the
+  most a cross-node GET through a second process could reach on this machine;
+* the first cross-node GET of a block (LOCATE at its home, then FETCH) against a repeated
+  one (the holder remembered: FETCH only), 256 KiB, p50;
+* a located GET through B's Unix socket of a block held on A (LOCATE, FETCH, stored in B's
+  arena) against the same located GET repeated (B's own copy now), 256 KiB, p50;
 * LOCATE of a batch of 64 keys at their home (the request a missing node sends), p50
   and p99, against a PING round trip on the same kind of connection; target p50 <= 0.2 ms;
 * failure detection: kill -9 of a node until the others' views drop it, with the
@@ -15,11 +23,14 @@ every cross-node GET crosses), then measures:
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import signal
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -30,7 +41,7 @@ from quillcache.cluster import wire  # noqa: E402
 from quillcache.cluster.hrw import Ring, key_hash  # noqa: E402
 from quillcache.model import KvBlockKey, encode_key  # noqa: E402
 from quillcache.protocol.opcodes import Opcode  # noqa: E402
-from tests._support.cluster import CREDENTIAL, Pool, cluster_view  # noqa: E402
+from tests._support.cluster import CREDENTIAL, Pool, cluster_view, unix_addr  # noqa: E402
 from tests._support.etcd import EtcdServer  # noqa: E402
 
 
@@ -38,16 +49,39 @@ def key(i: int, tag: str) -> KvBlockKey:
     return KvBlockKey("bench", "tok", None, "t0", f"{tag}-p{i // 16}", f"{tag}-b{i}")
 
 
-def throughput(client: Client, keys, size: int, check: bytes) -> float:
+BATCH = 8                   # GETs timed together before switching between local and remote
+
+
+def batch_seconds(client: Client, keys, size: int, check: bytes) -> float:
     t0 = time.perf_counter()
     for k in keys:
         data = client.get(k)
         if len(data) != size or data[:len(check)] != check:
             raise SystemExit("wrong bytes")
-    return len(keys) * size / (time.perf_counter() - t0)
+    return time.perf_counter() - t0
 
 
-def bench_get(pool: Pool, size: int, count: int, rounds: int) -> tuple[float, float]:
+def interleaved(one, other, batches, rounds: int) -> tuple[float, float, float]:
+    """Time ``one(batch)`` and ``other(batch)`` alternately (the order flips every round);
+    returns (median seconds of one batch, of the other, median of the adjacent ratios
+    one/other: the throughput of ``other`` relative to ``one``)."""
+    t_one, t_other, ratios = [], [], []
+    for r in range(rounds):
+        for batch in batches:
+            if r % 2:
+                b = other(batch)
+                a = one(batch)
+            else:
+                a = one(batch)
+                b = other(batch)
+            t_one.append(a)
+            t_other.append(b)
+            ratios.append(a / b)
+    return statistics.median(t_one), statistics.median(t_other), statistics.median(ratios)
+
+
+def bench_get(pool: Pool, size: int, count: int, rounds: int) -> tuple[float, float, float]:
+    """(local bytes/s, cross-node bytes/s, cross-node/local) for GETs of ``size``."""
     tag = f"g{size}"
     payload = os.urandom(size)
     keys = [key(i, tag) for i in range(count)]
@@ -55,14 +89,151 @@ def bench_get(pool: Pool, size: int, count: int, rounds: int) -> tuple[float, fl
         for k in keys:
             a.put(k, payload)
     time.sleep(0.2)                          # the records reach their homes
-    local, remote = [], []
+    batches = [keys[i:i + BATCH] for i in range(0, count, BATCH)]
     with Client(pool["a"].addr, timeout=30) as a, Client(pool["b"].addr, timeout=30) as b:
-        throughput(a, keys, size, payload[:64])          # warm: connections, page cache
-        throughput(b, keys, size, payload[:64])
-        for _ in range(rounds):
-            local.append(throughput(a, keys, size, payload[:64]))
-            remote.append(throughput(b, keys, size, payload[:64]))
-    return statistics.median(local), statistics.median(remote)
+        batch_seconds(a, keys, size, payload[:64])       # warm: connections, page cache, holders
+        batch_seconds(b, keys, size, payload[:64])
+        local, remote, ratio = interleaved(lambda ks: batch_seconds(a, ks, size, payload[:64]),
+                                           lambda ks: batch_seconds(b, ks, size, payload[:64]),
+                                           batches, rounds)
+    return BATCH * size / local, BATCH * size / remote, ratio
+
+
+def bench_first_get(pool: Pool, size: int, count: int) -> tuple[float, float]:
+    """p50 seconds of a block's first cross-node GET (LOCATE + FETCH) and of a repeated one."""
+    payload = os.urandom(size)
+    first, again = [], []
+    keys = [key(r, f"first{size}") for r in range(count)]
+    with Client(pool["a"].addr, timeout=30) as a:
+        for k in keys:
+            a.put(k, payload)
+    time.sleep(0.2)                          # the records reach their homes
+    with Client(pool["b"].addr, timeout=30) as b:
+        for k in keys:
+            t0 = time.perf_counter()
+            if b.get(k) != payload:
+                raise SystemExit("wrong bytes")
+            t1 = time.perf_counter()
+            b.get(k)
+            first.append(t1 - t0)
+            again.append(time.perf_counter() - t1)
+    return statistics.median(first), statistics.median(again)
+
+
+def bench_located(pool: Pool, size: int, count: int) -> tuple[float, float]:
+    """p50 seconds of a located GET on B of a block held on A (fetched into B's arena) and of
+    the same located GET repeated (B's copy)."""
+    payload = os.urandom(size)
+    keys = [key(r, f"located{size}") for r in range(count)]
+    with Client(pool["a"].addr, timeout=30) as a:
+        for k in keys:
+            a.put(k, payload)
+    time.sleep(0.2)                          # the records reach their homes
+    first, again = [], []
+    with Client(unix_addr(pool["b"]), timeout=30) as b:
+        if not b.shm:
+            raise SystemExit(f"B's arena was not mapped: {b.shm_refused}")
+        for k in keys:
+            for out in (first, again):
+                t0 = time.perf_counter()
+                with b.get_many_located([k]) as views:
+                    if views[0] is None or views[0][:64] != payload[:64]:
+                        raise SystemExit("wrong bytes or a miss")
+                out.append(time.perf_counter() - t0)
+    return statistics.median(first), statistics.median(again)
+
+
+# ---------------------------------------------------------------- the two-hop floor (raw sockets)
+
+def _recv_exact(s: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = s.recv_into(view[got:])
+        if not n:
+            raise EOFError
+        got += n
+
+
+def _listen() -> socket.socket:
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(4)
+    return ls
+
+
+def _accept(ls: socket.socket) -> socket.socket:
+    c, _ = ls.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return c
+
+
+def _raw_server(ls: socket.socket, size: int) -> None:
+    """Answer every 8-byte request with ``size`` bytes; a thread per connection."""
+    data = os.urandom(size)
+
+    def serve(c: socket.socket) -> None:
+        req = memoryview(bytearray(8))
+        try:
+            while True:
+                _recv_exact(c, req)
+                c.sendall(data)
+        except (EOFError, OSError):
+            c.close()
+
+    while True:
+        threading.Thread(target=serve, args=(_accept(ls),), daemon=True).start()
+
+
+def _raw_forwarder(ls: socket.socket, upstream: int, size: int) -> None:
+    """Store-and-forward: read a request, ask the server, receive all, then send all."""
+    up = socket.create_connection(("127.0.0.1", upstream))
+    up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(bytearray(size))
+    req = memoryview(bytearray(8))
+    c = _accept(ls)
+    try:
+        while True:
+            _recv_exact(c, req)
+            up.sendall(req)
+            _recv_exact(up, buf)
+            c.sendall(buf)
+    except (EOFError, OSError):
+        pass                                # the bench closed its connection
+
+
+def bench_floor(size: int, batches: int, rounds: int) -> tuple[float, float, float]:
+    """(direct bytes/s, forwarded bytes/s, forwarded/direct) with raw sockets."""
+    ctx = multiprocessing.get_context("fork")
+    ls_server, ls_fwd = _listen(), _listen()
+    procs = [ctx.Process(target=_raw_server, args=(ls_server, size), daemon=True),
+             ctx.Process(target=_raw_forwarder, args=(ls_fwd, ls_server.getsockname()[1], size), daemon=True)]
+    for p in procs:
+        p.start()
+    try:
+        direct = socket.create_connection(ls_server.getsockname())
+        fwd = socket.create_connection(ls_fwd.getsockname())
+        buf = memoryview(bytearray(size))
+
+        def timed(s: socket.socket) -> float:
+            t0 = time.perf_counter()
+            for _ in range(BATCH):
+                s.sendall(b"x" * 8)
+                _recv_exact(s, buf)
+            return time.perf_counter() - t0
+
+        for s in (direct, fwd):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            timed(s)
+        d, f, ratio = interleaved(lambda _: timed(direct), lambda _: timed(fwd), range(batches), rounds)
+        direct.close()
+        fwd.close()
+        return BATCH * size / d, BATCH * size / f, ratio
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+        ls_server.close()
+        ls_fwd.close()
 
 
 def bench_locate(pool: Pool, samples: int) -> tuple[float, float, float]:
@@ -117,6 +288,7 @@ def bench_detect(pool: Pool, trials: int) -> list[float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--first-samples", type=int, default=200)
     ap.add_argument("--locate-samples", type=int, default=3000)
     ap.add_argument("--detect-trials", type=int, default=3)
     args = ap.parse_args(argv)
@@ -127,9 +299,19 @@ def main(argv=None) -> int:
         pool.wait_members(3, timeout=30)
         rows = []
         for size, count in ((4 << 20, 32), (256 << 10, 256)):
-            local, remote = bench_get(pool, size, count, args.rounds)
+            local, remote, ratio = bench_get(pool, size, count, args.rounds)
             rows.append((f"GET {size >> 10} KiB cross-node vs local", f"{remote / 1e9:.2f} GB/s",
-                         f"{local / 1e9:.2f} GB/s", f"{remote / local:.2f}x", ">= 0.5x"))
+                         f"{local / 1e9:.2f} GB/s", f"{ratio:.2f}x", ">= 0.5x"))
+        for size, count in ((4 << 20, 32), (256 << 10, 256)):
+            direct, fwd, ratio = bench_floor(size, count // BATCH, args.rounds)
+            rows.append((f"two-hop floor {size >> 10} KiB (raw sockets)", f"{fwd / 1e9:.2f} GB/s",
+                         f"{direct / 1e9:.2f} GB/s", f"{ratio:.2f}x", "(ceiling of the row)"))
+        first, again = bench_first_get(pool, 256 << 10, args.first_samples)
+        rows.append(("first cross-node GET 256 KiB vs repeated, p50", f"{first * 1e3:.3f} ms",
+                     f"{again * 1e3:.3f} ms", f"{first / again:.2f}x", "-"))
+        first, again = bench_located(pool, 256 << 10, args.first_samples)
+        rows.append(("located GET 256 KiB from A via B vs B's copy, p50", f"{first * 1e3:.3f} ms",
+                     f"{again * 1e3:.3f} ms", f"{first / again:.2f}x", "-"))
         p50, p99, ping = bench_locate(pool, args.locate_samples)
         rows.append(("LOCATE 64 keys p50 (p99) vs PING", f"{p50 * 1e3:.3f} ms ({p99 * 1e3:.3f})",
                      f"{ping * 1e3:.3f} ms", f"{p50 / ping:.2f}x", "p50 <= 0.2 ms"))

@@ -63,6 +63,9 @@ def test_bad_value_names_file_section_key_value_and_example(tmp_path):
     ('[node]\nlisten = "nowhere"\n', '[node] listen = "nowhere": not a host:port'),
     ('[auth]\ntenants = [{name = "a", token = "plain"}]\n', "plain tokens are refused"),
     ('[store\n', "not valid TOML"),
+    ('[cluster]\nenabled = true\ncredential = "0123456789abcdef"\nnode_id = "a@1"\n',
+     '[cluster] node_id = "a@1": no "@" in a node id'),
+    ('[cluster]\nenabled = true\ncredential = "short"\n', "[cluster] credential: needs at least 16 characters"),
 ])
 def test_invalid_configs_are_refused_with_specific_messages(tmp_path, text, fragment):
     with pytest.raises(ConfigError) as exc:

@@ -492,6 +492,13 @@ def _check_node(cfg: "Config") -> None:
         raise ConfigError(
             f"{cfg.source}: [cluster] credential: needs at least 16 characters when [cluster] "
             "enabled = true (nodes present it to each other)")
+    if cluster.enabled:
+        for section, name in (("cluster", "node_id"), ("node", "id")):
+            value = getattr(getattr(cfg, section), name)
+            if "@" in value:
+                # a home names other nodes' records "<node>@<epoch>" beside its own (cluster/records.py)
+                raise ConfigError(f'{cfg.source}: [{section}] {name} = "{value}": no "@" in a node id '
+                                  "when [cluster] enabled = true")
 
 
 NODE_REGISTRY = Registry("quillcached", SECTIONS, SETTINGS, _check_node)

@@ -139,10 +139,11 @@ class Node:
 
     def _open_index(self, data_dir: Path):
         """The persistent residency index ([index] persistent): its records of DRAM copies
-        are never logged (they do not outlive the process)."""
+        are never logged (they do not outlive the process), nor other nodes' records (a
+        pool's soft state, re-announced after a restart): only this node's are its owner's."""
         cfg = self.cfg
         return PersistentArtIndex(data_dir / "index", volatile_tiers=(CacheTier.CPU_DRAM,),
-                                  wal_backend=cfg.wal.backend)
+                                  wal_backend=cfg.wal.backend, owner=self.node_id)
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -257,7 +258,7 @@ class Node:
         node_id = default_node_id(cfg.cluster.node_id, cfg.node.id)
         advertise = format_hostport(cfg.cluster.advertise) if cfg.cluster.advertise else self.server.listen
         self.cluster = ClusterHook(cfg.cluster, store=self.store, node_id=node_id, address=advertise,
-                                   limits=limits, version=__version__, open_mode=auth.open_mode)
+                                   limits=limits, version=__version__, auth=auth)
         self.server.cluster = self.cluster
         await self.cluster.start()
         log.info("cluster %s: node %s (epoch %x) advertised at %s, etcd %s", cfg.cluster.cluster_id, node_id,

@@ -706,7 +706,8 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
             node = self.node
             if node.draining or (not self.tenant and not node.auth.open_mode):
                 self._check_access()
-            key = self._keys.decode(decode_key_body(frame.header, self.limits.max_key_bytes))
+            raw = decode_key_body(frame.header, self.limits.max_key_bytes)
+            key = self._keys.decode(raw)
             if not node.auth.open_mode and key.tenant_id != self.tenant:
                 self._own(key.tenant_id)
             lease = self.store.get_nowait(key, extent_ok=self._fd >= 0)
@@ -714,7 +715,8 @@ class ServerProtocol(LocatedMixin, ProtocolConnection, asyncio.BufferedProtocol)
             if self.is_in_flight(rid):
                 self._started[rid] = t0
                 if type(exc) is NotFound and key is not None and node.cluster is not None and not self.peer_node:
-                    self._spawn(node.cluster.serve_get(self, rid, key, frame.flags, exc))   # another node may hold it
+                    # another node may hold it (raw: the key encoded, as the pool names it)
+                    self._spawn(node.cluster.serve_get(self, rid, key, frame.flags, exc, raw))
                     return
                 self._err(rid, _GET, exc)
             return

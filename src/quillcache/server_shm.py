@@ -126,13 +126,14 @@ class LocatedMixin:
         except BaseException:
             _release_all(got)
             raise
-        if None in got:
-            self._spawn(self._located_after_ssd(frame.request_id, keys, got))
+        if None in got or (NotFound.status in got and self.node.cluster is not None and not self.peer_node):
+            self._spawn(self._located_later(frame.request_id, keys, got))
         else:
             self._reply_located(frame.request_id, got)
 
-    async def _located_after_ssd(self, rid: int, keys: list, got: list) -> None:
-        """SSD-only blocks are read (and promoted into the arena) off the event loop first."""
+    async def _located_later(self, rid: int, keys: list, got: list) -> None:
+        """SSD-only blocks are read (and promoted into the arena) off the event loop first;
+        then, in a pool, the local misses are fetched from other nodes into the arena."""
         try:
             for i, lease in enumerate(got):
                 if lease is None:
@@ -140,6 +141,13 @@ class LocatedMixin:
                         got[i] = await self.store.get_async(keys[i])
                     except _MISS as exc:
                         got[i] = exc.status
+            cluster = self.node.cluster
+            missing = [i for i, g in enumerate(got) if g == NotFound.status]   # a status, not a lease
+            if missing and cluster is not None and not self.peer_node:
+                found = await cluster.serve_located(self.tenant or "", [keys[i] for i in missing])
+                for i, lease in zip(missing, found):
+                    if lease is not None:
+                        got[i] = lease
         except Exception as exc:
             _release_all(got)
             self._err(rid, Opcode.GET_LOCATED, exc)

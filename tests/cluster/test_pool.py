@@ -5,126 +5,24 @@ a node joining, and tenancy across nodes.  Faults must cost misses, never wrong 
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import pytest
 
 from quillcache import Client
 from quillcache.cluster import wire
+from quillcache.cluster.hrw import Ring, key_hash
 from quillcache.config import hash_token
-from quillcache.errors import NotFound, PermissionDenied, QuillCacheError
-from quillcache.model import KvBlockKey, encode_key
+from quillcache.errors import NotFound, PermissionDenied
+from quillcache.index.persistent import PersistentArtIndex
+from quillcache.model import encode_key
 from quillcache.protocol.opcodes import Opcode
-from tests._support.cluster import CREDENTIAL, Pool, cluster_view
-from tests._support.etcd import EtcdServer, etcd_binary
+from tests._support.cluster import CREDENTIAL, Load, Pool, cluster_view, content, get_retry, key, member_ids
+from tests._support.etcd import etcd_binary
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (Debian etcd-server)")
 
 TTL_S = 2.0
-
-
-def key(i: int, tenant: str = "t0") -> KvBlockKey:
-    return KvBlockKey("m", "tok", None, tenant, f"p{i // 8}", f"b{i}")
-
-
-def content(i: int, size: int) -> bytes:
-    # every block differs from every other in its first bytes: a wrong block is never equal
-    head = f"block-{i}-".encode()
-    return (head + bytes((i * 7 + j) & 0xFF for j in range(251)) * (size // 251 + 1))[:size]
-
-
-@pytest.fixture
-def etcd(tmp_path):
-    with EtcdServer(tmp_path / "etcd") as server:
-        yield server
-
-
-def get_retry(c: Client, k: KvBlockKey, timeout: float = 3.0) -> bytes:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return c.get(k)
-        except NotFound:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
-
-
-def member_ids(addr: str) -> set[str]:
-    return {m["node_id"] for m in cluster_view(addr)["members"] if m["state"] == "up"}
-
-
-class Load:
-    """Readers (and a writer) in threads: every byte read is compared; counts hits, misses,
-    errors and wrong blocks."""
-
-    def __init__(self, addrs: list[str], keys: dict[int, int], writer_addr: str | None = None,
-                 write_base: int = 10_000) -> None:
-        self.addrs, self.keys = addrs, keys
-        self.stop = threading.Event()
-        self.hits = self.misses = self.errors = self.wrong = 0
-        self.writes = 0
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._read, args=(a,), daemon=True) for a in addrs]
-        if writer_addr:
-            self.threads.append(threading.Thread(target=self._write, args=(writer_addr, write_base), daemon=True))
-
-    def _read(self, addr: str) -> None:
-        c = None
-        i = 0
-        ids = sorted(self.keys)
-        while not self.stop.is_set():
-            k = ids[i % len(ids)]
-            i += 1
-            try:
-                if c is None:
-                    c = Client(addr, timeout=3.0)
-                data = c.get(key(k))
-                with self.lock:
-                    if data == content(k, self.keys[k]):
-                        self.hits += 1
-                    else:
-                        self.wrong += 1
-            except NotFound:
-                with self.lock:
-                    self.misses += 1
-            except QuillCacheError:
-                with self.lock:
-                    self.errors += 1
-                if c is not None:
-                    c.close()
-                c = None
-                time.sleep(0.01)
-        if c is not None:
-            c.close()
-
-    def _write(self, addr: str, base: int) -> None:
-        try:
-            with Client(addr, timeout=3.0) as c:
-                n = 0
-                while not self.stop.is_set():
-                    i = base + n % 50
-                    c.put(key(i), content(i, 64 << 10))
-                    n += 1
-                    self.writes += 1
-                    time.sleep(0.002)
-        except QuillCacheError:
-            pass                    # its node was killed
-
-    def __enter__(self) -> "Load":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(10)
-
-    def snapshot(self) -> tuple[int, int, int, int]:
-        with self.lock:
-            return self.hits, self.misses, self.errors, self.wrong
 
 
 def test_block_put_on_a_is_read_byte_for_byte_from_b_and_c(tmp_path, etcd):
@@ -268,28 +166,129 @@ def test_replicas_2_survive_a_kill_of_the_first_holder(tmp_path, etcd):
 
 
 def test_a_fourth_node_finds_blocks_after_reannouncement_with_progress_in_info(tmp_path, etcd):
-    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s") as pool:
+    rate = 1500                     # keys/s: a node's round of 1000 keys takes about 0.7 s
+    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s", reannounce_rate=rate) as pool:
         pool.wait_members(3)
-        keys = dict.fromkeys(range(300), 4 << 10)
+        keys = dict.fromkeys(range(3000), 1 << 10)
         for n, letter in enumerate("abc"):
             with Client(pool[letter].addr) as c:
                 c.put_many([(key(i), content(i, keys[i])) for i in keys if i % 3 == n])
-        before = {x: pool.info(x)["Cluster"]["reannounce_rounds"] for x in "abc"}
+        before = {x: pool.info(x)["Cluster"] for x in "abc"}
         pool.add("d")
         pool.wait_members(4)
         deadline = time.monotonic() + 10
+        midway = set()              # nodes seen re-announcing, part of their keys scanned
         while time.monotonic() < deadline:
             infos = {x: pool.info(x)["Cluster"] for x in "abc"}
-            if all(i["reannounce_rounds"] > before[x] and not i["reannounce_active"] for x, i in infos.items()):
+            for x, i in infos.items():
+                scanned = i["reannounce_scanned"] - before[x]["reannounce_scanned"]
+                if i["reannounce_active"] and 0 < scanned < i["reannounce_total"]:
+                    midway.add(x)
+            if all(i["reannounce_rounds"] > before[x]["reannounce_rounds"] and not i["reannounce_active"]
+                   for x, i in infos.items()):
                 break
-            time.sleep(0.05)
-        queued = sum(i["reannounce_queued"] for i in infos.values())
+            time.sleep(0.02)
+        assert midway, "INFO never showed a re-announcement in progress"
+        queued = sum(i["reannounce_queued"] - before[x]["reannounce_queued"] for x, i in infos.items())
         assert 0 < queued < len(keys)               # only the keys whose home moved (to node-d)
         assert all(i["reannounce_total"] == len(keys) // 3 for i in infos.values())
         with Client(pool["d"].addr) as d:
             got = d.get_many([key(i) for i in keys])
         assert got == [content(i, keys[i]) for i in keys]
         assert pool.info("d")["Cluster"]["cluster_records"] > 0      # it is home for some keys now
+
+
+def test_hashed_placement_puts_the_first_copy_at_the_home(tmp_path, etcd):
+    """placement = "hashed": a put on A also lands at the key's first node in HRW order (its
+    home), so the block survives A; with replicas = 2, at the first two."""
+    for replicas in (1, 2):
+        with Pool(tmp_path / f"r{replicas}", etcd.endpoint, 3, lease_ttl=f"{TTL_S}s", placement="hashed",
+                  replicas=replicas, cluster_id=f"hashed{replicas}") as pool:
+            pool.wait_members(3)
+            keys = dict.fromkeys(range(30), 16 << 10)
+            ring = Ring(["node-a", "node-b", "node-c"])
+            first = {i: ring.order(key_hash(encode_key(key(i))), replicas) for i in keys}
+            with Client(pool["a"].addr) as a:
+                for i, size in keys.items():
+                    a.put(key(i), content(i, size))
+            pushes = sum(len([n for n in first[i] if n != "node-a"]) for i in keys)
+            deadline = time.monotonic() + 5
+            while pool.info("a")["Cluster"]["replicas_pushed"] < pushes and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pool.info("a")["Cluster"]["replicas_pushed"] == pushes
+            for letter in "bc":
+                # a node's own connection reads only that node's store (no cross-node fetch)
+                with Client(pool[letter].addr, token=CREDENTIAL) as c:
+                    for i in keys:
+                        if f"node-{letter}" in first[i]:
+                            assert c.get(key(i)) == content(i, keys[i])
+                        else:
+                            with pytest.raises(NotFound):
+                                c.get(key(i))
+            pool["a"].send(signal.SIGKILL)
+            with Client(pool["b"].addr) as b:
+                for i in keys:
+                    if set(first[i]) - {"node-a"}:
+                        assert get_retry(b, key(i)) == content(i, keys[i])
+
+
+def test_home_records_live_in_the_store_index_and_never_come_back_from_its_disk(tmp_path, etcd):
+    """[index] persistent: other nodes' records sit in the store's own ART index (INFO's
+    index_records counts them, a locate answers from them), but neither its log nor its
+    checkpoint keeps them: after kill -9 or TERM only the node's own records come back."""
+    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s", ssd=True,
+              sections={"index": "persistent = true"}) as pool:
+        pool.wait_members(3)
+        with Client(pool["a"].addr) as a:
+            for i in range(20):
+                a.put(key(i), content(i, 4096), durable=True)      # A's own records reach its disk
+        for n, letter in enumerate("bc"):
+            with Client(pool[letter].addr) as c:
+                c.put_many([(key(i), content(i, 4096)) for i in range(100 + 60 * n, 160 + 60 * n)])
+        ring = Ring(["node-a", "node-b", "node-c"])
+        homed = [i for i in range(100, 220) if ring.home(key_hash(encode_key(key(i)))) == "node-a"]
+        deadline = time.monotonic() + 5
+        while pool.info("a")["Cluster"]["cluster_records"] < len(homed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with Client(pool["a"].addr, token=CREDENTIAL) as peer:
+            info = peer.info()
+            assert info["Cluster"]["cluster_records"] == len(homed) > 0
+            # 20 blocks of A in DRAM and on SSD: 40 records of its own, the rest are B's and C's
+            assert info["Store"]["index_records"] == 40 + len(homed)
+            body = wire.encode_locate([encode_key(key(i)) for i in homed], peer.limits)
+            found = wire.decode_json(peer.call(Opcode.CLUSTER_LOCATE, body).header)
+            assert [f["holders"] for f in found] == [["node-b" if i < 160 else "node-c"] for i in homed]
+        for sig in (signal.SIGKILL, signal.SIGTERM):
+            time.sleep(1.5)         # the index's log is group-committed once a second (maintenance)
+            pool["a"].stop(sig)
+            with PersistentArtIndex(pool["a"].data_dir / "index") as disk:   # what a restart reads
+                assert {r.worker_id for r in disk.iter_records()} == {"node-a"}
+                assert disk.records_of("node-a") == 20
+            pool["a"].start()
+            pool.wait_members(3)
+            deadline = time.monotonic() + 5             # soft state: B and C announce again
+            while pool.info("a")["Cluster"]["cluster_records"] < len(homed) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pool.info("a")["Cluster"]["cluster_records"] == len(homed)
+
+
+def test_records_announced_before_the_watch_shows_their_node_survive_a_view_change(tmp_path, etcd):
+    """An ANNOUNCE can overtake the etcd watch that shows its node joining: a view change
+    in between must not drop those records (the holder would not announce them again);
+    records of a node never seen go after a grace of two lease TTLs."""
+    with Pool(tmp_path, etcd.endpoint, 2, lease_ttl=f"{TTL_S}s") as pool:
+        pool.wait_members(2)
+        with Client(pool["a"].addr, token=CREDENTIAL) as peer:
+            items = [(encode_key(key(i)), 4096) for i in range(10)]
+            peer.call(Opcode.ANNOUNCE, wire.encode_announce("node-z", 7, items, peer.limits))
+        assert pool.info("a")["Cluster"]["cluster_records"] == 10
+        pool.add("c")
+        pool.wait_members(3)                        # a view change at A: node-z is not in it
+        assert pool.info("a")["Cluster"]["cluster_records"] == 10
+        time.sleep(2 * TTL_S)
+        pool["c"].stop()
+        pool.wait_members(2, nodes=[pool["a"], pool["b"]], timeout=2 * TTL_S + 5)
+        assert pool.info("a")["Cluster"]["cluster_records"] == 0
 
 
 def test_tenancy_across_nodes_a_probe_of_another_tenant_looks_like_a_miss(tmp_path, etcd):

@@ -44,3 +44,21 @@ def test_drop_epoch_leaves_the_new_epoch_of_the_same_node():
     assert store.drop_epoch("a", 7) == 1
     assert store.holders(k(1)) == [Holder("a", 8, 10)]
     assert store.epochs("a") == {8}
+
+
+def test_records_share_the_store_index_and_name_this_node_for_its_own_blocks():
+    from quillcache.index.art import ArtIndex
+    from quillcache.model import CacheTier
+
+    index = ArtIndex()
+    store = ArtRecordStore(index, "me", lambda: ("node-me", 0x2A))
+    # the store's own records of one block (DRAM and SSD) and another node's record
+    index.set_holder(k(1), encode_key(k(1)), "me", (CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD), 10)
+    store.add(k(1), "other", 7, 10)
+    store.add(k(2), "other", 7, 20)
+    assert sorted(store.holders(k(1))) == [Holder("node-me", 0x2A, 10), Holder("other", 7, 10)]
+    assert len(store) == 2 and len(index) == 4          # other nodes' records are in the same index
+    assert index.keys_of("me") == {encode_key(k(1))}     # the store's view of its own is untouched
+    assert store.drop_epoch("other", 7) == 2
+    assert store.holders(k(1)) == [Holder("node-me", 0x2A, 10)] and len(index) == 2
+    assert store.drop(k(1), "me", 0) == 0 and index.keys_of("me") == {encode_key(k(1))}

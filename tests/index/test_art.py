@@ -96,6 +96,27 @@ def test_persistent_reopen_keeps_holders_pages_and_block_lookups_but_not_volatil
         assert page == sorted(encode_key(k) for k in mine)[:3] and more
 
 
+def test_persistent_index_with_an_owner_keeps_only_the_owners_records_across_a_reopen(tmp_path):
+    """A pool's home keeps other nodes' records in the store's index (cluster/records.py):
+    neither the log nor a checkpoint carries them, whichever tier they name."""
+    def fill(index, lo, hi):
+        for i in range(lo, hi):
+            k = key(i)
+            index.set_holder(k, encode_key(k), "me", (SSD,), 100 + i)
+            index.set_holder(k, encode_key(k), "other@2a", (SSD,), 100 + i)
+    with PersistentArtIndex(tmp_path, owner="me") as index:
+        fill(index, 0, 5)
+        index.checkpoint()
+        fill(index, 5, 8)                                         # in the log only
+        index.clear_worker("other@2a")                            # dropped: nothing to log either
+        fill(index, 8, 10)
+        index.sync()
+        assert index.records_of("other@2a") == 2 and len(index) == 12
+    with PersistentArtIndex(tmp_path, owner="me") as again:
+        assert again.records_of("me") == 10 and again.records_of("other@2a") == 0
+        assert {r.worker_id for r in again.iter_records()} == {"me"} and len(again) == 10
+
+
 def test_page_refuses_a_limit_below_one():
     with pytest.raises(ValueError):
         ArtIndex().page(b"", b"", 0)

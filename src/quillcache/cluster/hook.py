@@ -3,8 +3,9 @@
 The server calls it in four places and nowhere else:
 
 * a HELLO whose token is the cluster credential marks the connection as a peer node;
-* a GET or GET_MANY that misses locally is handed to ``serve_get`` / ``serve_get_many``
-  (locate at the key's home, fetch from a holder, check, serve; a miss otherwise);
+* a GET, GET_MANY or located GET that misses locally is handed to ``serve_get``,
+  ``serve_get_many`` or ``serve_located`` (cluster/reads.py: locate at the key's home,
+  fetch from a holder, check, serve; a miss otherwise);
 * a client PUT that landed is handed to ``after_put`` (replicas, hashed placement);
 * opcodes 0x40-0x45 go to ``on_request``.
 
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections import OrderedDict
 import logging
+import math
 import socket
 import time
 from typing import Any, Optional, Sequence
@@ -32,12 +33,13 @@ from typing import Any, Optional, Sequence
 from quillcache.cluster import wire
 from quillcache.cluster.hrw import Ring, key_hash
 from quillcache.cluster.membership import Member, Membership
-from quillcache.cluster.records import ArtRecordStore, Holder
+from quillcache.cluster.reads import MAX_HOLDER_TRIES, PoolReads
+from quillcache.cluster.records import ArtRecordStore
 from quillcache.errors import (
     Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse,
 )
 from quillcache.model import KvBlockKey, encode_key
-from quillcache.protocol.opcodes import FLAG_PAYLOAD_CRC, Opcode, ProtocolLimits
+from quillcache.protocol.opcodes import Opcode, ProtocolLimits
 from quillcache.transfer.base import Peer
 from quillcache.transfer.tcp import TcpTransport
 
@@ -47,27 +49,25 @@ __all__ = ["ClusterHook", "FLUSH_S", "MAX_HOLDER_TRIES"]
 
 FLUSH_S = 0.002             # seconds: how long announcements gather before they are sent
 RETRY_HOME_S = 0.2          # seconds before a home that failed is tried again
-MAX_HOLDER_TRIES = 3        # holders tried per key before a miss
 MAX_PUSHES = 8              # replica pushes in flight
 REANNOUNCE_CHUNK = 512      # keys per step of a re-announcement round
 DEATH_PROBES = 3            # refused connects, PROBE_GAP_S apart, that make a closed peer dead
 PROBE_GAP_S = 0.05          # seconds
-LOCATION_CACHE = 65536      # keys whose holders a node remembers from its last LOCATE (LRU)
 
 _PEER_OPS = frozenset({Opcode.ANNOUNCE, Opcode.WITHDRAW, Opcode.LOCATE, Opcode.FETCH})
 _MISS = (NotFound, UnsafeReuse, Busy)
 
 
-class ClusterHook:
+class ClusterHook(PoolReads):
     def __init__(self, settings, *, store, node_id: str, address: str, limits: ProtocolLimits,
-                 version: str = "", open_mode: bool = True, transport=None) -> None:
+                 version: str = "", auth=None, transport=None) -> None:
         self.settings = settings
         self.store = store
         self.node_id = node_id
         self.address = address
         self.limits = limits
         self.version = version
-        self.open_mode = open_mode
+        self.auth = auth                # the node's Authenticator (reloaded in place); None: open
         self.credential = settings.credential.encode("utf-8")
         self.hop_timeout = float(settings.hop_timeout)
         self.replicas = int(settings.replicas)
@@ -76,7 +76,7 @@ class ClusterHook:
         self.reannounce_rate = int(settings.reannounce_rate)
         self.transport = transport or TcpTransport(settings.credential, node_id=node_id, limits=limits,
                                                    max_fetch_bytes=limits.max_payload_bytes)
-        self.records = ArtRecordStore()
+        self.records = ArtRecordStore(store.index, store.holder, lambda: (self.node_id, self.epoch))
         self.view: dict[str, Member] = {}
         self.state = "starting"
         self.ring = Ring([node_id])
@@ -98,13 +98,13 @@ class ClusterHook:
             "fetch_failures", "stale_hops", "announced", "withdrawn", "announce_failures",
             "records_dropped", "replicas_pushed", "replica_failures", "cached_remote",
             "reannounce_rounds", "reannounce_scanned", "reannounce_queued", "fetches_served",
-            "locates_served", "location_cache_hits", "peers_seen_dead"), 0)
+            "locates_served", "location_cache_hits", "peers_seen_dead", "located_remote",
+            "located_not_stored"), 0)
         self.reannounce_total = 0
         self.reannounce_active = False
-        # Holders learnt from homes, reused without a LOCATE while they stay in the view
-        # with the same epoch; a holder that no longer has the block costs one FETCH,
-        # then the home is asked again.
-        self._loc: OrderedDict[bytes, list[Holder]] = OrderedDict()
+        self._unseen: dict[tuple[str, int], float] = {}   # (node, epoch) announced before seen -> when
+        self._unseen_grace = 2.0 * float(settings.lease_ttl)
+        self._reads_init()
         self._sentinels: dict[str, tuple[int, asyncio.Task]] = {}   # node -> (epoch, its watch task)
 
     # ------------------------------------------------------------------ lifecycle
@@ -166,11 +166,21 @@ class ClusterHook:
                 self.transport.forget(node)
                 if cur is None:
                     self.detected[node] = now
+        # Records of a (node, epoch) the view does not show go, unless they came in before
+        # this node saw that epoch join (an ANNOUNCE may overtake the watch): those stay for
+        # a grace period.  A LOCATE names only holders live in the view either way.
+        mono = time.monotonic()
         for node in self.records.nodes():
             live = view.get(node)
             for epoch in self.records.epochs(node):
-                if live is None or live.epoch != epoch:
+                if live is not None and live.epoch == epoch:
+                    self._unseen.pop((node, epoch), None)
+                elif mono - self._unseen.get((node, epoch), -math.inf) > self._unseen_grace:
+                    self._unseen.pop((node, epoch), None)
                     self.counters["records_dropped"] += self.records.drop_epoch(node, epoch)
+        for seen_late, since in list(self._unseen.items()):
+            if mono - since > self._unseen_grace:
+                del self._unseen[seen_late]         # its records were withdrawn meanwhile
         self._watch_peers()
         ring = Ring(set(view) | {self.node_id})
         changed = ring != self.ring or any(
@@ -253,8 +263,7 @@ class ClusterHook:
 
     def _announce(self, ekey: bytes, key: KvBlockKey, size: int) -> None:
         home = self.home_of(ekey)
-        if home == self.node_id:
-            self.records.add(key, self.node_id, self.epoch, size)
+        if home == self.node_id:                # the store's own record is the home's record
             self.announced[ekey] = (home, self.epoch)
             return
         m = self.view.get(home)
@@ -273,8 +282,7 @@ class ClusterHook:
             return
         home = told[0]
         if home == self.node_id:
-            self.records.drop(key, self.node_id, self.epoch)
-            return
+            return                      # the store dropped its own record
         ann = self._ann.get(home)
         if ann is not None and ekey in ann:
             del ann[ekey]               # never sent: nothing to take back
@@ -367,179 +375,6 @@ class ClusterHook:
                 await asyncio.sleep(max(ahead, 0.0))
             self.reannounce_active = False
 
-    # ------------------------------------------------------------------ a local miss
-
-    def _live(self, holders: list[Holder]) -> list[Holder]:
-        view = self.view
-        return [h for h in holders if h.node_id != self.node_id
-                and (m := view.get(h.node_id)) is not None and m.epoch == h.epoch]
-
-    async def _locate(self, ekeys: Sequence[bytes], keys: Sequence[KvBlockKey],
-                      use_cache: bool = False) -> list[list[Holder]]:
-        """Holders of each key, from its home (one LOCATE per home), live ones only."""
-        out: list[list[Holder]] = [[] for _ in ekeys]
-        todo = range(len(ekeys))
-        if use_cache:
-            loc = self._loc
-            todo = []
-            for i, ekey in enumerate(ekeys):
-                cached = loc.get(ekey)
-                live = self._live(cached) if cached else None
-                if live:
-                    loc.move_to_end(ekey)
-                    out[i] = live
-                    self.counters["location_cache_hits"] += 1
-                else:
-                    todo.append(i)
-            if not todo:
-                return out
-        homes = self.ring.homes([key_hash(ekeys[i]) for i in todo])
-        by_home: dict[str, list[int]] = {}
-        for i, home in zip(todo, homes):
-            by_home.setdefault(home, []).append(i)
-        deadline = time.monotonic() + self.hop_timeout
-
-        async def ask(home: str, idx: list[int]) -> None:
-            if home == self.node_id:
-                for i in idx:
-                    out[i] = self.records.holders(keys[i])
-                return
-            peer = self.peer(home)
-            if peer is None:
-                return
-            self.counters["locates_sent"] += 1
-            try:
-                body = await self.transport.request(peer, Opcode.LOCATE,
-                                                    wire.encode_locate([ekeys[i] for i in idx], self.limits),
-                                                    deadline)
-                per_key = wire.decode_locate_reply(body, self.limits)
-            except QuillCacheError:
-                self.counters["locate_failures"] += 1
-                return
-            if len(per_key) != len(idx):
-                self.counters["locate_failures"] += 1
-                return
-            for i, holders in zip(idx, per_key):
-                out[i] = holders
-
-        await _all(ask(h, idx) for h, idx in by_home.items())
-        loc = self._loc
-        for i in todo:
-            out[i] = live = self._live(out[i])
-            if live:
-                loc[ekeys[i]] = live
-                loc.move_to_end(ekeys[i])
-            else:
-                loc.pop(ekeys[i], None)
-        while len(loc) > LOCATION_CACHE:
-            loc.popitem(last=False)
-        return out
-
-    async def fetch_many(self, tenant: str, keys: Sequence[KvBlockKey]) -> list[Optional[memoryview]]:
-        """The bytes of each key from another node, or None (a miss)."""
-        ekeys = [encode_key(k) for k in keys]
-        result: list[Optional[memoryview]] = [None] * len(keys)
-        candidates = await self._locate(ekeys, keys, use_cache=True)
-        await self._fetch_rounds(tenant, ekeys, candidates, result)
-        stale = [i for i, b in enumerate(result) if b is None and candidates[i]]
-        if stale:                       # holders remembered or named by the home failed: ask again
-            for i in stale:
-                self._loc.pop(ekeys[i], None)
-            again = await self._locate([ekeys[i] for i in stale], [keys[i] for i in stale])
-            fresh: list[list[Holder]] = [[] for _ in keys]
-            for i, hs in zip(stale, again):
-                fresh[i] = [h for h in hs if h not in candidates[i][:MAX_HOLDER_TRIES]]
-            await self._fetch_rounds(tenant, ekeys, fresh, result)
-        hits = sum(b is not None for b in result)
-        self.counters["remote_hits"] += hits
-        self.counters["remote_misses"] += len(keys) - hits
-        if self.cache_remote and hits:
-            self._background(self._keep_copies([(k, b) for k, b in zip(keys, result) if b is not None]))
-        return result
-
-    async def _fetch_rounds(self, tenant: str, ekeys: Sequence[bytes], candidates: list[list[Holder]],
-                            result: list[Optional[memoryview]]) -> None:
-        for attempt in range(MAX_HOLDER_TRIES):
-            by_holder: dict[Holder, list[int]] = {}
-            for i, hs in enumerate(candidates):
-                if result[i] is None and attempt < len(hs):
-                    by_holder.setdefault(hs[attempt], []).append(i)
-            if not by_holder:
-                break
-            deadline = time.monotonic() + self.hop_timeout
-
-            async def ask(holder: Holder, idx: list[int], deadline: float = deadline) -> None:
-                peer = Peer(holder.node_id, self.view[holder.node_id].address, holder.epoch) \
-                    if holder.node_id in self.view else None
-                if peer is None:
-                    return
-                self.counters["fetches_sent"] += 1
-                try:
-                    res = await self.transport.fetch(peer, tenant, [ekeys[i] for i in idx], deadline)
-                except QuillCacheError:
-                    self.counters["fetch_failures"] += 1
-                    return
-                if res.epoch != holder.epoch:
-                    self.counters["stale_hops"] += len(idx)     # it restarted: not the copy recorded
-                    return
-                for i, block in zip(idx, res.blocks):
-                    if block is None:
-                        self.counters["stale_hops"] += 1
-                    elif block.nbytes != holder.size:
-                        self.counters["fetch_failures"] += 1    # not the block recorded: skip it
-                    else:
-                        result[i] = block
-
-            await _all(ask(h, idx) for h, idx in by_holder.items())
-
-    async def _keep_copies(self, items) -> None:
-        for key, block in items:
-            if self.store.exists(key):
-                continue
-            try:
-                await self.store.put(key, block)
-                self.counters["cached_remote"] += 1
-            except QuillCacheError:
-                pass                    # no room: it stays remote
-
-    def _background(self, coro) -> None:
-        t = asyncio.get_running_loop().create_task(coro)
-        self._bg.add(t)
-        t.add_done_callback(self._bg.discard)
-
-    async def serve_get(self, conn, rid: int, key: KvBlockKey, flags: int, miss: QuillCacheError) -> None:
-        try:
-            tenant = conn.tenant or ""
-            block = (await self.fetch_many(tenant, [key]))[0]
-        except Exception:               # never a hang or a wrong byte: a miss
-            log.exception("cross-node fetch failed")
-            block = None
-        if block is None:
-            conn.finish_error(rid, Opcode.GET, miss)
-        else:
-            conn.finish(rid, Opcode.GET, b"", [block], crc=bool(flags & FLAG_PAYLOAD_CRC))
-
-    async def serve_get_many(self, conn, rid: int, keys: Sequence[KvBlockKey], leases: list, items: list,
-                             flags: int, encode_reply) -> None:
-        """GET_MANY with local misses: ``leases[i]``/``items[i]`` are the local results
-        (lease or None, (status, size)); the NotFound ones are fetched."""
-        try:
-            missing = [i for i, (status, _) in enumerate(items) if status == NotFound.status]
-            blocks = await self.fetch_many(conn.tenant or "", [keys[i] for i in missing])
-            views: list[Any] = [lease.view if lease is not None else None for lease in leases]
-            for i, block in zip(missing, blocks):
-                if block is not None:
-                    items[i] = (0, block.nbytes)
-                    views[i] = block
-            body = encode_reply(items)
-            conn.finish(rid, Opcode.GET_MANY, body, [v for v in views if v is not None],
-                        crc=bool(flags & FLAG_PAYLOAD_CRC), leases=[x for x in leases if x is not None])
-        except Exception as exc:
-            for lease in leases:
-                if lease is not None:
-                    lease.release()
-            conn.finish_error(rid, Opcode.GET_MANY, exc)
-
     # ------------------------------------------------------------------ after a client put
 
     def after_put(self, keys: Sequence[KvBlockKey]) -> None:
@@ -560,7 +395,9 @@ class ClusterHook:
     async def _push(self, peer: Peer, key: KvBlockKey) -> None:
         async with self._push_slots:
             try:
-                lease = await self._lease(key)
+                lease = self.store.get_nowait(key)
+                if lease is None:
+                    lease = await self.store.get_async(key)     # SSD: read off the loop
             except QuillCacheError:
                 return                  # gone already
             try:
@@ -581,13 +418,17 @@ class ClusterHook:
         rid = frame.request_id
         if op == Opcode.ANNOUNCE:
             node, epoch, items = wire.decode_announce(frame.header, self.limits)
-            for ekey, size in items:
-                self.records.add(conn.key_of(ekey), node, epoch, size)
+            if node != self.node_id:            # this node's blocks are the store's own records
+                m = self.view.get(node)
+                if (m is None or m.epoch != epoch) and (node, epoch) not in self._unseen:
+                    self._unseen[(node, epoch)] = time.monotonic()
+                for ekey, size in items:
+                    self.records.add(conn.key_of(ekey), node, epoch, size, ekey)
             conn.finish(rid, op)
         elif op == Opcode.WITHDRAW:
             node, epoch, keys = wire.decode_withdraw(frame.header, self.limits)
             for ekey in keys:
-                self.records.drop(conn.key_of(ekey), node, epoch)
+                self.records.drop(conn.key_of(ekey), node, epoch, ekey)
             conn.finish(rid, op)
         elif op == Opcode.LOCATE:
             self.counters["locates_served"] += 1
@@ -599,7 +440,7 @@ class ClusterHook:
                        for k in wire.decode_locate(frame.header, self.limits)]
             conn.finish(rid, op, wire.encode_locate_reply(per_key, self.limits))
         elif op == Opcode.FETCH:
-            conn.spawn(self._serve_fetch(conn, frame))
+            self._serve_fetch(conn, rid, frame)
         elif op == Opcode.CLUSTER_VIEW:
             conn.finish(rid, op, wire.encode_json(self.describe()))
         elif op == Opcode.CLUSTER_LOCATE:
@@ -608,51 +449,83 @@ class ClusterHook:
         else:
             raise InvalidArgument(f"opcode {op:#04x} is not a cluster request")
 
-    async def _lease(self, key: KvBlockKey):
-        lease = self.store.get_nowait(key)
-        return lease if lease is not None else await self.store.get_async(key)   # SSD: off the loop
+    def _may_read(self, tenant: str, key: KvBlockKey) -> bool:
+        """Whether the requesting tenant may read ``key``, as the holder's own server would
+        decide on a local GET (its tenants, may_act_for); the store's identity guard runs after."""
+        auth = self.auth
+        return auth is None or auth.open_mode or auth.may_act_for(tenant, key.tenant_id)
 
-    async def _serve_fetch(self, conn, frame) -> None:
+    def _serve_fetch(self, conn, rid: int, frame) -> None:
+        """FETCH: leases on the blocks in DRAM, in this loop turn; the first block that must
+        be read from the SSD tier sends the rest off the loop (``_serve_fetch_async``)."""
+        tenant, ekeys = wire.decode_fetch(frame.header, self.limits)
+        keys = [conn.key_of(ekey) for ekey in ekeys]
+        leases: list = []
+        items: list[tuple[int, int]] = []
+        store = self.store
         try:
-            tenant, ekeys = wire.decode_fetch(frame.header, self.limits)
-        except QuillCacheError as exc:
-            conn.finish_error(frame.request_id, Opcode.FETCH, exc)
-            return
-        leases, items = [], []
-        try:
-            for ekey in ekeys:
-                key = conn.key_of(ekey)
-                # The requesting tenant is checked here as the identity guard would be on a
-                # local GET: another tenant's key is a miss, the same as an absent one.
-                if not self.open_mode and key.tenant_id != tenant:
+            for i, key in enumerate(keys):
+                # Another tenant's key is a miss, the same as an absent one.
+                if not self._may_read(tenant, key):
                     items.append((NotFound.status, 0))
                     continue
                 try:
-                    lease = await self._lease(key)
+                    lease = store.get_nowait(key)
+                except _MISS as exc:
+                    items.append((exc.status, 0))
+                    continue
+                if lease is None:
+                    conn.spawn(self._serve_fetch_async(conn, rid, tenant, keys[i:], leases, items))
+                    return
+                leases.append(lease)
+                items.append((0, lease.size))
+        except BaseException:
+            _release(leases)
+            raise
+        self._reply_fetch(conn, rid, leases, items)
+
+    async def _serve_fetch_async(self, conn, rid: int, tenant: str, keys: list, leases: list, items: list) -> None:
+        try:
+            for key in keys:
+                if not self._may_read(tenant, key):
+                    items.append((NotFound.status, 0))
+                    continue
+                try:
+                    lease = self.store.get_nowait(key)
+                    if lease is None:
+                        lease = await self.store.get_async(key)     # SSD: read off the loop
                 except _MISS as exc:
                     items.append((exc.status, 0))
                     continue
                 leases.append(lease)
                 items.append((0, lease.size))
-            self.counters["fetches_served"] += 1
-            body = wire.encode_fetch_reply(self.epoch, items, self.limits)
         except BaseException as exc:
-            for lease in leases:
-                lease.release()
+            _release(leases)
             if isinstance(exc, Exception):
-                conn.finish_error(frame.request_id, Opcode.FETCH, exc)
+                conn.finish_error(rid, Opcode.FETCH, exc)
                 return
             raise
-        if not conn.is_in_flight(frame.request_id):
-            for lease in leases:
-                lease.release()
-            return
-        conn.finish(frame.request_id, Opcode.FETCH, body, [lease.view for lease in leases], crc=True, leases=leases)
+        self._reply_fetch(conn, rid, leases, items)
+
+    def _reply_fetch(self, conn, rid: int, leases: list, items: list) -> None:
+        try:
+            if not conn.is_in_flight(rid):
+                _release(leases)
+                return
+            body = wire.encode_fetch_reply(self.epoch, items, self.limits)
+        except BaseException as exc:
+            _release(leases)
+            if isinstance(exc, Exception):
+                conn.finish_error(rid, Opcode.FETCH, exc)
+                return
+            raise
+        self.counters["fetches_served"] += 1
+        conn.finish(rid, Opcode.FETCH, body, [lease.view for lease in leases], crc=True, leases=leases)
 
     async def _cluster_locate(self, conn, rid: int, keys: list[KvBlockKey]) -> None:
         try:
             ekeys = [encode_key(k) for k in keys]
-            found = await self._locate(ekeys, keys)
+            found = await self._locate(ekeys)
             out = []
             for key, ekey, holders in zip(keys, ekeys, found):
                 kh = key_hash(ekey)
@@ -705,13 +578,9 @@ class ClusterHook:
         return out
 
 
-async def _all(coros) -> None:
-    """Run the coroutines concurrently; one alone runs in this task (no Task, no loop turn)."""
-    coros = list(coros)
-    if len(coros) == 1:
-        await coros[0]
-    elif coros:
-        await asyncio.gather(*coros)
+def _release(leases) -> None:
+    for lease in leases:
+        lease.release()
 
 
 def default_node_id(cluster_node_id: str, node_id: str) -> str:

@@ -1,20 +1,31 @@
 """The residency records a home node keeps: key -> the (node, epoch) pairs holding it.
 
-``RecordStore`` is the small interface the cluster hook uses; ``ArtRecordStore`` keeps
-the records in the ART residency index (``index.ArtIndex``), one ``CacheResidency`` per
-holder whose ``worker_id`` is ``holder_id(node, epoch)``.  Dropping every record of a
-node's old epoch (its lease expired, or it restarted) is then ``clear_worker``.  When
-the store's own ART index (issue 11) takes other nodes' records, this class is the one
-place to re-point.
+The records live in the store's own ART residency index (``LocalKvStore.index``,
+docs/residency-index.md), next to the store's records of this node's blocks:
+
+* this node's blocks are the store's records (worker id = the store's ``holder``); a
+  LOCATE names this node for them with its current epoch, so a home never keeps a
+  second record of what it holds itself;
+* every other node's blocks are records of worker id ``holder_id(node, epoch)``, one
+  ``CacheResidency`` per key (tier ``cpu_dram``: a holder serves from its store, whichever
+  local tier the block is in).  Dropping every record of a node's old epoch (its lease
+  expired, or it restarted) is ``clear_worker``.
+
+Other nodes' records are soft state: a persistent index logs and checkpoints only the
+records of its ``owner`` (this node), so none of them comes back after a restart; the
+holders re-announce to the new epoch.  ``RecordStore`` is the interface the cluster hook
+uses; without a shared index (tests) ``ArtRecordStore`` keeps its own.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 from quillcache.index.art import ArtIndex
-from quillcache.model import CacheResidency, CacheTier, KvBlockKey
+from quillcache.model import CacheTier, KvBlockKey, encode_key
 
 __all__ = ["Holder", "RecordStore", "ArtRecordStore", "holder_id", "parse_holder_id"]
+
+_REMOTE_TIERS = (CacheTier.CPU_DRAM,)
 
 
 class Holder(NamedTuple):
@@ -33,67 +44,78 @@ def parse_holder_id(worker_id: str) -> tuple[str, int]:
 
 
 class RecordStore(Protocol):
-    def add(self, key: KvBlockKey, node_id: str, epoch: int, size: int) -> None: ...
-    def drop(self, key: KvBlockKey, node_id: str, epoch: int) -> int: ...
+    def add(self, key: KvBlockKey, node_id: str, epoch: int, size: int, ekey: Optional[bytes] = None) -> None: ...
+    def drop(self, key: KvBlockKey, node_id: str, epoch: int, ekey: Optional[bytes] = None) -> int: ...
     def holders(self, key: KvBlockKey) -> list[Holder]: ...
     def holders_encoded(self, ekey: bytes) -> list[Holder]: ...
     def drop_epoch(self, node_id: str, epoch: int) -> int: ...
     def epochs(self, node_id: str) -> set[int]: ...
+    def nodes(self) -> list[str]: ...
     def __len__(self) -> int: ...
 
 
-class _RecordIndex(ArtIndex):
-    """The ART index with a lookup by encoded key (a LOCATE names keys encoded: no
-    decode and re-encode per key)."""
-
-    def locate_encoded(self, ekey: bytes) -> list[CacheResidency]:
-        slot = self._tree.get(ekey)
-        return [] if slot is None else self._slots[slot]
-
-
 class ArtRecordStore:
-    """Records on an ``ArtIndex``; the tier field says ``cpu_dram`` (a holder serves from
-    its store, whichever local tier the block is in)."""
+    """Other nodes' records on an ``ArtIndex``: the store's (``index``, whose records of
+    ``local_holder`` are this node's blocks, named ``local()`` = (node id, epoch) in
+    answers), or a private one when ``index`` is None."""
 
-    def __init__(self) -> None:
-        self._index = _RecordIndex()
+    def __init__(self, index: Optional[ArtIndex] = None, local_holder: Optional[str] = None,
+                 local: Optional[Callable[[], tuple[str, int]]] = None) -> None:
+        self._index = index if index is not None else ArtIndex()
+        self._local_holder = local_holder if local is not None else None
+        self._local = local
         self._epochs: dict[str, set[int]] = {}
-        self._parsed: dict[str, tuple[str, int]] = {}     # worker_id -> (node, epoch)
+        self._parsed: dict[str, tuple[str, int]] = {}     # worker id of a remote record -> (node, epoch)
 
     def __len__(self) -> int:
-        return len(self._index)
+        """Records of other nodes (this node's own are the store's)."""
+        records_of = self._index.records_of
+        return sum(records_of(w) for w in self._parsed)
 
-    def add(self, key: KvBlockKey, node_id: str, epoch: int, size: int) -> None:
-        self._index.put(CacheResidency(key, holder_id(node_id, epoch), CacheTier.CPU_DRAM, size))
-        self._epochs.setdefault(node_id, set()).add(epoch)
+    def add(self, key: KvBlockKey, node_id: str, epoch: int, size: int, ekey: Optional[bytes] = None) -> None:
+        worker = holder_id(node_id, epoch)
+        self._index.set_holder(key, ekey or encode_key(key), worker, _REMOTE_TIERS, size)
+        if worker not in self._parsed:
+            self._parsed[worker] = (node_id, epoch)
+            self._epochs.setdefault(node_id, set()).add(epoch)
 
-    def drop(self, key: KvBlockKey, node_id: str, epoch: int) -> int:
-        return self._index.remove_block(key.scope, holder_id(node_id, epoch), key.block_hash)
+    def drop(self, key: KvBlockKey, node_id: str, epoch: int, ekey: Optional[bytes] = None) -> int:
+        worker = holder_id(node_id, epoch)
+        if worker not in self._parsed:
+            return 0
+        ek = ekey or encode_key(key)
+        had = self._index.holder(ek, worker)[1]
+        self._index.set_holder(key, ek, worker, (), 0)
+        return len(had)
 
     def holders(self, key: KvBlockKey) -> list[Holder]:
-        return self._holders(self._index.locate(key))
+        return self.holders_encoded(encode_key(key))
 
     def holders_encoded(self, ekey: bytes) -> list[Holder]:
-        return self._holders(self._index.locate_encoded(ekey))
-
-    def _holders(self, records) -> list[Holder]:
-        parsed = self._parsed
+        parsed, local_holder = self._parsed, self._local_holder
         out = []
-        for r in records:
-            ne = parsed.get(r.worker_id)
-            if ne is None:
-                ne = parsed[r.worker_id] = parse_holder_id(r.worker_id)
-            out.append(Holder(ne[0], ne[1], r.bytes))
+        mine = False
+        for r in self._index.records_at(ekey):
+            w = r.worker_id
+            ne = parsed.get(w)
+            if ne is not None:
+                out.append(Holder(ne[0], ne[1], r.bytes))
+            elif w == local_holder and not mine:       # one answer for its DRAM and SSD records
+                mine = True
+                node, epoch = self._local()
+                out.append(Holder(node, epoch, r.bytes))
         return out
 
     def drop_epoch(self, node_id: str, epoch: int) -> int:
-        self._parsed.pop(holder_id(node_id, epoch), None)
+        worker = holder_id(node_id, epoch)
+        if self._parsed.pop(worker, None) is None:
+            return 0
         epochs = self._epochs.get(node_id)
         if epochs is not None:
             epochs.discard(epoch)
             if not epochs:
                 del self._epochs[node_id]
-        return self._index.clear_worker(holder_id(node_id, epoch))
+        return self._index.clear_worker(worker)
 
     def epochs(self, node_id: str) -> set[int]:
         return set(self._epochs.get(node_id, ()))

@@ -162,6 +162,12 @@ class ArtIndex:
         slot = self._tree.get(encode_key(key))
         return [] if slot is None else list(self._slots[slot])
 
+    def records_at(self, ek: bytes) -> list[CacheResidency]:
+        """The records under encoded key ``ek`` (the index's own list: read it, do not
+        change it); [] if none.  ``locate`` without encoding the key or copying."""
+        slot = self._tree.get(ek)
+        return [] if slot is None else self._slots[slot]
+
     def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
         prefix = encode_scope_prefix(scope, prefix_hash)   # KeyError_ on a bad prefix_hash
         self._prefix_scans += 1

@@ -369,6 +369,9 @@ class PersistentArtIndex(ArtIndex):
     ``strict``: refuse (CorruptLog) a WAL with corruption before its tail.
     ``volatile_tiers``: records of these tiers are kept in memory only (never logged, never
     checkpointed): the store passes CPU_DRAM, whose blocks do not outlive the process.
+    ``owner``: when set, only that worker's records are logged and checkpointed; the others
+    (a pool's records of other nodes, cluster/records.py: soft state, re-announced to a
+    restarted home) are kept in memory only.
     """
 
     name = "art-persistent"
@@ -377,13 +380,15 @@ class PersistentArtIndex(ArtIndex):
     def __init__(self, directory, *, sync_every: bool = False,
                  checkpoint_wal_bytes: int = DEFAULT_CHECKPOINT_WAL_BYTES,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, wal_backend: str = "auto",
-                 strict: bool = True, volatile_tiers: Iterable[CacheTier] = ()) -> None:
+                 strict: bool = True, volatile_tiers: Iterable[CacheTier] = (),
+                 owner: Optional[str] = None) -> None:
         if not isinstance(checkpoint_wal_bytes, int) or checkpoint_wal_bytes < 0:
             raise InvalidArgument(f"checkpoint_wal_bytes {checkpoint_wal_bytes!r}: must be an integer >= 0")
         super().__init__()
         self.directory = os.fspath(directory)
         self.sync_every = bool(sync_every)
         self.volatile_tiers = frozenset(CacheTier.parse(t) for t in volatile_tiers)
+        self.owner = owner
         self.checkpoint_wal_bytes = checkpoint_wal_bytes
         self._logging = False
         self._logical_bytes = 0
@@ -564,7 +569,7 @@ class PersistentArtIndex(ArtIndex):
     def _apply_put(self, residency: CacheResidency, ek: Optional[bytes] = None) -> None:
         if ek is None:
             ek = encode_key(residency.key)
-        if self._logging and residency.tier not in self.volatile_tiers:
+        if self._logging and self._durable(residency):
             self._log(_encode_put_ek(ek, residency))     # validates before anything changes
         super()._apply_put(residency, ek)
 
@@ -576,9 +581,13 @@ class PersistentArtIndex(ArtIndex):
             mine = [r for r in self._slots[slot] if r.worker_id == worker_id]
             if not mine:
                 return 0
-            if any(r.tier not in self.volatile_tiers for r in mine):
+            if any(self._durable(r) for r in mine):
                 self._log(_encode_remove(ek, worker_id))
         return super()._apply_remove(ek, worker_id)
+
+    def _durable(self, r: CacheResidency) -> bool:
+        """Is this record logged and checkpointed (else kept in memory only)?"""
+        return r.tier not in self.volatile_tiers and (self.owner is None or r.worker_id == self.owner)
 
     def _apply_clear(self) -> None:
         if self._logging:
@@ -655,7 +664,7 @@ class PersistentArtIndex(ArtIndex):
         return nbytes
 
     def _checkpoint_groups(self):
-        slots, ck, code, volatile = self._slots, self._ck, TIER_CODE, self.volatile_tiers
+        slots, ck, code, durable = self._slots, self._ck, TIER_CODE, self._durable
         for ek, slot in self._tree.items():
             v = list.__getitem__(slots, slot)
             if v is _COLD:
@@ -664,8 +673,8 @@ class PersistentArtIndex(ArtIndex):
                 yield ek, _block_hash_of(ek), v.rows
             else:
                 rows = [(r.worker_id, code[r.tier], r.bytes, r.last_access_ms, r.ref_count, int(r.pinned))
-                        for r in v if r.tier not in volatile]
-                if rows:                    # a key held only in volatile tiers is not persisted
+                        for r in v if durable(r)]
+                if rows:                    # a key held only in memory-only records is not persisted
                     yield ek, v[0].key.block_hash.encode("utf-8"), rows
 
     def holder_sizes(self, worker_id: str) -> dict[bytes, int]:

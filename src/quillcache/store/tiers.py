@@ -238,6 +238,12 @@ class LocalKvStore:
         self.reconciled = {"index_added": 0, "index_dropped": 0, "index_resized": 0, "index_agreed": 0}
         self._adopt_ssd(ssd)
 
+    @property
+    def index(self) -> ArtIndex:
+        """The residency index; its records of worker ``holder`` are this store's (a pool's
+        home keeps other nodes' records in it: cluster/records.py)."""
+        return self._index
+
     # ------------------------------------------------------------------ index upkeep
 
     def set_residency_listener(self, added: Optional[Callable[[KvBlockKey, int], None]],

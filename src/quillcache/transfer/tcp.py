@@ -13,6 +13,8 @@ import asyncio
 import time
 from typing import Optional, Sequence
 
+import numpy as np
+
 from quillcache.client import AsyncClient
 from quillcache.cluster import wire
 from quillcache.errors import ConnectionLost, InvalidArgument, QuillCacheError, Timeout
@@ -97,7 +99,7 @@ class TcpTransport:
             n = frame.payload_length
             if n > limit:
                 raise InvalidArgument(f"FETCH reply of {n} bytes, at most {limit}")
-            buf = bytearray(n)
+            buf = np.empty(n, np.uint8)     # every byte is received into it: no zero fill
             holder.append(buf)
             return memoryview(buf)
 
