@@ -18,11 +18,14 @@ etcd is unreachable (the last view is kept, the state is ``degraded``, the threa
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+import socket
+from typing import Any, Callable, Optional, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 from quillcache.cluster.membership import Membership
 
-__all__ = ["engine_prefix", "EngineRegistration", "EngineWatch", "MAX_RECORD_BYTES"]
+__all__ = ["engine_prefix", "EngineRegistration", "EngineWatch", "MAX_RECORD_BYTES", "cluster_args",
+           "advertised", "keep_registered", "HEALTH_FAILURES"]
 
 MAX_RECORD_BYTES = 64 << 10          # bytes of one engine record at most (a few hundred in practice)
 WATCH_TIMEOUT_S = 3.0                # etcd deadline scale of a watcher: calls time out after 1 s
@@ -30,6 +33,34 @@ WATCH_TIMEOUT_S = 3.0                # etcd deadline scale of a watcher: calls t
 
 def engine_prefix(cluster_id: str) -> str:
     return f"/quillcache/{cluster_id}/engines/"
+
+
+def cluster_args(etcd: Sequence[str], cluster_id: str, ttl: Any) -> tuple[tuple, str, float]:
+    """A registrant's --etcd, --cluster-id and --lease-ttl, converted by the node's own
+    [cluster] settings (one meaning for etcd, cluster_id and lease_ttl); raises
+    ConversionError naming the option."""
+    from quillcache.config import NODE_REGISTRY, ConversionError
+    cluster = NODE_REGISTRY.by_section["cluster"]
+    out = []
+    for option, name, value in (("--etcd", "etcd", list(etcd)), ("--cluster-id", "cluster_id", cluster_id),
+                                ("--lease-ttl", "lease_ttl", ttl)):
+        try:
+            out.append(cluster[name].convert(value))
+        except ConversionError as exc:
+            raise ConversionError(f"{option} {value!r}: {exc}") from None
+    return out[0], out[1], out[2]
+
+
+def advertised(address: str, host: str) -> str:
+    """``address`` (an http:// URL or a tcp:// ZMQ endpoint) with its host replaced by
+    ``host`` (the one other machines reach this engine at); unchanged when ``host`` is empty."""
+    if not host or not address:
+        return address
+    parts = urlsplit(address)
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def _no_space() -> tuple[int, int]:
@@ -76,6 +107,19 @@ class EngineWatch(Membership):
     def _register(self) -> None:
         self.registered.set()               # a watcher keeps no record of its own
 
+    def _close_watch(self) -> None:
+        # Closing the response alone waits for the lock the reading thread holds until etcd
+        # sends something, which an idle engine prefix may not do for a long time: shut the
+        # socket down first, so that the reader returns at once.
+        resp = self._watch_resp
+        sock = getattr(getattr(getattr(resp, "raw", None), "connection", None), "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        super()._close_watch()
+
     def _parse(self, name: str, raw: bytes) -> tuple[str, Any]:
         if len(raw) > MAX_RECORD_BYTES:
             raise ValueError(f"record of {len(raw)} bytes")
@@ -89,3 +133,55 @@ def _record_of(raw: bytes) -> Optional[dict]:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
     return value if isinstance(value, dict) else None
+
+
+HEALTH_FAILURES = 2                  # consecutive failed health checks before the record is withdrawn
+
+
+def _healthy(url: str, timeout: float) -> tuple[bool, str]:
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200, f"HTTP {r.status}"
+    except urllib.error.HTTPError as exc:
+        return False, f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        return False, str(getattr(exc, "reason", exc))
+
+
+def keep_registered(*, endpoints, cluster_id: str, record: dict, ttl: float, health_interval: float,
+                    stop, report: Callable[[str], None], version: str = "") -> None:
+    """Keep ``record`` registered until ``stop`` (a threading.Event) is set, then withdraw it.
+
+    With ``health_interval`` > 0 the record is there only while ``<url>/health`` answers 200:
+    it is registered once the engine is up, withdrawn after HEALTH_FAILURES failed checks in a
+    row (the gateways stop routing to it) and registered again when it answers.  ``report``
+    gets one line per change (registered, withdrawn, etcd unreachable or back)."""
+    health_url = str(record["url"]).rstrip("/") + "/health"
+    reg: Optional[EngineRegistration] = None
+    failures = 0
+    etcd_state = ""
+    try:
+        while not stop.is_set():
+            ok, why = _healthy(health_url, min(health_interval, 5.0)) if health_interval > 0 else (True, "")
+            failures = 0 if ok else failures + 1
+            if ok and reg is None:
+                reg = EngineRegistration(endpoints=endpoints, cluster_id=cluster_id, record=record, ttl=ttl,
+                                         version=version)
+                reg.start()
+                report(f"registering {record['id']} ({record['url']}) under {reg.key}, lease TTL {ttl:g}s")
+            elif reg is not None and failures >= HEALTH_FAILURES:
+                reg.stop()
+                reg = None
+                etcd_state = ""
+                report(f"withdrawn: {health_url} failed {failures} times ({why})")
+            if reg is not None and reg.state in ("ok", "degraded") and reg.state != etcd_state:
+                etcd_state = reg.state
+                report("registered" if etcd_state == "ok" else
+                       "etcd unreachable: retrying (the record goes when its lease expires)")
+            stop.wait(health_interval if health_interval > 0 else ttl / 3)
+    finally:
+        if reg is not None:
+            reg.stop()                       # revokes the lease: the gateways drop it at once
+            report(f"withdrawn {record['id']}")

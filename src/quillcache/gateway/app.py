@@ -292,12 +292,13 @@ class Gateway:
         return body
 
     def _decision_headers(self, d: Decision, worker: str, approximate: bool, retried: bool,
-                          prefill: Optional[tuple[Decision, str]] = None) -> dict:
+                          prefill: Optional[tuple[Decision, str, bool]] = None) -> dict:
         """The x-quillcache-* headers; for a two-hop request the cache figures are the prefill
         hop's (where the prefix is computed) and ``worker`` is the decode engine."""
         decision_us = d.decision_us
         if prefill is not None:
             decision_us += prefill[0].decision_us
+            retried = retried or prefill[2]
             d = prefill[0]
         o = d.overlap
         h = {
@@ -432,7 +433,7 @@ class Gateway:
         return await self._route(request, req, engines, forward)
 
     async def _route(self, request: web.Request, req: _Request, engines: list[EngineState], body: dict,
-                     prefill: Optional[tuple[Decision, str]] = None) -> web.StreamResponse:
+                     prefill: Optional[tuple[Decision, str, bool]] = None) -> web.StreamResponse:
         """Pick an engine and forward ``body`` to it; one retry elsewhere on a failure before
         the first byte.  ``prefill``: the decode hop of a two-hop request (by load alone)."""
         tried: set[str] = set()
@@ -465,14 +466,14 @@ class Gateway:
         hop = await self._prefill_hop(req, prefill)
         if isinstance(hop, web.Response):
             return hop
-        d, worker, params = hop
+        d, worker, retried, params = hop
         forward = dict(req.forward)
         if params is not None:
             forward["kv_transfer_params"] = params
-        return await self._route(request, req, decode, forward, prefill=(d, worker))
+        return await self._route(request, req, decode, forward, prefill=(d, worker, retried))
 
     async def _prefill_hop(self, req: _Request, engines: list[EngineState]):
-        """(decision, prefill engine id, kv_transfer_params or None), or the answer to give
+        """(decision, prefill engine id, retried, kv_transfer_params or None), or the answer to give
         the client (no engine, or the engine's own error).  The prefill engine's load is
         released as soon as it has answered."""
         body = {**req.forward, "stream": False, "max_tokens": 1, "kv_transfer_params": dict(PREFILL_KV_PARAMS)}
@@ -503,7 +504,7 @@ class Gateway:
                     # the same); counted, so that an operator sees the misconfiguration.
                     self.metrics.upstream_errors.labels(state.id, "kv_transfer").inc()
                     log.warning("prefill engine %s answered without kv_transfer_params", state.id)
-                return d, state.id, params
+                return d, state.id, attempt > 0, params
             except _Upstream as exc:
                 tried.add(state.id)
                 self._failed(state, exc, attempt)
