@@ -219,6 +219,7 @@ class _Api:
             "steps": self.runner.steps, "prompt_tokens": e.prompt_tokens_total,
             "hit_tokens": e.hit_tokens_total, "pool_tokens": e.pool_tokens_total,
             "remote_tokens": e.remote_tokens_total,
+            "busy_us": e.busy_us, "prefill_busy_us": e.prefill_busy_us, "now_us": self.runner.now_us(),
             "cross_identity_hits": e.cross_identity_hits,
         })
 
