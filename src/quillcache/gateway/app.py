@@ -272,11 +272,24 @@ class Gateway:
         if not isinstance(name, str) or not name:
             raise InvalidArgument("model must be a non-empty string")
         base, adapter = name, None
-        if name in self.adapters:
+        if name in self.adapters:                              # vLLM: the adapter's own name
             base, adapter = self.adapters[name], name
+        elif name not in self.by_model and ":" in name:        # SGLang: "base:adapter"
+            b, a = name.rsplit(":", 1)
+            if self.adapters.get(a) == b:
+                base, adapter = b, a
         engines = self.by_model.get(base)
         if engines is None:
             raise LookupError(f"the model {name!r} is not served here (GET /v1/models lists them)")
+        lora = body.get("lora_path")                           # SGLang's adapter field
+        if lora is not None:
+            if not isinstance(lora, str) or not lora:
+                raise InvalidArgument("lora_path must be the name of a served adapter")
+            if adapter is not None and lora != adapter:
+                raise InvalidArgument(f"model names the adapter {adapter!r} and lora_path {lora!r}")
+            if self.adapters.get(lora) != base:
+                raise LookupError(f"the adapter {lora!r} is not served for the model {base!r}")
+            adapter = lora
         if adapter is not None:
             engines = [e for e in engines if adapter in e.spec.adapters]
         if self.auth.open_mode and isinstance(body.get("cache_salt"), str) and body["cache_salt"]:

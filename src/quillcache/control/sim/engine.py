@@ -231,6 +231,7 @@ class SimEngine:
         self.hit_tokens_total = 0
         self.pool_tokens_total = 0
         self.remote_tokens_total = 0      # loaded from a prefill engine (disaggregated decode)
+        self.aborted = 0                  # requests dropped before their end (client gone)
         self.cross_identity_hits = 0       # hits on a block stored for another identity: must stay 0
         self.busy_us = 0                  # modelled time in iterations
         self.prefill_busy_us = 0          # ... in iterations with prefill work running or waiting
@@ -471,6 +472,8 @@ class SimEngine:
 
     def abort(self, req: SimRequest, now_us: int) -> None:
         """Drop a request (the client went away): its pages are released at once."""
+        if req.state in ("waiting", "prefill", "decode"):
+            self.aborted += 1
         if req.state == "waiting":
             self._waiting.remove(req)
             req.state = "finished"

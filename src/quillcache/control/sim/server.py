@@ -9,7 +9,8 @@ gateway, a test) computes the same token ids; a prompt may also be a list of tok
 the OpenAI API allows.  Chat messages are rendered by ``render_chat`` first.  Output tokens
 are words of a fixed list, chosen by position.
 
-Identity: the request's ``model`` names the base model or one of the served LoRA adapters;
+Identity: the request's ``model`` names the base model or one of the served LoRA adapters
+(vLLM's naming; SGLang's ``base:adapter`` and ``lora_path`` field are understood too);
 the tenant is vLLM's ``cache_salt`` body field, else the ``X-Tenant-Id`` header, else none.
 
 Disaggregated serving, as vLLM's NixlConnector speaks it: a request whose
@@ -218,7 +219,7 @@ class _Api:
             "cached_blocks": len(e.resident()), "running": e.running, "waiting": e.waiting,
             "steps": self.runner.steps, "prompt_tokens": e.prompt_tokens_total,
             "hit_tokens": e.hit_tokens_total, "pool_tokens": e.pool_tokens_total,
-            "remote_tokens": e.remote_tokens_total,
+            "remote_tokens": e.remote_tokens_total, "aborted": e.aborted,
             "busy_us": e.busy_us, "prefill_busy_us": e.prefill_busy_us, "now_us": self.runner.now_us(),
             "cross_identity_hits": e.cross_identity_hits,
         })
@@ -253,8 +254,17 @@ class _Api:
         if not isinstance(body, dict):
             raise SimEngineError("the body must be a JSON object")
         model = body.get("model", self.cfg.model)
+        if isinstance(model, str) and model not in self.served and ":" in model:
+            base, adapter = model.rsplit(":", 1)          # SGLang's "base:adapter"
+            if base == self.cfg.model and adapter in self.cfg.adapters:
+                model = adapter
         if model not in self.served:
             raise LookupError(f"model {model!r} is not served (served: {', '.join(self.served)})")
+        lora = body.get("lora_path")                      # SGLang's adapter field
+        if lora is not None:
+            if lora not in self.cfg.adapters:
+                raise LookupError(f"adapter {lora!r} is not served")
+            model = lora
         if chat:
             tokens = tokenize(render_chat(body.get("messages")))
         else:
