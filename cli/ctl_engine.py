@@ -47,7 +47,7 @@ def register_cmd(etcd, cluster_id, engine_id, url, model, tokenizer, tokenizer_i
     this process dies.  The record is the gateway's [[gateway.engines]] table, checked here
     the way the gateways check it."""
     from quillcache import __version__
-    from quillcache.cluster.engines import cluster_args, keep_registered
+    from quillcache.cluster.engines import cluster_args, etcd_client_missing, keep_registered
     from quillcache.config import ConversionError
     from quillcache.gateway.settings import engine_of_record
 
@@ -62,6 +62,8 @@ def register_cmd(etcd, cluster_id, engine_id, url, model, tokenizer, tokenizer_i
         endpoints, cluster_id, ttl = cluster_args(etcd, cluster_id, lease_ttl)
     except ConversionError as exc:
         fail(exitcodes.USAGE, str(exc))
+    if etcd_client_missing():
+        fail(exitcodes.UNAVAILABLE, etcd_client_missing())
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -79,7 +79,10 @@ def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters
         sys.exit(exitcodes.USAGE)
     on_listening = None
     if etcd:
-        from quillcache.cluster.engines import cluster_args
+        from quillcache.cluster.engines import cluster_args, etcd_client_missing
+        if etcd_client_missing():
+            click.echo(f"quillcache-sim-engine: --etcd: {etcd_client_missing()}", err=True)
+            sys.exit(exitcodes.UNAVAILABLE)
         try:
             endpoints, cluster_id, ttl = cluster_args(etcd, cluster_id, lease_ttl)
         except ConversionError as exc:

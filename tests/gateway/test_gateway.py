@@ -61,6 +61,11 @@ def test_same_tenant_reuses_another_tenant_is_refused_credit():
             st, hd, _ = await h.complete(PROMPT, "acme")
             assert st == 200
             first = decision(hd)["worker"]
+            # The engine cached it under cache_salt "tenant=acme", the connectors' convention.
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 1, "cache_salt": "tenant=acme"}
+            async with h.session.post(h.urls[int(first[1:])] + "/v1/completions", json=body) as r:
+                usage = (await r.json())["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == (len(PROMPT) - 1) // 16 * 16
             await asyncio.sleep(1.0)
             st, hd, _ = await h.complete(PROMPT + "again", "acme")
             d = decision(hd)
@@ -301,7 +306,9 @@ def test_exact_tokenizer_and_chat(tokenizer_file):
     run(main())
 
 
-def test_engine_killed_mid_stream_ends_with_an_error_event(tmp_path):
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_engine_killed_or_silent_mid_stream_ends_with_an_error_event(tmp_path, how):
+    """SIGKILL: the connection breaks; SIGSTOP: it stays open and silent past idle_timeout."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "quillcache_cli.sim_engine", "--port", str(port),
@@ -314,8 +321,9 @@ def test_engine_killed_mid_stream_ends_with_an_error_event(tmp_path):
         async def main():
             from quillcache.gateway.server import start
             from quillcache.gateway.settings import load_gateway_config
-            cfg = load_gateway_config(text=f'[gateway]\nlisten = "127.0.0.1:0"\n[[gateway.engines]]\n'
-                                           f'id = "e0"\nurl = "http://127.0.0.1:{port}"\nmodel = "m"\n')
+            cfg = load_gateway_config(text=f'[gateway]\nlisten = "127.0.0.1:0"\nidle_timeout = "0.5s"\n'
+                                           f'[[gateway.engines]]\nid = "e0"\nurl = "http://127.0.0.1:{port}"\n'
+                                           'model = "m"\n')
             gw, runner, (host, gport) = await start(cfg)
             try:
                 async with aiohttp.ClientSession() as s:
@@ -323,11 +331,12 @@ def test_engine_killed_mid_stream_ends_with_an_error_event(tmp_path):
                     async with s.post(f"http://{host}:{gport}/v1/completions", json=body) as r:
                         assert r.status == 200
                         await r.content.readany()
-                        os.kill(proc.pid, signal.SIGKILL)
+                        os.kill(proc.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
                         events = await read_sse(r)
                 assert events[-1] == b"[DONE]"
                 err = json.loads(events[-2])["error"]
                 assert err["type"] == "upstream_error" and "stopped mid-answer" in err["message"]
+                assert ("TimeoutError" in err["message"]) == (how == "stopped")
                 for _ in range(100):
                     if gw.engines["e0"].in_flight == 0 and not gw.router.load_of("e0")["active_requests"]:
                         break
@@ -338,5 +347,6 @@ def test_engine_killed_mid_stream_ends_with_an_error_event(tmp_path):
                 await runner.cleanup()
         run(main())
     finally:
+        os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait()

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 from quillcache.cluster.membership import Membership
 
 __all__ = ["engine_prefix", "EngineRegistration", "EngineWatch", "MAX_RECORD_BYTES", "cluster_args",
-           "advertised", "keep_registered", "HEALTH_FAILURES"]
+           "advertised", "keep_registered", "HEALTH_FAILURES", "etcd_client_missing"]
 
 MAX_RECORD_BYTES = 64 << 10          # bytes of one engine record at most (a few hundred in practice)
 WATCH_TIMEOUT_S = 3.0                # etcd deadline scale of a watcher: calls time out after 1 s
@@ -33,6 +33,15 @@ WATCH_TIMEOUT_S = 3.0                # etcd deadline scale of a watcher: calls t
 
 def engine_prefix(cluster_id: str) -> str:
     return f"/quillcache/{cluster_id}/engines/"
+
+
+def etcd_client_missing() -> Optional[str]:
+    """Why this process cannot talk to etcd (the [cluster] extra is not installed), or None."""
+    try:
+        import etcd3gw  # noqa: F401
+    except ImportError:
+        return "the etcd client is not installed: pip install 'quillcache[cluster]' (etcd3gw)"
+    return None
 
 
 def cluster_args(etcd: Sequence[str], cluster_id: str, ttl: Any) -> tuple[tuple, str, float]:

@@ -37,6 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from quillcache.auth import OPEN_TENANT, Authenticator
+from quillcache.connectors.core import TENANT_SALT_PREFIX
 from quillcache.errors import InvalidArgument, PermissionDenied
 from quillcache.gateway.metrics import TIERS, GatewayMetrics
 from quillcache.gateway.routing import Decision, GatewayRouter, Identity
@@ -301,7 +302,8 @@ class Gateway:
     def _forward_body(self, body: dict, tenant: str) -> dict:
         if not self.auth.open_mode:
             body = dict(body)
-            body["cache_salt"] = f"quillcache-tenant:{tenant}"   # never the client's own salt
+            # Never the client's own salt; the connectors read the tenant back from it.
+            body["cache_salt"] = TENANT_SALT_PREFIX + tenant
         return body
 
     def _decision_headers(self, d: Decision, worker: str, approximate: bool, retried: bool,
@@ -589,7 +591,8 @@ class Gateway:
         try:
             while True:
                 try:
-                    chunk = await asyncio.wait_for(up.content.readany(), g.idle_timeout)
+                    async with asyncio.timeout(g.idle_timeout):      # a timer, not a task per chunk
+                        chunk = await up.content.readany()
                 except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                     self.metrics.upstream_errors.labels(state.id, "stream").inc()
                     log.warning("engine %s broke off a stream: %s", state.id, type(exc).__name__)

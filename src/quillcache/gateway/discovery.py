@@ -48,7 +48,10 @@ class EngineDiscovery:
         self._task: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
-        from quillcache.cluster.engines import EngineWatch
+        from quillcache.cluster.engines import EngineWatch, etcd_client_missing
+        missing = etcd_client_missing()
+        if missing is not None:
+            raise InvalidArgument(f"[cluster] enabled: {missing}")
         loop = asyncio.get_running_loop()
         self._watch = EngineWatch(endpoints=self.endpoints, cluster_id=self.cluster_id, loop=loop,
                                   on_change=self._on_change)
