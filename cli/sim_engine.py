@@ -83,8 +83,13 @@ def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters
         if etcd_client_missing():
             click.echo(f"quillcache-sim-engine: --etcd: {etcd_client_missing()}", err=True)
             sys.exit(exitcodes.UNAVAILABLE)
+        from quillcache.gateway.settings import engine_of_record
         try:
             endpoints, cluster_id, ttl = cluster_args(etcd, cluster_id, lease_ttl)
+            # The record as the gateways will check it (the URL and endpoints are known once bound).
+            engine_of_record({"id": engine_id or "sim-0", "url": "http://127.0.0.1:1", "model": model,
+                              "adapters": list(adapters), "block_size": block_size, "role": role},
+                             engine_id or "sim-0")
         except ConversionError as exc:
             click.echo(f"quillcache-sim-engine: {exc}", err=True)
             sys.exit(exitcodes.USAGE)
