@@ -167,13 +167,14 @@ def test_client_disconnect_cancels_upstream_and_frees_router_state():
     run(main())
 
 
-@pytest.mark.parametrize("case", ["json", "oversize", "model", "key", "nokey", "prompt"])
+@pytest.mark.parametrize("case", ["json", "oversize", "model", "key", "nokey", "prompt", "long", "stream"])
 def test_bad_requests_get_a_clear_4xx_and_the_gateway_keeps_serving(case):
     async def main():
-        async with harness(n=1, gateway_toml='max_body = "4KiB"') as h:
+        async with harness(n=1, gateway_toml='max_body = "4KiB"\nmax_prompt_tokens = 1000') as h:
             url, hdrs, data = h.base + "/v1/completions", h.headers(), None
             body = {"model": "m", "prompt": "hi", "max_tokens": 1}
-            expect = {"json": 400, "oversize": 413, "model": 404, "key": 401, "nokey": 401, "prompt": 400}[case]
+            expect = {"json": 400, "oversize": 413, "model": 404, "key": 401, "nokey": 401, "prompt": 400,
+                      "long": 400, "stream": 400}[case]
             if case == "json":
                 data = b"{not json"
             elif case == "oversize":
@@ -186,6 +187,10 @@ def test_bad_requests_get_a_clear_4xx_and_the_gateway_keeps_serving(case):
                 hdrs = {}
             elif case == "prompt":
                 body["prompt"] = {"a": 1}
+            elif case == "long":
+                body["prompt"] = "x" * 1001                 # over max_prompt_tokens, under max_body
+            elif case == "stream":
+                body["stream"] = "yes"
             kw = {"data": data, "headers": {**hdrs, "Content-Type": "application/json"}} if data else \
                 {"json": body, "headers": hdrs}
             async with h.session.post(url, **kw) as r:
