@@ -17,7 +17,9 @@ DEFAULT_GATEWAY = "http://127.0.0.1:8088"
 @json_option
 @click.pass_context
 def gateway_cmd(ctx, url, as_json):
-    """Show the gateway's workers: health, requests in flight, routed, hit rate, load."""
+    """Show the gateway's workers: model, role, where they come from (config or etcd), health,
+    requests in flight, routed, hit rate, load; with [cluster] enabled, the etcd view's state and
+    the engine records it does not serve, with the reason."""
     timeout = (ctx.find_root().obj or {}).get("timeout", 10.0)
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/quillcache/workers", timeout=timeout) as r:
@@ -31,9 +33,16 @@ def gateway_cmd(ctx, url, as_json):
     if _want_json(ctx, as_json):
         click.echo(json.dumps(doc, indent=2))
         return
-    rows = [[w["id"], "yes" if w["healthy"] else f"no ({w['reason']})", w["in_flight"], w["routed"],
+    rows = [[w["id"], w["model"], w.get("role", "both"), w.get("source", "config"),
+             "yes" if w["healthy"] else f"no ({w['reason']})", w["in_flight"], w["routed"],
              f"{100 * w['hit_rate']:.1f}%", w.get("active_prefill_tokens", ""), w.get("decode_blocks", ""),
              "-" if w["last_event_s"] is None else f"{w['last_event_s']:.1f}s", w["url"]]
             for w in doc["workers"]]
-    click.echo(table(rows, ["WORKER", "HEALTHY", "IN_FLIGHT", "ROUTED", "HIT_RATE", "PREFILL_TOK",
-                            "DECODE_BLK", "LAST_EVENT", "URL"]))
+    click.echo(table(rows, ["WORKER", "MODEL", "ROLE", "FROM", "HEALTHY", "IN_FLIGHT", "ROUTED", "HIT_RATE",
+                            "PREFILL_TOK", "DECODE_BLK", "LAST_EVENT", "URL"]))
+    cluster = doc.get("cluster")
+    if cluster:
+        click.echo(f"etcd: {cluster['state']}, cluster {cluster['cluster_id']}, {len(cluster['engines'])} "
+                   f"engines from etcd ({cluster['added']} joined, {cluster['removed']} left so far)")
+        for eid, why in sorted(cluster["rejected"].items()):
+            click.echo(f"not served: {eid}: {why}")

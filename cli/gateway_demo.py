@@ -2,8 +2,13 @@
 
 Every process runs on its embedded defaults except what conf/gateway.toml says (the engines'
 addresses).  Ctrl-C stops them all.  Not a production launcher: systemd runs each for real.
+
+``--port-offset N`` moves every port by N (the gateway on 8088 + N, ...), so that a test can
+run the demo beside whatever already listens on the default ports.
 """
+import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 ENGINES = (("sim-0", 8001, 5571, 5572), ("sim-1", 8002, 5573, 5574))
+GATEWAY_PORT = 8088
+NODE_PORT, NODE_METRICS_PORT = 7470, 7471      # quillcached's embedded defaults
 READY_TIMEOUT_S = 30.0        # seconds each process has to come up
 
 
@@ -30,26 +37,42 @@ def _wait_http(url: str, proc: subprocess.Popen, what: str) -> None:
     sys.exit(f"make gateway: {what} did not answer {url} within {READY_TIMEOUT_S:.0f}s")
 
 
-def main() -> int:
+def main(offset: int = 0) -> int:
     procs: list[tuple[str, subprocess.Popen]] = []
+    data = Path("var") / ("gateway-demo" if not offset else f"gateway-demo-{offset}")
 
     def start(what: str, argv: list[str]) -> subprocess.Popen:
         p = subprocess.Popen(argv, cwd=ROOT)
         procs.append((what, p))
         return p
 
+    def port(p: int) -> int:
+        return p + offset
+
+    node_argv = [str(BIN / "quillcached"), "--data-dir", str(data)]
+    gateway_config = "conf/gateway.toml"
+    if offset:
+        (ROOT / data).mkdir(parents=True, exist_ok=True)
+        node_conf = ROOT / data / "node.toml"
+        node_conf.write_text(f'[metrics]\nlisten = "127.0.0.1:{port(NODE_METRICS_PORT)}"\n')
+        node_argv += ["--config", str(node_conf), "--listen", f"127.0.0.1:{port(NODE_PORT)}"]
+        text = (ROOT / gateway_config).read_text()
+        text = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{port(int(m.group(1)))}", text)
+        gateway_config = str(data / "gateway.toml")
+        (ROOT / gateway_config).write_text(text)
+    base = f"http://127.0.0.1:{port(GATEWAY_PORT)}"
     try:
-        node = start("quillcached", [str(BIN / "quillcached"), "--data-dir", "var/gateway-demo"])
-        _wait_http("http://127.0.0.1:7471/metrics", node, "quillcached")
-        for eid, port, ev, rp in ENGINES:
-            p = start(eid, [str(BIN / "quillcache-sim-engine"), "--port", str(port), "--model", "sim-model",
-                            "--adapter", "sim-lora", "--kv-events", f"tcp://127.0.0.1:{ev}",
-                            "--kv-events-replay", f"tcp://127.0.0.1:{rp}"])
-            _wait_http(f"http://127.0.0.1:{port}/health", p, eid)
-        gw = start("quillcache-gateway", [str(BIN / "quillcache-gateway"), "--config", "conf/gateway.toml"])
-        _wait_http("http://127.0.0.1:8088/health", gw, "quillcache-gateway")
-        print("\nquillcache-gateway is ready on http://127.0.0.1:8088 (two simulated engines, one node). Try:\n\n"
-              "  curl -sN http://127.0.0.1:8088/v1/completions -H 'Content-Type: application/json' \\\n"
+        node = start("quillcached", node_argv)
+        _wait_http(f"http://127.0.0.1:{port(NODE_METRICS_PORT)}/metrics", node, "quillcached")
+        for eid, http, ev, rp in ENGINES:
+            p = start(eid, [str(BIN / "quillcache-sim-engine"), "--port", str(port(http)), "--model", "sim-model",
+                            "--adapter", "sim-lora", "--kv-events", f"tcp://127.0.0.1:{port(ev)}",
+                            "--kv-events-replay", f"tcp://127.0.0.1:{port(rp)}"])
+            _wait_http(f"http://127.0.0.1:{port(http)}/health", p, eid)
+        gw = start("quillcache-gateway", [str(BIN / "quillcache-gateway"), "--config", gateway_config])
+        _wait_http(base + "/health", gw, "quillcache-gateway")
+        print(f"\nquillcache-gateway is ready on {base} (two simulated engines, one node). Try:\n\n"
+              f"  curl -sN {base}/v1/completions -H 'Content-Type: application/json' \\\n"
               "    -d '{\"model\": \"sim-model\", \"prompt\": \"Hello from QuillCache\", \"max_tokens\": 8, "
               "\"stream\": true}' -D -\n\n"
               "  .venv/bin/quillctl gateway          # workers, load, hit rates\n\n"
@@ -76,4 +99,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    ap = argparse.ArgumentParser(description="make gateway: a node, two simulated engines, a gateway")
+    ap.add_argument("--port-offset", type=int, default=0, help="move every port by this much")
+    sys.exit(main(ap.parse_args().port_offset))

@@ -26,9 +26,10 @@ def main(config_path, listen):
     except ConfigError as exc:
         click.echo(f"quillcache-gateway: {exc}", err=True)
         sys.exit(exitcodes.CONFIG)
-    if not cfg.gateway.engines:
-        click.echo(f"quillcache-gateway: {cfg.source}: [gateway] engines is empty: name at least one "
-                   "[[gateway.engines]] (see conf/gateway.toml)", err=True)
+    if not cfg.gateway.engines and not cfg.cluster.enabled:
+        click.echo(f"quillcache-gateway: {cfg.source}: [gateway] engines is empty and [cluster] is not "
+                   "enabled: name at least one [[gateway.engines]] (see conf/gateway.toml) or take "
+                   "them from etcd ([cluster] enabled = true)", err=True)
         sys.exit(exitcodes.CONFIG)
     from quillcache.gateway.server import run
     sys.exit(run(cfg))

@@ -8,6 +8,7 @@ from quillcache_cli.ctl_bench import bench_command
 from quillcache_cli.ctl_cluster import cluster_cmd, locate_cmd
 from quillcache_cli.ctl_config import auth_group, config_group
 from quillcache_cli.ctl_data import DATA_COMMANDS
+from quillcache_cli.ctl_engine import engine_group
 from quillcache_cli.ctl_gateway import gateway_cmd
 from quillcache_cli.ctl_wal import wal_group
 
@@ -61,5 +62,6 @@ for _cmd in DATA_COMMANDS:
 main.add_command(bench_command)
 main.add_command(wal_group)
 main.add_command(gateway_cmd)
+main.add_command(engine_group)
 main.add_command(cluster_cmd)
 main.add_command(locate_cmd)

@@ -37,14 +37,27 @@ from quillcache_cli import exitcodes
               help="Cost knob: loading a prefix from the pool, per MiB of KV.")
 @click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True),
               help="Wall-clock seconds per modelled second (0.01: a hundred times faster than the GPU).")
+@click.option("--etcd", "etcd", multiple=True,
+              help="Register in etcd at HOST:PORT (repeatable) so gateways with [cluster] enabled "
+                   "route to this engine; withdrawn at the stop, gone after --lease-ttl if it dies.")
+@click.option("--cluster-id", default="quillcache", show_default=True, help="The cluster to register in.")
+@click.option("--engine-id", default="", help="Its id in the gateways (default: sim-<http port>).")
+@click.option("--role", type=click.Choice(["both", "prefill", "decode"]), default="both", show_default=True,
+              help="Its role in the registration (prefill and decode: disaggregated serving).")
+@click.option("--lease-ttl", default="3s", show_default=True, help="TTL of the registration's etcd lease.")
+@click.option("--advertise-host", default="",
+              help="Host the gateways reach it at, in the registration (default: the bound address).")
 @click.version_option(package_name="quillcache")
 def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters, block_size,
          capacity_blocks, max_num_seqs, max_batched_tokens, max_model_len, prefill_us_per_token,
-         decode_us_per_token, running_decode_penalty_us, pool_us_per_mb, time_scale):
+         decode_us_per_token, running_decode_penalty_us, pool_us_per_mb, time_scale, etcd, cluster_id,
+         engine_id, role, lease_ttl, advertise_host):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
     /health) from a simulated engine: a paged prefix cache keyed by identity, continuous
     batching timed by a cost model, vLLM-format KV events on ZMQ.  Prints one READY line
-    with the bound addresses, then serves until SIGINT/SIGTERM."""
+    with the bound addresses, then serves until SIGINT/SIGTERM.  With --etcd it registers
+    itself (cluster/engines.py) once bound, like `quillctl engine register` does for vLLM."""
+    from quillcache.config import ConversionError
     from quillcache.control.sim.engine import EngineConfig, SimEngineError, cost_with
     from quillcache.control.sim.server import SimServerConfig, serve_forever
 
@@ -60,16 +73,55 @@ def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters
         click.echo(f"quillcache-sim-engine: {exc}", err=True)
         sys.exit(exitcodes.CONFIG)
     cfg = SimServerConfig(model=model, adapters=tuple(adapters), max_model_len=max_model_len,
-                          engine=engine, time_scale=time_scale)
+                          engine=engine, time_scale=time_scale, engine_id=engine_id)
     if replay_endpoint and not events_endpoint:
         click.echo("quillcache-sim-engine: --kv-events-replay needs --kv-events", err=True)
         sys.exit(exitcodes.USAGE)
+    on_listening = None
+    if etcd:
+        from quillcache.cluster.engines import cluster_args, etcd_client_missing
+        if etcd_client_missing():
+            click.echo(f"quillcache-sim-engine: --etcd: {etcd_client_missing()}", err=True)
+            sys.exit(exitcodes.UNAVAILABLE)
+        from quillcache.gateway.settings import engine_of_record
+        try:
+            endpoints, cluster_id, ttl = cluster_args(etcd, cluster_id, lease_ttl)
+            # The record as the gateways will check it (the URL and endpoints are known once bound).
+            engine_of_record({"id": engine_id or "sim-0", "url": "http://127.0.0.1:1", "model": model,
+                              "adapters": list(adapters), "block_size": block_size, "role": role},
+                             engine_id or "sim-0")
+        except ConversionError as exc:
+            click.echo(f"quillcache-sim-engine: {exc}", err=True)
+            sys.exit(exitcodes.USAGE)
+        on_listening = _registrar(endpoints, cluster_id, ttl, engine_id, model, adapters, block_size,
+                                  role, advertise_host)
     try:
         serve_forever(cfg, host, port, events_endpoint, replay_endpoint, kv_topic,
-                      announce=lambda line: click.echo(line))
+                      announce=lambda line: click.echo(line), on_listening=on_listening)
     except (OSError, zmq.ZMQError) as exc:
         click.echo(f"quillcache-sim-engine: cannot listen: {exc}", err=True)
         sys.exit(exitcodes.UNAVAILABLE)
+
+
+def _registrar(endpoints, cluster_id, ttl, engine_id, model, adapters, block_size, role, host):
+    """What registers the engine once it is bound: its record, the gateway's engine table."""
+    from quillcache import __version__
+    from quillcache.cluster.engines import EngineRegistration, advertised
+
+    def register(listening):
+        url = advertised(listening.http, host)
+        record = {"id": engine_id or f"sim-{url.rsplit(':', 1)[1]}", "url": url, "model": model,
+                  "adapters": list(adapters), "block_size": block_size, "role": role}
+        if listening.events:
+            record["kv_events"] = advertised(listening.events, host)
+        if listening.replay:
+            record["kv_replay"] = advertised(listening.replay, host)
+        reg = EngineRegistration(endpoints=endpoints, cluster_id=cluster_id, record=record, ttl=ttl,
+                                 version=__version__)
+        reg.start()
+        return reg.stop
+
+    return register
 
 
 if __name__ == "__main__":

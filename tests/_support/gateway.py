@@ -10,7 +10,7 @@ import aiohttp
 
 from quillcache.config import hash_token
 
-__all__ = ["free_port", "Harness", "TOKENS", "read_sse"]
+__all__ = ["free_port", "Harness", "TOKENS", "read_sse", "harness", "gateway", "wait_until"]
 
 TOKENS = {"acme": "key-acme-0123456789", "globex": "key-globex-0123456789"}
 
@@ -33,6 +33,8 @@ class Harness:
     auth: bool = True
     time_scale: float = 1.0
     capacity_blocks: int = 4096
+    roles: tuple = ()                  # the role of each engine (default: "both")
+    extra_engines: tuple = ()          # more [[gateway.engines]] tables, as TOML text
     sims: list = field(default_factory=list)
     urls: list = field(default_factory=list)
 
@@ -54,9 +56,11 @@ class Harness:
             self.sims.append((runner, close_pub))
             self.urls.append(listening.http)
             tok = f'tokenizer = "{self.tokenizer}"\n' if self.tokenizer else ""
+            role = f'role = "{self.roles[i]}"\n' if self.roles else ""
             engines.append(f'[[gateway.engines]]\nid = "e{i}"\nurl = "{listening.http}"\nmodel = "m"\n'
                            f'adapters = ["lora-x"]\nkv_events = "{listening.events}"\n'
-                           f'kv_replay = "{listening.replay}"\n{tok}{self.engine_extra}')
+                           f'kv_replay = "{listening.replay}"\n{tok}{role}{self.engine_extra}')
+        engines.extend(self.extra_engines)
         auth = ""
         if self.auth:
             auth = "".join(f'[[auth.tenants]]\nname = "{n}"\ntoken = "{hash_token(t)}"\n'
@@ -125,3 +129,30 @@ async def harness(**kw):
         yield h
     finally:
         await h.__aexit__(None, None, None)
+
+
+@contextlib.asynccontextmanager
+async def gateway(text: str):
+    """A gateway from TOML text (``[gateway] listen`` is set to a free port), in this loop;
+    yields (Gateway, base URL, an aiohttp session)."""
+    from quillcache.gateway.server import start
+    from quillcache.gateway.settings import load_gateway_config
+    cfg = load_gateway_config(text=text).with_overrides({"gateway.listen": "127.0.0.1:0"})
+    gw, runner, bound = await start(cfg)
+    session = aiohttp.ClientSession()
+    try:
+        yield gw, f"http://{bound[0]}:{bound[1]}", session
+    finally:
+        await session.close()
+        await runner.cleanup()
+
+
+async def wait_until(predicate, timeout: float, what: str) -> float:
+    """Poll ``predicate()`` every 20 ms; returns the seconds it took, raises after ``timeout``."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while not predicate():
+        if loop.time() - t0 > timeout:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        await asyncio.sleep(0.02)
+    return loop.time() - t0

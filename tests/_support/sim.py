@@ -130,3 +130,26 @@ class SimEngine:
 
     def stats(self) -> dict:
         return self.get("/sim/stats")
+
+
+def synthetic_trace(conversations: int = 24, turns: int = 4, seed: int = 1, block_tokens: int = 512) -> list[str]:
+    """Mooncake-format JSON lines: conversations under one shared system block (id 0), each
+    turn extending the previous prompt by two blocks; arrivals interleave the conversations
+    (about one a minute of trace time)."""
+    import random
+    rng = random.Random(seed)
+    next_id = 1
+    lines = []
+    t = 0.0
+    histories = [[0] for _ in range(conversations)]
+    order = [c for c in range(conversations) for _ in range(turns)]
+    rng.shuffle(order)
+    for c in order:
+        h = histories[c]
+        h += [next_id, next_id + 1]
+        next_id += 2
+        n_in = len(h) * block_tokens - rng.randrange(0, block_tokens)
+        lines.append(json.dumps({"timestamp": int(t), "input_length": n_in,
+                                 "output_length": rng.randrange(20, 120), "hash_ids": list(h)}))
+        t += rng.expovariate(1 / 60.0)
+    return lines

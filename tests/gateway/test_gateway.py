@@ -3,6 +3,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -10,6 +11,10 @@ import time
 import aiohttp
 import pytest
 
+from quillcache.control.events import (
+    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventPublisher, encode_batch,
+)
+from quillcache.gateway.settings import EngineSpec
 from tests._support.gateway import free_port, harness, read_sse
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 12        # 528 tokens in bytes mode
@@ -56,6 +61,11 @@ def test_same_tenant_reuses_another_tenant_is_refused_credit():
             st, hd, _ = await h.complete(PROMPT, "acme")
             assert st == 200
             first = decision(hd)["worker"]
+            # The engine cached it under cache_salt "tenant=acme", the connectors' convention.
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 1, "cache_salt": "tenant=acme"}
+            async with h.session.post(h.urls[int(first[1:])] + "/v1/completions", json=body) as r:
+                usage = (await r.json())["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == (len(PROMPT) - 1) // 16 * 16
             await asyncio.sleep(1.0)
             st, hd, _ = await h.complete(PROMPT + "again", "acme")
             d = decision(hd)
@@ -65,9 +75,18 @@ def test_same_tenant_reuses_another_tenant_is_refused_credit():
             d = decision(hd)
             assert d["local-hits"] == "0"
             assert int(d["reuse-refused"]) == len(PROMPT) // 16
-            # an adapter is another identity too
-            st, hd, _ = await h.complete(PROMPT + "lora", "acme", model="lora-x")
-            assert st == 200 and decision(hd)["local-hits"] == "0"
+            # an adapter is another identity too, however the request names it: vLLM's model
+            # name, SGLang's "base:adapter" or its lora_path field
+            for i, how in enumerate(({"model": "lora-x"}, {"model": "m:lora-x"}, {"lora_path": "lora-x"})):
+                prompt = f"{i} {PROMPT}"
+                assert (await h.complete(prompt, "acme"))[0] == 200         # the base model caches it
+                st, hd, _ = await h.complete(prompt + "lora", "acme", **how)
+                assert st == 200 and decision(hd)["local-hits"] == "0", how
+                assert int(decision(hd)["reuse-refused"]) == len(prompt) // 16, how
+            st, _, data = await h.complete(PROMPT, "acme", lora_path="nope")
+            assert st == 404 and b"adapter 'nope' is not served" in data
+            st, _, data = await h.complete(PROMPT, "acme", model="lora-x", lora_path="other")
+            assert st == 400 and b"lora_path" in data
             await h.wait_idle()
     run(main())
 
@@ -134,21 +153,28 @@ def test_client_disconnect_cancels_upstream_and_frees_router_state():
             assert h.gw.engines["e0"].in_flight == 1
             r.close()                                   # the client goes away mid-answer
             await h.wait_idle(5.0)
-            async with h.session.get(h.urls[0] + "/sim/stats") as s:
-                stats = await s.json()
-            assert stats.get("aborted", stats.get("requests_aborted", 1)) >= 1
+            # The engine sees the closed connection at its next token and drops the request
+            # (200 tokens at 30 ms each: it would still be running otherwise).
+            for _ in range(250):
+                async with h.session.get(h.urls[0] + "/sim/stats") as s:
+                    stats = await s.json()
+                if stats["aborted"]:
+                    break
+                await asyncio.sleep(0.02)
+            assert stats["aborted"] == 1 and stats["running"] == 0
             metrics = (await (await h.session.get(h.base + "/metrics")).read()).decode()
             assert "quillcache_gateway_client_disconnects_total 1.0" in metrics
     run(main())
 
 
-@pytest.mark.parametrize("case", ["json", "oversize", "model", "key", "nokey", "prompt"])
+@pytest.mark.parametrize("case", ["json", "oversize", "model", "key", "nokey", "prompt", "long", "stream"])
 def test_bad_requests_get_a_clear_4xx_and_the_gateway_keeps_serving(case):
     async def main():
-        async with harness(n=1, gateway_toml='max_body = "4KiB"') as h:
+        async with harness(n=1, gateway_toml='max_body = "4KiB"\nmax_prompt_tokens = 1000') as h:
             url, hdrs, data = h.base + "/v1/completions", h.headers(), None
             body = {"model": "m", "prompt": "hi", "max_tokens": 1}
-            expect = {"json": 400, "oversize": 413, "model": 404, "key": 401, "nokey": 401, "prompt": 400}[case]
+            expect = {"json": 400, "oversize": 413, "model": 404, "key": 401, "nokey": 401, "prompt": 400,
+                      "long": 400, "stream": 400}[case]
             if case == "json":
                 data = b"{not json"
             elif case == "oversize":
@@ -161,6 +187,10 @@ def test_bad_requests_get_a_clear_4xx_and_the_gateway_keeps_serving(case):
                 hdrs = {}
             elif case == "prompt":
                 body["prompt"] = {"a": 1}
+            elif case == "long":
+                body["prompt"] = "x" * 1001                 # over max_prompt_tokens, under max_body
+            elif case == "stream":
+                body["stream"] = "yes"
             kw = {"data": data, "headers": {**hdrs, "Content-Type": "application/json"}} if data else \
                 {"json": body, "headers": hdrs}
             async with h.session.post(url, **kw) as r:
@@ -203,16 +233,8 @@ def test_an_engine_silent_on_events_while_serving_is_marked_unhealthy():
     async def main():
         # e0 is real; "mute" has a live HTTP server (e0's) but an event endpoint nobody publishes on.
         async with harness(n=1, gateway_toml='unhealthy_after = "0.5s"\n[router]\npolicy = "round_robin"') as h:
-            gw = h.gw
-            mute = gw.engines["e0"].__class__(gw.engines["e0"].spec.__class__(
-                "mute", h.urls[0], "m", kv_events=f"tcp://127.0.0.1:{free_port()}"))
-            mute.tokenizer = gw.engines["e0"].tokenizer
-            gw.engines["mute"] = mute
-            gw.by_model["m"].append(mute)
-            mr = gw.router.models["m"]
-            mr.router.add_worker("mute")
-            mr.specs["mute"] = mute.spec
-            gw.router._of_worker["mute"] = mr
+            h.gw.add_engine(EngineSpec("mute", h.urls[0], "m", adapters=("lora-x",),
+                                       kv_events=f"tcp://127.0.0.1:{free_port()}"))
             workers = [decision((await h.complete(f"{i} {PROMPT}", max_tokens=1))[1])["worker"] for i in range(2)]
             assert "mute" in workers
             await asyncio.sleep(0.8)
@@ -221,6 +243,59 @@ def test_an_engine_silent_on_events_while_serving_is_marked_unhealthy():
             async with h.session.get(h.base + "/quillcache/workers") as r:
                 w = {x["id"]: x for x in (await r.json())["workers"]}
             assert not w["mute"]["healthy"] and "no KV events" in w["mute"]["reason"]
+    run(main())
+
+
+def test_an_event_gap_is_replayed_and_the_blocks_it_carried_are_credited():
+    async def main():
+        pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+        try:
+            async with harness(n=1, auth=False) as h:
+                # "ext" serves through e0's HTTP server; its events come from this test's publisher.
+                h.gw.add_engine(EngineSpec("ext", h.urls[0], "m", adapters=("lora-x",),
+                                           kv_events=pub.endpoint, kv_replay=pub.replay_endpoint))
+                while not h.gw.router.event_stats("ext")["batches"]:       # the SUB socket joined
+                    pub.publish([AllBlocksCleared()])
+                    await asyncio.sleep(0.05)
+                n = len(PROMPT) // 16
+                stored = BlockStored(tuple(range(1000, 1000 + n)), None, tuple(ord(c) for c in PROMPT[:n * 16]), 16)
+                with pub._lock:          # test-only: a batch the PUB socket dropped, kept for replay
+                    pub._buffer.append((pub._seq, encode_batch(EventBatch(time.time(), (stored,)))))
+                    pub._seq += 1
+                pub.publish([BlockRemoved((999_999,))])                  # reveals the gap
+                while h.gw.router.event_stats("ext")["replayed"] < 1:
+                    await asyncio.sleep(0.02)
+                st, hd, _ = await h.complete(PROMPT + "after the gap", tenant="")
+                d = decision(hd)
+                assert st == 200 and d["worker"] == "ext" and d["local-hits"] == str(n)
+                async with h.session.get(h.base + "/quillcache/workers") as r:
+                    ev = {x["id"]: x["events"] for x in (await r.json())["workers"]}["ext"]
+                assert ev["gaps"] == 1 and ev["replayed"] >= 1 and ev["lost"] == 0
+                await h.wait_idle()
+        finally:
+            pub.close()
+    run(main())
+
+
+def test_the_decision_costs_nothing_measurable_in_ttft_against_a_direct_request():
+    async def main():
+        # One slow engine (prefill of the prompt ~150 ms); every prompt is new, so no request
+        # hits a cache; direct and through-the-gateway requests alternate.
+        async with harness(n=1, time_scale=10.0, auth=False) as h:
+            ttft = {"direct": [], "gateway": []}
+            for i in range(6):
+                for path, base in (("direct", h.urls[0]), ("gateway", h.base)):
+                    body = {"model": "m", "prompt": f"{i} {path} {PROMPT}", "max_tokens": 2, "stream": True}
+                    t0 = time.perf_counter()
+                    async with h.session.post(base + "/v1/completions", json=body) as r:
+                        first = await r.content.readany()
+                        ttft[path].append(time.perf_counter() - t0)
+                        await r.read()
+                    assert r.status == 200 and first.startswith(b"data: {")
+            direct, via = statistics.median(ttft["direct"]), statistics.median(ttft["gateway"])
+            print(f"TTFT median direct {direct * 1e3:.1f} ms, through the gateway {via * 1e3:.1f} ms")
+            assert direct > 0.1                                      # the prefill dominates
+            assert via - direct < max(0.03, 0.1 * direct)
     run(main())
 
 
@@ -236,7 +311,9 @@ def test_exact_tokenizer_and_chat(tokenizer_file):
     run(main())
 
 
-def test_engine_killed_mid_stream_ends_with_an_error_event(tmp_path):
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_engine_killed_or_silent_mid_stream_ends_with_an_error_event(tmp_path, how):
+    """SIGKILL: the connection breaks; SIGSTOP: it stays open and silent past idle_timeout."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "quillcache_cli.sim_engine", "--port", str(port),
@@ -249,8 +326,9 @@ def test_engine_killed_mid_stream_ends_with_an_error_event(tmp_path):
         async def main():
             from quillcache.gateway.server import start
             from quillcache.gateway.settings import load_gateway_config
-            cfg = load_gateway_config(text=f'[gateway]\nlisten = "127.0.0.1:0"\n[[gateway.engines]]\n'
-                                           f'id = "e0"\nurl = "http://127.0.0.1:{port}"\nmodel = "m"\n')
+            cfg = load_gateway_config(text=f'[gateway]\nlisten = "127.0.0.1:0"\nidle_timeout = "0.5s"\n'
+                                           f'[[gateway.engines]]\nid = "e0"\nurl = "http://127.0.0.1:{port}"\n'
+                                           'model = "m"\n')
             gw, runner, (host, gport) = await start(cfg)
             try:
                 async with aiohttp.ClientSession() as s:
@@ -258,11 +336,12 @@ def test_engine_killed_mid_stream_ends_with_an_error_event(tmp_path):
                     async with s.post(f"http://{host}:{gport}/v1/completions", json=body) as r:
                         assert r.status == 200
                         await r.content.readany()
-                        os.kill(proc.pid, signal.SIGKILL)
+                        os.kill(proc.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
                         events = await read_sse(r)
                 assert events[-1] == b"[DONE]"
                 err = json.loads(events[-2])["error"]
                 assert err["type"] == "upstream_error" and "stopped mid-answer" in err["message"]
+                assert ("TimeoutError" in err["message"]) == (how == "stopped")
                 for _ in range(100):
                     if gw.engines["e0"].in_flight == 0 and not gw.router.load_of("e0")["active_requests"]:
                         break
@@ -273,5 +352,6 @@ def test_engine_killed_mid_stream_ends_with_an_error_event(tmp_path):
                 await runner.cleanup()
         run(main())
     finally:
+        os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait()

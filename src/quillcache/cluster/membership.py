@@ -231,9 +231,21 @@ class Membership:
         self.registered.set()
 
     def _put_record(self) -> None:
-        self._gw.call("/kv/put", {"key": _b64(self.key), "value": _b64(self._record().to_json()),
+        self._gw.call("/kv/put", {"key": _b64(self.key), "value": _b64(self._record_value()),
                                   "lease": self._lease_id})
         self._record_written = time.monotonic()
+
+    # The two hooks a subclass keeping other records under another prefix overrides
+    # (cluster/engines.py: the engines a gateway routes to); a node's are its Member record.
+    def _record_value(self) -> bytes:
+        """The bytes of this process's own record."""
+        return self._record().to_json()
+
+    def _parse(self, name: str, raw: bytes) -> tuple[str, Any]:
+        """(name in the view, value) of the record under ``prefix + name``; raises ValueError,
+        KeyError or TypeError for a record that is not well formed (it is skipped)."""
+        m = Member.from_json(raw)
+        return m.node_id, m
 
     def _relist_and_watch(self) -> None:
         self._close_watch()
@@ -241,10 +253,11 @@ class Membership:
         view = {}
         for kv in res.get("kvs", []):
             try:
-                m = Member.from_json(base64.b64decode(kv["value"]))
+                key = base64.b64decode(kv["key"]).decode("utf-8", "replace")
+                name, value = self._parse(key[len(self.prefix):], base64.b64decode(kv["value"]))
             except (ValueError, KeyError, TypeError):
                 continue
-            view[m.node_id] = m
+            view[name] = value
         rev = int(res["header"]["revision"])
         with self._lock:
             self.view = view
@@ -301,10 +314,10 @@ class Membership:
                     view.pop(node, None)
                 else:
                     try:
-                        m = Member.from_json(base64.b64decode(kv["value"]))
+                        name, value = self._parse(node, base64.b64decode(kv["value"]))
                     except (ValueError, KeyError, TypeError):
                         continue
-                    view[m.node_id] = m
+                    view[name] = value
             self.view = view
         self._publish()
 

@@ -34,6 +34,9 @@ class GatewayMetrics:
                                   ["tier"], registry=r)
         self.reuse_refused = Counter("quillcache_gateway_reuse_refused_blocks", "Cached prefix blocks "
                                      "refused credit because another identity cached them", registry=r)
+        self.cross_credited = Counter("quillcache_gateway_cross_identity_credited_blocks", "Blocks "
+                                      "credited to the chosen worker though another identity cached "
+                                      "them (only the identity-blind dynamo policy does)", registry=r)
         self.requests = Counter("quillcache_gateway_requests", "Answered requests by endpoint and "
                                 "HTTP status", ["endpoint", "status"], registry=r)
         self.slo = Counter("quillcache_gateway_slo_requests", "Streamed requests that finished, by "
@@ -51,12 +54,20 @@ class GatewayMetrics:
                                ["worker"], registry=r)
         self.healthy = Gauge("quillcache_gateway_worker_healthy", "1 when the worker is routed to",
                              ["worker"], registry=r)
+        self.etcd_engines = Gauge("quillcache_gateway_etcd_engines", "Engines served from etcd "
+                                  "([cluster] enabled)", registry=r)
+        self.etcd_rejected = Gauge("quillcache_gateway_etcd_rejected_records", "Engine records in etcd "
+                                   "that are not served (GET /quillcache/workers says why)", registry=r)
+        self.etcd_state = Gauge("quillcache_gateway_etcd_state", "1 for the state of the etcd engine "
+                                "view: starting, ok, degraded (etcd unreachable: the last view is kept)",
+                                ["state"], registry=r)
         for tier in TIERS:
             self.hit_blocks.labels(tier)
         for met in ("true", "false"):
             self.slo.labels(met)
 
-    def on_decision(self, worker: str, seconds: float, blocks: int, overlap: dict, refused: int) -> None:
+    def on_decision(self, worker: str, seconds: float, blocks: int, overlap: dict, refused: int,
+                    cross_credited: int = 0) -> None:
         self.decisions.labels(worker).inc()
         self.decision_seconds.observe(seconds)
         self.prompt_blocks.inc(blocks)
@@ -66,11 +77,17 @@ class GatewayMetrics:
                 self.hit_blocks.labels(tier).inc(n)
         if refused:
             self.reuse_refused.inc(refused)
+        if cross_credited:
+            self.cross_credited.inc(cross_credited)
 
     def on_stream_done(self, ttft_s: float, tpot_s: "float | None", slo_ttft: float, slo_tpot: float) -> bool:
         met = ttft_s <= slo_ttft and (tpot_s is None or tpot_s <= slo_tpot)
         self.slo.labels("true" if met else "false").inc()
         return met
+
+    def on_etcd_state(self, state: str) -> None:
+        for name in ("starting", "ok", "degraded"):
+            self.etcd_state.labels(name).set(1 if name == state else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from quillcache.control.events import EventConsumer
 from quillcache.control.indexer import DEVICE, chain_hashes
@@ -53,6 +53,7 @@ class Decision:
     plan_fetch: int
     plan_recompute: int
     decision_us: float
+    cross_credited: int = 0      # blocks credited though another identity cached them (dynamo)
 
 
 @dataclass
@@ -65,34 +66,60 @@ class _Prediction:
 
 
 class _ModelRouter:
-    def __init__(self, model: str, specs, config: RouterConfig) -> None:
+    def __init__(self, model: str, config: RouterConfig) -> None:
         self.model = model
-        self.router = Router(config, workers=[s.id for s in specs])
-        self.specs = {s.id: s for s in specs}
+        self.router = Router(config)
+        self.specs: dict = {}
 
 
 class GatewayRouter:
-    """Routers per model, event consumers, and predict-on-route bookkeeping."""
+    """Routers per model, event consumers, and predict-on-route bookkeeping.  Engines come
+    and go (``add_engine``, ``remove_engine``): the config's at start, etcd's at any time."""
 
     def __init__(self, cfg, clock: Callable[[], float] = time.monotonic) -> None:
         r = cfg.router                  # the cost knobs shared with a node's [router]
+        self._knobs = {**{k: v for k, v in r.as_dict().items() if k in _ROUTER_FIELDS}, "policy": r.policy}
         self._clock = clock
         self.predict_ttl = cfg.gateway.predict_ttl
-        by_model: dict[str, list] = {}
-        for spec in cfg.gateway.engines:
-            by_model.setdefault(spec.model, []).append(spec)
         self.models: dict[str, _ModelRouter] = {}
         self._of_worker: dict[str, _ModelRouter] = {}
-        for model, specs in by_model.items():
-            knobs = {k: v for k, v in r.as_dict().items() if k in _ROUTER_FIELDS}
-            rc = RouterConfig(**{**knobs, "policy": r.policy, "block_size": specs[0].block_size})
-            mr = _ModelRouter(model, specs, rc)
-            self.models[model] = mr
-            for s in specs:
-                self._of_worker[s.id] = mr
         self._predictions: dict[tuple, _Prediction] = {}
         self._requests: dict[str, _ModelRouter] = {}
-        self._consumers: list[EventConsumer] = []
+        self._consumers: dict[str, EventConsumer] = {}
+
+    # ------------------------------------------------------------------ engines
+
+    def add_engine(self, spec) -> None:
+        """Route to ``spec`` from now on (its model's router is made with its first engine).
+        Raises ValueError when the model's router cannot take another worker."""
+        mr = self.models.get(spec.model)
+        if mr is None:
+            mr = _ModelRouter(spec.model, RouterConfig(**{**self._knobs, "block_size": spec.block_size}))
+        try:
+            mr.router.add_worker(spec.id)
+        except ValueError:                      # past the indexer's worker limit
+            mr.router.remove_worker(spec.id)
+            raise
+        self.models[spec.model] = mr
+        mr.specs[spec.id] = spec
+        self._of_worker[spec.id] = mr
+
+    def detach_events(self, worker: str) -> Optional[EventConsumer]:
+        """Take the engine's event consumer away (the caller closes it, off the loop)."""
+        return self._consumers.pop(worker, None)
+
+    def remove_engine(self, worker: str) -> None:
+        """Forget the engine: its residency, its load, its predictions.  Close its event
+        consumer first (``detach_events``), or a late batch would bring the worker back."""
+        mr = self._of_worker.pop(worker, None)
+        if mr is None:
+            return
+        for key in [k for k, p in self._predictions.items() if p.worker == worker]:
+            del self._predictions[key]
+        mr.router.remove_worker(worker)
+        del mr.specs[worker]
+        if not mr.specs:
+            del self.models[mr.model]            # a later engine of this model starts afresh
 
     # ------------------------------------------------------------------ hashing and deciding
 
@@ -100,10 +127,11 @@ class GatewayRouter:
         return chain_hashes(tokens, block_size)
 
     def decide(self, identity: IdentityScope, hashes: Sequence[int], n_tokens: int,
-               candidates: Sequence[str]) -> Decision:
+               candidates: Sequence[str], policy: Optional[str] = None) -> Decision:
         mr = self._of_worker[candidates[0]]
         # The router counts the request's load from here on: first_token() and finish() release it.
-        d = mr.router.route(identity, hashes=hashes, request_tokens=n_tokens, candidates=candidates)
+        d = mr.router.route(identity, hashes=hashes, request_tokens=n_tokens, candidates=candidates,
+                            policy=policy)
         dev, host, disk, pool = d.overlap
         self._requests[d.request_id] = mr
         plan = d.plan
@@ -115,7 +143,8 @@ class GatewayRouter:
                         {"device": dev, "host": host, "disk": disk, "pool": pool},
                         dev + host + disk, max(refused, d.refused_blocks),
                         plan.count(0) + plan.count(1) + plan.count(2), plan.count(PLAN_CODES.index("pool")),
-                        plan.count(PLAN_CODES.index("recompute")), d.latency_us)
+                        plan.count(PLAN_CODES.index("recompute")), d.latency_us,
+                        d.cross_identity_credited_blocks)
 
     def first_token(self, request_id: str) -> None:
         mr = self._requests.get(request_id)
@@ -146,9 +175,9 @@ class GatewayRouter:
     # ------------------------------------------------------------------ predict-on-route
 
     def predict(self, worker: str, identity: IdentityScope, hashes: Sequence[int]) -> None:
-        if not hashes:
+        mr = self._of_worker.get(worker)
+        if not hashes or mr is None:             # nothing to record, or the engine left meanwhile
             return
-        mr = self._of_worker[worker]
         now = self._clock()
         key = (worker, identity, hashes[-1])
         if key in self._predictions:
@@ -208,6 +237,8 @@ class GatewayRouter:
         """Consume one engine's KV events on a thread (gaps are replayed by the consumer); a
         publisher that restarted or lost batches for good has its event state dropped."""
         mr = self._of_worker[spec.id]
+        if spec.id in self._consumers:
+            return self._consumers[spec.id]
         scope = IdentityScope(spec.model, spec.identity_tokenizer, None, "")
 
         def apply(seq, batch) -> None:
@@ -217,8 +248,17 @@ class GatewayRouter:
         consumer = EventConsumer(spec.kv_events, apply, replay_endpoint=spec.kv_replay or None,
                                  on_reset=lambda: mr.router.clear_source(spec.id))
         consumer.start()
-        self._consumers.append(consumer)
+        self._consumers[spec.id] = consumer
         return consumer
+
+    def event_stats(self, worker: str) -> Optional[dict]:
+        """The engine's event consumer counters (batches, gaps, replayed, lost), or None."""
+        c = self._consumers.get(worker)
+        if c is None:
+            return None
+        st = c.stats
+        return {"batches": st.batches, "events": st.events, "gaps": st.gaps, "replayed": st.replayed,
+                "lost": st.lost, "restarts": st.restarts, "decode_errors": st.decode_errors}
 
     async def run_sweeper(self) -> None:
         while True:
@@ -226,6 +266,6 @@ class GatewayRouter:
             self.sweep()
 
     async def close(self) -> None:
-        consumers, self._consumers = self._consumers, []
+        consumers, self._consumers = list(self._consumers.values()), {}
         for c in consumers:
             await asyncio.get_running_loop().run_in_executor(None, c.close)

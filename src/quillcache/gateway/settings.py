@@ -12,17 +12,18 @@ from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from quillcache.config import (
-    SETTINGS, ConfigError, ConversionError, Registry, Setting, _int_range, _string,
+    SETTINGS, ConfigError, ConversionError, Registry, Setting, _bool, _int_range, _string,
     load_config, parse_byte_size, parse_duration, parse_hostport,
 )
 
-__all__ = ["GATEWAY_REGISTRY", "EngineSpec", "ENGINE_ROLES", "load_gateway_config", "MAX_ENGINES"]
+__all__ = ["GATEWAY_REGISTRY", "EngineSpec", "ENGINE_ROLES", "load_gateway_config", "MAX_ENGINES",
+           "engine_of_record", "engine_conflict", "ENGINE_KEYS"]
 
 MAX_ENGINES = 1024                    # [[gateway.engines]] entries at most
 ENGINE_ROLES = ("both", "prefill", "decode")
 _ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_ENGINE_KEYS = {"id", "url", "model", "tokenizer", "tokenizer_id", "chat_template", "adapters",
-                "role", "kv_events", "kv_replay", "block_size"}
+ENGINE_KEYS = frozenset({"id", "url", "model", "tokenizer", "tokenizer_id", "chat_template", "adapters",
+                         "role", "kv_events", "kv_replay", "block_size"})
 _ENGINE_REQUIRED = {"id", "url", "model"}
 _ZMQ_RE = re.compile(r"^(tcp://[^\s]+:[0-9]+|ipc://\S+)$")
 
@@ -48,58 +49,106 @@ class EngineSpec:
         return self.tokenizer_id or self.model
 
 
+_EXAMPLE = '[[gateway.engines]] id = "e0" url = "http://127.0.0.1:8000" model = "llama-3-8b"'
+
+
+def _engine(item: Any, where: str) -> EngineSpec:
+    """One engine table (a [[gateway.engines]] entry or an etcd record) as an EngineSpec."""
+    if not isinstance(item, dict):
+        raise ConversionError(f"{where} is not a table (e.g. {_EXAMPLE})")
+    unknown = set(item) - ENGINE_KEYS
+    if unknown:
+        raise ConversionError(f"{where}: unknown key {sorted(unknown)[0]!r} "
+                              f"(known: {', '.join(sorted(ENGINE_KEYS))})")
+    missing = _ENGINE_REQUIRED - set(item)
+    if missing:
+        raise ConversionError(f"{where}: missing {', '.join(sorted(missing))} (e.g. {_EXAMPLE})")
+    for key in ENGINE_KEYS - {"adapters", "block_size"}:
+        if key in item and not isinstance(item[key], str):
+            raise ConversionError(f"{where}: {key} must be a string")
+    eid = item["id"]
+    if not _ENGINE_ID_RE.match(eid):
+        raise ConversionError(f"{where}: id {eid!r} must be 1-64 of A-Z a-z 0-9 _ . -")
+    url = item["url"].rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise ConversionError(f"{where}: url {item['url']!r} must be http(s)://host:port")
+    if not item["model"]:
+        raise ConversionError(f"{where}: model must not be empty")
+    adapters = item.get("adapters", [])
+    if not isinstance(adapters, list) or not all(isinstance(a, str) and a for a in adapters):
+        raise ConversionError(f"{where}: adapters must be a list of names")
+    if item["model"] in adapters:
+        raise ConversionError(f"{where}: adapter {item['model']!r} is also the base model name")
+    role = item.get("role", "both")
+    if role not in ENGINE_ROLES:
+        raise ConversionError(f"{where}: role {role!r} is not one of {', '.join(ENGINE_ROLES)}")
+    for key in ("kv_events", "kv_replay"):
+        if item.get(key) and not _ZMQ_RE.match(item[key]):
+            raise ConversionError(f"{where}: {key} {item[key]!r} is not a ZMQ endpoint "
+                                  "(e.g. \"tcp://127.0.0.1:5557\")")
+    if item.get("kv_replay") and not item.get("kv_events"):
+        raise ConversionError(f"{where}: kv_replay needs kv_events")
+    block_size = item.get("block_size", 16)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 4096:
+        raise ConversionError(f"{where}: block_size must be an integer in 1..4096")
+    return EngineSpec(eid, url, item["model"], item.get("tokenizer", ""), item.get("tokenizer_id", ""),
+                      item.get("chat_template", ""), tuple(adapters), role, item.get("kv_events", ""),
+                      item.get("kv_replay", ""), block_size)
+
+
 def _engines(value: Any) -> tuple[EngineSpec, ...]:
-    example = '[[gateway.engines]] id = "e0" url = "http://127.0.0.1:8000" model = "llama-3-8b"'
     if not isinstance(value, list):
-        raise ConversionError(f"not a list of engines (e.g. {example})")
+        raise ConversionError(f"not a list of engines (e.g. {_EXAMPLE})")
     if len(value) > MAX_ENGINES:
         raise ConversionError(f"{len(value)} engines: at most {MAX_ENGINES}")
     out, seen = [], set()
     for i, item in enumerate(value):
-        if not isinstance(item, dict):
-            raise ConversionError(f"entry {i} is not a table (e.g. {example})")
-        unknown = set(item) - _ENGINE_KEYS
-        if unknown:
-            raise ConversionError(f"entry {i}: unknown key {sorted(unknown)[0]!r} "
-                                  f"(known: {', '.join(sorted(_ENGINE_KEYS))})")
-        missing = _ENGINE_REQUIRED - set(item)
-        if missing:
-            raise ConversionError(f"entry {i}: missing {', '.join(sorted(missing))} (e.g. {example})")
-        for key in _ENGINE_KEYS - {"adapters", "block_size"}:
-            if key in item and not isinstance(item[key], str):
-                raise ConversionError(f"entry {i}: {key} must be a string")
-        eid = item["id"]
-        if not _ENGINE_ID_RE.match(eid):
-            raise ConversionError(f"entry {i}: id {eid!r} must be 1-64 of A-Z a-z 0-9 _ . -")
-        if eid in seen:
-            raise ConversionError(f"entry {i}: engine {eid!r} is listed twice")
-        seen.add(eid)
-        url = item["url"].rstrip("/")
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-            raise ConversionError(f"entry {i}: url {item['url']!r} must be http(s)://host:port")
-        if not item["model"]:
-            raise ConversionError(f"entry {i}: model must not be empty")
-        adapters = item.get("adapters", [])
-        if not isinstance(adapters, list) or not all(isinstance(a, str) and a for a in adapters):
-            raise ConversionError(f"entry {i}: adapters must be a list of names")
-        role = item.get("role", "both")
-        if role not in ENGINE_ROLES:
-            raise ConversionError(f"entry {i}: role {role!r} is not one of {', '.join(ENGINE_ROLES)}")
-        for key in ("kv_events", "kv_replay"):
-            if item.get(key) and not _ZMQ_RE.match(item[key]):
-                raise ConversionError(f"entry {i}: {key} {item[key]!r} is not a ZMQ endpoint "
-                                      "(e.g. \"tcp://127.0.0.1:5557\")")
-        if item.get("kv_replay") and not item.get("kv_events"):
-            raise ConversionError(f"entry {i}: kv_replay needs kv_events")
-        block_size = item.get("block_size", 16)
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 4096:
-            raise ConversionError(f"entry {i}: block_size must be an integer in 1..4096")
-        out.append(EngineSpec(eid, url, item["model"], item.get("tokenizer", ""),
-                              item.get("tokenizer_id", ""), item.get("chat_template", ""),
-                              tuple(adapters), role, item.get("kv_events", ""),
-                              item.get("kv_replay", ""), block_size))
+        spec = _engine(item, f"entry {i}")
+        if spec.id in seen:
+            raise ConversionError(f"entry {i}: engine {spec.id!r} is listed twice")
+        seen.add(spec.id)
+        out.append(spec)
     return tuple(out)
+
+
+def engine_of_record(record: Any, name: str) -> EngineSpec:
+    """An engine registered in etcd under ``name``, validated exactly as a [[gateway.engines]]
+    table; raises ConversionError naming what is wrong."""
+    spec = _engine(record, f"engine record {name!r}")
+    if spec.id != name:
+        raise ConversionError(f"engine record {name!r}: its id is {spec.id!r}")
+    return spec
+
+
+_SHARED_PER_MODEL = ("tokenizer", "tokenizer_id", "chat_template", "block_size")
+
+
+def engine_conflict(spec: EngineSpec, others) -> Optional[str]:
+    """Why ``spec`` cannot serve beside ``others`` (the engines already known), or None.
+
+    Engines of one model share a tokenizer, a chat template and a block size: the gateway
+    hashes a prompt once, with the first engine's.  A model is served either by engines of
+    role "both" or, disaggregated, by "prefill" and "decode" engines, never a mix.  An adapter
+    name means one base model."""
+    for other in others:
+        if other.model == spec.model:
+            for field in _SHARED_PER_MODEL:
+                if getattr(spec, field) != getattr(other, field):
+                    return (f"{field} {getattr(spec, field)!r} differs from engine {other.id}'s "
+                            f"{getattr(other, field)!r}; engines of model {spec.model!r} must share it")
+            if (spec.role == "both") != (other.role == "both"):
+                return (f"role {spec.role!r} beside engine {other.id}'s {other.role!r}: a model is "
+                        "served by engines of role \"both\" or by \"prefill\" and \"decode\" engines, "
+                        "not a mix")
+        names = {other.model, *other.adapters}
+        for name in spec.adapters:
+            if name in names and other.model != spec.model:
+                return f"adapter {name!r} is engine {other.id}'s {'model' if name == other.model else 'adapter'} " \
+                       f"of model {other.model!r}"
+        if spec.model in other.adapters:
+            return f"model {spec.model!r} is an adapter of engine {other.id}'s model {other.model!r}"
+    return None
 
 
 def _positive_duration(value: Any) -> float:
@@ -122,6 +171,8 @@ _GATEWAY_SECTIONS = {
     "router": "The routing policy and the cost-function knobs (the same router as a node's).",
     "auth": "API keys: each Bearer token maps to a tenant. With no tenants the gateway runs open "
             "(dev mode) and every request is the tenant \"\".",
+    "cluster": "Engines from etcd: with enabled = true the gateway also routes to the engines "
+               "registered under /quillcache/<cluster_id>/engines/ (docs/gateway.md).",
 }
 
 _GATEWAY_SETTINGS: tuple[Setting, ...] = (
@@ -187,25 +238,33 @@ _ROUTER_POLICY = Setting("router", "policy", _policy, "quillcache", True,
 
 
 def _check_gateway(cfg) -> None:
-    first: dict[str, EngineSpec] = {}         # model -> its first engine
+    seen: list[EngineSpec] = []
     for spec in cfg.gateway.engines:
-        for name in spec.adapters:
-            if name == spec.model:
-                raise ConfigError(f"{cfg.source}: [[gateway.engines]] {spec.id}: adapter {name!r} "
-                                  "is also the base model name")
-        # One tokenizer and block size per model: the gateway hashes a prompt once, with them.
-        other = first.setdefault(spec.model, spec)
-        for field in ("tokenizer", "tokenizer_id", "chat_template", "block_size"):
-            if getattr(spec, field) != getattr(other, field):
-                raise ConfigError(f"{cfg.source}: [[gateway.engines]] {spec.id}: {field} "
-                                  f"{getattr(spec, field)!r} differs from engine {other.id}'s "
-                                  f"{getattr(other, field)!r}; engines of model {spec.model!r} "
-                                  "must share it")
+        why = engine_conflict(spec, seen)
+        if why is not None:
+            raise ConfigError(f"{cfg.source}: [[gateway.engines]] {spec.id}: {why}")
+        seen.append(spec)
+    if cfg.cluster.enabled:
+        return                    # the missing half of a disaggregated model may register in etcd
+    for model in sorted({s.model for s in seen}):
+        roles = {s.role for s in seen if s.model == model}
+        if roles & {"prefill", "decode"} and roles != {"prefill", "decode"}:
+            have = next(iter(roles))
+            need = "decode" if have == "prefill" else "prefill"
+            raise ConfigError(f"{cfg.source}: [[gateway.engines]] model {model!r} has {have} engines "
+                              f"and no {need} engine: a disaggregated model needs both")
 
+
+# [cluster]: the node's etcd and cluster_id (one pool, one name); enabled means "watch the engines".
+_CLUSTER = (Setting("cluster", "enabled", _bool, False, False,
+                    "Also route to the engines registered in etcd (quillctl engine register, "
+                    "quillcache-sim-engine --etcd), added and removed live; an id that is also in "
+                    "[[gateway.engines]] is refused: the config's entry wins."),
+            ) + tuple(s for s in SETTINGS if s.section == "cluster" and s.name in ("etcd", "cluster_id"))
 
 GATEWAY_REGISTRY = Registry("gateway", _GATEWAY_SECTIONS,
-                            _GATEWAY_SETTINGS + (_ROUTER_POLICY,) + _shared("router") + _shared("auth"),
-                            _check_gateway)
+                            _GATEWAY_SETTINGS + (_ROUTER_POLICY,) + _shared("router") + _shared("auth")
+                            + _CLUSTER, _check_gateway)
 
 
 def load_gateway_config(path: Optional[str] = None, text: Optional[str] = None):

@@ -10,11 +10,11 @@ Those blocks are consistent for predict-on-route, but never match an engine's KV
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from quillcache.errors import InvalidArgument
 
-__all__ = ["PromptTokenizer", "render_chat", "MAX_MESSAGES", "OFFLOAD_CHARS"]
+__all__ = ["PromptTokenizer", "TokenizerCache", "render_chat", "MAX_MESSAGES", "OFFLOAD_CHARS"]
 
 MAX_MESSAGES = 4096              # chat messages in one request at most
 OFFLOAD_CHARS = 16_384           # characters above which encoding runs off the event loop
@@ -124,15 +124,17 @@ class PromptTokenizer:
         return await asyncio.get_running_loop().run_in_executor(None, self._encode, prompt)
 
 
-def load_tokenizers(specs) -> dict[tuple[str, str], PromptTokenizer]:
-    """One PromptTokenizer per distinct (tokenizer, chat_template) of the engines."""
-    out: dict[tuple[str, str], PromptTokenizer] = {}
-    for spec in specs:
-        k = (spec.tokenizer, spec.chat_template)
-        if k not in out:
-            out[k] = PromptTokenizer(*k)
-    return out
+class TokenizerCache:
+    """One PromptTokenizer per distinct (tokenizer, chat_template) of the engines, loaded
+    when the first engine naming them arrives (from the config or from etcd)."""
 
+    def __init__(self) -> None:
+        self._by_files: dict[tuple[str, str], PromptTokenizer] = {}
 
-def tokenizer_for(tokenizers: dict, spec) -> Optional[PromptTokenizer]:
-    return tokenizers.get((spec.tokenizer, spec.chat_template))
+    def get(self, spec) -> PromptTokenizer:
+        """The engine's tokenizer; raises InvalidArgument when its files do not load."""
+        key = (spec.tokenizer, spec.chat_template)
+        tok = self._by_files.get(key)
+        if tok is None:
+            tok = self._by_files[key] = PromptTokenizer(*key)
+        return tok

@@ -199,3 +199,23 @@ def test_a_prefix_in_the_pool_is_loaded_at_the_pool_cost_not_computed():
     now, _ = run(reader, r.finish_us)
     assert other.pool_blocks == 0                         # another tenant: computed
     assert other.first_token_us - r.finish_us == 13 * 1000
+
+
+def test_blocks_a_prefill_engine_computed_are_loaded_at_the_transfer_cost():
+    cost = CostModel(prefill_us_per_token=1000, decode_us_per_token=1000, running_decode_penalty_us=0,
+                     cpu_dram_us_per_mb=50)
+    cfg = EngineConfig(block_size=4, capacity_blocks=64, max_num_seqs=8, max_batched_tokens=1024,
+                       cost=cost, kv_bytes_per_token=1 << 18)        # 1 MiB per block
+    decode = SimEngine(cfg)
+    r = request("d", A, [1, 2, 3], 4, extra_tokens=1, max_tokens=2)
+    r.remote_blocks = 4                                   # every prompt block, the partial one too
+    decode.submit(r)
+    run(decode)
+    assert r.remote_loaded == 3 and r.hit_blocks == 0     # full blocks only: one token is computed
+    assert r.first_token_us == 3 * 50 + 1 * 1000
+    assert decode.remote_tokens_total == 12 and decode.cached_prefix(r.block_hashes) == 3
+    again = request("d2", A, [1, 2, 3], 4, extra_tokens=1, max_tokens=1)
+    again.remote_blocks = 4
+    decode.submit(again)
+    run(decode, r.finish_us)
+    assert again.hit_blocks == 3 and again.remote_loaded == 0    # its own cache now holds them

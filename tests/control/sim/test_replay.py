@@ -2,7 +2,6 @@
 router, identity is enforced by the engines, and the bench script writes its table, PNG and
 JSON."""
 import json
-import random
 
 import pytest
 
@@ -12,31 +11,9 @@ from quillcache.control.sim.replay import build_requests, percentile, run_policy
 from quillcache.control.sim.trace import (
     HUB_CHILDREN, TraceError, assign_tenants, conversation_keys, parse_trace,
 )
+from tests._support.sim import synthetic_trace
 
 BS = 512
-
-
-def synthetic_trace(conversations=24, turns=4, seed=1):
-    """Conversations under one shared system block (id 0): each turn extends the previous
-    prompt by two blocks; arrivals interleave the conversations."""
-    rng = random.Random(seed)
-    next_id = 1
-    lines = []
-    t = 0.0
-    histories = []
-    for _ in range(conversations):
-        histories.append([0])
-    order = [c for c in range(conversations) for _ in range(turns)]
-    rng.shuffle(order)
-    for c in order:
-        h = histories[c]
-        h += [next_id, next_id + 1]
-        next_id += 2
-        n_in = len(h) * BS - rng.randrange(0, BS)
-        lines.append(json.dumps({"timestamp": int(t), "input_length": n_in,
-                                 "output_length": rng.randrange(20, 120), "hash_ids": list(h)}))
-        t += rng.expovariate(1 / 60.0)
-    return lines
 
 
 def small_config():

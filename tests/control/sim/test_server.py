@@ -55,6 +55,27 @@ def test_completion_reports_usage_and_a_prefix_hit_on_repeat(engine):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
 
 
+def test_disaggregated_prefill_hands_its_blocks_to_the_decode_engine():
+    """vLLM's NixlConnector protocol: a do_remote_decode prefill answers kv_transfer_params; a
+    decode request that brings them back loads those blocks instead of computing them."""
+    with SimEngine(block_size=4, model="m", engine_id="p0") as p, SimEngine(block_size=4, model="m") as d:
+        prompt = list(range(1, 19))                       # 18 tokens: 4 full blocks + 2
+        got = p.post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}})
+        params = got["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "p0"
+        assert params["remote_block_ids"] == [0, 1, 2, 3, 4]
+        done = d.post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 3,
+                                          "kv_transfer_params": params})
+        assert done["usage"]["completion_tokens"] == 3 and "kv_transfer_params" not in done
+        assert d.stats()["remote_tokens"] == 16 and p.stats()["prompt_tokens"] == 18
+        bad = dict(params, remote_block_ids=list(range(9)))
+        status, raw = d.request("POST", "/v1/completions", {"model": "m", "prompt": prompt,
+                                                            "kv_transfer_params": bad})
+        assert status == 400 and b"names 9 blocks" in raw
+
+
 def test_another_tenant_or_adapter_does_not_reuse_the_prefix(engine):
     prompt = list(range(100, 124))                      # token ids: 6 full blocks
     engine.post("/v1/completions", {"prompt": prompt, "max_tokens": 2},

@@ -30,6 +30,9 @@ The model, in the way vLLM V1 schedules:
 
 * With a pool attached (``SimPool``), the uncached part of a prefix that the pool holds for the
   same identity is loaded instead of computed, at the cost model's CPU-DRAM transfer cost.
+* Disaggregated serving: a request that names ``remote_blocks`` (the prompt blocks a prefill
+  engine computed, vLLM's ``kv_transfer_params.remote_block_ids``) loads them instead of
+  computing them, at the same transfer cost (the stand-in for NIXL's RDMA read).
 """
 from __future__ import annotations
 
@@ -150,10 +153,12 @@ class SimRequest:
     arrival_us: int = 0
     block_tokens: Optional[Callable[[int], Sequence[int]]] = None   # block index -> token ids
     tag: object = None                      # the driver's own handle
+    remote_blocks: int = 0                  # leading prompt blocks a prefill engine computed (P/D)
     # --- state, owned by the engine
     state: str = "new"                      # new, waiting, prefill, decode, finished
     hit_blocks: int = 0                     # prefix blocks found in the engine's cache
     pool_blocks: int = 0                    # prefix blocks loaded from the pool
+    remote_loaded: int = 0                  # prefix blocks loaded from the prefill engine
     computed: int = 0                       # prompt tokens with KV (hits included)
     stored_blocks: int = 0                  # full prompt blocks held in the cache
     private_blocks: int = 0                 # pages held that are not shared cache blocks
@@ -225,6 +230,8 @@ class SimEngine:
         self.prompt_tokens_total = 0
         self.hit_tokens_total = 0
         self.pool_tokens_total = 0
+        self.remote_tokens_total = 0      # loaded from a prefill engine (disaggregated decode)
+        self.aborted = 0                  # requests dropped before their end (client gone)
         self.cross_identity_hits = 0       # hits on a block stored for another identity: must stay 0
         self.busy_us = 0                  # modelled time in iterations
         self.prefill_busy_us = 0          # ... in iterations with prefill work running or waiting
@@ -315,7 +322,7 @@ class SimEngine:
                 break
             self._waiting.popleft()
             admitted.append(req)
-            pool_loaded += req.pool_blocks
+            pool_loaded += req.pool_blocks + req.remote_loaded
             take = min(req.prompt_tokens - req.computed, budget)
             chunks.append((req, take))
             budget -= take
@@ -393,9 +400,11 @@ class SimEngine:
         hit = 0
         while hit < limit and hashes[hit] in self._blocks:
             hit += 1
+        # Disaggregated decode: what the prefill engine computed is loaded, not recomputed.
+        remote = max(0, min(req.remote_blocks, limit) - hit)
         pool = 0
-        if self.pool is not None and hit < limit:
-            pool = min(self.pool.match(req.identity, hashes[hit:limit]), limit - hit)
+        if self.pool is not None and hit + remote < limit:
+            pool = min(self.pool.match(req.identity, hashes[hit + remote:limit]), limit - hit - remote)
         need = self.blocks_needed(req.prompt_tokens, req.max_tokens) - hit
         # Pages a hit pins are no longer evictable: count them out of what eviction can give.
         pinned_from_lru = sum(1 for h in hashes[:hit] if self._blocks[h].refs == 0)
@@ -416,12 +425,14 @@ class SimEngine:
         req.state = "prefill"
         req.hit_blocks = hit
         req.pool_blocks = pool
+        req.remote_loaded = remote
         req.stored_blocks = hit
-        req.computed = (hit + pool) * bs
+        req.computed = (hit + remote + pool) * bs
         req.private_blocks = need
         self.prompt_tokens_total += req.prompt_tokens
         self.hit_tokens_total += hit * bs
         self.pool_tokens_total += pool * bs
+        self.remote_tokens_total += remote * bs
         return True
 
     def _store(self, req: SimRequest, start: int, end: int) -> list[StoredBlock]:
@@ -461,6 +472,8 @@ class SimEngine:
 
     def abort(self, req: SimRequest, now_us: int) -> None:
         """Drop a request (the client went away): its pages are released at once."""
+        if req.state in ("waiting", "prefill", "decode"):
+            self.aborted += 1
         if req.state == "waiting":
             self._waiting.remove(req)
             req.state = "finished"

@@ -9,8 +9,16 @@ gateway, a test) computes the same token ids; a prompt may also be a list of tok
 the OpenAI API allows.  Chat messages are rendered by ``render_chat`` first.  Output tokens
 are words of a fixed list, chosen by position.
 
-Identity: the request's ``model`` names the base model or one of the served LoRA adapters;
+Identity: the request's ``model`` names the base model or one of the served LoRA adapters
+(vLLM's naming; SGLang's ``base:adapter`` and ``lora_path`` field are understood too);
 the tenant is vLLM's ``cache_salt`` body field, else the ``X-Tenant-Id`` header, else none.
+
+Disaggregated serving, as vLLM's NixlConnector speaks it: a request whose
+``kv_transfer_params`` has ``do_remote_decode`` is a prefill for another engine; its answer
+carries ``kv_transfer_params`` (``do_remote_prefill``, ``remote_engine_id``,
+``remote_block_ids`` = one id per prompt block, ``remote_host``, ``remote_port``).  A request
+that brings those back (``do_remote_prefill``) loads the named prompt blocks instead of
+computing them (``SimRequest.remote_blocks``).
 
 The engine loop (``EngineRunner``) runs one iteration at a time: it plans, sleeps the planned
 duration, applies it, then wakes the requests that got tokens and hands the KV events to the
@@ -83,6 +91,7 @@ class SimServerConfig:
     # engine's events say nothing of tenants, and the gateway is tested against that.
     identity_events: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
+    engine_id: str = ""                 # remote_engine_id in kv_transfer_params ("": a random one)
 
 
 class _Pending:
@@ -191,6 +200,7 @@ class _Api:
         self.runner = runner
         self.created = int(time.time())
         self.served = {cfg.model: None, **{a: a for a in cfg.adapters}}
+        self.engine_id = cfg.engine_id or uuid.uuid4().hex
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -209,6 +219,8 @@ class _Api:
             "cached_blocks": len(e.resident()), "running": e.running, "waiting": e.waiting,
             "steps": self.runner.steps, "prompt_tokens": e.prompt_tokens_total,
             "hit_tokens": e.hit_tokens_total, "pool_tokens": e.pool_tokens_total,
+            "remote_tokens": e.remote_tokens_total, "aborted": e.aborted,
+            "busy_us": e.busy_us, "prefill_busy_us": e.prefill_busy_us, "now_us": self.runner.now_us(),
             "cross_identity_hits": e.cross_identity_hits,
         })
 
@@ -218,12 +230,41 @@ class _Api:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
+    @staticmethod
+    def _transfer(body: dict, n_tokens: int, bs: int) -> tuple[bool, int]:
+        """(a prefill for a remote decode?, prompt blocks to load from the prefill engine)."""
+        params = body.get("kv_transfer_params")
+        if params is None:
+            return False, 0
+        if not isinstance(params, dict):
+            raise SimEngineError("kv_transfer_params must be an object")
+        if params.get("do_remote_decode"):
+            return True, 0
+        if not params.get("do_remote_prefill"):
+            return False, 0
+        ids = params.get("remote_block_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise SimEngineError("kv_transfer_params.remote_block_ids must be a list of block ids")
+        if len(ids) > -(-n_tokens // bs):
+            raise SimEngineError(f"kv_transfer_params.remote_block_ids names {len(ids)} blocks; the "
+                                 f"prompt has {-(-n_tokens // bs)}")
+        return False, len(ids)
+
     def _parse(self, request: web.Request, body: object, chat: bool) -> tuple[SimRequest, bool, bool]:
         if not isinstance(body, dict):
             raise SimEngineError("the body must be a JSON object")
         model = body.get("model", self.cfg.model)
+        if isinstance(model, str) and model not in self.served and ":" in model:
+            base, adapter = model.rsplit(":", 1)          # SGLang's "base:adapter"
+            if base == self.cfg.model and adapter in self.cfg.adapters:
+                model = adapter
         if model not in self.served:
             raise LookupError(f"model {model!r} is not served (served: {', '.join(self.served)})")
+        lora = body.get("lora_path")                      # SGLang's adapter field
+        if lora is not None:
+            if lora not in self.cfg.adapters:
+                raise LookupError(f"adapter {lora!r} is not served")
+            model = lora
         if chat:
             tokens = tokenize(render_chat(body.get("messages")))
         else:
@@ -258,10 +299,12 @@ class _Api:
         usage_in_stream = bool(isinstance(opts, dict) and opts.get("include_usage"))
         identity = IdentityScope(self.cfg.model, self.cfg.tokenizer, self.served[model], tenant)
         bs = self.runner.engine.config.block_size
+        prefill_only, remote = self._transfer(body, len(tokens), bs)
         hashes = chain_hashes(identity, block_contents(tokens, bs))
         sim = SimRequest(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", identity,
                          len(tokens), hashes, max_tokens,
-                         block_tokens=lambda i, t=tokens: t[i * bs:(i + 1) * bs], tag=model)
+                         block_tokens=lambda i, t=tokens: t[i * bs:(i + 1) * bs],
+                         tag=(model, prefill_only), remote_blocks=remote)
         return sim, stream, usage_in_stream
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
@@ -289,11 +332,16 @@ class _Api:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                    "finish_reason": "length", "logprobs": None} if chat else
                   {"index": 0, "text": text, "finish_reason": "length", "logprobs": None})
-        return web.json_response({
-            "id": sim.request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": sim.tag, "choices": [choice],
-            "usage": self._usage(sim),
-        })
+        doc = {"id": sim.request_id, "object": "chat.completion" if chat else "text_completion",
+               "created": int(time.time()), "model": sim.tag[0], "choices": [choice],
+               "usage": self._usage(sim)}
+        if sim.tag[1]:                          # a prefill for a remote decode: where its KV is
+            bs = self.runner.engine.config.block_size
+            doc["kv_transfer_params"] = {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                "remote_block_ids": list(range(-(-sim.prompt_tokens // bs))),
+                "remote_host": request.url.host, "remote_port": request.url.port, "tp_size": 1}
+        return web.json_response(doc)
 
     def _usage(self, sim: SimRequest) -> dict:
         bs = self.runner.engine.config.block_size
@@ -312,7 +360,7 @@ class _Api:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list, usage: Optional[dict] = None) -> bytes:
-            doc = {"id": sim.request_id, "object": obj, "created": created, "model": sim.tag,
+            doc = {"id": sim.request_id, "object": obj, "created": created, "model": sim.tag[0],
                    "choices": choices}
             if usage is not None:
                 doc["usage"] = usage
@@ -419,8 +467,11 @@ async def start_server(cfg: SimServerConfig, host: str = "127.0.0.1", port: int 
 
 def serve_forever(cfg: SimServerConfig, host: str, port: int, events_endpoint: Optional[str],
                   replay_endpoint: Optional[str], topic: str = "",
-                  announce: Callable[[str], None] = print) -> None:
-    """Run until SIGINT/SIGTERM on uvloop; ``announce`` gets the READY line once bound."""
+                  announce: Callable[[str], None] = print,
+                  on_listening: Optional[Callable[[Listening], Callable[[], None]]] = None) -> None:
+    """Run until SIGINT/SIGTERM on uvloop; ``announce`` gets the READY line once bound.
+    ``on_listening(listening)`` runs once bound (registering the engine in etcd) and returns
+    what to call at the stop, before the server closes (withdrawing it)."""
     import signal
 
     import uvloop
@@ -432,10 +483,15 @@ def serve_forever(cfg: SimServerConfig, host: str, port: int, events_endpoint: O
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        announce(listening.ready_line())
+        withdraw = None
         try:
+            if on_listening is not None:
+                withdraw = on_listening(listening)
+            announce(listening.ready_line())
             await stop.wait()
         finally:
+            if withdraw is not None:        # first: routers stop sending before the server closes
+                await loop.run_in_executor(None, withdraw)
             await web_runner.cleanup()
             close_publisher()
 

@@ -1,0 +1,78 @@
+"""`make gateway` (cli/gateway_demo.py) and the README's commands against it: the curl of the
+README streams an answer with the decision headers, and `quillctl gateway` lists both engines.
+The demo runs with every port moved by an offset (the defaults may be taken on a test machine)."""
+import os
+import re
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PORTS = (8088, 8001, 8002, 5571, 5572, 5573, 5574, 7470, 7471)     # every port the demo uses
+
+
+def free_offset() -> int:
+    for offset in range(20000, 40000, 97):
+        try:
+            for p in PORTS:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p + offset))
+        except OSError:
+            continue
+        return offset
+    raise AssertionError("no free port range for the demo")
+
+
+def readme_block(after: str) -> str:
+    """The first ```sh block of the README after the line containing ``after``."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```sh\n(.*?)```", text[text.index(after):], re.S)
+    return block.group(1)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the README's command uses curl")
+def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
+    offset = free_offset()
+    demo = subprocess.Popen([sys.executable, str(ROOT / "cli" / "gateway_demo.py"), "--port-offset", str(offset)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        out = b""
+        sel = selectors.DefaultSelector()
+        sel.register(demo.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + 90
+        while b"Ctrl-C stops everything" not in out:
+            assert demo.poll() is None and time.monotonic() < deadline, out.decode(errors="replace")
+            if sel.select(1.0):
+                out += os.read(demo.stdout.fileno(), 65536)
+        gw = 8088 + offset
+        commands = readme_block("The gateway: `make gateway`").replace("8088", str(gw)).strip().split("\n")
+        curl = " ".join(line.rstrip("\\").strip() for line in commands if not line.startswith(".venv"))
+        assert curl.startswith("curl ")
+        r = subprocess.run(["bash", "-c", curl], capture_output=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        head, _, body = r.stdout.decode().partition("\r\n\r\n")
+        assert head.startswith("HTTP/1.1 200")
+        for h in ("x-quillcache-worker: sim-", "x-quillcache-overlap-blocks: device=", "x-quillcache-plan: hit="):
+            assert h in head.lower(), head
+        assert body.count("data: {") == 8 and body.rstrip().endswith("data: [DONE]")
+        r = subprocess.run([str(Path(sys.executable).with_name("quillctl")), "gateway", "--url", f"http://127.0.0.1:{gw}"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert {line.split()[0] for line in r.stdout.splitlines()[1:]} == {"sim-0", "sim-1"}
+    finally:
+        demo.send_signal(signal.SIGINT)
+        try:
+            rest = demo.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            demo.kill()
+            rest = demo.communicate()[0]
+        shutil.rmtree(ROOT / "var" / f"gateway-demo-{offset}", ignore_errors=True)
+    assert demo.returncode == 0, rest.decode(errors="replace")
