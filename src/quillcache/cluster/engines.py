@@ -18,7 +18,6 @@ etcd is unreachable (the last view is kept, the state is ``degraded``, the threa
 from __future__ import annotations
 
 import json
-import socket
 from typing import Any, Callable, Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
@@ -115,19 +114,6 @@ class EngineWatch(Membership):
 
     def _register(self) -> None:
         self.registered.set()               # a watcher keeps no record of its own
-
-    def _close_watch(self) -> None:
-        # Closing the response alone waits for the lock the reading thread holds until etcd
-        # sends something, which an idle engine prefix may not do for a long time: shut the
-        # socket down first, so that the reader returns at once.
-        resp = self._watch_resp
-        sock = getattr(getattr(getattr(resp, "raw", None), "connection", None), "sock", None)
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        super()._close_watch()
 
     def _parse(self, name: str, raw: bytes) -> tuple[str, Any]:
         if len(raw) > MAX_RECORD_BYTES:

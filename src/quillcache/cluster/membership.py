@@ -20,6 +20,7 @@ import base64
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Optional
@@ -270,12 +271,23 @@ class Membership:
         t.start()
 
     def _close_watch(self) -> None:
+        # Closing the response alone waits for the lock the reading thread holds until etcd
+        # sends something, which an idle prefix may not do for a long time (a node's stop
+        # then waited for the next record refresh): shut the socket down first, so that the
+        # reader returns at once.
         resp, self._watch_resp = self._watch_resp, None
-        if resp is not None:
+        if resp is None:
+            return
+        sock = getattr(getattr(getattr(resp, "raw", None), "connection", None), "sock", None)
+        if sock is not None:
             try:
-                resp.close()
-            except Exception:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
                 pass
+        try:
+            resp.close()
+        except Exception:
+            pass
 
     def _watch(self, resp) -> None:
         dec = json.JSONDecoder()
