@@ -25,9 +25,12 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Optional
 
+import numpy as np
+
 from quillcache._native.art import AdaptiveRadixTree
 from quillcache.model import (
-    CacheResidency, CacheTier, IdentityScope, IndexMetrics, KvBlockKey, encode_key, encode_scope_prefix,
+    CacheResidency, CacheTier, IdentityScope, IndexMetrics, KvBlockKey, decode_key, encode_key,
+    encode_scope_prefix,
 )
 
 __all__ = ["ArtIndex"]
@@ -290,10 +293,47 @@ class ArtIndex:
         """The encoded keys where worker_id holds a record (a copy)."""
         return set(self._by_worker.get(worker_id, ()))
 
-    def holder_sizes(self, worker_id: str) -> dict[bytes, int]:
-        """encoded key -> bytes of worker_id's record, for every key where it holds one
-        (the store's start-up check against the SSD tier)."""
-        return {ek: self.holder(ek, worker_id)[0] for ek in self._by_worker.get(worker_id, ())}
+    def agree_holder(self, worker_id: str, tier: CacheTier, blob, key_off, lengths) -> dict[str, int]:
+        """Make worker_id's records say exactly this: one record in ``tier`` for each key of
+        the key blob (key i is ``blob[key_off[i]:key_off[i + 1]]``, ``lengths[i]`` bytes),
+        and none for any other key.  The store's start-up check against the SSD tier.
+
+        Returns how many keys already ``agreed``, were ``added`` (no record of worker_id),
+        ``resized`` (a record of another size or tier) and ``dropped`` (a record, no key in
+        the blob).  Only the keys that disagree are decoded and written."""
+        n = len(key_off) - 1
+        slots = np.empty(n, np.int64)
+        if n > 0:
+            self._tree.get_blob(blob, key_off, slots)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        ok, has = self._holder_match(worker_id, tier, slots, lengths)
+        out = {"agreed": int(ok.sum()), "added": int((~has).sum()), "resized": int((has & ~ok).sum()),
+               "dropped": 0}
+        for i in np.flatnonzero(~ok).tolist():
+            ek = bytes(blob[int(key_off[i]):int(key_off[i + 1])])
+            self.set_holder(decode_key(ek), ek, worker_id, (tier,), int(lengths[i]))
+        if self._holder_key_count(worker_id) > n:
+            found = {bytes(blob[int(key_off[i]):int(key_off[i + 1])]) for i in range(n)}
+            for ek in self.keys_of(worker_id) - found:
+                self.set_holder(None, ek, worker_id, (), 0)
+                out["dropped"] += 1
+        return out
+
+    def _holder_match(self, worker_id: str, tier: CacheTier, slots, lengths):
+        """(ok, has) per looked-up key: worker_id holds a record of it (has), exactly one,
+        in ``tier`` and of lengths[i] bytes (ok)."""
+        ok = np.zeros(len(slots), dtype=bool)
+        has = np.zeros(len(slots), dtype=bool)
+        for i in np.flatnonzero(slots >= 0).tolist():
+            mine = [r for r in self._slots[int(slots[i])] if r.worker_id == worker_id]
+            if mine:
+                has[i] = True
+                ok[i] = len(mine) == 1 and mine[0].tier is tier and mine[0].bytes == lengths[i]
+        return ok, has
+
+    def _holder_key_count(self, worker_id: str) -> int:
+        """How many keys hold a record of worker_id."""
+        return len(self._by_worker.get(worker_id, ()))
 
     # ------------------------------------------------------------------ dump / load
 
