@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import copy
 import errno
 import functools
@@ -44,6 +43,7 @@ from quillcache.store.blockmap import (  # read_checkpoint, Replay, CorruptCheck
     encode_put, encode_remove, read_checkpoint, write_checkpoint,
 )
 from quillcache.store.commit import GroupCommitter
+from quillcache.store.ssdread import READ_BACKENDS, READ_THREADS, SsdReader, read_and_check  # noqa: F401 (READ_THREADS re-exported)
 
 __all__ = ["SsdTier", "crc32c", "DATA_NAME", "CHECKPOINT_NAME", "WAL_DIR_NAME", "CorruptCheckpoint",
            "read_checkpoint", "Replay"]
@@ -64,7 +64,6 @@ MAX_BLOCK_LIMIT = 1 << 30         # bytes: largest max_block_bytes (length is a 
 MAX_KEY_BYTES = 65535             # bytes: an encoded key (u16 length in records)
 BOUNCE_BYTES = 4 << 20            # bytes per O_DIRECT bounce buffer (a larger block goes in pieces)
 BOUNCE_BUFFERS = 4                # bounce buffers in the mmap'd pool (writes in flight at once)
-READ_THREADS = 4                  # threads of the read pool: SSD reads (+ CRC) in flight at once
 VERIFY_CHUNK = 8 << 20            # bytes: read size of eager verification
 DEFAULT_CHECKPOINT_RECORDS = 65536       # WAL records between periodic checkpoints
 DEFAULT_CHECKPOINT_WAL_BYTES = 64 << 20  # WAL bytes between periodic checkpoints
@@ -113,7 +112,7 @@ class SsdTier:
     """SsdTier(path_or_dir, capacity, *, wal_dir=None, unit=4096, direct_io=True, verify="lazy",
     commit_window_s=0.001, sync="group", wal_backend="auto", segment_bytes=WAL_SEGMENT_BYTES,
     max_block_bytes=min(64 MiB, capacity), max_blocks=None, checkpoint_records=65536,
-    checkpoint_wal_bytes=64 MiB)
+    checkpoint_wal_bytes=64 MiB, read_backend="auto")
 
     ``path_or_dir``: a directory (data file ``data.qc``, ``checkpoint``, WAL in ``wal/``) or the
     path of the data file itself (then ``wal_dir`` is required; the checkpoint sits beside it
@@ -126,8 +125,10 @@ class SsdTier:
                  sync: str = "group", wal_backend: str = "auto", segment_bytes: int = WAL_SEGMENT_BYTES,
                  max_block_bytes: Optional[int] = None, max_blocks: Optional[int] = None,
                  checkpoint_records: int = DEFAULT_CHECKPOINT_RECORDS,
-                 checkpoint_wal_bytes: int = DEFAULT_CHECKPOINT_WAL_BYTES) -> None:
+                 checkpoint_wal_bytes: int = DEFAULT_CHECKPOINT_WAL_BYTES, read_backend: str = "auto") -> None:
         # -- every limit checked before anything is created
+        if read_backend not in READ_BACKENDS:
+            raise InvalidArgument(f"read_backend must be one of {', '.join(READ_BACKENDS)}, got {read_backend!r}")
         if verify not in ("lazy", "eager"):
             raise InvalidArgument(f"verify must be 'lazy' or 'eager', got {verify!r}")
         if sync not in ("group", "always"):
@@ -179,7 +180,7 @@ class SsdTier:
         self._ckpt_base_records = 0     # committed WAL records at the last checkpoint
         self._ckpt_wal_bytes = 0        # WAL bytes written at the last checkpoint
         self._ckpt_task: Optional[asyncio.Task] = None
-        self._reader: Optional[concurrent.futures.ThreadPoolExecutor] = None   # started at the first read
+        self._reads: Optional[SsdReader] = None          # reads off the event loop (store/ssdread.py)
         self._counters = dict.fromkeys(
             ("puts", "removes", "reads", "crc_failures", "recovered_blocks", "dropped_blocks",
              "wal_corrupt_bytes", "wal_tail_bytes", "checkpoints", "data_syncs"), 0)
@@ -195,6 +196,7 @@ class SsdTier:
         try:
             self._counters["wal_tail_bytes"] = self._wal.recovered_tail_bytes
             self._open_data(direct_io)
+            self._reads = SsdReader(self._rfd, read_backend)
             self._committer = GroupCommitter(self._wal, window_s=commit_window_s, sync=sync,
                                              before_commit=self._sync_data,
                                              after_batch=self._after_batch)
@@ -246,9 +248,9 @@ class SsdTier:
                                        BOUNCE_BUFFERS)
 
     def _close_files(self) -> None:
-        if self._reader is not None:
-            self._reader.shutdown(wait=True)     # no read may outlive the descriptors
-            self._reader = None
+        if self._reads is not None:
+            self._reads.close()                  # no read may outlive the descriptors
+            self._reads = None
         for fd in (self._fd, self._rfd):
             if fd >= 0:
                 os.close(fd)
@@ -673,16 +675,6 @@ class SsdTier:
             raise InvalidArgument(f"buffer of {len(mv)} bytes is smaller than the {e.length}-byte block")
         return e, mv[:e.length]
 
-    def _read_extent(self, e: _Entry, dst: memoryview) -> str:
-        """Read and check one extent (any thread: preadv and the CRC release the GIL);
-        returns "" when the bytes are good, else why not (and ``dst`` is zeroed)."""
-        faults.ssd_read_delay()
-        n = pread_full(self._rfd, dst, e.offset)
-        if n == e.length and crc32c(dst) == e.crc:
-            return ""
-        dst[:] = bytes(e.length)              # bad bytes are never handed out
-        return "short read" if n != e.length else "CRC32C mismatch"
-
     def _read_done(self, key: KvBlockKey, e: _Entry, why: str) -> int:
         if why:
             self._drop(key, e, why)
@@ -698,20 +690,19 @@ class SsdTier:
         NotFound if absent or if its bytes do not match the CRC (then it is dropped and counted,
         and the buffer's first ``length`` bytes are zeroed: bad bytes are never handed out)."""
         e, dst = self._read_target(key, buffer)
-        return self._read_done(key, e, self._read_extent(e, dst))
+        return self._read_done(key, e, read_and_check(self._rfd, dst, e.offset, e.crc))
 
     async def read_into_async(self, key: KvBlockKey, buffer) -> int:
-        """``read_into`` off the event loop: the read and its CRC check run in the tier's
-        read pool (READ_THREADS threads); the extent is kept from reuse until it ends.
+        """``read_into`` off the event loop: through io_uring, completed on the loop, or in
+        the tier's read pool where io_uring is refused (store/ssdread.py); the extent is
+        kept from reuse until the read ends.
 
         A block removed or replaced meanwhile was read from its old extent, still intact:
         its bytes are those of the version that was current when the read started."""
         e, dst = self._read_target(key, buffer)
-        if self._reader is None:
-            self._reader = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="qc-ssd-read")
         e.readers += 1
         try:
-            why = await asyncio.get_running_loop().run_in_executor(self._reader, self._read_extent, e, dst)
+            why = await self._reads.read_extent(dst, e.offset, e.crc)
         finally:
             e.readers -= 1
             if e.freed and not e.readers and not self._closed:
@@ -777,6 +768,11 @@ class SsdTier:
         return len(self._map) + self._cold.rows_alive
 
     @property
+    def read_backend(self) -> str:
+        """How reads leave the event loop: "io_uring" or "pool" (store/ssdread.py)."""
+        return self._reads.backend if self._reads is not None else "closed"
+
+    @property
     def untouched(self) -> int:
         """Blocks recovered at open and not touched since (no entry object made yet)."""
         return self._cold.rows_alive
@@ -822,6 +818,7 @@ class SsdTier:
                 "commits": self._committer.commits, **self._committer.latency(),
                 "wal_bytes_per_put": round(ws["bytes_written"] / puts, 1) if puts else 0.0,
                 "recovery_seconds": round(self.recovery_seconds, 6),
+                **(self._reads.stats() if self._reads is not None else {"read_backend": "closed"}),
                 "read_only": self._failed is not None or self._committer.failed is not None}
 
     # ---- close -------------------------------------------------------------------------------------------

@@ -1246,7 +1246,8 @@ class LocalKvStore:
         if self._ssd is not None:
             out["ssd"] = {"blocks": self._untouched + sum(1 for e in self._entries.values()
                                                           if e.ssd_version is not None),
-                          "bytes": self._ssd.used, "capacity": self._ssd.capacity, **self._stats["ssd"]}
+                          "bytes": self._ssd.used, "capacity": self._ssd.capacity,
+                          "read_backend": self._ssd.read_backend, **self._stats["ssd"]}
         return out
 
     async def close(self) -> None:
