@@ -8,7 +8,7 @@ puts scope then prefix hash first, ``prefix_scan`` is one ordered range walk of 
 
 Side maps keep the other operations proportional to what they touch:
 ``_by_worker[worker_id]`` = encoded keys where that worker has a record (clear_worker),
-``_by_block[block_hash][tenant_id]`` = encoded keys with that block hash, per tenant
+``_by_block[block_hash][tenant_id]`` = encoded keys with that block hash, per tenant (a tuple)
 (remove_block, and the identity guard: a lookup for one tenant never iterates another's).
 
 The store (store/tiers.py) keeps its residency here: ``set_holder`` replaces one worker's
@@ -40,14 +40,31 @@ def _order(r: CacheResidency) -> tuple[str, str]:
     return (r.worker_id, r.tier.value)
 
 
+def _add_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
+    """ek has this block hash in this tenant.  A tenant's keys are a tuple (usually of one):
+    tuples of bytes and the dicts holding only them leave the garbage collector's lists, so
+    a million resident blocks do not make every full collection walk two million objects."""
+    tenants = by_block.get(block_hash)
+    if tenants is None:
+        by_block[block_hash] = {tenant_id: (ek,)}
+        return
+    keys = tenants.get(tenant_id)
+    if keys is None:
+        tenants[tenant_id] = (ek,)
+    elif ek not in keys:
+        tenants[tenant_id] = keys + (ek,)
+
+
 def _forget_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
     tenants = by_block.get(block_hash)
     if tenants is None:
         return
     keys = tenants.get(tenant_id)
-    if keys is not None:
-        keys.discard(ek)
-        if not keys:
+    if keys is not None and ek in keys:
+        keys = tuple(k for k in keys if k != ek)
+        if keys:
+            tenants[tenant_id] = keys
+        else:
             del tenants[tenant_id]
     if not tenants:
         del by_block[block_hash]
@@ -64,7 +81,7 @@ class ArtIndex:
         self._slots: list[Optional[list[CacheResidency]]] = []
         self._free_slots: list[int] = []
         self._by_worker: dict[str, set[bytes]] = {}
-        self._by_block: dict[str, dict[str, set[bytes]]] = {}
+        self._by_block: dict[str, dict[str, tuple[bytes, ...]]] = {}
         self._records = 0
         self._resident_bytes = 0
         self._puts = 0
@@ -87,7 +104,7 @@ class ArtIndex:
                 self._release_slot(slot)
                 raise
             key = residency.key
-            self._by_block.setdefault(key.block_hash, {}).setdefault(key.tenant_id, set()).add(ek)
+            _add_block(self._by_block, key.block_hash, key.tenant_id, ek)
         else:
             records = self._slots[slot]
             order = _order(residency)
@@ -105,7 +122,11 @@ class ArtIndex:
                 records.append(residency)
         self._records += 1
         self._resident_bytes += residency.bytes
-        self._by_worker.setdefault(residency.worker_id, set()).add(ek)
+        mine = self._by_worker.get(residency.worker_id)
+        if mine is None:
+            self._by_worker[residency.worker_id] = {ek}
+        else:
+            mine.add(ek)
 
     def _apply_remove(self, ek: bytes, worker_id: str) -> int:
         """Drop every record of worker_id under encoded key ek; returns how many."""

@@ -54,7 +54,7 @@ import numpy as np
 from quillcache.fsutil import fsync_dir
 from quillcache._native.wal import WalReader, WalWriter
 from quillcache.errors import InvalidArgument, QuillCacheError
-from quillcache.index.art import ArtIndex, _forget_block
+from quillcache.index.art import ArtIndex, _add_block, _forget_block
 from quillcache.index.checkpoint import (  # CorruptCheckpoint: re-exported
     CHECKPOINT_NAME, TIER_CODE, TIERS, Checkpoint, CorruptCheckpoint, read_checkpoint, write_checkpoint,
 )
@@ -248,10 +248,8 @@ class _LazyBlockMap(_LazyMap):
             return
         self._warmed.add(name)
         found = self._cold(name)
-        if found:
-            tenants = dict.setdefault(self, name, {})
-            for ek in found:
-                tenants.setdefault(_tenant_of(ek), set()).add(ek)
+        for ek in sorted(found or ()):
+            _add_block(self, name, _tenant_of(ek), ek)
 
     def __init__(self, ck: "Optional[Checkpoint]", tree) -> None:
         super().__init__()
@@ -269,13 +267,13 @@ class _LazyBlockMap(_LazyMap):
             i = ck.find_block(block_hash.encode("utf-8"))
             if i >= 0 and not self._taken[i]:
                 self._taken[i] = True
-                found.update(ck.eks_obj[ck.bh_groups[ck.bh_group_off[i]:ck.bh_group_off[i + 1]]])
+                found.update(ck.ek(g) for g in ck.bh_groups[ck.bh_group_off[i]:ck.bh_group_off[i + 1]].tolist())
         tree = self._tree
         return {ek for ek in found if ek in tree}
 
     def note(self, block_hash: str, ek: bytes) -> None:
         if block_hash in self._warmed:
-            dict.setdefault(self, block_hash, {}).setdefault(_tenant_of(ek), set()).add(ek)
+            _add_block(self, block_hash, _tenant_of(ek), ek)
         else:
             self._pending.setdefault(block_hash, set()).add(ek)
 
