@@ -244,7 +244,12 @@ class ArtIndex:
         Returns False when the records were already so (nothing changed, nothing logged)."""
         slot = self._tree.get(ek)
         if slot is not None:
-            mine = [r for r in self._slots[slot] if r.worker_id == worker_id]
+            records = self._slots[slot]
+            if len(records) == 1 and len(tiers) == 1:          # the common case, checked cheaply
+                r = records[0]
+                if r.worker_id == worker_id and r.tier is tiers[0] and r.bytes == nbytes:
+                    return False
+            mine = [r for r in records if r.worker_id == worker_id]
             if (len(mine) == len(tiers) and all(r.bytes == nbytes for r in mine)
                     and {r.tier for r in mine} == set(tiers)):
                 return False
