@@ -1,8 +1,9 @@
 """Build the Cython extensions of quillcache._native.
 
-Every ``src/quillcache/_native/*.pyx`` is one extension.  The io_uring path of the
-WAL is compiled only when pkg-config finds liburing; the extension still builds
-without it (then ``QC_HAVE_LIBURING`` is 0 and the WAL uses pwritev + fdatasync).
+Every ``src/quillcache/_native/*.pyx`` is one extension.  The io_uring paths (the WAL, the
+SSD read ring) are compiled only when pkg-config finds liburing; the extensions still build
+without it (then ``QC_HAVE_LIBURING`` is 0: the WAL uses pwritev + fdatasync and the SSD
+tier reads through its thread pool).
 
 Environment:
   QUILLCACHE_DEBUG=1        bounds checks, wraparound, line tracing, asserts, -O0 -g
@@ -59,7 +60,7 @@ def extensions():
         ext_macros = list(macros)
         ext_cflags = list(cflags)
         libraries = []
-        if name == "wal":
+        if name in ("wal", "ioring"):
             if uring is not None:
                 ext_macros.append(("QC_HAVE_LIBURING", "1"))
                 ext_cflags += uring[0]

@@ -1,6 +1,7 @@
 """quillctl: the admin CLI of a QuillCache node.  Thin: one request per command."""
 import click
 
+from quillcache.client import DEFAULT_TIMEOUT_S
 from quillcache.config import DEFAULT_ADDRESS
 from quillcache.exitcodes import QUILLCTL_EXIT_CODES
 
@@ -12,15 +13,13 @@ from quillcache_cli.ctl_engine import engine_group
 from quillcache_cli.ctl_gateway import gateway_cmd
 from quillcache_cli.ctl_wal import wal_group
 
-DEFAULT_TIMEOUT = 10.0  # seconds: connect + one request
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--addr", envvar="QUILLCACHE_ADDR", default=DEFAULT_ADDRESS, show_default=True,
               help="HOST:PORT of the node (env QUILLCACHE_ADDR).")
 @click.option("--token", envvar="QUILLCACHE_TOKEN", default=None,
               help="Tenant token sent in HELLO (env QUILLCACHE_TOKEN); none on an open node.")
-@click.option("--timeout", type=click.FloatRange(min=0.001, max=3600.0), default=DEFAULT_TIMEOUT,
+@click.option("--timeout", type=click.FloatRange(min=0.001, max=3600.0), default=DEFAULT_TIMEOUT_S,
               show_default=True, help="Seconds to wait for the connection and for each reply.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print JSON instead of tables, for scripts (every command also takes --json).")

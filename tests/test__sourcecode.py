@@ -111,6 +111,19 @@ def test_the_default_address_is_written_only_in_config():
     assert not offenders, "use quillcache.config.DEFAULT_ADDRESS:\n" + "\n".join(offenders)
 
 
+def test_the_client_timeout_default_is_defined_only_in_the_client():
+    """quillctl's --timeout default is the client's DEFAULT_TIMEOUT_S, not a second copy."""
+    offenders = []
+    for path in [*SRC.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]:
+        if path == SRC / "client.py":
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id.startswith("DEFAULT_TIMEOUT") for t in node.targets):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, "use quillcache.client.DEFAULT_TIMEOUT_S:\n" + "\n".join(offenders)
+
+
 def test_the_longest_pin_is_defined_only_in_the_model():
     from quillcache.model import MAX_PIN_TTL_S
     offenders = []

@@ -139,12 +139,23 @@ def encode_scope_prefix(scope: IdentityScope | KvBlockKey, prefix_hash: str) -> 
     return bytes(out)
 
 
+_SCOPE_CACHE: dict = {}          # (tenant, model, tokenizer, adapter) -> encode_scope bytes
+_SCOPE_CACHE_MAX = 4096         # scopes remembered (a node serves few; cleared when full)
+
+
 def encode_key(key: KvBlockKey) -> bytes:
-    out = bytearray(encode_scope_prefix(key, key.prefix_hash))
-    out += _U32.pack(key.block_index)
-    _enc_str(out, key.block_hash)
-    out += _U32.pack(key.token_count)
-    return bytes(out)
+    """The index key of ``key`` (layout above).  Its fields were checked when the key was
+    made, and the scope's bytes are remembered: this runs once per put of a new key."""
+    ident = (key.tenant_id, key.model_id, key.tokenizer_id, key.adapter_id)
+    scope = _SCOPE_CACHE.get(ident)
+    if scope is None:
+        if len(_SCOPE_CACHE) >= _SCOPE_CACHE_MAX:
+            _SCOPE_CACHE.clear()
+        scope = _SCOPE_CACHE[ident] = encode_scope(key)
+    prefix = key.prefix_hash.encode("utf-8")
+    block = key.block_hash.encode("utf-8")
+    return b"".join((scope, bytes((len(prefix),)), prefix, _U32.pack(key.block_index),
+                     bytes((len(block),)), block, _U32.pack(key.token_count)))
 
 
 def decode_key(data: bytes | bytearray | memoryview) -> KvBlockKey:

@@ -486,3 +486,20 @@ def test_allocator_machine_long_run():
     run_state_machine_as_test(AllocatorMachine, settings=settings(
         max_examples=10_000, stateful_step_count=50, deadline=None,
         suppress_health_check=list(HealthCheck)))
+
+
+def test_reserve_many_matches_reserve_one_by_one_and_names_the_first_failure():
+    a = OffsetAllocator(64 * KiB, unit=1 * KiB)
+    b = OffsetAllocator(64 * KiB, unit=1 * KiB)
+    offs = np.array([0, 2 * KiB, 3 * KiB, 10 * KiB], np.uint64)
+    sizes = np.array([1, 1 * KiB, 5 * KiB, 7], np.uint64)
+    handles = np.zeros(4, np.uint64)
+    assert a.reserve_many(offs, sizes, handles) == 4
+    assert [b.reserve(int(o), int(s)) for o, s in zip(offs, sizes)] == handles.tolist()
+    assert snapshot(a) == snapshot(b)
+    with pytest.raises(ValueError, match=r"reserve_many\[1\]: .*overlaps"):
+        a.reserve_many(np.array([20 * KiB, 4 * KiB], np.uint64), np.array([1, 1], np.uint64),
+                       np.zeros(2, np.uint64))
+    assert a.extent(a.extents()[-1][2]) == (20 * KiB, 1 * KiB)     # the one before it stays
+    with pytest.raises(ValueError, match="offsets"):
+        a.reserve_many(offs, sizes[:2], handles)

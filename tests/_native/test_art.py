@@ -290,3 +290,38 @@ def test_get_many_interleaved_lookups_keep_batch_order_with_misses():
     assert tree.get_many(batch[:5], -1) == expect[:5]        # below the no-GIL threshold
     with pytest.raises(ValueError):                           # like get(): refused, not a miss
         tree.get_many(batch[:20] + [b"z" * (MAX_KEY_BYTES + 1)])
+
+
+def _blob(ks):
+    import numpy as np
+    off = np.zeros(len(ks) + 1, np.uint64)
+    np.cumsum([len(k) for k in ks], out=off[1:])
+    return b"".join(ks), off
+
+
+@given(st.lists(keys, max_size=60, unique=True), st.lists(keys, max_size=20), st.integers(0, 1000))
+def test_blob_insert_and_lookup_agree_with_a_dict(inserted, probes, first):
+    import numpy as np
+    tree = AdaptiveRadixTree()
+    blob, off = _blob(inserted)
+    assert tree.insert_blob(blob, off, first) == len(inserted)
+    tree.check()
+    oracle = {k: first + i for i, k in enumerate(inserted)}
+    assert list(tree.items()) == oracle_items(oracle)
+    blob, off = _blob(probes)
+    out = np.empty(len(probes), np.int64)
+    assert tree.get_blob(blob, off, out) == sum(p in oracle for p in probes)
+    assert out.tolist() == [oracle.get(p, -1) for p in probes]
+
+
+def test_blob_calls_refuse_bad_offsets_before_touching_the_tree():
+    import numpy as np
+    tree = AdaptiveRadixTree()
+    for off in ([0, 5], [2, 1], [0, 1, 9]):
+        with pytest.raises(ValueError, match="outside a blob"):
+            tree.insert_blob(b"abc", np.array(off, np.uint64))
+    with pytest.raises(ValueError, match="at most"):
+        tree.insert_blob(b"x" * (MAX_KEY_BYTES + 1), np.array([0, MAX_KEY_BYTES + 1], np.uint64))
+    assert len(tree) == 0
+    with pytest.raises(ValueError, match="output"):
+        tree.get_blob(b"ab", np.array([0, 1, 2], np.uint64), np.empty(1, np.int64))

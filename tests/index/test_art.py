@@ -1,5 +1,6 @@
 """ArtIndex as the store's residency record: one holder's records, LIST pages, the guard's
 block lookup -- each against a simple oracle, in memory and after a persistent reopen."""
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -122,7 +123,18 @@ def test_page_refuses_a_limit_below_one():
         ArtIndex().page(b"", b"", 0)
 
 
-def test_holder_sizes_without_decoding_matches_the_decoded_answer(tmp_path):
+def _blob(pairs):
+    """(key blob, key_off, lengths) of [(key, length)]: the SSD tier's block_table shape."""
+    eks = [encode_key(k) for k, _ in pairs]
+    off = np.zeros(len(eks) + 1, np.uint64)
+    np.cumsum([len(e) for e in eks], out=off[1:])
+    return b"".join(eks), off, np.array([n for _, n in pairs], np.uint32)
+
+
+@pytest.mark.parametrize("decoded", [False, True])
+def test_agree_holder_makes_the_holders_records_exactly_the_blob(tmp_path, decoded):
+    """The store's start-up check, lazily (numpy over the checkpoint's records, no key
+    decoded unless it disagrees) and decoded (the plain ArtIndex path: the oracle)."""
     with PersistentArtIndex(tmp_path) as index:
         for i in range(30):
             k = key(i)
@@ -133,11 +145,26 @@ def test_holder_sizes_without_decoding_matches_the_decoded_answer(tmp_path):
             k = key(i)
             index.set_holder(k, encode_key(k), "me", (SSD,), 7)
         index.sync()
+    # what the SSD tier holds: most agree, key 4 has another size, key 5 has no block,
+    # key 40 has no record, key 3 (node-b's) is ours too now
+    blocks = [(key(i), 100 + i) for i in range(1, 30) if i % 3 and i not in (2, 4, 5)]
+    blocks += [(key(2), 7), (key(30), 7), (key(4), 999), (key(40), 1), (key(3), 103)]
     with PersistentArtIndex(tmp_path) as again:
-        again.locate(key(4))                                     # one record decoded, the rest lazy
-        lazy = again.holder_sizes("me")
-        assert lazy[encode_key(key(2))] == 7 and lazy[encode_key(key(30))] == 7
-        assert lazy[encode_key(key(4))] == 104 and lazy[encode_key(key(1))] == 101
-        again.materialize()
-        assert lazy == ArtIndex.holder_sizes(again, "me")
-        assert len(lazy) == 21
+        again.locate(key(7))                                     # one record decoded, the rest lazy
+        if decoded:
+            again.materialize()
+        got = again.agree_holder("me", SSD, *_blob(blocks))
+        assert got == {"agreed": len(blocks) - 3, "added": 2, "resized": 1, "dropped": 1}
+        assert again.holder(encode_key(key(4)), "me") == (999, (SSD,))
+        assert again.holder(encode_key(key(5)), "me") == (0, ())
+        assert again.holder(encode_key(key(40)), "me") == (1, (SSD,))
+        assert again.keys_of("me") == {encode_key(k) for k, _ in blocks}
+        assert [r.worker_id for r in again.locate(key(3))] == ["me", "node-b"]   # node-b's kept
+        assert again.agree_holder("me", SSD, *_blob(blocks)) == {
+            "agreed": len(blocks), "added": 0, "resized": 0, "dropped": 0}
+        again.sync()
+    with PersistentArtIndex(tmp_path) as after:                   # the corrections were logged
+        assert after.agree_holder("me", SSD, *_blob(blocks))["agreed"] == len(blocks)
+        assert after.agree_holder("me", SSD, *_blob([])) == {     # no SSD tier: every record goes
+            "agreed": 0, "added": 0, "resized": 0, "dropped": len(blocks)}
+        assert after.keys_of("me") == set() and len(after.keys_of("node-b")) == 11

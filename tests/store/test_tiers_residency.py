@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 
-from quillcache.errors import InvalidArgument
+from quillcache.errors import InvalidArgument, NotFound
 from quillcache.index.art import ArtIndex
 from quillcache.index.persistent import PersistentArtIndex
 from quillcache.model import CacheResidency, CacheTier, KvBlockKey, encode_key, encode_scope, encode_scope_prefix
@@ -206,4 +206,85 @@ def test_on_disagreement_the_ssd_tier_wins_and_each_mismatch_is_counted_and_logg
         await store.close()
     run(first())
     run(behind_its_back())
+    run(second())
+
+
+def test_a_restart_makes_no_entry_until_a_block_is_touched(tmp_path):
+    """Recovered blocks stay records (the index's, the SSD tier's rows) until first touched:
+    a restart materialises nothing, and each kind of touch makes exactly that block's entry
+    (without timing: the counters say how many exist)."""
+    n = 12
+
+    async def first():
+        ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
+        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=_persistent(tmp_path),
+                             holder=NODE)
+        for i in range(n):
+            await store.put(key(i), data(i), durable=True)
+        await store.close()
+
+    async def second():
+        ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
+        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=_persistent(tmp_path),
+                             holder=NODE)
+        st = store.stats()
+        assert st["store"]["entries"] == 0 and st["store"]["entries_untouched"] == n
+        assert ssd.untouched == n and st["ssd"]["blocks"] == n
+        store.check_residency()
+        # what needs no entry: LIST, exists, the guard
+        assert [k.block_index for k in store.list_scope(key(0).scope)] == list(range(n))
+        assert store.exists(key(3)) and not store.exists(key(99))
+        assert store.stats()["store"]["entries"] == 0
+        with store.get(key(3)) as lease:                    # a read: one entry, one SSD row
+            assert bytes(lease.view) == data(3)
+        assert store.stats()["store"]["entries"] == 1 and ssd.untouched == n - 1
+        store.pin(key(4), 60)                               # a pin
+        await store.put(key(5), data(105, 512))             # an overwrite: the old SSD copy goes
+        with store.get(key(5)) as lease:
+            assert bytes(lease.view) == data(105, 512)
+        assert tiers_of(store, key(5)) == (512, (CacheTier.CPU_DRAM,)) and key(5) not in ssd
+        assert await store.remove(key(6))                   # a remove
+        assert not store.exists(key(6)) and key(6) not in ssd
+        with pytest.raises(NotFound):
+            store.get(key(6))
+        st = store.stats()["store"]
+        assert st["entries"] == 3 and st["entries_untouched"] == n - 4
+        store.check_residency()
+        await store.close()
+
+    async def third():                                      # what the touches did survives
+        ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
+        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=_persistent(tmp_path),
+                             holder=NODE)
+        assert store.reconciled["index_agreed"] == n - 2    # key 5 was DRAM only, key 6 removed
+        assert [k.block_index for k in store.list_scope(key(0).scope)] == [i for i in range(n) if i not in (5, 6)]
+        store.check_residency()
+        await store.close()
+    run(first())
+    run(second())
+    run(third())
+
+
+def test_blocks_untouched_since_the_restart_are_the_first_ssd_victims(tmp_path):
+    async def first():
+        ssd = await SsdTier.open(str(tmp_path / "ssd"), 8 * 4096)   # room for 8 blocks
+        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, holder=NODE,
+                             index=_persistent(tmp_path))
+        for i in range(8):
+            await store.put(key(i), data(i), durable=True)
+        await store.close()
+
+    async def second():
+        ssd = await SsdTier.open(str(tmp_path / "ssd"), 8 * 4096)
+        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, holder=NODE,
+                             index=_persistent(tmp_path))
+        with store.get(key(0)) as lease:                    # touched: the LRU's now
+            assert bytes(lease.view) == data(0)
+        await store.put(key(20), data(20), durable=True)     # the SSD is full: one must go
+        # the victim is the first untouched block in index order, not the touched key 0
+        assert store.exists(key(0)) and not store.exists(key(1))
+        assert store.stats()["ssd"]["evictions"] == 1
+        store.check_residency()
+        await store.close()
+    run(first())
     run(second())

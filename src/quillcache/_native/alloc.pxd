@@ -86,3 +86,4 @@ cdef class OffsetAllocator:
     cdef object _space_error(self, uint64_t requested)
     cdef object _slots_error(self, uint64_t requested)
     cdef object _error(self, int rc, uint64_t requested, object handle=*)
+    cdef object _reserve_error(self, int rc, uint64_t offset, uint64_t size)

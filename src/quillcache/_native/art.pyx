@@ -22,7 +22,7 @@ from cpython.long cimport PyLong_Check, PyLong_FromUnsignedLongLong
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_New, PyTuple_SET_ITEM
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 
@@ -504,6 +504,19 @@ cdef class AdaptiveRadixTree:
         """Insert pairs keys[i] -> values[i]; every key and value is checked before the tree
         is touched.  Returns the number of keys that were new."""
         return tree_insert_many(self, keys, values)
+
+    def get_blob(self, blob, key_off, out):
+        """Look up the keys of a key blob (key i is ``blob[key_off[i]:key_off[i + 1]]``,
+        ``key_off`` a uint64 buffer of n + 1 offsets) in one C loop without the GIL:
+        ``out[i]`` (an int64 buffer of n) = its value, or -1 when absent.  Returns the
+        number found.  No bytes object is made per key."""
+        return tree_get_blob(self, blob, key_off, out)
+
+    def insert_blob(self, blob, key_off, first_value=0):
+        """Insert the keys of a key blob (as in ``get_blob``): key i -> first_value + i.
+        Every offset is checked before the tree is touched.  Returns the number of keys
+        that were new."""
+        return tree_insert_blob(self, blob, key_off, to_u64(first_value))
 
     # ---- ordered access
 

@@ -156,3 +156,81 @@ cdef object tree_insert_many(AdaptiveRadixTree self, keys, values):
         return added
     finally:
         PyMem_Free(ptrs)
+
+
+cdef Py_ssize_t blob_keys(const uint8_t[::1] blob, const uint64_t[::1] key_off, Py_ssize_t n,
+                          const uint8_t** ptrs, size_t* lens) except -1:
+    """Pointers to the n keys of a key blob (key i = blob[key_off[i]:key_off[i + 1]]),
+    every offset checked against the blob and ART_MAX_KEY first."""
+    cdef Py_ssize_t i
+    cdef uint64_t a, b, size = blob.shape[0]
+    cdef const uint8_t* base = &blob[0] if size else <const uint8_t*>""
+    for i in range(n):
+        a = key_off[i]
+        b = key_off[i + 1]
+        if a > b or b > size:
+            raise ValueError(f"key blob offsets {a}..{b} of key {i}: outside a blob of {size} bytes")
+        if b - a > ART_MAX_KEY:
+            raise ValueError(f"key {i} is {b - a} bytes: at most {ART_MAX_KEY} bytes")
+        ptrs[i] = base + a
+        lens[i] = b - a
+    return n
+
+
+cdef Py_ssize_t tree_get_blob(AdaptiveRadixTree self, const uint8_t[::1] blob, const uint64_t[::1] key_off,
+                              int64_t[::1] out) except -1:
+    cdef Py_ssize_t n = key_off.shape[0] - 1, i, hits
+    cdef const uint8_t** ptrs
+    cdef size_t* lens
+    cdef uint64_t* vals
+    cdef char* found
+    if n < 0 or out.shape[0] != n:
+        raise ValueError(f"get_blob: {max(n, 0)} keys need an output of that many values, got {out.shape[0]}")
+    if n == 0:
+        return 0
+    ptrs = <const uint8_t**>PyMem_Malloc(n * (sizeof(void*) + sizeof(size_t) + sizeof(uint64_t) + 1))
+    if ptrs == NULL:
+        raise MemoryError()
+    lens = <size_t*>(ptrs + n)
+    vals = <uint64_t*>(lens + n)
+    found = <char*>(vals + n)
+    try:
+        blob_keys(blob, key_off, n, ptrs, lens)
+        self._readers += 1
+        with nogil:
+            hits = self.get_many_c(ptrs, lens, n, vals, found)
+            for i in range(n):
+                out[i] = <int64_t>vals[i] if found[i] else -1
+        self._readers -= 1
+        return hits
+    finally:
+        PyMem_Free(ptrs)
+
+
+cdef object tree_insert_blob(AdaptiveRadixTree self, const uint8_t[::1] blob, const uint64_t[::1] key_off,
+                             uint64_t first_value):
+    cdef Py_ssize_t n = key_off.shape[0] - 1, i, added
+    cdef const uint8_t** ptrs
+    cdef size_t* lens
+    cdef uint64_t* vals
+    writable(self)
+    if n <= 0:
+        return 0
+    ptrs = <const uint8_t**>PyMem_Malloc(n * (sizeof(void*) + sizeof(size_t) + sizeof(uint64_t)))
+    if ptrs == NULL:
+        raise MemoryError()
+    lens = <size_t*>(ptrs + n)
+    vals = <uint64_t*>(lens + n)
+    try:
+        blob_keys(blob, key_off, n, ptrs, lens)
+        for i in range(n):
+            vals[i] = first_value + <uint64_t>i
+        self._readers += 1
+        try:
+            with nogil:
+                added = self.insert_many_c(ptrs, lens, vals, n)
+        finally:
+            self._readers -= 1
+        return added
+    finally:
+        PyMem_Free(ptrs)

@@ -8,7 +8,7 @@ puts scope then prefix hash first, ``prefix_scan`` is one ordered range walk of 
 
 Side maps keep the other operations proportional to what they touch:
 ``_by_worker[worker_id]`` = encoded keys where that worker has a record (clear_worker),
-``_by_block[block_hash][tenant_id]`` = encoded keys with that block hash, per tenant
+``_by_block[block_hash][tenant_id]`` = encoded keys with that block hash, per tenant (a tuple)
 (remove_block, and the identity guard: a lookup for one tenant never iterates another's).
 
 The store (store/tiers.py) keeps its residency here: ``set_holder`` replaces one worker's
@@ -25,9 +25,12 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Optional
 
+import numpy as np
+
 from quillcache._native.art import AdaptiveRadixTree
 from quillcache.model import (
-    CacheResidency, CacheTier, IdentityScope, IndexMetrics, KvBlockKey, encode_key, encode_scope_prefix,
+    CacheResidency, CacheTier, IdentityScope, IndexMetrics, KvBlockKey, decode_key, encode_key,
+    encode_scope_prefix,
 )
 
 __all__ = ["ArtIndex"]
@@ -37,14 +40,31 @@ def _order(r: CacheResidency) -> tuple[str, str]:
     return (r.worker_id, r.tier.value)
 
 
+def _add_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
+    """ek has this block hash in this tenant.  A tenant's keys are a tuple (usually of one):
+    tuples of bytes and the dicts holding only them leave the garbage collector's lists, so
+    a million resident blocks do not make every full collection walk two million objects."""
+    tenants = by_block.get(block_hash)
+    if tenants is None:
+        by_block[block_hash] = {tenant_id: (ek,)}
+        return
+    keys = tenants.get(tenant_id)
+    if keys is None:
+        tenants[tenant_id] = (ek,)
+    elif ek not in keys:
+        tenants[tenant_id] = keys + (ek,)
+
+
 def _forget_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
     tenants = by_block.get(block_hash)
     if tenants is None:
         return
     keys = tenants.get(tenant_id)
-    if keys is not None:
-        keys.discard(ek)
-        if not keys:
+    if keys is not None and ek in keys:
+        keys = tuple(k for k in keys if k != ek)
+        if keys:
+            tenants[tenant_id] = keys
+        else:
             del tenants[tenant_id]
     if not tenants:
         del by_block[block_hash]
@@ -61,7 +81,7 @@ class ArtIndex:
         self._slots: list[Optional[list[CacheResidency]]] = []
         self._free_slots: list[int] = []
         self._by_worker: dict[str, set[bytes]] = {}
-        self._by_block: dict[str, dict[str, set[bytes]]] = {}
+        self._by_block: dict[str, dict[str, tuple[bytes, ...]]] = {}
         self._records = 0
         self._resident_bytes = 0
         self._puts = 0
@@ -84,7 +104,7 @@ class ArtIndex:
                 self._release_slot(slot)
                 raise
             key = residency.key
-            self._by_block.setdefault(key.block_hash, {}).setdefault(key.tenant_id, set()).add(ek)
+            _add_block(self._by_block, key.block_hash, key.tenant_id, ek)
         else:
             records = self._slots[slot]
             order = _order(residency)
@@ -102,7 +122,11 @@ class ArtIndex:
                 records.append(residency)
         self._records += 1
         self._resident_bytes += residency.bytes
-        self._by_worker.setdefault(residency.worker_id, set()).add(ek)
+        mine = self._by_worker.get(residency.worker_id)
+        if mine is None:
+            self._by_worker[residency.worker_id] = {ek}
+        else:
+            mine.add(ek)
 
     def _apply_remove(self, ek: bytes, worker_id: str) -> int:
         """Drop every record of worker_id under encoded key ek; returns how many."""
@@ -226,7 +250,12 @@ class ArtIndex:
         Returns False when the records were already so (nothing changed, nothing logged)."""
         slot = self._tree.get(ek)
         if slot is not None:
-            mine = [r for r in self._slots[slot] if r.worker_id == worker_id]
+            records = self._slots[slot]
+            if len(records) == 1 and len(tiers) == 1:          # the common case, checked cheaply
+                r = records[0]
+                if r.worker_id == worker_id and r.tier is tiers[0] and r.bytes == nbytes:
+                    return False
+            mine = [r for r in records if r.worker_id == worker_id]
             if (len(mine) == len(tiers) and all(r.bytes == nbytes for r in mine)
                     and {r.tier for r in mine} == set(tiers)):
                 return False
@@ -296,10 +325,47 @@ class ArtIndex:
         """The encoded keys where worker_id holds a record (a copy)."""
         return set(self._by_worker.get(worker_id, ()))
 
-    def holder_sizes(self, worker_id: str) -> dict[bytes, int]:
-        """encoded key -> bytes of worker_id's record, for every key where it holds one
-        (the store's start-up check against the SSD tier)."""
-        return {ek: self.holder(ek, worker_id)[0] for ek in self._by_worker.get(worker_id, ())}
+    def agree_holder(self, worker_id: str, tier: CacheTier, blob, key_off, lengths) -> dict[str, int]:
+        """Make worker_id's records say exactly this: one record in ``tier`` for each key of
+        the key blob (key i is ``blob[key_off[i]:key_off[i + 1]]``, ``lengths[i]`` bytes),
+        and none for any other key.  The store's start-up check against the SSD tier.
+
+        Returns how many keys already ``agreed``, were ``added`` (no record of worker_id),
+        ``resized`` (a record of another size or tier) and ``dropped`` (a record, no key in
+        the blob).  Only the keys that disagree are decoded and written."""
+        n = len(key_off) - 1
+        slots = np.empty(n, np.int64)
+        if n > 0:
+            self._tree.get_blob(blob, key_off, slots)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        ok, has = self._holder_match(worker_id, tier, slots, lengths)
+        out = {"agreed": int(ok.sum()), "added": int((~has).sum()), "resized": int((has & ~ok).sum()),
+               "dropped": 0}
+        for i in np.flatnonzero(~ok).tolist():
+            ek = bytes(blob[int(key_off[i]):int(key_off[i + 1])])
+            self.set_holder(decode_key(ek), ek, worker_id, (tier,), int(lengths[i]))
+        if self._holder_key_count(worker_id) > n:
+            found = {bytes(blob[int(key_off[i]):int(key_off[i + 1])]) for i in range(n)}
+            for ek in self.keys_of(worker_id) - found:
+                self.set_holder(None, ek, worker_id, (), 0)
+                out["dropped"] += 1
+        return out
+
+    def _holder_match(self, worker_id: str, tier: CacheTier, slots, lengths):
+        """(ok, has) per looked-up key: worker_id holds a record of it (has), exactly one,
+        in ``tier`` and of lengths[i] bytes (ok)."""
+        ok = np.zeros(len(slots), dtype=bool)
+        has = np.zeros(len(slots), dtype=bool)
+        for i in np.flatnonzero(slots >= 0).tolist():
+            mine = [r for r in self._slots[int(slots[i])] if r.worker_id == worker_id]
+            if mine:
+                has[i] = True
+                ok[i] = len(mine) == 1 and mine[0].tier is tier and mine[0].bytes == lengths[i]
+        return ok, has
+
+    def _holder_key_count(self, worker_id: str) -> int:
+        """How many keys hold a record of worker_id."""
+        return len(self._by_worker.get(worker_id, ()))
 
     # ------------------------------------------------------------------ dump / load
 

@@ -79,8 +79,10 @@ class Checkpoint:
             self.records, pos = self._arr(pos, RECORD_DTYPE, R)
             worker_off, pos = self._arr(pos, "<u8", W + 1)
             worker_blob, pos = self._blob(pos, worker_off)
+            worker_blob = bytes(worker_blob)
             self.bh_off, pos = self._arr(pos, "<u8", B + 1)
-            self.bh_blob, pos = self._blob(pos, self.bh_off)
+            bh_blob, pos = self._blob(pos, self.bh_off)
+            self.bh_blob = bytes(bh_blob)
             self.bh_group_off, pos = self._arr(pos, "<u8", B + 1)
             self.bh_groups, pos = self._arr(pos, "<u4", G)
             if pos != len(data) or self.rec_off[-1] != R or self.bh_group_off[-1] != G:
@@ -90,15 +92,31 @@ class Checkpoint:
                 raise ValueError("group tables out of range")
             if R and (int(self.records["worker"].max()) >= W or int(self.records["tier"].max()) >= len(TIERS)):
                 raise ValueError("record fields out of range")
-            ko = self.key_off.tolist()
-            self.eks = [key_blob[ko[i]:ko[i + 1]] for i in range(G)]
+            if G and np.any(np.diff(self.key_off.astype(np.int64)) <= 0):
+                raise ValueError("empty or unordered keys")
+            self.key_blob = key_blob
             wo = worker_off.tolist()
             self.workers = [worker_blob[wo[i]:wo[i + 1]].decode("utf-8") for i in range(W)]
         except (ValueError, IndexError, UnicodeDecodeError) as exc:
             raise CorruptCheckpoint(f"{path}: malformed body: {exc}") from None
-        self.eks_obj = np.empty(G, dtype=object)
-        self.eks_obj[:] = self.eks
+        self._eks_obj = None
+        self._holder_tables: dict = {}
         self._bh = self.bh_off.tolist()
+
+    def ek(self, g: int) -> bytes:
+        """The encoded key of group g."""
+        return bytes(self.key_blob[int(self.key_off[g]):int(self.key_off[g + 1])])
+
+    @property
+    def eks_obj(self) -> np.ndarray:
+        """The encoded keys as a numpy object array (made on first use: a million bytes
+        objects are a tenth of a second the open does not need)."""
+        if self._eks_obj is None:
+            ko = self.key_off.tolist()
+            blob = self.key_blob
+            self._eks_obj = np.empty(self.n_groups, dtype=object)
+            self._eks_obj[:] = [bytes(blob[ko[i]:ko[i + 1]]) for i in range(self.n_groups)]
+        return self._eks_obj
 
     def _arr(self, pos, dtype, n):
         dtype = np.dtype(dtype)
@@ -112,7 +130,28 @@ class Checkpoint:
         if (len(offsets) and offsets[0] != 0) or np.any(np.diff(offsets.astype(np.int64)) < 0) \
                 or pos + n > len(self.data):
             raise ValueError("bad blob offsets")
-        return self.data[pos:pos + n], _align(pos + n)
+        return memoryview(self.data)[pos:pos + n], _align(pos + n)
+
+    def holder_table(self, worker_id: str):
+        """Per group: how many records of worker_id it holds, and the bytes and tier code
+        of (one of) them, as numpy arrays (-1 and 255 where it holds none).  Computed once
+        per worker (the file does not change)."""
+        got = self._holder_tables.get(worker_id)
+        if got is not None:
+            return got
+        G = self.n_groups
+        count = np.zeros(G, np.int64)
+        nbytes = np.full(G, -1, np.int64)
+        tiers = np.full(G, 255, np.int64)
+        if self.n_records and worker_id in self.workers:
+            recs = self.records
+            mine = recs["worker"] == self.workers.index(worker_id)
+            groups = np.repeat(np.arange(G, dtype=np.int64), np.diff(self.rec_off.astype(np.int64)))[mine]
+            count = np.bincount(groups, minlength=G)
+            nbytes[groups] = recs["bytes"][mine].astype(np.int64)
+            tiers[groups] = recs["tier"][mine]
+        self._holder_tables[worker_id] = got = (count, nbytes, tiers)
+        return got
 
     def find_block(self, bh: bytes) -> int:
         off, blob = self._bh, self.bh_blob
@@ -122,7 +161,7 @@ class Checkpoint:
         return -1
 
     def group_records(self, g: int) -> list[CacheResidency]:
-        key = decode_key(self.eks[g])
+        key = decode_key(self.ek(g))
         rows = self.records[int(self.rec_off[g]):int(self.rec_off[g + 1])].tolist()
         workers = self.workers
         return [CacheResidency(key, workers[w], TIERS[t], b, last, ref, bool(pin))

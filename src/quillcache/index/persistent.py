@@ -54,7 +54,7 @@ import numpy as np
 from quillcache.fsutil import fsync_dir
 from quillcache._native.wal import WalReader, WalWriter
 from quillcache.errors import InvalidArgument, QuillCacheError
-from quillcache.index.art import ArtIndex, _forget_block
+from quillcache.index.art import ArtIndex, _add_block, _forget_block
 from quillcache.index.checkpoint import (  # CorruptCheckpoint: re-exported
     CHECKPOINT_NAME, TIER_CODE, TIERS, Checkpoint, CorruptCheckpoint, read_checkpoint, write_checkpoint,
 )
@@ -159,19 +159,23 @@ class _RawGroup:
 
 class _LazySlots(list):
     """ArtIndex._slots whose checkpoint-loaded (_COLD) and replayed (_RawGroup) entries are
-    decoded on first access; ``lazy`` counts them."""
+    decoded on first access; ``lazy`` counts them and ``cold[g]`` says that slot g still
+    holds checkpoint group g as it was loaded (numpy: the start-up check reads the
+    checkpoint's record table for those)."""
 
     def __init__(self, n: int, decode_cold) -> None:
         super().__init__()
         if n:
             self.extend([_COLD] * n)
         self.lazy = n
+        self.cold = np.ones(n, dtype=bool)
         self._decode_cold = decode_cold
 
     def __getitem__(self, i):
         v = list.__getitem__(self, i)
         if v is _COLD:
             v = self._decode_cold(i)
+            self.cold[i] = False
         elif type(v) is _RawGroup:
             v = v.decode()
         else:
@@ -183,6 +187,7 @@ class _LazySlots(list):
     def clear(self) -> None:
         list.clear(self)
         self.lazy = 0
+        self.cold = np.zeros(0, dtype=bool)
 
 
 def _block_hash_of(ek: bytes) -> bytes:
@@ -243,10 +248,8 @@ class _LazyBlockMap(_LazyMap):
             return
         self._warmed.add(name)
         found = self._cold(name)
-        if found:
-            tenants = dict.setdefault(self, name, {})
-            for ek in found:
-                tenants.setdefault(_tenant_of(ek), set()).add(ek)
+        for ek in sorted(found or ()):
+            _add_block(self, name, _tenant_of(ek), ek)
 
     def __init__(self, ck: "Optional[Checkpoint]", tree) -> None:
         super().__init__()
@@ -264,13 +267,13 @@ class _LazyBlockMap(_LazyMap):
             i = ck.find_block(block_hash.encode("utf-8"))
             if i >= 0 and not self._taken[i]:
                 self._taken[i] = True
-                found.update(ck.eks_obj[ck.bh_groups[ck.bh_group_off[i]:ck.bh_group_off[i + 1]]])
+                found.update(ck.ek(g) for g in ck.bh_groups[ck.bh_group_off[i]:ck.bh_group_off[i + 1]].tolist())
         tree = self._tree
         return {ek for ek in found if ek in tree}
 
     def note(self, block_hash: str, ek: bytes) -> None:
         if block_hash in self._warmed:
-            dict.setdefault(self, block_hash, {}).setdefault(_tenant_of(ek), set()).add(ek)
+            _add_block(self, block_hash, _tenant_of(ek), ek)
         else:
             self._pending.setdefault(block_hash, set()).add(ek)
 
@@ -427,8 +430,8 @@ class PersistentArtIndex(ArtIndex):
         ck = read_checkpoint(path)
         self._ck = ck
         G = ck.n_groups
-        if G:
-            self._tree.insert_many(ck.eks, range(G))
+        if G and self._tree.insert_blob(ck.key_blob, ck.key_off) != G:
+            raise CorruptCheckpoint(f"{path}: a key appears twice")
         self._slots = _LazySlots(G, ck.group_records)
         self._by_block = _LazyBlockMap(ck, self._tree)
         self._by_worker = _LazyWorkerMap(ck)
@@ -496,6 +499,7 @@ class PersistentArtIndex(ArtIndex):
         if v is _COLD:
             v = _RawGroup(ek, self._ck.group_rows(slot))
             list.__setitem__(self._slots, slot, v)
+            self._slots.cold[slot] = False
             return v
         return v if type(v) is _RawGroup else None
 
@@ -677,33 +681,55 @@ class PersistentArtIndex(ArtIndex):
                 if rows:                    # a key held only in memory-only records is not persisted
                     yield ek, v[0].key.block_hash.encode("utf-8"), rows
 
-    def holder_sizes(self, worker_id: str) -> dict[bytes, int]:
-        """ArtIndex.holder_sizes without decoding a key: records still only in the
-        checkpoint are read from its record table with numpy, replayed ones from their rows."""
-        out: dict[bytes, int] = {}
-        slots, ck, tree = self._slots, self._ck, self._tree
-        lazy = isinstance(slots, _LazySlots)
-        if lazy and ck is not None and ck.n_records and worker_id in ck.workers:
-            G = ck.n_groups
-            recs = ck.records
-            mask = recs["worker"] == ck.workers.index(worker_id)
-            groups = np.repeat(np.arange(G, dtype=np.int64), np.diff(ck.rec_off.astype(np.int64)))[mask]
-            nbytes = recs["bytes"][mask]
-            # only groups untouched since the load still speak for the checkpoint
-            cold = np.fromiter((list.__getitem__(slots, g) is _COLD for g in range(G)), bool, G)
-            keep = cold[groups]
-            groups, nbytes = groups[keep], nbytes[keep]
-            _, first = np.unique(groups, return_index=True)      # one size per key
-            out = dict(zip(ck.eks_obj[groups[first]].tolist(), nbytes[first].tolist()))
-        for ek in self._by_worker.get(worker_id, ()):
-            if ek in out:
-                continue
-            v = list.__getitem__(slots, tree[ek]) if lazy else slots[tree[ek]]
+    def _holder_match(self, worker_id: str, tier: CacheTier, slots, lengths):
+        """ArtIndex._holder_match without decoding a key: slots still holding their
+        checkpoint group are answered from its record table with numpy, replayed ones from
+        their rows."""
+        all_slots = self._slots
+        if not isinstance(all_slots, _LazySlots):
+            return super()._holder_match(worker_id, tier, slots, lengths)
+        ok = np.zeros(len(slots), dtype=bool)
+        has = np.zeros(len(slots), dtype=bool)
+        found = slots >= 0
+        cold = np.zeros(len(slots), dtype=bool)
+        ck, G = self._ck, len(all_slots.cold)
+        if ck is not None and G:
+            cold[found] = slots[found] < G
+            cold[cold] = all_slots.cold[slots[cold]]
+            count, nbytes, tiers = ck.holder_table(worker_id)
+            g = slots[cold]
+            has[cold] = count[g] > 0
+            ok[cold] = (count[g] == 1) & (tiers[g] == TIER_CODE[tier]) & (nbytes[g] == lengths[cold])
+        code = TIER_CODE[tier]
+        for i in np.flatnonzero(found & ~cold).tolist():
+            v = list.__getitem__(all_slots, int(slots[i]))
             if type(v) is _RawGroup:
-                out[ek] = next(r[2] for r in v.rows if r[0] == worker_id)
+                mine = [(r[1], r[2]) for r in v.rows if r[0] == worker_id]
             else:
-                out[ek] = self.holder(ek, worker_id)[0]
-        return out
+                mine = [(TIER_CODE[r.tier], r.bytes) for r in v if r.worker_id == worker_id]
+            if mine:
+                has[i] = True
+                ok[i] = len(mine) == 1 and mine[0] == (code, lengths[i])
+        return ok, has
+
+    def _holder_key_count(self, worker_id: str) -> int:
+        """ArtIndex._holder_key_count without building the worker's key set."""
+        all_slots = self._slots
+        if not isinstance(all_slots, _LazySlots) or worker_id in self._by_worker._warmed:
+            return super()._holder_key_count(worker_id)
+        n = 0
+        G = len(all_slots.cold)
+        if self._ck is not None and G:
+            n = int(np.count_nonzero(self._ck.holder_table(worker_id)[0][all_slots.cold]))
+        warm = np.flatnonzero(~all_slots.cold).tolist() + list(range(G, len(all_slots)))
+        for s in warm:
+            v = list.__getitem__(all_slots, s)
+            if v is None or v is _COLD:
+                continue
+            rows = v.rows if type(v) is _RawGroup else v
+            if any((r[0] if type(v) is _RawGroup else r.worker_id) == worker_id for r in rows):
+                n += 1
+        return n
 
     def materialize(self) -> None:
         """Decode every lazily loaded record now (later calls skip the lazy path)."""

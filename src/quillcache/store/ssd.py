@@ -7,9 +7,10 @@ Put: allocate an extent -> write the bytes (O_DIRECT through an aligned bounce b
 the filesystem allows it, else buffered) -> the group committer fdatasyncs the data file
 once per commit, appends the WAL record (key, offset, length, CRC32C) and commits it ->
 only then is the block published and the put acknowledged.  Remove and overwrite free the
-old extent only after their record is durable.  Recovery replays checkpoint + WAL and
-rebuilds the allocator with reserve(); blocks whose bytes do not match their CRC are
-dropped (eagerly at open, or lazily at the first read: ``verify``).
+old extent only after their record is durable.  Recovery replays checkpoint + WAL
+(store/blockmap.py) and rebuilds the allocator in one sweep; the checkpoint's blocks stay
+rows of columns until first touched (no object per block at open); blocks whose bytes do
+not match their CRC are dropped (eagerly at open, or lazily at the first read: ``verify``).
 
 Construction is synchronous and recovers (``SsdTier(...)``); ``await SsdTier.open(...)``
 runs the same in a thread.  Async methods must run on one event loop.
@@ -18,50 +19,43 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
+import copy
 import errno
 import functools
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
 from typing import Iterator, Optional
+
+import numpy as np
 
 from quillcache import faults
 from quillcache.fsutil import fsync_dir, pread_full
 from quillcache._native.alloc import MAX_UNITS, OffsetAllocator
 from quillcache._native.crc import crc32c  # any contiguous buffer, in place, GIL released when large
 from quillcache._native.wal import WAL_SEGMENT_BYTES, WalReader, WalWriter
-from quillcache.errors import InvalidArgument, NotFound, QuillCacheError, ReadOnlyError
-from quillcache.model import KvBlockKey, decode_key, encode_key
+from quillcache.errors import InvalidArgument, NotFound, ReadOnlyError
+from quillcache.model import KEY_FORMAT_VERSION, KvBlockKey, decode_key, encode_key
+from quillcache.store.blockmap import (  # read_checkpoint, Replay, CorruptCheckpoint: re-exported
+    ANY_OFFSET, REASON_CRC, REASON_RECOVERY, REASON_REMOVE, BlockMap, CorruptCheckpoint, Replay,
+    encode_put, encode_remove, read_checkpoint, write_checkpoint,
+)
 from quillcache.store.commit import GroupCommitter
+from quillcache.store.ssdread import READ_BACKENDS, READ_THREADS, SsdReader, read_and_check  # noqa: F401 (READ_THREADS re-exported)
 
 __all__ = ["SsdTier", "crc32c", "DATA_NAME", "CHECKPOINT_NAME", "WAL_DIR_NAME", "CorruptCheckpoint",
            "read_checkpoint", "Replay"]
 
 log = logging.getLogger("quillcache.store.ssd")
 
-# ---- format and tunables (docs/ssd-format.md) -------------------------------------------------
+# ---- format and tunables (docs/ssd-format.md; records and checkpoint: store/blockmap.py) -------
 DATA_NAME = "data.qc"
 CHECKPOINT_NAME = "checkpoint"
 CHECKPOINT_TMP = "checkpoint.tmp"
 WAL_DIR_NAME = "wal"
-REC_PUT = 1                       # payload: type, key_len u16, key, offset u64, length u32, crc u32
-REC_REMOVE = 2                    # payload: type, key_len u16, key, offset u64 (ANY_OFFSET), reason u8
-ANY_OFFSET = (1 << 64) - 1        # a REMOVE that removes whatever extent the key has
-REASON_REMOVE = 0                 # remove/evict by the caller
-REASON_CRC = 1                    # the block's bytes did not match its CRC: dropped
-REASON_RECOVERY = 2               # recovery could not keep the block (overlap, out of range)
-CKPT_MAGIC = b"QCSSDCK1"
-CKPT_VERSION = 1
-_HDR = struct.Struct("<BH")
-_PUT_TAIL = struct.Struct("<QII")
-_REM_TAIL = struct.Struct("<QB")
-_CKPT_HEAD = struct.Struct("<8sIIQQQ")   # magic, version, unit, capacity, lsn, count
-_CKPT_ENTRY = struct.Struct("<HQIIQ")    # key_len, offset, length, crc, lsn
-_U32 = struct.Struct("<I")
+__all__ += ["ANY_OFFSET", "REASON_CRC", "REASON_RECOVERY", "REASON_REMOVE", "encode_put", "encode_remove"]
 
 DEFAULT_UNIT = 4096               # bytes: allocation unit and O_DIRECT alignment
 MIN_DIRECT_UNIT = 512             # bytes: smallest unit usable with O_DIRECT
@@ -70,37 +64,9 @@ MAX_BLOCK_LIMIT = 1 << 30         # bytes: largest max_block_bytes (length is a 
 MAX_KEY_BYTES = 65535             # bytes: an encoded key (u16 length in records)
 BOUNCE_BYTES = 4 << 20            # bytes per O_DIRECT bounce buffer (a larger block goes in pieces)
 BOUNCE_BUFFERS = 4                # bounce buffers in the mmap'd pool (writes in flight at once)
-READ_THREADS = 4                  # threads of the read pool: SSD reads (+ CRC) in flight at once
 VERIFY_CHUNK = 8 << 20            # bytes: read size of eager verification
 DEFAULT_CHECKPOINT_RECORDS = 65536       # WAL records between periodic checkpoints
 DEFAULT_CHECKPOINT_WAL_BYTES = 64 << 20  # WAL bytes between periodic checkpoints
-
-
-# ---- records ---------------------------------------------------------------------------------------
-def encode_put(kb: bytes, offset: int, length: int, crc: int) -> bytes:
-    return _HDR.pack(REC_PUT, len(kb)) + kb + _PUT_TAIL.pack(offset, length, crc)
-
-
-def encode_remove(kb: bytes, offset: int = ANY_OFFSET, reason: int = REASON_REMOVE) -> bytes:
-    return _HDR.pack(REC_REMOVE, len(kb)) + kb + _REM_TAIL.pack(offset, reason)
-
-
-def decode_record(payload: bytes):
-    """-> ("put", key_bytes, offset, length, crc) | ("remove", key_bytes, offset, reason); ValueError."""
-    if len(payload) < _HDR.size:
-        raise ValueError("record shorter than its header")
-    rtype, klen = _HDR.unpack_from(payload, 0)
-    pos = _HDR.size + klen
-    kb = bytes(payload[_HDR.size:pos])
-    if rtype == REC_PUT:
-        if len(payload) != pos + _PUT_TAIL.size:
-            raise ValueError(f"put record of {len(payload)} bytes, expected {pos + _PUT_TAIL.size}")
-        return ("put", kb) + _PUT_TAIL.unpack_from(payload, pos)
-    if rtype == REC_REMOVE:
-        if len(payload) != pos + _REM_TAIL.size:
-            raise ValueError(f"remove record of {len(payload)} bytes, expected {pos + _REM_TAIL.size}")
-        return ("remove", kb) + _REM_TAIL.unpack_from(payload, pos)
-    raise ValueError(f"unknown record type {rtype}")
 
 
 class _Entry:
@@ -146,7 +112,7 @@ class SsdTier:
     """SsdTier(path_or_dir, capacity, *, wal_dir=None, unit=4096, direct_io=True, verify="lazy",
     commit_window_s=0.001, sync="group", wal_backend="auto", segment_bytes=WAL_SEGMENT_BYTES,
     max_block_bytes=min(64 MiB, capacity), max_blocks=None, checkpoint_records=65536,
-    checkpoint_wal_bytes=64 MiB)
+    checkpoint_wal_bytes=64 MiB, read_backend="auto")
 
     ``path_or_dir``: a directory (data file ``data.qc``, ``checkpoint``, WAL in ``wal/``) or the
     path of the data file itself (then ``wal_dir`` is required; the checkpoint sits beside it
@@ -159,8 +125,10 @@ class SsdTier:
                  sync: str = "group", wal_backend: str = "auto", segment_bytes: int = WAL_SEGMENT_BYTES,
                  max_block_bytes: Optional[int] = None, max_blocks: Optional[int] = None,
                  checkpoint_records: int = DEFAULT_CHECKPOINT_RECORDS,
-                 checkpoint_wal_bytes: int = DEFAULT_CHECKPOINT_WAL_BYTES) -> None:
+                 checkpoint_wal_bytes: int = DEFAULT_CHECKPOINT_WAL_BYTES, read_backend: str = "auto") -> None:
         # -- every limit checked before anything is created
+        if read_backend not in READ_BACKENDS:
+            raise InvalidArgument(f"read_backend must be one of {', '.join(READ_BACKENDS)}, got {read_backend!r}")
         if verify not in ("lazy", "eager"):
             raise InvalidArgument(f"verify must be 'lazy' or 'eager', got {verify!r}")
         if sync not in ("group", "always"):
@@ -198,7 +166,12 @@ class SsdTier:
         self.max_block_bytes = max_block_bytes
         self.checkpoint_records = checkpoint_records
         self.checkpoint_wal_bytes = checkpoint_wal_bytes
-        self._map: dict[KvBlockKey, _Entry] = {}
+        # encoded key -> entry of every block written, read or replayed in this process; the
+        # blocks recovered from the checkpoint and not touched since stay rows of _cold
+        # (columns, no object per block) with their allocator handles in _cold_handles
+        self._map: dict[bytes, _Entry] = {}
+        self._cold = BlockMap()
+        self._cold_handles = np.zeros(0, np.uint64)
         self._inflight: collections.Counter = collections.Counter()
         self._fd = self._rfd = -1
         self._bounce: Optional[_BouncePool] = None
@@ -207,7 +180,7 @@ class SsdTier:
         self._ckpt_base_records = 0     # committed WAL records at the last checkpoint
         self._ckpt_wal_bytes = 0        # WAL bytes written at the last checkpoint
         self._ckpt_task: Optional[asyncio.Task] = None
-        self._reader: Optional[concurrent.futures.ThreadPoolExecutor] = None   # started at the first read
+        self._reads: Optional[SsdReader] = None          # reads off the event loop (store/ssdread.py)
         self._counters = dict.fromkeys(
             ("puts", "removes", "reads", "crc_failures", "recovered_blocks", "dropped_blocks",
              "wal_corrupt_bytes", "wal_tail_bytes", "checkpoints", "data_syncs"), 0)
@@ -223,6 +196,7 @@ class SsdTier:
         try:
             self._counters["wal_tail_bytes"] = self._wal.recovered_tail_bytes
             self._open_data(direct_io)
+            self._reads = SsdReader(self._rfd, read_backend)
             self._committer = GroupCommitter(self._wal, window_s=commit_window_s, sync=sync,
                                              before_commit=self._sync_data,
                                              after_batch=self._after_batch)
@@ -274,9 +248,9 @@ class SsdTier:
                                        BOUNCE_BUFFERS)
 
     def _close_files(self) -> None:
-        if self._reader is not None:
-            self._reader.shutdown(wait=True)     # no read may outlive the descriptors
-            self._reader = None
+        if self._reads is not None:
+            self._reads.close()                  # no read may outlive the descriptors
+            self._reads = None
         for fd in (self._fd, self._rfd):
             if fd >= 0:
                 os.close(fd)
@@ -360,9 +334,9 @@ class SsdTier:
 
     def _recover(self, max_blocks: Optional[int]) -> None:
         t0 = time.perf_counter()
-        ckpt_lsn, entries = self._load_checkpoint()
+        ckpt_lsn, table = self._load_checkpoint()
         reader = WalReader(self.wal_dir)
-        replay = Replay(ckpt_lsn, entries)
+        replay = Replay(ckpt_lsn, table)
         for lsn, payload in reader:
             replay(lsn, payload)
         replayed = replay.replayed
@@ -373,25 +347,8 @@ class SsdTier:
             log.error("WAL %s: %d bytes dropped (%s)", self.wal_dir, nbytes, reason)
             self._counters["wal_corrupt_bytes"] += nbytes
         self.wal_corruption = list(reader.corruption)
-        for off, length, _, _ in entries.values():
-            if off + _round_up(length, self.unit) > self.capacity:
-                raise InvalidArgument(f"capacity {self.capacity} is smaller than the existing data in "
-                                      f"{self.data_path} (an extent ends at {off + length}): open it with "
-                                      f"a capacity of at least {_round_up(off + length, self.unit)}")
         self._allocator = OffsetAllocator(self.capacity, self.unit, max_blocks)
-        drops = []                           # (kb, offset, reason, handle or None)
-        # newest first: if a lost record left two blocks claiming one extent, the newer one wins
-        for kb, (off, length, crc, lsn) in sorted(entries.items(), key=lambda kv: kv[1][3], reverse=True):
-            try:
-                key = decode_key(kb)
-                if off % self.unit or length == 0:
-                    raise ValueError(f"unaligned or empty extent ({off}, {length})")
-                handle = self._allocator.reserve(off, length)
-            except ValueError as exc:
-                log.error("recovery: block at offset %d (%d bytes) dropped: %s", off, length, exc)
-                drops.append((kb, off, REASON_RECOVERY, None))
-                continue
-            self._map[key] = _Entry(kb, off, length, crc, handle, lsn)
+        drops = self._rebuild(table)         # (kb, offset, reason, handle or None)
         if self.verify == "eager":
             self._verify_all(drops)
         if drops:
@@ -406,15 +363,111 @@ class SsdTier:
         faults.killpoint("mid_recovery")
         if replayed or drops:
             self._write_checkpoint(self._snapshot(), self._wal.durable_lsn)
-        self._counters["recovered_blocks"] = len(self._map)
+        self._counters["recovered_blocks"] = len(self)
         self.recovery_seconds = time.perf_counter() - t0
         log.info("SSD tier %s recovered: %d blocks, %d dropped, %d WAL records replayed in %.3f s",
-                 self.directory, len(self._map), len(drops), replayed, self.recovery_seconds)
+                 self.directory, len(self), len(drops), replayed, self.recovery_seconds)
+
+    def _rebuild(self, table: BlockMap) -> list:
+        """The allocator and the map from the recovered ``table`` (checkpoint rows + what the
+        WAL changed after it), without an object per checkpoint row: the rows stay columns
+        (``_cold``) until a block is first touched.  Returns the blocks it could not keep."""
+        changed = list(table.changed.items())
+        table.changed = {}
+        rows = np.flatnonzero(table.alive)
+        # every extent: the live checkpoint rows, then the changed entries
+        n_rows = len(rows)
+        offset = np.concatenate((table.offset[rows], np.fromiter((v[0] for _, v in changed), np.uint64, len(changed))))
+        length = np.concatenate((table.length[rows], np.fromiter((v[1] for _, v in changed), np.uint32, len(changed))))
+        lsn = np.concatenate((table.lsn[rows], np.fromiter((v[3] for _, v in changed), np.uint64, len(changed))))
+        unit = self.unit
+        end = offset + (length.astype(np.uint64) + (unit - 1)) // unit * unit
+        if len(end) and int(end.max()) > self.capacity:
+            i = int(np.argmax(end))
+            raise InvalidArgument(f"capacity {self.capacity} is smaller than the existing data in "
+                                  f"{self.data_path} (an extent ends at {int(offset[i]) + int(length[i])}): open "
+                                  f"it with a capacity of at least {int(end[i])}")
+        kb_of = (lambda i: table.key_of(int(rows[i])) if i < n_rows else changed[i - n_rows][0])
+        version_ok = np.ones(len(offset), dtype=bool)
+        if n_rows:
+            version_ok[:n_rows] = np.frombuffer(table.blob, np.uint8)[
+                table.key_off[:-1][rows].astype(np.int64)] == KEY_FORMAT_VERSION
+        for i, (kb, _) in enumerate(changed):
+            version_ok[n_rows + i] = bool(kb) and kb[0] == KEY_FORMAT_VERSION
+        bad = (offset % unit != 0) | (length == 0) | ~version_ok
+        drops = []                           # (kb, offset, reason, handle or None)
+        for i in np.flatnonzero(bad).tolist():
+            log.error("recovery: block at offset %d (%d bytes) dropped: %s", int(offset[i]), int(length[i]),
+                      "not an encoded key of this format" if not version_ok[i] else
+                      f"unaligned or empty extent ({int(offset[i])}, {int(length[i])})")
+            drops.append((kb_of(i), int(offset[i]), REASON_RECOVERY, None))
+        order = np.argsort(offset, kind="stable")      # rows are in offset order: linear
+        order = order[~bad[order]]
+        keep = self._resolve_overlaps(order, offset, end, lsn)
+        for i in np.setdiff1d(order, keep, assume_unique=True).tolist():
+            log.error("recovery: block at offset %d (%d bytes) dropped: it overlaps a newer block",
+                      int(offset[i]), int(length[i]))
+            drops.append((kb_of(i), int(offset[i]), REASON_RECOVERY, None))
+        handles = np.zeros(len(offset), np.uint64)
+        kept_handles = np.zeros(len(keep), np.uint64)
+        self._allocator.reserve_many(np.ascontiguousarray(offset[keep]), length[keep].astype(np.uint64),
+                                     kept_handles)            # ascending offsets: one sweep
+        handles[keep] = kept_handles
+        kept = np.zeros(len(offset), dtype=bool)
+        kept[keep] = True
+        for i in np.flatnonzero(~kept[:n_rows]).tolist():
+            table.kill(int(rows[i]))
+        self._cold = table
+        self._cold_handles = np.zeros(table.rows, np.uint64)
+        self._cold_handles[rows] = handles[:n_rows]
+        for i, (kb, (off, n, crc, elsn)) in enumerate(changed):
+            if kept[n_rows + i]:
+                self._map[kb] = _Entry(kb, off, n, crc, int(handles[n_rows + i]), elsn)
+        return drops
+
+    @staticmethod
+    def _resolve_overlaps(order, offset, end, lsn):
+        """The extents to keep, ascending by offset: where a lost record left blocks claiming
+        the same bytes, the newer (higher lsn) keeps them and the older is dropped."""
+        if len(order) < 2:
+            return order
+        off, e = offset[order], end[order]
+        reach = np.maximum.accumulate(e)
+        clash = np.concatenate(([False], off[1:] < reach[:-1]))   # overlaps an earlier extent
+        if not clash.any():
+            return order
+        group = np.cumsum(~clash)                   # runs of mutually reachable extents
+        keep = ~np.isin(group, group[clash])        # alone in their run: kept as they are
+        for g in np.unique(group[clash]).tolist():
+            members = np.flatnonzero(group == g)
+            taken: list[tuple[int, int]] = []
+            for m in sorted(members.tolist(), key=lambda m: -int(lsn[order[m]])):   # newest first
+                a, b = int(off[m]), int(e[m])
+                if all(b <= x or a >= y for x, y in taken):
+                    taken.append((a, b))
+                    keep[m] = True
+        return order[keep]
+
+    def _warm(self, kb: bytes) -> Optional[_Entry]:
+        """The entry of kb: in the map, or made from its checkpoint row (first touch)."""
+        e = self._map.get(kb)
+        if e is None and self._cold.rows_alive:
+            row = self._cold.row_of(kb)
+            if row >= 0:
+                off, length, crc, elsn = self._cold.row(row)
+                e = self._map[kb] = _Entry(kb, off, length, crc, int(self._cold_handles[row]), elsn)
+                self._cold.kill(row)
+        return e
+
+    def _warm_all(self) -> None:
+        for kb in list(self._cold):
+            self._warm(kb)
 
     def _verify_all(self, drops: list) -> None:
+        self._warm_all()
         buf = bytearray(min(VERIFY_CHUNK, max(self.max_block_bytes, 1)))
         bmv = memoryview(buf)
-        for key, e in sorted(self._map.items(), key=lambda kv: kv[1].offset):
+        for kb, e in sorted(self._map.items(), key=lambda kv: kv[1].offset):
             crc = 0
             done = 0
             ok = True
@@ -428,33 +481,25 @@ class SsdTier:
             if ok and crc == e.crc:
                 e.verified = True
                 continue
-            log.error("recovery: block %r at offset %d failed its CRC check: dropped", key, e.offset)
+            log.error("recovery: block %r at offset %d failed its CRC check: dropped", kb, e.offset)
             self._counters["crc_failures"] += 1
-            del self._map[key]
+            del self._map[kb]
             drops.append((e.kb, e.offset, REASON_CRC, e.handle))
 
     # ---- checkpoints ----------------------------------------------------------------------------------
-    def _snapshot(self) -> list:
-        return [(e.kb, e.offset, e.length, e.crc, e.lsn) for e in self._map.values()]
+    def _snapshot(self):
+        """The published map now (on the loop): the live checkpoint rows (a copy of which are
+        live; the columns never change) and an entry tuple for every block in the map."""
+        cold = copy.copy(self._cold)
+        cold.alive = self._cold.alive.copy()
+        return cold, [(e.kb, e.offset, e.length, e.crc, e.lsn) for e in self._map.values()]
 
-    def _write_checkpoint(self, snapshot: list, lsn: int) -> None:
+    def _write_checkpoint(self, snapshot, lsn: int) -> None:
         """Snapshot -> temp file, fsync, rename, fsync dir, then drop the WAL segments it covers."""
-        out = bytearray(_CKPT_HEAD.pack(CKPT_MAGIC, CKPT_VERSION, self.unit, self.capacity, lsn, len(snapshot)))
-        for kb, off, length, crc, elsn in snapshot:
-            out += _CKPT_ENTRY.pack(len(kb), off, length, crc, elsn)
-            out += kb
-        out += _U32.pack(crc32c(out))
+        cold, hot = snapshot
         d = os.path.dirname(self.checkpoint_path)
         tmp = os.path.join(d, CHECKPOINT_TMP)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            mv = memoryview(out)
-            done = 0
-            while done < len(out):
-                done += os.write(fd, mv[done:])
-            os.fsync(fd)                     # the new checkpoint's bytes are durable before its name
-        finally:
-            os.close(fd)
+        write_checkpoint(tmp, self.unit, self.capacity, lsn, cold.live_table(), hot)
         faults.killpoint("mid_checkpoint")
         os.rename(tmp, self.checkpoint_path)  # atomic: a crash leaves the old or the new one
         fsync_dir(d)                        # the rename is durable before the WAL it covers goes
@@ -525,16 +570,16 @@ class SsdTier:
             # data before metadata: the record is appended only after the bytes were written,
             # and the committer fdatasyncs the data file before it commits the record
             await self._committer.submit(encode_put(kb, alloc.offset, len(mv), crc),
-                                         functools.partial(self._apply_put, key, entry), data_sync=True)
+                                         functools.partial(self._apply_put, entry), data_sync=True)
         finally:
             self._inflight[key] -= 1
             if not self._inflight[key]:
                 del self._inflight[key]
 
-    def _apply_put(self, key: KvBlockKey, entry: _Entry, lsn: int) -> None:
+    def _apply_put(self, entry: _Entry, lsn: int) -> None:
         entry.lsn = lsn
-        old = self._map.get(key)
-        self._map[key] = entry               # published only now: the record is durable
+        old = self._warm(entry.kb)
+        self._map[entry.kb] = entry          # published only now: the record is durable
         if old is not None:
             self._free_extent(old)            # the new record is durable: no recovery points at old
         self._counters["puts"] += 1
@@ -550,37 +595,40 @@ class SsdTier:
             raise
         entry = _Entry(kb, alloc.offset, len(mv), crc, alloc.handle, verified=True)
         lsn = self._committer.commit_now([encode_put(kb, alloc.offset, len(mv), crc)], data_sync=True)
-        self._apply_put(key, entry, lsn)
+        self._apply_put(entry, lsn)
         self._committer.applied_lsn = lsn
 
     async def remove(self, key: KvBlockKey) -> bool:
         """Remove the block; True if it was there.  The extent is freed once the record is durable."""
         self._check_writable()
-        if key not in self._map and not self._inflight.get(key):
+        kb = encode_key(key)
+        if self._warm(kb) is None and not self._inflight.get(key):
             return False
-        rec = encode_remove(encode_key(key))
-        return await asyncio.shield(self._committer.submit(rec, functools.partial(self._apply_remove, key)))
+        rec = encode_remove(kb)
+        return await asyncio.shield(self._committer.submit(rec, functools.partial(self._apply_remove, kb)))
 
     def remove_sync(self, key: KvBlockKey) -> bool:
         self._check_writable()
-        if key not in self._map:
+        kb = encode_key(key)
+        if self._warm(kb) is None:
             return False
-        lsn = self._committer.commit_now([encode_remove(encode_key(key))], data_sync=False)
+        lsn = self._committer.commit_now([encode_remove(kb)], data_sync=False)
         self._committer.applied_lsn = lsn
-        return self._apply_remove(key, lsn)
+        return self._apply_remove(kb, lsn)
 
-    def _apply_remove(self, key: KvBlockKey, lsn: int) -> bool:
-        e = self._map.pop(key, None)
+    def _apply_remove(self, kb: bytes, lsn: int) -> bool:
+        e = self._warm(kb)
         if e is None:
             return False
+        del self._map[kb]
         self._free_extent(e)                 # the remove record is durable: nothing points here now
         self._counters["removes"] += 1
         return True
 
     def _drop(self, key: KvBlockKey, entry: _Entry, why: str) -> None:
         """Unpublish a block whose bytes are bad; free its extent once the drop record is durable."""
-        if self._map.get(key) is entry:
-            del self._map[key]
+        if self._map.get(entry.kb) is entry:
+            del self._map[entry.kb]
         self._counters["crc_failures"] += 1
         self._counters["dropped_blocks"] += 1
         log.error("SSD block %r at offset %d (%d bytes) dropped: %s", key, entry.offset, entry.length, why)
@@ -615,7 +663,7 @@ class SsdTier:
         """(entry, destination view of its length) for a read; the checks of every read."""
         if self._closed:
             raise InvalidArgument("the SSD tier is closed")
-        e = self._map.get(key)
+        e = self._warm(encode_key(key))
         if e is None:
             raise NotFound(f"block not on the SSD tier: {key}")
         mv = memoryview(buffer)
@@ -626,16 +674,6 @@ class SsdTier:
         if len(mv) < e.length:
             raise InvalidArgument(f"buffer of {len(mv)} bytes is smaller than the {e.length}-byte block")
         return e, mv[:e.length]
-
-    def _read_extent(self, e: _Entry, dst: memoryview) -> str:
-        """Read and check one extent (any thread: preadv and the CRC release the GIL);
-        returns "" when the bytes are good, else why not (and ``dst`` is zeroed)."""
-        faults.ssd_read_delay()
-        n = pread_full(self._rfd, dst, e.offset)
-        if n == e.length and crc32c(dst) == e.crc:
-            return ""
-        dst[:] = bytes(e.length)              # bad bytes are never handed out
-        return "short read" if n != e.length else "CRC32C mismatch"
 
     def _read_done(self, key: KvBlockKey, e: _Entry, why: str) -> int:
         if why:
@@ -652,34 +690,33 @@ class SsdTier:
         NotFound if absent or if its bytes do not match the CRC (then it is dropped and counted,
         and the buffer's first ``length`` bytes are zeroed: bad bytes are never handed out)."""
         e, dst = self._read_target(key, buffer)
-        return self._read_done(key, e, self._read_extent(e, dst))
+        return self._read_done(key, e, read_and_check(self._rfd, dst, e.offset, e.crc))
 
     async def read_into_async(self, key: KvBlockKey, buffer) -> int:
-        """``read_into`` off the event loop: the read and its CRC check run in the tier's
-        read pool (READ_THREADS threads); the extent is kept from reuse until it ends.
+        """``read_into`` off the event loop: through io_uring, completed on the loop, or in
+        the tier's read pool where io_uring is refused (store/ssdread.py); the extent is
+        kept from reuse until the read ends.
 
         A block removed or replaced meanwhile was read from its old extent, still intact:
         its bytes are those of the version that was current when the read started."""
         e, dst = self._read_target(key, buffer)
-        if self._reader is None:
-            self._reader = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="qc-ssd-read")
         e.readers += 1
         try:
-            why = await asyncio.get_running_loop().run_in_executor(self._reader, self._read_extent, e, dst)
+            why = await self._reads.read_extent(dst, e.offset, e.crc)
         finally:
             e.readers -= 1
             if e.freed and not e.readers and not self._closed:
                 self._allocator.free(e.handle)
-        if why and self._map.get(key) is not e:
+        if why and self._map.get(e.kb) is not e:
             raise NotFound(f"block not on the SSD tier: {key}")
         return self._read_done(key, e, why)
 
     def read_view(self, key: KvBlockKey) -> memoryview:
         """The block's verified bytes in a new buffer."""
-        e = self._map.get(key)
-        if e is None:
+        size = self.size_of(key)
+        if size is None:
             raise NotFound(f"block not on the SSD tier: {key}")
-        buf = bytearray(e.length)
+        buf = bytearray(size)
         self.read_into(key, buf)
         return memoryview(buf)
 
@@ -700,26 +737,45 @@ class SsdTier:
         is offered and callers read (copy) the bytes instead."""
         if self._closed or not self.direct_io:
             return None
-        e = self._map.get(key)
+        e = self._map.get(encode_key(key))        # a block not touched yet is not verified
         if e is None or not e.verified:
             return None
         return (self._rfd, e.offset, e.length, e.crc)
 
     def contains(self, key: KvBlockKey) -> bool:
-        return key in self._map
+        return self.size_of(key) is not None
 
     def __contains__(self, key) -> bool:
-        return key in self._map
+        return isinstance(key, KvBlockKey) and self.size_of(key) is not None
 
     def size_of(self, key: KvBlockKey) -> Optional[int]:
-        e = self._map.get(key)
-        return None if e is None else e.length
+        """The block's length, or None when absent (a recovered block stays untouched)."""
+        kb = encode_key(key)
+        e = self._map.get(kb)
+        if e is not None:
+            return e.length
+        row = self._cold.row_of(kb) if self._cold.rows_alive else -1
+        return None if row < 0 else int(self._cold.length[row])
 
     def keys(self) -> list:
-        return list(self._map)
+        """Every published key (decodes each: tools and tests)."""
+        return [decode_key(kb) for kb in self._encoded_keys()]
+
+    def _encoded_keys(self) -> list:
+        return list(self._map) + list(self._cold)
 
     def __len__(self) -> int:
-        return len(self._map)
+        return len(self._map) + self._cold.rows_alive
+
+    @property
+    def read_backend(self) -> str:
+        """How reads leave the event loop: "io_uring" or "pool" (store/ssdread.py)."""
+        return self._reads.backend if self._reads is not None else "closed"
+
+    @property
+    def untouched(self) -> int:
+        """Blocks recovered at open and not touched since (no entry object made yet)."""
+        return self._cold.rows_alive
 
     @property
     def used(self) -> int:
@@ -729,25 +785,40 @@ class SsdTier:
     def allocator(self) -> OffsetAllocator:
         return self._allocator
 
-    def blocks(self) -> Iterator[tuple]:
-        """(key, encoded key, length) of every published block (the store adopts them at start)."""
-        for k, e in self._map.items():
-            yield k, e.kb, e.length
+    def block_table(self) -> tuple:
+        """(key blob, key_off, lengths) of every published block, encoded key i being
+        ``blob[key_off[i]:key_off[i + 1]]``: what the store checks its index against at
+        start, without an object per block."""
+        blob, key_off, _offset, length, _crc, _lsn = self._cold.live_table()
+        if not self._map:
+            return blob, key_off, length
+        hot = list(self._map.values())
+        kbs = b"".join(e.kb for e in hot)
+        ends = np.cumsum([len(e.kb) for e in hot], dtype=np.uint64) + key_off[-1]
+        return (bytes(blob) + kbs, np.concatenate((key_off, ends)),
+                np.concatenate((length, np.fromiter((e.length for e in hot), np.uint32, len(hot)))))
 
     def entries(self) -> Iterator[tuple]:
         """(key, offset, length, crc) of every published block (tools and the crash checker)."""
-        for k, e in self._map.items():
-            yield k, e.offset, e.length, e.crc
+        for kb in self._encoded_keys():
+            e = self._map.get(kb)
+            if e is not None:
+                yield decode_key(kb), e.offset, e.length, e.crc
+            else:
+                off, length, crc, _ = self._cold.row(self._cold.row_of(kb))
+                yield decode_key(kb), off, length, crc
 
     def stats(self) -> dict:
         ws = self._wal.stats() if not self._wal.closed else {"bytes_written": 0, "backend": self._wal.backend}
         puts = self._counters["puts"]
-        return {"blocks": len(self._map), "bytes": sum(e.length for e in self._map.values()),
+        return {"blocks": len(self), "bytes": sum(e.length for e in self._map.values()) + self._cold.live_bytes(),
+                "untouched_blocks": self._cold.rows_alive,
                 "used": self.used, "capacity": self.capacity, **self._counters,
                 "wal_backend": ws["backend"], "direct_io": self.direct_io, "verify": self.verify,
                 "commits": self._committer.commits, **self._committer.latency(),
                 "wal_bytes_per_put": round(ws["bytes_written"] / puts, 1) if puts else 0.0,
                 "recovery_seconds": round(self.recovery_seconds, 6),
+                **(self._reads.stats() if self._reads is not None else {"read_backend": "closed"}),
                 "read_only": self._failed is not None or self._committer.failed is not None}
 
     # ---- close -------------------------------------------------------------------------------------------
@@ -775,7 +846,7 @@ class SsdTier:
             self._close_files()
 
     def __repr__(self) -> str:
-        return (f"<SsdTier {self.directory!r} blocks={len(self._map)} used={self.used if not self._closed else '-'}"
+        return (f"<SsdTier {self.directory!r} blocks={len(self)} used={self.used if not self._closed else '-'}"
                 f" capacity={self.capacity} direct_io={self.direct_io}>")
 
 
@@ -786,70 +857,3 @@ def _ignore_result(fut: asyncio.Future) -> None:
 
 def _round_up(n: int, unit: int) -> int:
     return (n + unit - 1) // unit * unit
-
-
-# ---- checkpoint + WAL replay: the tier's recovery and `quillctl wal verify` share these ---------
-class CorruptCheckpoint(QuillCacheError):
-    """A checkpoint the tier refuses to start on; ``problem`` says why in a few words."""
-
-    def __init__(self, path: str, problem: str) -> None:
-        self.path = path
-        self.problem = problem
-        super().__init__(f"checkpoint {path} is corrupt ({problem}): refusing to start; "
-                         f"move it away to recover from the WAL alone")
-
-
-def read_checkpoint(path: str) -> tuple[int, Optional[int], dict]:
-    """``(lsn, unit, {key bytes: [offset, length, crc, lsn]})`` of the checkpoint at ``path``;
-    ``(0, None, {})`` when there is none.  Raises CorruptCheckpoint (never a struct error on
-    bad bytes) and OSError when the file cannot be read."""
-    if not os.path.exists(path):
-        return 0, None, {}
-    with open(path, "rb") as f:
-        blob = f.read()
-    if len(blob) < _CKPT_HEAD.size + 4 or crc32c(memoryview(blob)[:-4]) != _U32.unpack_from(blob, len(blob) - 4)[0]:
-        raise CorruptCheckpoint(path, "checksum mismatch")
-    magic, version, unit, _capacity, lsn, count = _CKPT_HEAD.unpack_from(blob, 0)
-    if magic != CKPT_MAGIC or version != CKPT_VERSION:
-        raise CorruptCheckpoint(path, f"not a version {CKPT_VERSION} checkpoint")
-    entries = {}
-    pos, end = _CKPT_HEAD.size, len(blob) - 4
-    for _ in range(count):
-        if pos + _CKPT_ENTRY.size > end:
-            raise CorruptCheckpoint(path, "shorter than its entry count")
-        klen, off, length, crc, elsn = _CKPT_ENTRY.unpack_from(blob, pos)
-        pos += _CKPT_ENTRY.size
-        if pos + klen > end:
-            raise CorruptCheckpoint(path, "shorter than its entry count")
-        entries[blob[pos:pos + klen]] = [off, length, crc, elsn]
-        pos += klen
-    return lsn, unit, entries
-
-
-class Replay:
-    """The tier's block map rebuilt from a checkpoint and the WAL records after it, exactly
-    as recovery does it: call it with every ``(lsn, payload)`` a WalReader yields."""
-
-    def __init__(self, checkpoint_lsn: int, entries: dict) -> None:
-        self.checkpoint_lsn = checkpoint_lsn
-        self.entries = entries                  # key bytes -> [offset, length, crc, lsn]
-        self.replayed = self.puts = self.removes = 0
-        self.malformed: list[tuple[int, int, str]] = []     # (lsn, bytes, why) of skipped records
-
-    def __call__(self, lsn: int, payload) -> None:
-        if lsn <= self.checkpoint_lsn:
-            return                              # the checkpoint already reflects it
-        self.replayed += 1
-        try:
-            rec = decode_record(payload)
-        except ValueError as exc:
-            self.malformed.append((lsn, len(payload), str(exc)))
-            return
-        if rec[0] == "put":
-            self.puts += 1
-            self.entries[rec[1]] = [rec[2], rec[3], rec[4], lsn]
-        else:
-            self.removes += 1
-            cur = self.entries.get(rec[1])
-            if cur is not None and (rec[2] == ANY_OFFSET or rec[2] == cur[0]):
-                del self.entries[rec[1]]

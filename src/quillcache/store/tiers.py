@@ -34,6 +34,8 @@ import math
 import time
 from typing import Callable, Iterable, Optional
 
+import numpy as np
+
 from quillcache.errors import Busy, CapacityError, InvalidArgument, NotFound, QuillCacheError
 from quillcache.index.art import ArtIndex
 from quillcache.model import (
@@ -210,6 +212,11 @@ class LocalKvStore:
         self._dram_lru = make_policy(eviction)
         self._ssd_lru = make_policy(eviction)
         self._entries: dict[KvBlockKey, _Entry] = {}      # exact-key cache of the index's local records
+        # The SSD blocks recovered at start that have no entry yet: the index's records of
+        # this node are their only record until their first touch (_warm).  Evicted first,
+        # in index order from _untouched_cursor (they are older than anything touched since).
+        self._untouched = 0
+        self._untouched_cursor = b""
         self._handles: dict[int, PutHandle] = {}          # slot seq -> in-flight put
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
@@ -256,54 +263,81 @@ class LocalKvStore:
         if added is not None:
             for entry in list(self._entries.values()):
                 added(entry.key, entry.size)
+            for key, size in self._untouched_blocks():
+                added(key, size)
 
     def _adopt_ssd(self, ssd) -> None:
         """At start: the blocks the SSD tier recovered (CRC-checked per its ``verify``) are
         resident, and the index must say exactly that.  A persistent index comes back with
         its own records; where the two disagree the SSD tier wins: a local record without
         an SSD block is dropped, an SSD block without a record is added; each kind of
-        mismatch is counted (``reconciled``) and logged."""
-        index, holder = self._index, self.holder
-        recorded = index.holder_sizes(holder)   # this node's records as the index recovered them
+        mismatch is counted (``reconciled``) and logged.  No entry is made: a recovered
+        block gets one at its first touch (``_warm``), its index record meanwhile being
+        its only record here."""
         if ssd is None:
-            self._adopt_dropped(set(recorded))
-            return
-        now = self._clock()
-        added = agreed = resized = 0
-        entries, lru, versions = self._entries, self._ssd_lru, self._versions
-        for key, kb, size in ssd.blocks():
-            entry = _Entry(key, size, next(versions), now, kb)
-            entry.ssd_version = entry.version
-            entries[key] = entry
-            lru.insert(key)
-            was = recorded.pop(kb, None)
-            if was == size:
-                agreed += 1
-                continue
-            index.set_holder(key, kb, holder, _IN_SSD, size)
-            if was is None:
-                added += 1
-            else:
-                resized += 1
-        self.reconciled.update(index_agreed=agreed, index_resized=resized,
-                               index_added=added if index.persistent else 0)
-        if index.persistent and added:
+            blob, key_off, lengths = b"", np.zeros(1, np.uint64), np.zeros(0, np.uint32)
+        else:
+            blob, key_off, lengths = ssd.block_table()
+        got = self._index.agree_holder(self.holder, CacheTier.LOCAL_SSD, blob, key_off, lengths)
+        self._untouched = len(lengths)
+        added, resized, dropped = got["added"], got["resized"], got["dropped"]
+        self.reconciled.update(index_agreed=got["agreed"], index_resized=resized,
+                               index_added=added if self._index.persistent else 0, index_dropped=dropped)
+        if self._index.persistent and added:
             log.warning("residency index: %d SSD blocks had no record in the index: added "
                         "(the SSD tier's data wins)", added)
         if resized:
             log.warning("residency index: %d records had another size than their SSD block: "
                         "corrected (the SSD tier's data wins)", resized)
-        self._adopt_dropped(set(recorded))
+        if dropped:
+            log.warning("residency index: %d records of this node name no block of the SSD tier: "
+                        "dropped (the SSD tier's data wins)", dropped)
 
-    def _adopt_dropped(self, stale: set) -> None:
-        if not stale:
+    def _entry(self, key: KvBlockKey, ek: Optional[bytes] = None) -> Optional[_Entry]:
+        """The entry of the exact key, made now if it is a recovered block's first touch."""
+        entry = self._entries.get(key)
+        if entry is None and self._untouched:
+            entry = self._warm(key, ek)
+        return entry
+
+    def _warm(self, key: KvBlockKey, ek: Optional[bytes] = None) -> Optional[_Entry]:
+        """First touch of an SSD block recovered at start: its entry, made from the index's
+        record (after start, a record of this node without an entry is exactly such a block)."""
+        ek = encode_key(key) if ek is None else ek
+        size, tiers = self._index.holder(ek, self.holder)
+        if not tiers:
+            return None
+        entry = _Entry(key, size, next(self._versions), self._clock(), ek)
+        entry.ssd_version = entry.version
+        self._entries[key] = entry
+        self._ssd_lru.insert(key)
+        self._untouched -= 1
+        return entry
+
+    def _untouched_blocks(self):
+        """(key, size) of every recovered block not touched yet (decodes each: O(blocks))."""
+        if not self._untouched:
             return
         index, holder = self._index, self.holder
-        for ek in stale:
-            index.set_holder(None, ek, holder, (), 0)
-        self.reconciled["index_dropped"] = len(stale)
-        log.warning("residency index: %d records of this node name no block of the SSD tier: "
-                    "dropped (the SSD tier's data wins)", len(stale))
+        for ek in sorted(index.keys_of(holder)):
+            key = decode_key(ek)
+            if key not in self._entries:
+                yield key, index.holder(ek, holder)[0]
+
+    def _untouched_victims(self, now: float):
+        """Recovered blocks not touched yet, in index order: the first SSD victims.  Each is
+        warmed as it is offered; the cursor never goes back (a block, once warm, is in the LRU)."""
+        while self._untouched:
+            page, more = self._index.page(b"", self._untouched_cursor, 64, self.holder)
+            for ek in page:
+                self._untouched_cursor = ek
+                key = decode_key(ek)
+                if key in self._entries or self._warm(key, ek) is None:
+                    continue
+                if self._may_evict(key, now, False):
+                    yield key, None
+            if not more:
+                return
 
     def _record(self, entry: _Entry, gone: bool = False) -> None:
         """Write entry's residency (tiers, size) to the index: call after every change of
@@ -329,9 +363,10 @@ class LocalKvStore:
             self._on_added(key, size)
 
     def _drop_entry(self, key: KvBlockKey) -> Optional[_Entry]:
-        entry = self._entries.pop(key, None)
+        entry = self._entry(key)
         if entry is None:
             return None
+        del self._entries[key]
         self._record(entry, gone=True)
         if self.on_residency is not None:
             self.on_residency(False, key)
@@ -484,6 +519,8 @@ class LocalKvStore:
         the keys skipped because a lease holds them (first pass)."""
         dram = tier == "dram"
         lru = self._dram_lru if dram else self._ssd_lru
+        if not dram and self._untouched:
+            yield from self._untouched_victims(now)
         for soft in ((False, True) if soft_ok else (False,)):
             for key in lru.candidates():
                 slot = self._dram.lookup(key) if dram else None
@@ -611,11 +648,15 @@ class LocalKvStore:
         del self._handles[pending.slot.seq]
         self._dram.put_end(pending)
         now = self._clock()
-        version = next(self._versions)
         entry = self._entries.get(key)
+        ek = None
+        if entry is None and self._untouched:
+            ek = encode_key(key)
+            entry = self._warm(key, ek)
+        version = next(self._versions)
         stale_ssd = False
         if entry is None:
-            entry = _Entry(key, handle.size, version, now)
+            entry = _Entry(key, handle.size, version, now, ek)
             self._entries[key] = entry                 # recorded in the index below
             self._tell_added(key, handle.size)
         else:
@@ -670,7 +711,7 @@ class LocalKvStore:
     def _locate(self, key: KvBlockKey) -> _Entry:
         """The entry to serve for ``key``; raises NotFound / UnsafeReuse (guard)."""
         entry = self._entries.get(key)
-        if entry is not None:
+        if entry is not None or (self._untouched and (entry := self._warm(key)) is not None):
             return entry
         try:
             served = self.guard.resolve_missing(key)
@@ -680,7 +721,7 @@ class LocalKvStore:
             raise
         if served.tenant_id != key.tenant_id or not key.scope.matches(served):
             self._counters["unsafe_served"] += 1
-        return self._entries[served]
+        return self._entry(served)
 
     def get(self, key: KvBlockKey, *, extent_ok: bool = False) -> Lease:
         """A lease on the block's bytes (read-only view); release it (or use ``with``).
@@ -895,12 +936,12 @@ class LocalKvStore:
             return lease.size
 
     def _peek_size(self, key: KvBlockKey) -> int:
-        entry = self._entries.get(key)
+        entry = self._entry(key)
         if entry is None:
             served = self.guard.would_serve(key)
             if served is None:
                 return 0              # the get below raises the guard's error
-            entry = self._entries[served]
+            entry = self._entry(served)
         return entry.size
 
     def exists(self, key: KvBlockKey) -> bool:
@@ -955,8 +996,14 @@ class LocalKvStore:
         index, holder = self._index, self.holder
         held = index.keys_of(holder)
         cached = {e.ek: e for e in self._entries.values()}
-        assert held == set(cached), (f"index holds {len(held - set(cached))} keys the store does not, "
-                                     f"misses {len(set(cached) - held)}")
+        untouched = held - set(cached)
+        assert len(untouched) == self._untouched and set(cached) <= held, (
+            f"index holds {len(untouched)} keys the store has no entry for ({self._untouched} recovered "
+            f"blocks untouched), misses {len(set(cached) - held)}")
+        for ek in untouched:                       # recovered at start, not touched: SSD only
+            size, tiers = index.holder(ek, holder)
+            assert tiers == _IN_SSD and self._ssd is not None and self._ssd.size_of(decode_key(ek)) == size, \
+                (ek, tiers, size)
         for ek, entry in cached.items():
             size, tiers = index.holder(ek, holder)
             want = set()
@@ -1002,7 +1049,7 @@ class LocalKvStore:
         self._check_key(key)
         if not 0 < ttl_s <= MAX_PIN_TTL_S:
             raise InvalidArgument(f"pin ttl {ttl_s!r}: must be in (0, {MAX_PIN_TTL_S}] seconds")
-        entry = self._entries.get(key)
+        entry = self._entry(key)
         if entry is None:
             raise miss_error(key)
         now = self._clock()
@@ -1067,7 +1114,7 @@ class LocalKvStore:
         return False
 
     async def _ssd_remove_if_unowned(self, key: KvBlockKey) -> None:
-        entry = self._entries.get(key)
+        entry = self._entry(key)
         if entry is not None and entry.ssd_version is not None:
             self._ssd_garbage.discard(key)     # a newer durable copy owns the SSD key now
             return
@@ -1194,7 +1241,8 @@ class LocalKvStore:
                      **self._stats["dram"]},
             "guard": self.guard.stats(),
             "store": {"policy": self.policy, "promote_on_get": self.promote_on_get,
-                      "entries": len(self._entries), "leases": len(self._leases),
+                      "entries": len(self._entries), "entries_untouched": self._untouched,
+                      "leases": len(self._leases),
                       "index_records": len(self._index), "index_persistent": self._index.persistent,
                       **{f"{k}_at_start": v for k, v in self.reconciled.items()},
                       "puts_in_flight": len(self._handles), "pinned": len(self._pinned),
@@ -1202,8 +1250,10 @@ class LocalKvStore:
                       "put_wait_seconds": round(self._put_wait_s, 6), **self._counters},
         }
         if self._ssd is not None:
-            out["ssd"] = {"blocks": sum(1 for e in self._entries.values() if e.ssd_version is not None),
-                          "bytes": self._ssd.used, "capacity": self._ssd.capacity, **self._stats["ssd"]}
+            out["ssd"] = {"blocks": self._untouched + sum(1 for e in self._entries.values()
+                                                          if e.ssd_version is not None),
+                          "bytes": self._ssd.used, "capacity": self._ssd.capacity,
+                          "read_backend": self._ssd.read_backend, **self._stats["ssd"]}
         return out
 
     async def close(self) -> None:

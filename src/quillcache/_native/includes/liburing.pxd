@@ -1,7 +1,7 @@
 # cython: language_level=3
-"""liburing declarations used by the WAL (through qc_uring.h, which stubs them out
-when the extension is built without liburing: QC_HAVE_LIBURING=0)."""
-from libc.stdint cimport uint64_t, int32_t, uint32_t, uint8_t
+"""liburing declarations used by the WAL and the SSD read ring (through qc_uring.h, which
+stubs them out when an extension is built without liburing: QC_HAVE_LIBURING=0)."""
+from libc.stdint cimport int64_t, uint64_t, int32_t, uint32_t, uint8_t
 from posix.uio cimport iovec
 
 
@@ -12,6 +12,11 @@ cdef extern from "qc_uring.h" nogil:
 
     unsigned IOSQE_IO_LINK
     unsigned IORING_FSYNC_DATASYNC
+    unsigned IORING_TIMEOUT_ETIME_SUCCESS
+
+    struct __kernel_timespec:
+        int64_t tv_sec
+        long long tv_nsec
 
     struct io_uring:
         pass
@@ -35,3 +40,9 @@ cdef extern from "qc_uring.h" nogil:
     int io_uring_submit_and_wait(io_uring *ring, unsigned wait_nr)
     int io_uring_wait_cqe(io_uring *ring, io_uring_cqe **cqe_ptr)
     void io_uring_cqe_seen(io_uring *ring, io_uring_cqe *cqe)
+    void io_uring_prep_read(io_uring_sqe *sqe, int fd, void *buf, unsigned nbytes, uint64_t offset)
+    void io_uring_prep_timeout(io_uring_sqe *sqe, __kernel_timespec *ts, unsigned count, unsigned flags)
+    void io_uring_sqe_set_data64(io_uring_sqe *sqe, uint64_t data)
+    int io_uring_register_eventfd(io_uring *ring, int fd)
+    int io_uring_submit(io_uring *ring)
+    int io_uring_peek_cqe(io_uring *ring, io_uring_cqe **cqe_ptr)

@@ -14,3 +14,10 @@ cdef extern from "<limits.h>" nogil:
 cdef extern from "<errno.h>" nogil:
     enum: ECANCELED
     enum: EWOULDBLOCK
+    enum: EAGAIN
+    enum: ETIME
+
+cdef extern from "<sys/eventfd.h>" nogil:
+    int eventfd(unsigned int initval, int flags)
+    enum: EFD_CLOEXEC
+    enum: EFD_NONBLOCK

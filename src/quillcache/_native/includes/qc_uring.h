@@ -1,8 +1,9 @@
-/* qc_uring.h - make liburing optional for the WAL extension.
+/* qc_uring.h - make liburing optional for the WAL and the SSD read ring.
  *
  * setup.py defines QC_HAVE_LIBURING to 1 when pkg-config finds liburing.  When it
  * is 0 this header declares just enough of the liburing API (as stubs that fail
- * with -ENOSYS) for wal.pyx to compile; the WAL then runs on pwritev + fdatasync.
+ * with -ENOSYS) for wal.pyx and ioring.pyx to compile; the WAL then runs on pwritev + fdatasync and the
+ * SSD tier reads through its thread pool.
  */
 #ifndef QC_URING_H
 #define QC_URING_H
@@ -22,6 +23,9 @@
 
 #define IOSQE_IO_LINK (1U << 2)
 #define IORING_FSYNC_DATASYNC (1U << 0)
+#define IORING_TIMEOUT_ETIME_SUCCESS (1U << 5)
+
+struct __kernel_timespec { int64_t tv_sec; long long tv_nsec; };
 
 struct io_uring { int qc_unused; };
 struct io_uring_sqe { uint64_t user_data; uint8_t flags; };
@@ -41,6 +45,16 @@ static inline int io_uring_submit_and_wait(struct io_uring *ring, unsigned n) { 
 static inline int io_uring_wait_cqe(struct io_uring *ring, struct io_uring_cqe **c)
 { (void)ring; *c = NULL; return -ENOSYS; }
 static inline void io_uring_cqe_seen(struct io_uring *ring, struct io_uring_cqe *c) { (void)ring; (void)c; }
+static inline void io_uring_prep_read(struct io_uring_sqe *sqe, int fd, void *buf, unsigned n, uint64_t off)
+{ (void)sqe; (void)fd; (void)buf; (void)n; (void)off; }
+static inline void io_uring_prep_timeout(struct io_uring_sqe *sqe, struct __kernel_timespec *ts,
+                                         unsigned count, unsigned flags)
+{ (void)sqe; (void)ts; (void)count; (void)flags; }
+static inline void io_uring_sqe_set_data64(struct io_uring_sqe *sqe, uint64_t data) { (void)sqe; (void)data; }
+static inline int io_uring_register_eventfd(struct io_uring *ring, int fd) { (void)ring; (void)fd; return -ENOSYS; }
+static inline int io_uring_submit(struct io_uring *ring) { (void)ring; return -ENOSYS; }
+static inline int io_uring_peek_cqe(struct io_uring *ring, struct io_uring_cqe **c)
+{ (void)ring; *c = NULL; return -EAGAIN; }
 #endif
 
 #endif /* QC_URING_H */
