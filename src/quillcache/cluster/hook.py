@@ -500,11 +500,8 @@ class ClusterHook(PoolReads):
                 leases.append(lease)
                 items.append((0, lease.size))
         except BaseException as exc:
-            _release(leases)
-            if isinstance(exc, Exception):
-                conn.finish_error(rid, Opcode.FETCH, exc)
-                return
-            raise
+            _fetch_failed(conn, rid, leases, exc)
+            return
         self._reply_fetch(conn, rid, leases, items)
 
     def _reply_fetch(self, conn, rid: int, leases: list, items: list) -> None:
@@ -514,11 +511,8 @@ class ClusterHook(PoolReads):
                 return
             body = wire.encode_fetch_reply(self.epoch, items, self.limits)
         except BaseException as exc:
-            _release(leases)
-            if isinstance(exc, Exception):
-                conn.finish_error(rid, Opcode.FETCH, exc)
-                return
-            raise
+            _fetch_failed(conn, rid, leases, exc)
+            return
         self.counters["fetches_served"] += 1
         conn.finish(rid, Opcode.FETCH, body, [lease.view for lease in leases], crc=True, leases=leases)
 
@@ -581,6 +575,15 @@ class ClusterHook(PoolReads):
 def _release(leases) -> None:
     for lease in leases:
         lease.release()
+
+
+def _fetch_failed(conn, rid: int, leases: list, exc: BaseException) -> None:
+    """A FETCH that failed while holding ``leases``: release them, then answer the error's
+    status; a cancellation (not an ``Exception``) is raised again once they are released."""
+    _release(leases)
+    if not isinstance(exc, Exception):
+        raise exc
+    conn.finish_error(rid, Opcode.FETCH, exc)
 
 
 def default_node_id(cluster_node_id: str, node_id: str) -> str:
