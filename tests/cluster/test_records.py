@@ -33,6 +33,11 @@ def test_records_match_a_dict_oracle(ops):
         want = sorted(Holder(n, e, s) for (n, e), s in oracle.get(i, {}).items())
         assert sorted(store.holders(k(i))) == want
         assert sorted(store.holders_encoded(encode_key(k(i)))) == want
+    # a LOCATE's batched answer: the same holders, less those the view does not accept
+    live = {("n1", 1), ("n2", 2), ("n3", 3), ("n1", 3)}
+    got = store.live_holders([encode_key(k(i)) for i in range(13)], lambda n, e: (n, e) in live)
+    for i in range(13):
+        assert sorted(got[i]) == sorted((n, e, s) for (n, e), s in oracle.get(i, {}).items() if (n, e) in live)
     assert len(store) == sum(len(h) for h in oracle.values())
 
 
@@ -59,6 +64,9 @@ def test_records_share_the_store_index_and_name_this_node_for_its_own_blocks():
     assert sorted(store.holders(k(1))) == [Holder("node-me", 0x2A, 10), Holder("other", 7, 10)]
     assert len(store) == 2 and len(index) == 4          # other nodes' records are in the same index
     assert index.keys_of("me") == {encode_key(k(1))}     # the store's view of its own is untouched
+    assert store.live_holders([encode_key(k(1)), encode_key(k(3))], lambda n, e: True) == [
+        [("node-me", 0x2A, 10), ("other", 7, 10)], []]                   # itself named once
+    assert store.live_holders([encode_key(k(1))], lambda n, e: n != "other") == [[("node-me", 0x2A, 10)]]
     assert store.drop_epoch("other", 7) == 2
     assert store.holders(k(1)) == [Holder("node-me", 0x2A, 10)] and len(index) == 2
     assert store.drop(k(1), "me", 0) == 0 and index.keys_of("me") == {encode_key(k(1))}

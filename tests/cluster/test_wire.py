@@ -68,3 +68,41 @@ def test_the_key_list_decoder_accepts_and_refuses_exactly_what_the_protocol_deco
 def test_the_key_list_decoder_matches_on_valid_lists():
     keys = [b"a", b"bb" * 40, bytes(range(256)) * 2]
     assert wire.decode_locate(messages.encode_keys_request(keys, L), L) == keys
+
+
+def _locate_reply_by_reader(body, limits):
+    """The LOCATE reply read field by field with the checked ``BodyReader``: the reference
+    the one-loop decoder must agree with."""
+    r = messages.BodyReader(body, "LOCATE reply")
+    out = []
+    for _ in range(r.count(limits, 1)):
+        holders = []
+        for _ in range(r.u8("holder count")):
+            node = r.take(r.u8("node id length"), "node id").decode("utf-8")
+            holders.append(Holder(node, r.u64("epoch"), r.u64("size")))
+        out.append(holders)
+    r.end()
+    return out
+
+
+_holders = st.lists(st.lists(st.tuples(st.text(max_size=6), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
+                             max_size=3), max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_holders, st.integers(-40, 3), st.binary(max_size=3), st.integers(0, 40))
+def test_the_locate_reply_decoder_accepts_and_refuses_exactly_what_the_checked_reader_does(per, cut, extra, flip):
+    body = wire.encode_locate_reply([[Holder(*h) for h in hs] for hs in per], L)
+    assert wire.decode_locate_reply(body, L) == [[Holder(*h) for h in hs] for hs in per]
+    body = body[:max(len(body) + cut, 0)] if cut < 0 else body + extra[:cut]
+    if body and flip < len(body):               # a count, a length or a byte of a name changed
+        body = body[:flip] + bytes([body[flip] ^ 0x81]) + body[flip + 1:]
+    try:
+        want = _locate_reply_by_reader(body, L)
+    except (InvalidArgument, UnicodeDecodeError):
+        want = None
+    try:
+        got = wire.decode_locate_reply(body, L)
+    except InvalidArgument:
+        got = None
+    assert got == want

@@ -432,12 +432,7 @@ class ClusterHook(PoolReads):
             conn.finish(rid, op)
         elif op == Opcode.LOCATE:
             self.counters["locates_served"] += 1
-            view, me, epoch = self.view, self.node_id, self.epoch
-            holders = self.records.holders_encoded
-            per_key = [[h for h in holders(k)
-                        if (h.node_id == me and h.epoch == epoch)
-                        or ((m := view.get(h.node_id)) is not None and m.epoch == h.epoch)]
-                       for k in wire.decode_locate(frame.header, self.limits)]
+            per_key = self.records.live_holders(wire.decode_locate(frame.header, self.limits), self._is_live)
             conn.finish(rid, op, wire.encode_locate_reply(per_key, self.limits))
         elif op == Opcode.FETCH:
             self._serve_fetch(conn, rid, frame)
@@ -448,6 +443,13 @@ class ClusterHook(PoolReads):
             conn.spawn(self._cluster_locate(conn, rid, keys))
         else:
             raise InvalidArgument(f"opcode {op:#04x} is not a cluster request")
+
+    def _is_live(self, node_id: str, epoch: int) -> bool:
+        """Whether a holder is this node now, or a member of the view with that epoch."""
+        if node_id == self.node_id:
+            return epoch == self.epoch
+        m = self.view.get(node_id)
+        return m is not None and m.epoch == epoch
 
     def _may_read(self, tenant: str, key: KvBlockKey) -> bool:
         """Whether the requesting tenant may read ``key``, as the holder's own server would

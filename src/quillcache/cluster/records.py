@@ -18,7 +18,7 @@ uses; without a shared index (tests) ``ArtRecordStore`` keeps its own.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 from quillcache.index.art import ArtIndex
 from quillcache.model import CacheTier, KvBlockKey, encode_key
@@ -48,6 +48,7 @@ class RecordStore(Protocol):
     def drop(self, key: KvBlockKey, node_id: str, epoch: int, ekey: Optional[bytes] = None) -> int: ...
     def holders(self, key: KvBlockKey) -> list[Holder]: ...
     def holders_encoded(self, ekey: bytes) -> list[Holder]: ...
+    def live_holders(self, ekeys: Sequence[bytes], live: Callable[[str, int], bool]) -> list[list[tuple[str, int, int]]]: ...
     def drop_epoch(self, node_id: str, epoch: int) -> int: ...
     def epochs(self, node_id: str) -> set[int]: ...
     def nodes(self) -> list[str]: ...
@@ -104,6 +105,38 @@ class ArtRecordStore:
                 mine = True
                 node, epoch = self._local()
                 out.append(Holder(node, epoch, r.bytes))
+        return out
+
+    def live_holders(self, ekeys: Sequence[bytes],
+                     live: Callable[[str, int], bool]) -> list[list[tuple[str, int, int]]]:
+        """A LOCATE's answer: for each encoded key, the (node id, epoch, size) of its
+        holders that ``live(node id, epoch)`` accepts (asked once per holder per call);
+        this node's own blocks are named once, with its current epoch."""
+        parsed, local_holder, records_at = self._parsed, self._local_holder, self._index.records_at
+        verdict: dict[str, Optional[tuple[str, int]]] = {}     # worker id -> (node, epoch) if live
+        out = []
+        append = out.append
+        for ek in ekeys:
+            found = []
+            mine = False
+            for r in records_at(ek):
+                w = r.worker_id
+                if w == local_holder:
+                    if mine:
+                        continue                # one answer for its DRAM and SSD records
+                    mine = True
+                try:
+                    ne = verdict[w]
+                except KeyError:
+                    ne = parsed.get(w)
+                    if ne is None:
+                        ne = self._local() if w == local_holder else None
+                    if ne is not None and not live(*ne):
+                        ne = None
+                    verdict[w] = ne
+                if ne is not None:
+                    found.append((ne[0], ne[1], r.bytes))
+            append(found)
         return out
 
     def drop_epoch(self, node_id: str, epoch: int) -> int:

@@ -40,6 +40,9 @@ _H = struct.Struct("<H")
 _BQ = struct.Struct("<BQ")
 _QQ = struct.Struct("<QQ")
 _names: dict[str, bytes] = {}           # node id -> its text8 bytes (a LOCATE reply names few nodes)
+_names_read: dict[bytes, str] = {}      # the other way, for the decoder
+_holder_items: dict[tuple[str, int, int], bytes] = {}   # (node id, epoch, size) -> its reply bytes
+_COUNTS = [bytes((i,)) for i in range(MAX_HOLDERS + 1)]
 
 
 def _name(node_id: str) -> bytes:
@@ -160,26 +163,78 @@ def decode_locate(body, limits: ProtocolLimits, what: str = "LOCATE") -> list[by
 
 
 def encode_locate_reply(per_key: Sequence[Sequence[Holder]], limits: ProtocolLimits) -> bytes:
+    """``per_key``: (node id, epoch, size) triples (``Holder`` or plain tuples) per key."""
     _check_count(len(per_key), limits, "LOCATE reply")
-    out = bytearray(_I.pack(len(per_key)))
-    pack = _QQ.pack
+    parts = [_I.pack(len(per_key))]
+    append = parts.append
+    encoded = _holder_items
     for holders in per_key:
-        holders = holders[:MAX_HOLDERS]
-        out.append(len(holders))
+        if len(holders) > MAX_HOLDERS:
+            holders = holders[:MAX_HOLDERS]
+        append(_COUNTS[len(holders)])
         for h in holders:
-            out += _name(h.node_id)
-            out += pack(h.epoch, h.size)
-    return bytes(out)
+            raw = encoded.get(h)
+            if raw is None:
+                raw = _holder_item(h)
+            append(raw)
+    return b"".join(parts)
+
+
+def _holder_item(h) -> bytes:
+    """One holder as a LOCATE reply names it: text8 node, u64 epoch, u64 size (cached:
+    a pool has few nodes and blocks of few sizes)."""
+    node_id, epoch, size = h
+    raw = _name(node_id) + _QQ.pack(epoch, size)
+    if len(_holder_items) < 4096:
+        _holder_items[tuple(h)] = raw
+    return raw
 
 
 def decode_locate_reply(body, limits: ProtocolLimits) -> list[list[Holder]]:
-    r = BodyReader(body, "LOCATE reply")
-    n = r.count(limits, 1)
+    """The holders of each key; every count and length is checked before it is used, as
+    ``BodyReader`` would (one loop over the bytes: this runs on every located miss)."""
+    buf = bytes(body)
+    end = len(buf)
+    if end < 4:
+        raise InvalidArgument("LOCATE reply: body truncated in count")
+    n = int.from_bytes(buf[:4], "little")
+    if n > limits.max_batch:
+        raise InvalidArgument(f"LOCATE reply: batch of {n} items, at most {limits.max_batch}")
+    if n > end - 4:
+        raise InvalidArgument(f"LOCATE reply: count {n} needs at least {n} bytes, the body has {end - 4} left")
+    pos = 4
+    names = _names_read
+    unpack = _QQ.unpack_from
     out = []
+    append = out.append
     for _ in range(n):
-        m = r.u8("holder count")
-        out.append([Holder(_read_text8(r, "node id"), r.u64("epoch"), r.u64("size")) for _ in range(m)])
-    r.end()
+        if pos >= end:
+            raise InvalidArgument("LOCATE reply: body truncated in holder count")
+        m = buf[pos]
+        pos += 1
+        holders = []
+        for _ in range(m):
+            if pos >= end:
+                raise InvalidArgument("LOCATE reply: body truncated in node id length")
+            ln = buf[pos]
+            stop = pos + 1 + ln
+            if stop + 16 > end:
+                raise InvalidArgument("LOCATE reply: body truncated in holder")
+            raw = buf[pos + 1:stop]
+            node = names.get(raw)
+            if node is None:
+                try:
+                    node = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise InvalidArgument("LOCATE reply: node id is not UTF-8") from None
+                if len(names) < 4096:
+                    names[raw] = node
+            epoch, nbytes = unpack(buf, stop)
+            holders.append(Holder(node, epoch, nbytes))
+            pos = stop + 16
+        append(holders)
+    if pos != end:
+        raise InvalidArgument(f"LOCATE reply: {end - pos} trailing bytes in the body")
     return out
 
 
