@@ -176,7 +176,7 @@ class RequestCounters:
             yield c
 
 
-CLUSTER_STATES = ("starting", "ok", "degraded", "stopped")
+CLUSTER_STATES = ("starting", "ok", "degraded", "conflict", "stopped")
 
 
 class NodeMetrics:

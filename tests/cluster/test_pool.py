@@ -321,3 +321,49 @@ def test_tenancy_across_nodes_a_probe_of_another_tenant_looks_like_a_miss(tmp_pa
             assert fetch("t1", key(1, "t1")) == [(0, 4096)]
         with pytest.raises(PermissionDenied):
             Client(pool["a"].addr, token="not-the-credential").close()
+
+
+def test_a_node_given_a_taken_node_id_stays_out_of_the_pool_and_says_why(tmp_path, etcd):
+    from tests._support.cluster import cluster_section
+    from tests._support.daemon import Daemon
+
+    with Pool(tmp_path, etcd.endpoint, 2, lease_ttl=f"{TTL_S}s") as pool:
+        pool.wait_members(2)
+        a_view = {m["node_id"]: m for m in cluster_view(pool["b"].addr)["members"]}["node-a"]
+        (tmp_path / "dup").mkdir()
+        dup = Daemon(tmp_path / "dup", dram="64MiB", sections={
+            "cluster": cluster_section(etcd.endpoint, "node-a", lease_ttl=f"{TTL_S}s"), "node": 'id = "node-a"'})
+        pool.nodes["dup"] = dup                      # the pool stops it too
+        dup.start()
+
+        def dup_info():
+            with Client(dup.addr, token=CREDENTIAL) as c:
+                return c.info("cluster")["Cluster"]
+
+        deadline = time.monotonic() + 10
+        while dup_info()["cluster_state"] != "conflict":
+            assert time.monotonic() < deadline, dup_info()
+            time.sleep(0.1)
+        assert pool["a"].addr.rsplit(":", 1)[1] in dup_info()["membership_conflict"]
+        with Client(pool["a"].addr) as a:
+            a.put(key(1), content(1, 4096))
+        time.sleep(2 * TTL_S)                        # the conflicted node retries: nothing changes
+        now = {m["node_id"]: m for m in cluster_view(pool["b"].addr)["members"]}["node-a"]
+        assert (now["address"], now["epoch"]) == (a_view["address"], a_view["epoch"])
+        with Client(pool["b"].addr) as b:
+            assert get_retry(b, key(1)) == content(1, 4096)
+        # The holder of the name dies: the other takes it, as a new epoch at its own address.
+        pool["a"].send(signal.SIGKILL)
+        pool["a"].wait()
+        deadline = time.monotonic() + TTL_S + 5
+        while dup_info()["cluster_state"] != "ok":
+            assert time.monotonic() < deadline, dup_info()
+            time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while True:
+            now = {m["node_id"]: m for m in cluster_view(pool["b"].addr)["members"]}.get("node-a")
+            if now is not None and now["address"] != a_view["address"]:
+                break
+            assert time.monotonic() < deadline, now
+            time.sleep(0.1)
+        assert now["address"].rsplit(":", 1)[1] == dup.addr.rsplit(":", 1)[1] and now["epoch"] != a_view["epoch"]

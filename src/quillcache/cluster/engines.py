@@ -94,6 +94,14 @@ class EngineRegistration(Membership):
     def _record_value(self) -> bytes:
         return self._raw
 
+    def _earlier_run(self, raw: bytes) -> bool:
+        value = _record_of(raw)
+        return bool(self.address) and value is not None and value.get("url") == self.address
+
+    def _describe(self, raw: bytes) -> str:
+        value = _record_of(raw)
+        return f"url {value.get('url')!r}" if value is not None else "a record that is not JSON"
+
     def _relist_and_watch(self) -> None:
         pass                                # a registrant does not need the others' records
 
@@ -171,10 +179,11 @@ def keep_registered(*, endpoints, cluster_id: str, record: dict, ttl: float, hea
                 reg = None
                 etcd_state = ""
                 report(f"withdrawn: {health_url} failed {failures} times ({why})")
-            if reg is not None and reg.state in ("ok", "degraded") and reg.state != etcd_state:
+            if reg is not None and reg.state in ("ok", "degraded", "conflict") and reg.state != etcd_state:
                 etcd_state = reg.state
-                report("registered" if etcd_state == "ok" else
-                       "etcd unreachable: retrying (the record goes when its lease expires)")
+                report({"ok": "registered",
+                        "degraded": "etcd unreachable: retrying (the record goes when its lease expires)",
+                        "conflict": f"not registered: {reg.conflict}; retrying"}[etcd_state])
             stop.wait(health_interval if health_interval > 0 else ttl / 3)
     finally:
         if reg is not None:

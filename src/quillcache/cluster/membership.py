@@ -13,6 +13,13 @@ absence never reaches the event loop: the loop only receives a new view, by
 view is kept, the state is ``degraded`` and the thread retries; when etcd answers again
 the node keeps its lease if it is still alive, else registers with a new epoch, then
 re-lists the prefix and watches from the listed revision.
+
+A record is written only by a transaction, over nothing, over this process's own record,
+or over the record of an earlier run of the same node (the same address: a node killed
+without revoking its lease and started again takes its name back at once).  A node id that
+another live process holds is not taken over: the state is ``conflict`` (logged as an
+error, shown in INFO and metrics), this node stays out of the pool, serves on by itself
+and tries again every ``ttl/3`` until that record goes.
 """
 from __future__ import annotations
 
@@ -72,6 +79,10 @@ def _range_end(prefix: str) -> str:
 
 class EtcdUnavailable(Exception):
     pass
+
+
+class NameTaken(Exception):
+    """Another live process holds this node's record (a node id given to two nodes)."""
 
 
 class _Gateway:
@@ -146,6 +157,8 @@ class Membership:
         self.degraded_events = 0
         self.view_changes = 0
         self.peers_revoked = 0
+        self.conflicts = 0
+        self.conflict = ""                      # why the name is refused, while state is "conflict"
         self._lease_id: Optional[int] = None
         self._record_written = 0.0
         self._stop = threading.Event()
@@ -202,8 +215,26 @@ class Membership:
                 if self.state != "ok":
                     if self.state == "degraded":
                         log.warning("cluster: etcd reachable again")
+                    elif self.state == "conflict":
+                        log.warning("cluster: the record of %s is free again: registered", self.node_id)
+                        self.conflict = ""
                     self.state = "ok"
                     self._publish()
+                self._stop.wait(wait)
+            except NameTaken as exc:
+                self._drop_lease()
+                if self.state != "conflict":
+                    self.conflicts += 1
+                    self.conflict = str(exc)
+                    log.error("cluster: %s; this node stays out of the pool (serving on by itself) and "
+                              "tries again every %g s", exc, wait)
+                    self.state = "conflict"
+                    self._publish()
+                if self._watch_thread is None or not self._watch_thread.is_alive():
+                    try:
+                        self._relist_and_watch()
+                    except EtcdUnavailable:
+                        pass
                 self._stop.wait(wait)
             except EtcdUnavailable as exc:
                 if self.state != "degraded":
@@ -232,9 +263,69 @@ class Membership:
         self.registered.set()
 
     def _put_record(self) -> None:
-        self._gw.call("/kv/put", {"key": _b64(self.key), "value": _b64(self._record_value()),
-                                  "lease": self._lease_id})
-        self._record_written = time.monotonic()
+        """Write this process's record on its lease, by a transaction: over its own record
+        (the refresh), over nothing, or over an earlier run's record at the same address (that
+        one is deleted first, its lease left to expire); raises NameTaken for another live
+        process's record."""
+        key = _b64(self.key)
+        for _ in range(4):                     # each step that fails saw the record change
+            if self._put_if({"key": key, "target": "LEASE", "result": "EQUAL", "lease": self._lease_id}) is None:
+                return
+            kv = self._put_if({"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": 0})
+            if kv is None:
+                return
+            if not kv:
+                continue                        # deleted between the compare and the read
+            lease = int(kv.get("lease", 0))
+            raw = base64.b64decode(kv.get("value", ""))
+            if not self._earlier_run(raw):
+                raise NameTaken(f"node id {self.node_id!r} is registered by another process "
+                                f"({self._describe(raw)}, lease {lease:x})")
+            self._gw.call("/kv/txn", {          # exactly that record: not one written meanwhile
+                "compare": [{"key": key, "target": "LEASE", "result": "EQUAL", "lease": lease}],
+                "success": [{"request_delete_range": {"key": key}}]})
+            log.info("cluster: replaced the record of an earlier run of %s (lease %x)", self.node_id, lease)
+        raise EtcdUnavailable(f"the record under {self.key} kept changing")
+
+    def _put_if(self, compare: dict) -> Optional[dict]:
+        """Put the record if ``compare`` holds: None when it was written, else the key-value
+        now under the key ({} when there is none)."""
+        key = compare["key"]
+        res = self._gw.call("/kv/txn", {
+            "compare": [compare],
+            "success": [{"request_put": {"key": key, "value": _b64(self._record_value()), "lease": self._lease_id}}],
+            "failure": [{"request_range": {"key": key}}]})
+        if res.get("succeeded"):
+            self._record_written = time.monotonic()
+            return None
+        responses = res.get("responses") or [{}]
+        kvs = responses[0].get("response_range", {}).get("kvs") or []
+        return kvs[0] if kvs else {}
+
+    def _drop_lease(self) -> None:
+        lease, self._lease_id = self._lease_id, None
+        if lease is not None:
+            try:
+                self._gw.call("/kv/lease/revoke", {"ID": lease})
+            except EtcdUnavailable:
+                pass                            # it expires by itself
+
+    def _earlier_run(self, raw: bytes) -> bool:
+        """Whether ``raw``, the record under this process's key, was written by an earlier run
+        of the same node: it names the same address and a start before this one's (of two
+        live processes claiming one address, the newer keeps the name)."""
+        try:
+            d = json.loads(raw)
+            return (bool(self.address) and d.get("address") == self.address
+                    and float(d.get("started", 0.0)) <= self.started)
+        except (ValueError, AttributeError, TypeError, UnicodeDecodeError):
+            return False
+
+    def _describe(self, raw: bytes) -> str:
+        try:
+            return f"address {json.loads(raw).get('address')!r}"
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            return "a record that is not JSON"
 
     # The two hooks a subclass keeping other records under another prefix overrides
     # (cluster/engines.py: the engines a gateway routes to); a node's are its Member record.
@@ -358,4 +449,5 @@ class Membership:
     def stats(self) -> dict[str, Any]:
         return {"state": self.state, "epoch": f"{self.epoch:x}", "registrations": self.registrations,
                 "epochs_started": self.epochs_started, "degraded_events": self.degraded_events,
-                "view_changes": self.view_changes, "lease_ttl_s": self.ttl, "peers_revoked": self.peers_revoked}
+                "view_changes": self.view_changes, "lease_ttl_s": self.ttl, "peers_revoked": self.peers_revoked,
+                "conflicts": self.conflicts, "conflict": self.conflict}
