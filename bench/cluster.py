@@ -3,7 +3,9 @@
     .venv/bin/python bench/cluster.py [--rounds 8] [--first-samples 200] [--detect-trials 3]
 
 Starts a real etcd and three real quillcached nodes on loopback (cache_remote = false, so
-every cross-node GET crosses), then measures:
+every cross-node GET crosses; ``[store] prefault = true``, so that a block stored in a
+fresh arena does not pay the first touch of its pages, which a node that has run for a
+while never pays either), then measures:
 
 * cross-node GET (client -> B, B fetches from A) against local GET (client -> A) of the
   same blocks, 4 MiB and 256 KiB, one client; batches of 8 GETs alternate between the two
@@ -295,7 +297,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="qc-bench-cluster-"))
     with EtcdServer(tmp / "etcd") as etcd, \
             Pool(tmp, etcd.endpoint, 3, lease_ttl="3s", dram="1GiB", max_block="16MiB",
-                 cache_remote=False, hop_timeout="2s") as pool:
+                 cache_remote=False, hop_timeout="2s", sections={"store": "prefault = true"}) as pool:
         pool.wait_members(3, timeout=30)
         rows = []
         for size, count in ((4 << 20, 32), (256 << 10, 256)):
