@@ -253,8 +253,12 @@ class Node:
             log.info("residency events on %s (replay %s)", self.residency.endpoint,
                      self.residency.replay_endpoint)
     async def _join_cluster(self, limits: ProtocolLimits, auth: Authenticator) -> None:
+        from quillcache.cluster.engines import etcd_client_missing
         from quillcache.cluster.hook import ClusterHook, default_node_id   # etcd3gw only when clustered
         cfg = self.cfg
+        missing = etcd_client_missing()
+        if missing:
+            raise ConfigError(f"{cfg.source}: [cluster] enabled = true, but {missing}")
         node_id = default_node_id(cfg.cluster.node_id, cfg.node.id)
         advertise = format_hostport(cfg.cluster.advertise) if cfg.cluster.advertise else self.server.listen
         self.cluster = ClusterHook(cfg.cluster, store=self.store, node_id=node_id, address=advertise,

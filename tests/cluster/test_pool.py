@@ -367,3 +367,21 @@ def test_a_node_given_a_taken_node_id_stays_out_of_the_pool_and_says_why(tmp_pat
             assert time.monotonic() < deadline, now
             time.sleep(0.1)
         assert now["address"].rsplit(":", 1)[1] == dup.addr.rsplit(":", 1)[1] and now["epoch"] != a_view["epoch"]
+
+
+def test_a_clustered_node_without_the_etcd_client_refuses_to_start_and_says_how_to_fix_it(tmp_path):
+    # Stands in for an install without the [cluster] extra: etcd3gw fails to import.
+    from quillcache import exitcodes
+    from tests._support.cluster import cluster_section
+    from tests._support.daemon import Daemon
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "etcd3gw.py").write_text('raise ImportError("No module named \'etcd3gw\'")\n')
+    (tmp_path / "n").mkdir()
+    d = Daemon(tmp_path / "n", env={"PYTHONPATH": str(shim)},
+               sections={"cluster": cluster_section("127.0.0.1:1", "node-x")})
+    d.start(wait=False)
+    assert d.wait(60) == exitcodes.CONFIG
+    log = d.log()
+    assert "quillcache[cluster]" in log and "Traceback" not in log
