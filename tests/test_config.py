@@ -66,6 +66,9 @@ def test_bad_value_names_file_section_key_value_and_example(tmp_path):
     ('[cluster]\nenabled = true\ncredential = "0123456789abcdef"\nnode_id = "a@1"\n',
      '[cluster] node_id = "a@1": no "@" in a node id'),
     ('[cluster]\nenabled = true\ncredential = "short"\n', "[cluster] credential: needs at least 16 characters"),
+    ('[cluster]\netcd = ["https://e:2379"]\n', "TLS to etcd is not supported"),
+    ('[cluster]\netcd = ["e:notaport"]\n', "'e:notaport': not a host:port"),
+    ('[cluster]\netcd = []\n', "not a list of host:port"),
 ])
 def test_invalid_configs_are_refused_with_specific_messages(tmp_path, text, fragment):
     with pytest.raises(ConfigError) as exc:
@@ -101,3 +104,14 @@ def test_reloadable_changes_split_reloadable_from_fixed():
 def test_format_byte_size_round_trips():
     for n in (1, 1024, 3 << 20, 5 << 30):
         assert parse_byte_size(format_byte_size(n)) == n
+
+
+@pytest.mark.parametrize("value,want", [
+    ('["127.0.0.1:2379"]', (("127.0.0.1", 2379),)),
+    ('["http://10.0.0.1:2379/", "http://10.0.0.2:2379"]', (("10.0.0.1", 2379), ("10.0.0.2", 2379))),
+    ('"e1:2379,e2:2380"', (("e1", 2379), ("e2", 2380))),          # as etcdctl --endpoints writes them
+    ('["etcd-0"]', (("etcd-0", 2379),)),                          # etcd's client port
+    ('["[::1]", "[::1]:3000"]', (("::1", 2379), ("::1", 3000))),
+])
+def test_etcd_endpoints_are_read_as_etcds_own_tools_write_them(tmp_path, value, want):
+    assert load_config(write(tmp_path, f"[cluster]\netcd = {value}\n")).cluster.etcd == want

@@ -234,10 +234,33 @@ def _tenants(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+ETCD_CLIENT_PORT = 2379     # etcd's client port: an endpoint written without one gets it
+
+
 def _endpoints(value: Any) -> tuple[tuple[str, int], ...]:
+    """etcd endpoints as etcd's own tools write them: a list (or one string, comma-separated
+    like ``etcdctl --endpoints``) of ``host:port``, ``http://host:port`` or ``host``."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list) or not value:
         raise ConversionError('not a list of host:port (e.g. ["127.0.0.1:2379"])')
-    return tuple(parse_hostport(v) for v in value)
+    out = []
+    for v in value:
+        if not isinstance(v, str):
+            raise ConversionError(f"{v!r}: not a host:port (e.g. \"127.0.0.1:2379\")")
+        if v.startswith("https://"):
+            raise ConversionError(f"{v!r}: TLS to etcd is not supported; give an http:// endpoint "
+                                  "(a local etcd gateway or proxy in front of a TLS cluster)")
+        if v.startswith("http://"):
+            v = v[len("http://"):].rstrip("/")
+        bracketed = v.startswith("[") and v.endswith("]")             # [v6 address] alone
+        if bracketed or (v and ":" not in v):
+            v = f"{v}:{ETCD_CLIENT_PORT}"            # a host alone: etcd's client port
+        try:
+            out.append(parse_hostport(v))
+        except ConversionError as exc:
+            raise ConversionError(f"{v!r}: {exc}") from None
+    return tuple(out)
 
 
 def _ident(value: Any) -> str:
@@ -428,7 +451,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("cluster", "enabled", _bool, False, False,
        "Join a pool of nodes; false: a single node with no etcd and no peers."),
     _s("cluster", "etcd", _endpoints, ["127.0.0.1:2379"], False,
-       "The etcd endpoints (host:port) that hold the membership."),
+       "The etcd endpoints that hold the membership: host:port, http://host:port or host (port 2379)."),
     _s("cluster", "cluster_id", _ident, "quillcache", False,
        "Name of the pool: nodes with the same etcd and cluster_id see each other."),
     _s("cluster", "node_id", _string, "", False,
