@@ -385,3 +385,36 @@ def test_a_clustered_node_without_the_etcd_client_refuses_to_start_and_says_how_
     assert d.wait(60) == exitcodes.CONFIG
     log = d.log()
     assert "quillcache[cluster]" in log and "Traceback" not in log
+
+
+def test_a_block_the_holder_keeps_only_on_ssd_crosses_intact_and_a_corrupted_one_is_a_miss(tmp_path, etcd):
+    """A FETCH of a block A evicted from DRAM is read from A's SSD tier (off the loop) and
+    arrives byte for byte; a block whose bytes rotted on A's disk fails A's CRC check and
+    is a miss at B, never its bytes."""
+    size, n = 512 << 10, 40                          # 20 MiB through an 8 MiB DRAM tier
+    with Pool(tmp_path, etcd.endpoint, 2, lease_ttl=f"{TTL_S}s", ssd=True, dram="8MiB", max_block="1MiB",
+              sections={"ssd": "promote_on_get = false"}) as pool:
+        pool.wait_members(2)
+        with Client(pool["a"].addr) as a:
+            for i in range(n):
+                a.put(key(i), content(i, size), durable=True)
+        # Rot one early block on A's disk (its head is unique: see ``content``).
+        blocks = pool["a"].data_dir / "ssd" / "blocks.dat"
+        raw = bytearray(blocks.read_bytes())
+        at = raw.find(b"block-2-")
+        assert at >= 0, "block 2 is not on A's disk"
+        with open(blocks, "r+b") as f:
+            f.seek(at + 1000)
+            f.write(bytes([raw[at + 1000] ^ 0xFF]))
+        with Client(pool["b"].addr) as b:
+            for i in (0, 1, 3, 4, n - 1):            # the early ones only on A's SSD by now
+                assert get_retry(b, key(i)) == content(i, size), i
+            with pytest.raises(NotFound):
+                b.get(key(2))
+            got = b.get_many([key(i) for i in range(6)])
+            assert got[2] is None and all(got[i] == content(i, size) for i in (0, 1, 3, 4, 5))
+        with Client(pool["a"].addr, token=CREDENTIAL) as peer:
+            info = peer.info()
+        assert info["Cluster"]["fetches_served"] >= 5
+        assert info["Store"]["entries"] == n - 1                       # the rotten block was dropped
+        assert any(k.endswith("crc_failures") and int(v) >= 1 for sec in info.values() for k, v in sec.items()), info
