@@ -418,3 +418,37 @@ def test_a_block_the_holder_keeps_only_on_ssd_crosses_intact_and_a_corrupted_one
         assert info["Cluster"]["fetches_served"] >= 5
         assert info["Store"]["entries"] == n - 1                       # the rotten block was dropped
         assert any(k.endswith("crc_failures") and int(v) >= 1 for sec in info.values() for k, v in sec.items()), info
+
+
+def test_cache_remote_keeps_a_clean_copy_that_outlives_the_holder(tmp_path, etcd):
+    """cache_remote = true: a cross-node GET leaves B a copy of its own, announced to the
+    home like any block, so the block survives the holder's death (B, and C through B)."""
+    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s", cache_remote=True) as pool:
+        pool.wait_members(3)
+        blocks = {i: content(i, 64 << 10) for i in range(8)}
+        with Client(pool["a"].addr) as a:
+            for i, data in blocks.items():
+                a.put(key(i), data)
+        with Client(pool["b"].addr) as b:
+            for i, data in blocks.items():
+                assert get_retry(b, key(i)) == data
+        deadline = time.monotonic() + 5
+        while pool.info("b")["Cluster"]["cached_remote"] < len(blocks):
+            assert time.monotonic() < deadline, pool.info("b")["Cluster"]
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while True:                                 # B's copies reach their homes
+            with Client(pool["c"].addr, token=CREDENTIAL) as peer:
+                body = wire.encode_locate([encode_key(key(i)) for i in blocks], peer.limits)
+                found = wire.decode_json(peer.call(Opcode.CLUSTER_LOCATE, body).header)
+            if all(set(f["holders"]) == {"node-a", "node-b"} for f in found):
+                break
+            assert time.monotonic() < deadline, found
+            time.sleep(0.05)
+        pool["a"].send(signal.SIGKILL)
+        pool["a"].wait()
+        pool.wait_members(2, nodes=[pool["b"], pool["c"]])
+        with Client(pool["b"].addr) as b, Client(pool["c"].addr) as c:
+            for i, data in blocks.items():
+                assert b.get(key(i)) == data                # B's own copy: a local hit
+                assert get_retry(c, key(i)) == data         # C: from B now
