@@ -251,11 +251,10 @@ def bench_locate(pool: Pool, samples: int) -> tuple[float, float, float]:
     with Client(pool["b"].addr) as b:
         b.put_many([(k, b"x" * 64) for k in keys])
     time.sleep(0.2)
-    body = wire.encode_locate([encode_key(k) for k in keys], wire_limits := None or Client(pool["a"].addr,
-                                                                                       token=CREDENTIAL).limits)
     lat, ping = [], []
     with Client(pool["a"].addr, token=CREDENTIAL) as peer:
-        found = wire.decode_locate_reply(peer.call(Opcode.LOCATE, body).header, wire_limits)
+        body = wire.encode_locate([encode_key(k) for k in keys], peer.limits)
+        found = wire.decode_locate_reply(peer.call(Opcode.LOCATE, body).header, peer.limits)
         if sum(1 for holders in found if holders) != 64:
             raise SystemExit(f"LOCATE found {sum(1 for h in found if h)} of 64 keys")
         for _ in range(200):
