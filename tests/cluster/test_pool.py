@@ -452,3 +452,25 @@ def test_cache_remote_keeps_a_clean_copy_that_outlives_the_holder(tmp_path, etcd
             for i, data in blocks.items():
                 assert b.get(key(i)) == data                # B's own copy: a local hit
                 assert get_retry(c, key(i)) == data         # C: from B now
+
+
+def test_blocks_a_node_recovers_from_its_disk_are_announced_again_and_read_across(tmp_path, etcd):
+    """kill -9 of A, then A again: its durable blocks come back untouched (no entry, their
+    sizes only in its records) and, announced to the homes of its new epoch, are read from
+    B byte for byte; nothing of them was decoded to join the pool."""
+    with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s", ssd=True) as pool:
+        pool.wait_members(3)
+        blocks = {i: content(i, (16 << 10) * (1 + i % 3)) for i in range(60)}
+        with Client(pool["a"].addr) as a:
+            for i, data in blocks.items():
+                a.put(key(i), data, durable=True)
+        pool["a"].stop(signal.SIGKILL)
+        pool["a"].start()
+        pool.wait_members(3)
+        with Client(pool["a"].addr, token=CREDENTIAL) as peer:
+            info = peer.info()
+        assert info["Store"]["entries_untouched"] == len(blocks), info["Store"]
+        assert info["Cluster"]["cluster_held"] == len(blocks)
+        with Client(pool["b"].addr) as b:
+            for i, data in blocks.items():
+                assert get_retry(b, key(i), timeout=10) == data, i

@@ -231,6 +231,12 @@ def test_a_restart_makes_no_entry_until_a_block_is_touched(tmp_path):
         assert st["store"]["entries"] == 0 and st["store"]["entries_untouched"] == n
         assert ssd.untouched == n and st["ssd"]["blocks"] == n
         store.check_residency()
+        # a residency listener (the cluster) learns every block without an entry being made
+        now = store.set_residency_listener(lambda ek, size: None, lambda ek: None)
+        assert now == {encode_key(key(i)): None for i in range(n)}
+        assert store.resident_size(encode_key(key(7))) == len(data(7)) and store.resident_size(b"nope") is None
+        assert store.stats()["store"]["entries"] == 0
+        store.set_residency_listener(None, None)
         # what needs no entry: LIST, exists, the guard
         assert [k.block_index for k in store.list_scope(key(0).scope)] == list(range(n))
         assert store.exists(key(3)) and not store.exists(key(99))

@@ -81,7 +81,9 @@ class ClusterHook(PoolReads):
         self.state = "starting"
         self.ring = Ring([node_id])
         self.membership: Optional[Membership] = None
-        self.held: dict[bytes, tuple[KvBlockKey, int]] = {}      # what this node holds
+        # What this node holds: encoded key -> size, None for a block recovered at start and
+        # not touched since (its size is asked of the store when it is announced).
+        self.held: dict[bytes, Optional[int]] = {}
         self.announced: dict[bytes, tuple[str, int]] = {}        # key -> (home, home epoch) told
         self._ann: dict[str, dict[bytes, int]] = {}              # home -> keys to announce
         self._wd: dict[str, set[bytes]] = {}                     # home -> keys to withdraw
@@ -126,7 +128,10 @@ class ClusterHook(PoolReads):
                 ttl=s.lease_ttl, version=self.version, space=self._space, loop=loop,
                 on_change=self._on_view)
             self.membership.start()
-        self.store.set_residency_listener(self._added, self._dropped)
+        # What the store holds now is announced by the re-announcer, at reannounce_rate keys
+        # a second, not here: a node restarting with millions of blocks serves at once.
+        self.held = self.store.set_residency_listener(self._added, self._dropped)
+        self._reannounce.set()
         self._tasks = [loop.create_task(self._flusher(), name="qc-cluster-flush"),
                        loop.create_task(self._reannouncer(), name="qc-cluster-reannounce")]
         if self.membership is not None:
@@ -256,12 +261,17 @@ class ClusterHook(PoolReads):
 
     # ------------------------------------------------------------------ what this node holds
 
-    def _added(self, key: KvBlockKey, size: int) -> None:
-        ekey = encode_key(key)
-        self.held[ekey] = (key, size)
-        self._announce(ekey, key, size)
+    def _added(self, ekey: bytes, size: int) -> None:
+        self.held[ekey] = size
+        self._announce(ekey, size)
 
-    def _announce(self, ekey: bytes, key: KvBlockKey, size: int) -> None:
+    def _announce(self, ekey: bytes, size: Optional[int]) -> None:
+        if size is None:                        # recovered at start: the store knows its size
+            size = self.store.resident_size(ekey)
+            if size is None:
+                self.held.pop(ekey, None)       # not resident any more (defensive: drops are told)
+                return
+            self.held[ekey] = size
         home = self.home_of(ekey)
         if home == self.node_id:                # the store's own record is the home's record
             self.announced[ekey] = (home, self.epoch)
@@ -274,8 +284,7 @@ class ClusterHook(PoolReads):
             wd.discard(ekey)
         self._wake.set()
 
-    def _dropped(self, key: KvBlockKey) -> None:
-        ekey = encode_key(key)
+    def _dropped(self, ekey: bytes) -> None:
         self.held.pop(ekey, None)
         told = self.announced.pop(ekey, None)
         if told is None:
@@ -358,8 +367,7 @@ class ClusterHook(PoolReads):
                 if self._reannounce.is_set():
                     break                       # the view changed again: start over
                 for ekey in keys[i:i + REANNOUNCE_CHUNK]:
-                    held = self.held.get(ekey)
-                    if held is None:
+                    if ekey not in self.held:
                         continue
                     home = self.home_of(ekey)
                     m = self.view.get(home)
@@ -367,7 +375,7 @@ class ClusterHook(PoolReads):
                     if home == self.node_id:
                         target = (home, epoch)
                     if self.announced.get(ekey) != target:
-                        self._announce(ekey, *held)
+                        self._announce(ekey, self.held[ekey])
                         self.counters["reannounce_queued"] += 1
                 scanned += len(keys[i:i + REANNOUNCE_CHUNK])
                 self.counters["reannounce_scanned"] += len(keys[i:i + REANNOUNCE_CHUNK])

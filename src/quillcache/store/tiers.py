@@ -236,8 +236,8 @@ class LocalKvStore:
                           "dropped_dirty": 0, "removes": 0, "unsafe_served": 0,
                           "put_waits": 0, "put_wait_timeouts": 0}
         self.closed = False
-        self._on_added: Optional[Callable[[KvBlockKey, int], None]] = None    # residency listener
-        self._on_dropped: Optional[Callable[[KvBlockKey], None]] = None
+        self._on_added: Optional[Callable[[bytes, int], None]] = None    # residency listener (by encoded key)
+        self._on_dropped: Optional[Callable[[bytes], None]] = None
         if guard_mode == "off":
             log.warning("IDENTITY GUARD OFF: blocks are reused by content hash across models, "
                         "tokenizers, adapters and TENANTS. This serves wrong KV and leaks data "
@@ -253,18 +253,30 @@ class LocalKvStore:
 
     # ------------------------------------------------------------------ index upkeep
 
-    def set_residency_listener(self, added: Optional[Callable[[KvBlockKey, int], None]],
-                               dropped: Optional[Callable[[KvBlockKey], None]]) -> None:
-        """Be told of every key that becomes resident (``added(key, size)``, at once for the
-        keys resident now) and every key that stops being (``dropped(key)``: removed or
-        evicted from every tier).  The cluster announces them to their homes.  None, None:
-        stop.  The callbacks run inside store calls: they must be quick and not raise."""
+    def set_residency_listener(self, added: Optional[Callable[[bytes, int], None]],
+                               dropped: Optional[Callable[[bytes], None]]) -> dict[bytes, Optional[int]]:
+        """Be told, by encoded key, of every key that becomes resident (``added(ek, size)``)
+        and every key that stops being (``dropped(ek)``: removed or evicted from every
+        tier).  The cluster announces them to their homes.  The callbacks run inside store
+        calls: they must be quick and not raise.  None, None: stop.
+
+        Returns what is resident now: encoded key -> size, or None for a block recovered at
+        start and not touched since (``resident_size`` tells its size).  Built without
+        decoding a key (about 0.1 µs a block: a node restarting with millions of recovered
+        blocks joins its pool at once; decoding each, as this did before, took ~17 µs)."""
         self._on_added, self._on_dropped = added, dropped
-        if added is not None:
-            for entry in list(self._entries.values()):
-                added(entry.key, entry.size)
-            for key, size in self._untouched_blocks():
-                added(key, size)
+        if added is None:
+            return {}
+        now: dict[bytes, Optional[int]] = {}
+        if self._untouched:
+            now = dict.fromkeys(self._index.keys_of(self.holder))
+        now.update((e.ek, e.size) for e in self._entries.values())
+        return now
+
+    def resident_size(self, ek: bytes) -> Optional[int]:
+        """The size of the block resident here under encoded key ``ek``; None if none is."""
+        size, tiers = self._index.holder(ek, self.holder)
+        return size if tiers else None
 
     def _adopt_ssd(self, ssd) -> None:
         """At start: the blocks the SSD tier recovered (CRC-checked per its ``verify``) are
@@ -314,16 +326,6 @@ class LocalKvStore:
         self._untouched -= 1
         return entry
 
-    def _untouched_blocks(self):
-        """(key, size) of every recovered block not touched yet (decodes each: O(blocks))."""
-        if not self._untouched:
-            return
-        index, holder = self._index, self.holder
-        for ek in sorted(index.keys_of(holder)):
-            key = decode_key(ek)
-            if key not in self._entries:
-                yield key, index.holder(ek, holder)[0]
-
     def _untouched_victims(self, now: float):
         """Recovered blocks not touched yet, in index order: the first SSD victims.  Each is
         warmed as it is offered; the cursor never goes back (a block, once warm, is in the LRU)."""
@@ -353,14 +355,14 @@ class LocalKvStore:
     def _add_entry(self, entry: _Entry) -> None:
         self._entries[entry.key] = entry
         self._record(entry)
-        self._tell_added(entry.key, entry.size)
+        self._tell_added(entry)
 
-    def _tell_added(self, key: KvBlockKey, size: int) -> None:
+    def _tell_added(self, entry: _Entry) -> None:
         """A key became resident here: the residency publisher and the cluster hear of it."""
         if self.on_residency is not None:
-            self.on_residency(True, key)
+            self.on_residency(True, entry.key)
         if self._on_added is not None:
-            self._on_added(key, size)
+            self._on_added(entry.ek, entry.size)
 
     def _drop_entry(self, key: KvBlockKey) -> Optional[_Entry]:
         entry = self._entry(key)
@@ -374,7 +376,7 @@ class LocalKvStore:
         self._dram_lru.remove(key)
         self._ssd_lru.remove(key)
         if self._on_dropped is not None:
-            self._on_dropped(key)
+            self._on_dropped(entry.ek)
         return entry
 
     def _check_key(self, key: object) -> None:
@@ -658,7 +660,7 @@ class LocalKvStore:
         if entry is None:
             entry = _Entry(key, handle.size, version, now, ek)
             self._entries[key] = entry                 # recorded in the index below
-            self._tell_added(key, handle.size)
+            self._tell_added(entry)
         else:
             stale_ssd = entry.ssd_version is not None and not ssd_written
             entry.size = handle.size
