@@ -10,6 +10,8 @@ while never pays either), then measures:
 * cross-node GET (client -> B, B fetches from A) against local GET (client -> A) of the
   same blocks, 4 MiB and 256 KiB, one client; batches of 8 GETs alternate between the two
   and the ratio is the median of adjacent pairs (machine noise falls on both); target >= 0.5x;
+* the same for GET_MANY of 16 blocks of 256 KiB (how an engine reads a prefix): one
+  batched FETCH per holder against one local GET_MANY (no target);
 * the two-hop floor: the same sizes through raw Python sockets, client -> forwarder ->
   server against client -> server (store-and-forward, no protocol, no CRC, no store): the
   most a cross-node GET through a second process could reach on this machine;
@@ -99,6 +101,30 @@ def bench_get(pool: Pool, size: int, count: int, rounds: int) -> tuple[float, fl
                                            lambda ks: batch_seconds(b, ks, size, payload[:64]),
                                            batches, rounds)
     return BATCH * size / local, BATCH * size / remote, ratio
+
+
+def bench_get_many(pool: Pool, size: int, batch: int, rounds: int) -> tuple[float, float, float]:
+    """(local bytes/s, cross-node bytes/s, cross-node/local) for GET_MANY of ``batch`` blocks."""
+    payload = os.urandom(size)
+    keys = [key(i, f"many{size}") for i in range(batch * 8)]
+    with Client(pool["a"].addr, timeout=30) as a:
+        a.put_many([(k, payload) for k in keys])
+    time.sleep(0.2)                          # the records reach their homes
+    batches = [keys[i:i + batch] for i in range(0, len(keys), batch)]
+
+    def timed(c: Client, ks) -> float:
+        t0 = time.perf_counter()
+        got = c.get_many(ks)
+        dt = time.perf_counter() - t0
+        if any(g is None or len(g) != size or g[:64] != payload[:64] for g in got):
+            raise SystemExit("wrong bytes or a miss")
+        return dt
+
+    with Client(pool["a"].addr, timeout=30) as a, Client(pool["b"].addr, timeout=30) as b:
+        timed(a, keys[:batch])
+        timed(b, keys[:batch])
+        local, remote, ratio = interleaved(lambda ks: timed(a, ks), lambda ks: timed(b, ks), batches, rounds)
+    return batch * size / local, batch * size / remote, ratio
 
 
 def bench_first_get(pool: Pool, size: int, count: int) -> tuple[float, float]:
@@ -303,6 +329,9 @@ def main(argv=None) -> int:
             local, remote, ratio = bench_get(pool, size, count, args.rounds)
             rows.append((f"GET {size >> 10} KiB cross-node vs local", f"{remote / 1e9:.2f} GB/s",
                          f"{local / 1e9:.2f} GB/s", f"{ratio:.2f}x", ">= 0.5x"))
+        local, remote, ratio = bench_get_many(pool, 256 << 10, 16, args.rounds)
+        rows.append(("GET_MANY 16 x 256 KiB cross-node vs local", f"{remote / 1e9:.2f} GB/s",
+                     f"{local / 1e9:.2f} GB/s", f"{ratio:.2f}x", "-"))
         for size, count in ((4 << 20, 32), (256 << 10, 256)):
             direct, fwd, ratio = bench_floor(size, count // BATCH, args.rounds)
             rows.append((f"two-hop floor {size >> 10} KiB (raw sockets)", f"{fwd / 1e9:.2f} GB/s",

@@ -477,3 +477,17 @@ def test_a_wrong_magic_is_refused_at_its_first_byte():
     with pytest.raises(MalformedFrame) as info:
         p.next_event()
     assert info.value.reason == "bad_version"
+
+
+def test_decode_key_list_reads_a_terminal_key_list_and_refuses_every_bad_one():
+    from quillcache._native.codec import decode_key_list
+    body = b"\x07hdr" + (2).to_bytes(4, "little") + b"\x01\x00a" + b"\x03\x00bcd"
+    assert decode_key_list(body, 4, 16, 8) == [b"a", b"bcd"]
+    assert decode_key_list(memoryview(body), 4, 16, 8) == [b"a", b"bcd"]      # any buffer
+    for bad, why in [((body, 4, 1, 8), "batch of 2 items"), ((body, 4, 16, 2), "key"),
+                     ((body + b"x", 4, 16, 8), "trailing"), ((body[:-1], 4, 16, 8), "truncated"),
+                     ((body, 99, 16, 8), "outside"), ((body, -1, 16, 8), "outside"),
+                     ((body[:6], 4, 16, 8), "truncated in count"),
+                     ((b"\xff\xff\xff\x0f", 0, 1 << 30, 8), "needs at least")]:
+        with pytest.raises(InvalidArgument, match=why):
+            decode_key_list(*bad)

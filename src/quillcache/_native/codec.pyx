@@ -39,7 +39,8 @@ __all__ = [
     "FLAG_REPLY", "FLAG_PAYLOAD_CRC", "OP_ERROR", "MAX_REQUEST_ID",
     "EV_NEED_DATA", "EV_FRAME", "EV_PAYLOAD_START", "EV_PAYLOAD_CHUNK", "EV_PAYLOAD_END",
     "REASONS", "CRC32C_IMPL",
-    "encode_key_body", "decode_key_body", "decode_key_field", "encode_put_body", "decode_put_body",
+    "encode_key_body", "decode_key_body", "decode_key_field", "decode_key_list", "encode_put_body",
+    "decode_put_body",
 ]
 
 # ----------------------------------------------------------------------------- constants

@@ -72,6 +72,40 @@ def decode_key_field(body, Py_ssize_t pos, Py_ssize_t max_key_bytes, str what="G
         PyBuffer_Release(&v)
 
 
+def decode_key_list(body, Py_ssize_t pos, Py_ssize_t max_batch, Py_ssize_t max_key_bytes, str what="request"):
+    """The ``keys`` list at offset ``pos`` that ends ``body`` (u32 count, count key fields),
+    every count and length checked before it is used: a list of ``bytes``."""
+    cdef Py_buffer v
+    cdef Py_ssize_t n, i, kl, end
+    cdef const unsigned char* b
+    cdef list out
+    PyObject_GetBuffer(body, &v, PyBUF_SIMPLE)
+    try:
+        b = <const unsigned char*>v.buf
+        end = v.len
+        if pos < 0 or pos > end:
+            raise InvalidArgument(f"{what}: offset {pos} outside a body of {end} bytes")
+        if end - pos < 4:
+            raise InvalidArgument(f"{what}: body truncated in count")
+        n = <Py_ssize_t>_get32(b + pos)
+        pos += 4
+        if n > max_batch:
+            raise InvalidArgument(f"{what}: batch of {n} items, at most {max_batch}")
+        if n * 3 > end - pos:           # u16 length + at least one byte each
+            raise InvalidArgument(f"{what}: count {n} needs at least {n * 3} bytes, "
+                                  f"the body has {end - pos} left")
+        out = [None] * n
+        for i in range(n):
+            kl = _key_at(b, end, pos, max_key_bytes, what)
+            out[i] = PyBytes_FromStringAndSize(<const char*>b + pos + 2, kl)
+            pos += 2 + kl
+        if pos != end:
+            raise InvalidArgument(f"{what}: {end - pos} trailing bytes in the body")
+        return out
+    finally:
+        PyBuffer_Release(&v)
+
+
 def decode_key_body(body, Py_ssize_t max_key_bytes, str what="GET"):
     """The key of a body that is one key field and nothing else (a GET request)."""
     cdef Py_buffer v

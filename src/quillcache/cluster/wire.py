@@ -20,6 +20,7 @@ import struct
 from typing import Any, Sequence
 
 from quillcache.cluster.records import Holder
+from quillcache._native.codec import decode_key_list
 from quillcache.errors import InvalidArgument
 from quillcache.protocol.messages import BodyReader, encode_keys_request
 from quillcache.protocol.opcodes import ProtocolLimits
@@ -56,35 +57,10 @@ def _name(node_id: str) -> bytes:
     return raw
 
 
-def _keys_at(buf: bytes, pos: int, limits: ProtocolLimits, what: str) -> list[bytes]:
-    """The ``keys`` list starting at ``buf[pos]`` and ending the body, as
-    ``messages.decode_keys_request`` reads it (the same checks, one loop, no reader)."""
-    end = len(buf)
-    if end - pos < 4:
-        raise InvalidArgument(f"{what}: body truncated in count")
-    n = int.from_bytes(buf[pos:pos + 4], "little")
-    pos += 4
-    if n > limits.max_batch:
-        raise InvalidArgument(f"{what}: batch of {n} items, at most {limits.max_batch}")
-    if n * 3 > end - pos:
-        raise InvalidArgument(f"{what}: count {n} needs at least {n * 3} bytes, the body has {end - pos} left")
-    max_key = limits.max_key_bytes
-    out = []
-    append = out.append
-    for _ in range(n):
-        if end - pos < 2:
-            raise InvalidArgument(f"{what}: body truncated in key length")
-        kl = buf[pos] | buf[pos + 1] << 8
-        if not 0 < kl <= max_key:
-            raise InvalidArgument(f"{what}: key of {kl} bytes (1..{max_key})")
-        pos += 2
-        if end - pos < kl:
-            raise InvalidArgument(f"{what}: body truncated in key")
-        append(buf[pos:pos + kl])
-        pos += kl
-    if pos != end:
-        raise InvalidArgument(f"{what}: {end - pos} trailing bytes in the body")
-    return out
+def _keys_at(buf, pos: int, limits: ProtocolLimits, what: str) -> list[bytes]:
+    """The ``keys`` list starting at ``buf[pos]`` and ending the body, with the checks of
+    ``messages.decode_keys_request`` (in the codec: one pass, no reader)."""
+    return decode_key_list(buf, pos, limits.max_batch, limits.max_key_bytes, what)
 
 
 def _text8(out: bytearray, text: str, field: str) -> None:
@@ -159,7 +135,7 @@ def encode_locate(keys: Sequence[bytes], limits: ProtocolLimits) -> bytes:
 
 
 def decode_locate(body, limits: ProtocolLimits, what: str = "LOCATE") -> list[bytes]:
-    return _keys_at(bytes(body), 0, limits, what)
+    return _keys_at(body, 0, limits, what)
 
 
 def encode_locate_reply(per_key: Sequence[Sequence[Holder]], limits: ProtocolLimits) -> bytes:
