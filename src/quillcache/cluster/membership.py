@@ -256,7 +256,11 @@ class Membership:
     def _register(self) -> None:
         res = self._gw.call("/lease/grant", {"TTL": max(1, round(self.ttl))})
         self._lease_id = int(res["ID"])
-        self._put_record()
+        try:
+            self._put_record()
+        except EtcdUnavailable:
+            self._lease_id = None               # registered again from the start: this lease expires
+            raise
         self.registrations += 1
         log.info("cluster: registered %s epoch %x (lease %x, ttl %gs)", self.node_id, self.epoch,
                  self._lease_id, self.ttl)
