@@ -56,6 +56,10 @@ class RecordStore(Protocol):
     def __len__(self) -> int: ...
 
 
+def _anyone(node_id: str, epoch: int) -> bool:
+    return True
+
+
 class ArtRecordStore:
     """Other nodes' records on an ``ArtIndex``: the store's (``index``, whose records of
     ``local_holder`` are this node's blocks, named ``local()`` = (node id, epoch) in
@@ -94,19 +98,7 @@ class ArtRecordStore:
         return self.holders_encoded(encode_key(key))
 
     def holders_encoded(self, ekey: bytes) -> list[Holder]:
-        parsed, local_holder = self._parsed, self._local_holder
-        out = []
-        mine = False
-        for r in self._index.records_at(ekey):
-            w = r.worker_id
-            ne = parsed.get(w)
-            if ne is not None:
-                out.append(Holder(ne[0], ne[1], r.bytes))
-            elif w == local_holder and not mine:       # one answer for its DRAM and SSD records
-                mine = True
-                node, epoch = self._local()
-                out.append(Holder(node, epoch, r.bytes))
-        return out
+        return [Holder(*h) for h in self.live_holders((ekey,), _anyone)[0]]
 
     def live_holders(self, ekeys: Sequence[bytes],
                      live: Callable[[str, int], bool]) -> list[list[tuple[str, int, int]]]:
