@@ -21,6 +21,8 @@ Three comparisons, each against a baseline measured in the same run:
   a GET), against the persistent index's open alone on the same files (the baseline), and
   the same open decoding every record.  The SSD tier is made by writing its checkpoint with
   its own writer (N puts would take minutes of fsyncs).  Target: ready in <= 1 s of CPU.
+  Also: attaching a residency listener (what a clustered node does at start) against
+  decoding and re-encoding every key (what that attach did before, 2026-11-23).
 """
 from __future__ import annotations
 
@@ -241,7 +243,7 @@ def bench_recovery(n: int) -> dict:
     other by LocalKvStore, as the daemon does.  CPU seconds to ready, against the
     persistent index's open alone (the baseline, same run, same files)."""
     from quillcache.index.persistent import PersistentArtIndex
-    from quillcache.model import CacheTier, encode_key
+    from quillcache.model import CacheTier, decode_key, encode_key
     from quillcache.store.ssd import SsdTier
     from quillcache.store.tiers import LocalKvStore
     node = "node-a"
@@ -280,10 +282,16 @@ def bench_recovery(n: int) -> dict:
             c3 = time.process_time()
             assert store.reconciled["index_agreed"] == n, store.reconciled
             st = store.stats()["store"]
+            # joining a pool: the cluster's residency listener learns every resident block
+            c4 = time.process_time()
+            held = store.set_residency_listener(lambda ek, size: None, lambda ek: None)
+            c5 = time.process_time()
+            assert len(held) == n and store.stats()["store"]["entries"] == 0
+            store.set_residency_listener(None, None)
             with store.get(keys[n // 2]) as lease:            # ready: it serves (not timed)
                 assert bytes(lease.view) == bytes(BLOCK)
             runs.append({"ssd_open_cpu_s": c1 - c0, "index_open_cpu_s": c2 - c1, "store_cpu_s": c3 - c2,
-                         "ready_cpu_s": c3 - c0, "entries_at_ready": st["entries"],
+                         "ready_cpu_s": c3 - c0, "entries_at_ready": st["entries"], "attach_cpu_s": c5 - c4,
                          "checkpoint_records": again.recovery.checkpoint_records,
                          "replayed": again.recovery.replayed})
             ssd.close_sync()          # rewrites the same checkpoint (nothing changed)
@@ -301,6 +309,13 @@ def bench_recovery(n: int) -> dict:
             opens.append(time.process_time() - c0)
             again.close()
         out["baseline_index_open_cpu_s"] = min(opens)
+        # the listener's attach before it spoke encoded keys: decode, then encode, each key
+        again = open_index()
+        c0 = time.process_time()
+        for ek in again.keys_of(node):
+            encode_key(decode_key(ek))
+        out["attach_decoding_cpu_s"] = time.process_time() - c0
+        again.close()
         c0 = time.process_time()
         again = open_index()
         again.materialize()
@@ -358,6 +373,9 @@ def main() -> None:
         print(f"  baseline, same files: the index open alone {r['baseline_index_open_cpu_s']:.3f} s CPU | "
               f"ready / index open = {r['ready_cpu_s'] / r['baseline_index_open_cpu_s']:.2f}x | open decoding "
               f"every record {r['eager_open_cpu_s']:.2f} s CPU")
+        print(f"  a residency listener (the cluster) attached to the ready store: {r['attach_cpu_s']:.3f} s CPU, "
+              f"no entry made | baseline, same records: decoding and re-encoding every key "
+              f"{r['attach_decoding_cpu_s']:.3f} s CPU | ratio {r['attach_decoding_cpu_s'] / max(r['attach_cpu_s'], 1e-6):.0f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
