@@ -80,6 +80,8 @@ class EngineRegistration(Membership):
     prefix on a lease of ``ttl`` seconds until ``stop()``, which revokes it (the gateways drop
     the engine at once).  Runs on its own thread; needs no event loop."""
 
+    OWNER_FIELD = "url"         # an engine record names its process by url (``address`` here)
+
     def __init__(self, *, endpoints, cluster_id: str, record: dict, ttl: float, version: str = "") -> None:
         raw = json.dumps(record, sort_keys=True).encode("utf-8")
         if len(raw) > MAX_RECORD_BYTES:
@@ -93,14 +95,6 @@ class EngineRegistration(Membership):
 
     def _record_value(self) -> bytes:
         return self._raw
-
-    def _earlier_run(self, raw: bytes) -> bool:
-        value = _record_of(raw)
-        return bool(self.address) and value is not None and value.get("url") == self.address
-
-    def _describe(self, raw: bytes) -> str:
-        value = _record_of(raw)
-        return f"url {value.get('url')!r}" if value is not None else "a record that is not JSON"
 
     def _relist_and_watch(self) -> None:
         pass                                # a registrant does not need the others' records

@@ -136,6 +136,8 @@ class _Gateway:
 class Membership:
     """Register, keep alive, watch.  ``on_change(view, state)`` runs on ``loop``."""
 
+    OWNER_FIELD = "address"     # the record's field naming where its process is (``address``)
+
     def __init__(self, *, endpoints, cluster_id: str, node_id: str, address: str, ttl: float,
                  version: str, space: Callable[[], tuple[int, int]], loop, on_change) -> None:
         self.prefix = node_prefix(cluster_id)
@@ -316,18 +318,18 @@ class Membership:
 
     def _earlier_run(self, raw: bytes) -> bool:
         """Whether ``raw``, the record under this process's key, was written by an earlier run
-        of the same node: it names the same address and a start before this one's (of two
-        live processes claiming one address, the newer keeps the name)."""
+        of the same node: it names the same address (``OWNER_FIELD``) and a start before this
+        one's, where it says (of two live processes claiming one address, the newer keeps it)."""
         try:
             d = json.loads(raw)
-            return (bool(self.address) and d.get("address") == self.address
+            return (bool(self.address) and d.get(self.OWNER_FIELD) == self.address
                     and float(d.get("started", 0.0)) <= self.started)
         except (ValueError, AttributeError, TypeError, UnicodeDecodeError):
             return False
 
     def _describe(self, raw: bytes) -> str:
         try:
-            return f"address {json.loads(raw).get('address')!r}"
+            return f"{self.OWNER_FIELD} {json.loads(raw).get(self.OWNER_FIELD)!r}"
         except (ValueError, AttributeError, UnicodeDecodeError):
             return "a record that is not JSON"
 
