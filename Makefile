@@ -73,7 +73,7 @@ lint: $(STAMP)
 
 # A gateway in front of two simulated engines and one node (conf/gateway.toml); Ctrl-C stops all.
 gateway: build
-	$(PY) cli/gateway_demo.py
+	$(PY) -m tests._support.gateway_demo
 
 test: build lint
 	$(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS)

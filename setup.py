@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 HERE = Path(__file__).resolve().parent
 NATIVE = HERE / "src" / "quillcache" / "_native"
@@ -108,21 +108,11 @@ def extensions():
 
 
 setup(
-    package_dir={"": "src", "quillcache_cli": "cli"},
-    packages=[
-        "quillcache",
-        "quillcache._native",
-        "quillcache.index",
-        "quillcache.store",
-        "quillcache.protocol",
-        "quillcache.transfer",
-        "quillcache.control",
-        "quillcache.control.sim",
-        "quillcache.gateway",
-        "quillcache_cli",
-    ],
-    package_data={"quillcache._native": ["*.pyx", "*.pxd", "*.pxi", "includes/*.pxd", "includes/*.h"],
-                  "quillcache": ["default.toml"]},
+    # Every package under src/ (quillcache, its subpackages, quillcache_cli): found, not listed,
+    # so a new package cannot be left out of the wheel.
+    package_dir={"": "src"},
+    packages=find_packages(where="src"),
+    package_data={"quillcache._native": ["*.pyx", "*.pxd", "*.pxi", "includes/*.pxd", "includes/*.h"]},
     ext_modules=extensions(),
     zip_safe=False,
 )

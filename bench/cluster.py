@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from quillcache import Client  # noqa: E402
-from quillcache.cluster import wire  # noqa: E402
+from quillcache.protocol import cluster as wire  # noqa: E402
 from quillcache.cluster.hrw import Ring, key_hash  # noqa: E402
 from quillcache.model import KvBlockKey, encode_key  # noqa: E402
 from quillcache.protocol.opcodes import Opcode  # noqa: E402

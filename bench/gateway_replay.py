@@ -45,9 +45,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import router_replay  # noqa: E402
-from quillcache.config import hash_token  # noqa: E402
+from quillcache.settings.convert import hash_token  # noqa: E402
 from quillcache.control.model import SloTarget  # noqa: E402
-from quillcache.control.router import POLICIES  # noqa: E402
+from quillcache.protocol.route import POLICIES  # noqa: E402
 from quillcache.control.sim.engine import H200_LLAMA3_8B  # noqa: E402
 from quillcache.control.sim.replay import REPLAY_MODEL, PolicyResult, block_token_ids, build_requests  # noqa: E402
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, assign_tenants, load_trace  # noqa: E402

@@ -423,7 +423,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--prefix: every length must be a multiple of {unit}")
     from _local_node import LocalNode
     from quillcache import Client
-    from quillcache.gpu import ArenaCopier
+    from quillcache.client.gpu import ArenaCopier
 
     shape = SHAPES[args.shape]
     if args.device == "cuda":

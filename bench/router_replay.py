@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from quillcache.control.model import SloTarget
-from quillcache.control.router import POLICIES
+from quillcache.protocol.route import POLICIES
 from quillcache.control.sim.engine import H200_LLAMA3_8B, KV_BYTES_PER_TOKEN_LLAMA3_8B, EngineConfig
 from quillcache.control.sim.replay import build_requests, run_policy
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, assign_tenants, load_trace

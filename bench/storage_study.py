@@ -38,6 +38,7 @@ from pathlib import Path
 
 TRACE = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))   # bench.lsm_index when run as a script
 TOKENS_PER_BLOCK = 512
 KV_BYTES_PER_TOKEN = 128 << 10          # bytes: llama-3-8b, fp16, 32 layers x 8 KV heads x 128 x 2 x 2
 SYNC_EVERY_PUTS = 1000                  # puts per group commit while loading
@@ -194,7 +195,7 @@ def study(n: int, queries: int, memory_queries: int, workdir: Path, backends: li
 
     if "lsm" in backends:
         try:
-            from quillcache.index.lsm import LsmIndex
+            from bench.lsm_index import LsmIndex
         except ImportError:
             print("rocksdict not installed: LSM skipped (pip install rocksdict)", file=sys.stderr)
         else:

@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "quillcache"
+CLI = ROOT / "src" / "quillcache_cli"
 TESTS = ROOT / "tests"
 
 # A behaviour suite that other backends re-run on their own fixture (not a helper).
@@ -76,7 +77,7 @@ def test_exit_codes_are_defined_only_in_quillcache_exitcodes():
     from quillcache import exitcodes
     codes = {getattr(exitcodes, n) for n in exitcodes.__all__ if isinstance(getattr(exitcodes, n), int)}
     offenders = []
-    for path in [*SRC.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]:
+    for path in [*SRC.rglob("*.py"), *CLI.rglob("*.py")]:
         if path == SRC / "exitcodes.py":
             continue
         for name, value in _int_assignments(path).items():
@@ -104,18 +105,18 @@ def _constants(path: Path):
 
 
 def test_the_default_address_is_written_only_in_config():
-    from quillcache.config import DEFAULT_ADDRESS
+    from quillcache.net import DEFAULT_ADDRESS
     offenders = [f"{p.relative_to(ROOT)}:{c.lineno}"
-                 for p in [*SRC.rglob("*.py"), *(ROOT / "cli").rglob("*.py")] if p != SRC / "config.py"
+                 for p in [*SRC.rglob("*.py"), *CLI.rglob("*.py")] if p != SRC / "net.py"
                  for c in _constants(p) if c.value == DEFAULT_ADDRESS]
-    assert not offenders, "use quillcache.config.DEFAULT_ADDRESS:\n" + "\n".join(offenders)
+    assert not offenders, "use quillcache.net.DEFAULT_ADDRESS:\n" + "\n".join(offenders)
 
 
 def test_the_client_timeout_default_is_defined_only_in_the_client():
     """quillctl's --timeout default is the client's DEFAULT_TIMEOUT_S, not a second copy."""
     offenders = []
-    for path in [*SRC.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]:
-        if path == SRC / "client.py":
+    for path in [*SRC.rglob("*.py"), *CLI.rglob("*.py")]:
+        if path == SRC / "client" / "calls.py":
             continue
         for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Assign) and any(
@@ -127,7 +128,7 @@ def test_the_client_timeout_default_is_defined_only_in_the_client():
 def test_the_longest_pin_is_defined_only_in_the_model():
     from quillcache.model import MAX_PIN_TTL_S
     offenders = []
-    for path in [*SRC.rglob("*.py"), *(ROOT / "cli").rglob("*.py")]:
+    for path in [*SRC.rglob("*.py"), *CLI.rglob("*.py")]:
         if path == SRC / "model.py":
             continue
         for node in ast.walk(_tree(path)):
@@ -159,14 +160,14 @@ def test_the_info_format_and_the_status_map_have_one_home():
 def test_every_reloadable_setting_has_exactly_one_reload_hook_and_nothing_else_does():
     """A setting is declared reloadable once, in the registry; the daemon applies it through
     its one hook table (a reloadable setting without a hook, or a hook for a fixed one, fails)."""
-    from quillcache.config import SETTINGS
-    from quillcache.daemon import RELOAD_HOOKS
+    from quillcache.node.settings import SETTINGS
+    from quillcache.node.daemon import RELOAD_HOOKS
     assert set(RELOAD_HOOKS) == {s.qualname for s in SETTINGS if s.reloadable}
 
 
 # The hot paths and the front ends: server, client, daemon, the protocol package and the CLI.
-HOT_PATHS = [SRC / "server.py", SRC / "client.py", SRC / "daemon.py", *(SRC / "protocol").glob("*.py"),
-             *(ROOT / "cli").glob("*.py")]
+HOT_PATHS = [*(SRC / "node").glob("*.py"), *(SRC / "client").glob("*.py"), *(SRC / "protocol").glob("*.py"),
+             *CLI.glob("*.py")]
 
 
 def _private_reaches(path: Path, root: Path = ROOT) -> list[str]:
@@ -209,7 +210,7 @@ def test_the_server_and_client_do_not_pack_or_slice_request_bodies_by_hand():
     """The GET/PUT bodies are the codec's (encode/decode_key_body, _put_body): no u16/u64
     structs or byte-index arithmetic on a frame header in the server or the client."""
     offenders = []
-    for path in (SRC / "server.py", SRC / "client.py"):
+    for path in [*(SRC / "node").glob("*.py"), *(SRC / "client").glob("*.py")]:
         for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Constant) and node.value in ("<H", "<Q", "<HQ"):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: struct {node.value!r}")

@@ -7,7 +7,7 @@ import pytest
 from quillcache import Client
 from quillcache._native.codec import encode_frame_header
 from quillcache.auth import FAILED_HELLO_WINDOW_S, Authenticator
-from quillcache.config import hash_token
+from quillcache.settings.convert import hash_token
 from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, PermissionDenied
 from quillcache.model import encode_key
 from quillcache.protocol import messages
@@ -143,15 +143,16 @@ def test_an_engine_principal_with_may_act_for_names_tenants_and_others_still_can
 
 
 def test_may_act_for_is_validated_and_only_widens_the_named_principal():
-    from quillcache.config import ConversionError, _tenants
+    from quillcache.net import ConversionError
+    from quillcache.settings.convert import tenants
     h = hash_token("e")
-    entries = _tenants([{"name": "eng", "token": h, "may_act_for": ["alice"]}, {"name": "alice", "token": h}])
+    entries = tenants([{"name": "eng", "token": h, "may_act_for": ["alice"]}, {"name": "alice", "token": h}])
     auth = Authenticator(entries)
     assert auth.may_act_for("eng", "alice") and auth.may_act_for("eng", "eng")
     assert not auth.may_act_for("eng", "bob") and not auth.may_act_for("alice", "eng")
     for bad in ("*", ["bad name!"], [1]):
         with pytest.raises(ConversionError):
-            _tenants([{"name": "eng", "token": h, "may_act_for": bad}])
+            tenants([{"name": "eng", "token": h, "may_act_for": bad}])
 
 
 def test_failed_hellos_past_the_limit_close_the_connection_at_once(tmp_path):

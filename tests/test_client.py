@@ -288,13 +288,13 @@ def test_unpin_hard_drops_a_hard_pin(client):
 
 
 def test_key_cache_gives_the_encoding_of_each_key_and_stays_bounded(daemon, monkeypatch):
-    import quillcache.client as client_mod
+    import quillcache.client.ops as ops_mod
     from quillcache.model import encode_key
-    monkeypatch.setattr(client_mod, "KEY_CACHE_ENTRIES", 8)
+    monkeypatch.setattr(ops_mod, "KEY_CACHE_ENTRIES", 8)
     with Client(daemon.addr) as c:
         keys = [key(i, prefix="kc") for i in range(30)]
         for k in keys + keys[::-1]:
-            assert c._ekey(k) == encode_key(k)
+            assert c.encoded_key(k) == encode_key(k)
             assert len(c._keys) <= 8
         # equal keys built separately hit the same entry; values stay right across evictions
         for i, k in enumerate(keys):

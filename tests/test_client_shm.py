@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from quillcache import AsyncClient, Client, KvBlockKey
-from quillcache.client_shm import check_lease
-from quillcache.config import hash_token
+from quillcache.client.shm import check_lease
+from quillcache.settings.convert import hash_token
 from quillcache.errors import ConnectionLost, NotFound, PermissionDenied, Timeout
 from tests._support.daemon import Daemon
 

@@ -3,10 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from quillcache.config import (
-    SETTINGS, ConfigError, format_byte_size, hash_token, load_config, parse_byte_size,
-    parse_duration, parse_hostport, render_sample,
-)
+from quillcache.node.settings import SETTINGS, ConfigError, load_config, render_sample
+from quillcache.settings.convert import format_byte_size, hash_token, parse_byte_size, parse_duration
+from quillcache.net import parse_hostport
 
 ROOT = Path(__file__).resolve().parents[1]
 

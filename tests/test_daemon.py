@@ -13,7 +13,7 @@ import pytest
 
 from quillcache import Client
 from quillcache._native.codec import encode_frame_header
-from quillcache.daemon import sd_notify
+from quillcache.service import sd_notify
 from quillcache.errors import NotFound, UnsafeReuse
 from quillcache.model import encode_key
 from quillcache.protocol import messages

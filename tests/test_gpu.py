@@ -1,4 +1,4 @@
-"""quillcache.gpu on CPU tensors against a real quillcached (torch CPU; the CUDA path is
+"""quillcache.client.gpu on CPU tensors against a real quillcached (torch CPU; the CUDA path is
 measured by bench/gpu_reload.py on a GPU machine)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from quillcache import Client, KvBlockKey  # noqa: E402
-from quillcache.gpu import ArenaCopier, _runs  # noqa: E402
+from quillcache.client.gpu import ArenaCopier, _runs  # noqa: E402
 from tests._support.daemon import Daemon  # noqa: E402
 
 pytestmark = pytest.mark.engines

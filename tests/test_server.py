@@ -358,7 +358,7 @@ def test_mixed_load_64_clients_60_s_bounded_rss(tmp_path):
 def test_key_cache_returns_exactly_what_decode_key_returns_and_stays_bounded():
     from quillcache.errors import InvalidArgument as BadArg
     from quillcache.model import decode_key
-    from quillcache.server import KeyCache
+    from quillcache.node.server import KeyCache
     cache = KeyCache(4)
     keys = [key(i, prefix="kc") for i in range(10)]
     raws = [encode_key(k) for k in keys]
@@ -440,7 +440,7 @@ def test_request_metrics_are_counted_by_opcode_and_status_at_scrape_time(daemon)
 def test_request_counters_render_as_prometheus_families():
     from prometheus_client import generate_latest
 
-    from quillcache.metrics import LATENCY_BUCKETS_S, NodeMetrics
+    from quillcache.node.metrics import LATENCY_BUCKETS_S, NodeMetrics
     m = NodeMetrics("n1", "v")
     m.observe(int(Opcode.GET), 0, 30e-6)
     m.observe(int(Opcode.GET), 0, LATENCY_BUCKETS_S[2])       # on a bound: counted in that bucket
@@ -461,7 +461,7 @@ def test_request_counters_render_as_prometheus_families():
 def test_a_handler_that_suspends_is_finished_by_a_task_with_its_result_and_its_cancellation():
     import asyncio
 
-    from quillcache.server import _finish
+    from quillcache.node.server import _finish
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from quillcache.client import Client
-from quillcache.cluster import wire
+from quillcache.protocol import cluster as wire
 from quillcache.errors import NotFound, QuillCacheError
 from quillcache.model import KvBlockKey
 from quillcache.protocol.opcodes import Opcode

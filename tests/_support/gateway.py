@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from quillcache.config import hash_token
+from quillcache.settings.convert import hash_token
 
 __all__ = ["free_port", "Harness", "TOKENS", "read_sse", "harness", "gateway", "wait_until"]
 

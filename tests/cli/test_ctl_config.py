@@ -40,7 +40,7 @@ def test_missing_config_file_exits_78(tmp_path):
 
 
 def test_hash_token_matches_library():
-    from quillcache.config import hash_token
+    from quillcache.settings.convert import hash_token
     r = run(["quillctl", "auth", "hash-token", "abc"])
     assert r.returncode == 0 and r.stdout.strip() == hash_token("abc")
     for args in (["-"], []):                       # "-" and no argument both read stdin

@@ -1,4 +1,4 @@
-"""`make gateway` (cli/gateway_demo.py) and the README's commands against it: the curl of the
+"""`make gateway` (tests/_support/gateway_demo.py) and the README's commands against it: the curl of the
 README streams an answer with the decision headers, and `quillctl gateway` lists both engines.
 The demo runs with every port moved by an offset (the defaults may be taken on a test machine)."""
 import os
@@ -40,7 +40,7 @@ def readme_block(after: str) -> str:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the README's command uses curl")
 def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
     offset = free_offset()
-    demo = subprocess.Popen([sys.executable, str(ROOT / "cli" / "gateway_demo.py"), "--port-offset", str(offset)],
+    demo = subprocess.Popen([sys.executable, "-m", "tests._support.gateway_demo", "--port-offset", str(offset)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

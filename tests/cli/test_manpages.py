@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from quillcache.config import SETTINGS
+from quillcache.node.settings import SETTINGS
 from quillcache_cli.manpages import PAGES
 
 MAN = Path(__file__).resolve().parents[2] / "man"

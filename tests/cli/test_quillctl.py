@@ -307,7 +307,7 @@ def test_wal_verify_of_a_stopped_node_dir_clean_then_corrupt(tmp_path):
 
 
 def test_token_binds_the_tenant_and_a_bad_token_exits_permission(tmp_path):
-    from quillcache.config import hash_token
+    from quillcache.settings.convert import hash_token
     n = Node(tmp_path, f'[[auth.tenants]]\nname = "acme"\ntoken = "{hash_token("s3cret")}"\n')
     try:
         env = {"QUILLCACHE_TOKEN": "s3cret", "QUILLCACHE_MODEL": "m"}

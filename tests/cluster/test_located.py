@@ -8,7 +8,7 @@ import time
 import pytest
 
 from quillcache import Client
-from quillcache.config import hash_token
+from quillcache.settings.convert import hash_token
 from quillcache.cluster.hrw import Ring, key_hash
 from quillcache.errors import NotFound, PermissionDenied
 from quillcache.model import encode_key

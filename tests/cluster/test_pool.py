@@ -10,9 +10,9 @@ import time
 import pytest
 
 from quillcache import Client
-from quillcache.cluster import wire
+from quillcache.protocol import cluster as wire
 from quillcache.cluster.hrw import Ring, key_hash
-from quillcache.config import hash_token
+from quillcache.settings.convert import hash_token
 from quillcache.errors import NotFound, PermissionDenied
 from quillcache.index.persistent import PersistentArtIndex
 from quillcache.model import encode_key

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quillcache.cluster import wire
+from quillcache.protocol import cluster as wire
 from quillcache.cluster.records import Holder
 from quillcache.errors import InvalidArgument
 from quillcache.protocol import messages

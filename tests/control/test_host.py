@@ -135,13 +135,13 @@ def test_node_publishes_its_residency_in_the_vllm_event_format(tmp_path):
      'tenant = "a"\ncolour = "red"\n', "unknown field"),
 ])
 def test_bad_engine_tables_are_config_errors_naming_the_key(engines, message):
-    from quillcache.config import ConfigError, load_config
+    from quillcache.node.settings import ConfigError, load_config
     with pytest.raises(ConfigError, match=r"\[router\] engines.*" + message):
         load_config(text='[router]\nmodule = "dynamo"\n' + engines)
 
 
 def test_router_module_names_come_from_the_registry():
-    from quillcache.config import SETTINGS
+    from quillcache.node.settings import SETTINGS
     from quillcache.control.modules import ROUTER_MODULES, module_policy
     setting = next(s for s in SETTINGS if s.qualname == "router.module")
     for name in ROUTER_MODULES:

@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from quillcache.control.indexer import _KEY, DEVICE, DISK, HOST, POOL, DictIndexer, chain_hashes
-from quillcache.control.router import POLICIES, NoWorkers, Router, RouterConfig
+from quillcache.protocol.route import POLICIES
+from quillcache.control.router import NoWorkers, Router, RouterConfig
 from quillcache.model import IdentityScope
 
 A = IdentityScope("m", "t", None, "acme")

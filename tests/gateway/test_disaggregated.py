@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from quillcache.config import ConfigError
+from quillcache.node.settings import ConfigError
 from quillcache.gateway.settings import load_gateway_config
 from tests._support.gateway import free_port, harness
 

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from quillcache.config import ConfigError, render_sample
+from quillcache.node.settings import ConfigError, render_sample
 from quillcache.gateway.settings import GATEWAY_REGISTRY, load_gateway_config
 
 ENGINE = '[[gateway.engines]]\nid = "e0"\nurl = "http://127.0.0.1:9000"\nmodel = "m"\n'
@@ -51,13 +51,13 @@ def test_engines_of_one_model_must_share_tokenizer_and_block_size(extra):
 def test_node_sections_are_unknown_to_the_gateway_and_vice_versa():
     with pytest.raises(ConfigError, match=r"unknown section \[store\]"):
         load_gateway_config(text='[store]\ndram = "1GiB"\n')
-    from quillcache.config import load_config
+    from quillcache.node.settings import load_config
     with pytest.raises(ConfigError, match=r"unknown section \[gateway\]"):
         load_config(text='[gateway]\nlisten = "127.0.0.1:1"\n')
 
 
 def test_auth_is_the_nodes_own_setting():
-    from quillcache.config import SETTINGS
+    from quillcache.node.settings import SETTINGS
     node_auth = [s for s in SETTINGS if s.section == "auth"]
     assert node_auth and all(any(s is g for g in GATEWAY_REGISTRY.settings) for s in node_auth)
 

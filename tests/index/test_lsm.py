@@ -6,7 +6,7 @@ pytest.importorskip("rocksdict")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from quillcache.index.lsm import LsmIndex  # noqa: E402
+from bench.lsm_index import LsmIndex  # noqa: E402
 from quillcache.index.persistent import encode_put  # noqa: E402
 from quillcache.model import CacheTier, MemoryIndex  # noqa: E402
 from tests.index import test_backends as shared  # noqa: E402

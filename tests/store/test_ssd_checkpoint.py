@@ -1,5 +1,5 @@
 """ssd.read_checkpoint and ssd.Replay: the one reading of an SSD checkpoint + WAL, used by the
-tier's recovery and by `quillctl wal verify` (cli/ctl_wal.py)."""
+tier's recovery and by `quillctl wal verify` (quillcache_cli/ctl_wal.py)."""
 import asyncio
 import os
 

@@ -47,8 +47,8 @@ def cluster_args(etcd: Sequence[str], cluster_id: str, ttl: Any) -> tuple[tuple,
     """A registrant's --etcd, --cluster-id and --lease-ttl, converted by the node's own
     [cluster] settings (one meaning for etcd, cluster_id and lease_ttl); raises
     ConversionError naming the option."""
-    from quillcache.config import NODE_REGISTRY, ConversionError
-    cluster = NODE_REGISTRY.by_section["cluster"]
+    from quillcache.cluster.settings import CLUSTER_BY_NAME as cluster
+    from quillcache.net import ConversionError
     out = []
     for option, name, value in (("--etcd", "etcd", list(etcd)), ("--cluster-id", "cluster_id", cluster_id),
                                 ("--lease-ttl", "lease_ttl", ttl)):

@@ -30,7 +30,7 @@ import socket
 import time
 from typing import Any, Optional, Sequence
 
-from quillcache.cluster import wire
+from quillcache.protocol import cluster as wire
 from quillcache.cluster.hrw import Ring, key_hash
 from quillcache.cluster.membership import Member, Membership
 from quillcache.cluster.reads import MAX_HOLDER_TRIES, PoolReads

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
-from quillcache.cluster import wire
+from quillcache.protocol import cluster as wire
 from quillcache.cluster.hrw import key_hash
 from quillcache.cluster.records import Holder
 from quillcache.errors import NotFound, QuillCacheError

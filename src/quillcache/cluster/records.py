@@ -18,20 +18,15 @@ uses; without a shared index (tests) ``ArtRecordStore`` keeps its own.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from quillcache.index.art import ArtIndex
 from quillcache.model import CacheTier, KvBlockKey, encode_key
+from quillcache.protocol.cluster import Holder
 
 __all__ = ["Holder", "RecordStore", "ArtRecordStore", "holder_id", "parse_holder_id"]
 
 _REMOTE_TIERS = (CacheTier.CPU_DRAM,)
-
-
-class Holder(NamedTuple):
-    node_id: str
-    epoch: int
-    size: int
 
 
 def holder_id(node_id: str, epoch: int) -> str:

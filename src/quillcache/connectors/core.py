@@ -331,7 +331,7 @@ class ConnectorCore:
 
     def call_async(self, fn, *, what: str = "load", default: Any = 0) -> Future:
         """Run ``fn(client)`` on the I/O thread, the connection's one owner, for an adapter that
-        moves the bytes itself (``paged.py``: device copies through ``quillcache.gpu``).  A node
+        moves the bytes itself (``paged.py``: device copies through ``quillcache.client.gpu``).  A node
         failure is counted as ``<what>_errors``, drops the connection and returns ``default``."""
         return self._io.submit(self._call, fn, what, default)
 

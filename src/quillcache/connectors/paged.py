@@ -16,7 +16,7 @@ Call order (vLLM's)::
     get_finished(finished_req_ids)      requests whose saves are all done
     take_load_errors()                  block ids to recompute
 
-Loads: on the I/O thread, ``quillcache.gpu.ArenaCopier`` copies up to ``staging_bytes`` of
+Loads: on the I/O thread, ``quillcache.client.gpu.ArenaCopier`` copies up to ``staging_bytes`` of
 blocks at a time from the node into a staging tensor on the caches' device (over ``unix:`` a
 located GET and arena -> device copies on the copier's stream, adjacent blocks merged into one
 copy; over TCP through a host buffer), then they are scattered into the paged caches layer by
@@ -129,7 +129,7 @@ class PagedKVWorker:
         return len(self._caches) * 2 * c[0, 0].numel() * c.element_size()
 
     def _copier_for(self, client):
-        from quillcache.gpu import ArenaCopier
+        from quillcache.client.gpu import ArenaCopier
         if self._copier is None or self._copier.client is not client:     # a reconnect: a new client
             self._copier = ArenaCopier(client, device=self.device)
         return self._copier

@@ -11,10 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["ROUTER_MODULES", "POLICIES", "EngineSpec", "parse_engines", "module_policy"]
+from quillcache.protocol.route import POLICIES
 
-# The routing policies, in their wire order (a ROUTE request names one by index + 1).
-POLICIES = ("round_robin", "least_loaded", "prefix", "dynamo", "quillcache")
+__all__ = ["ROUTER_MODULES", "POLICIES", "EngineSpec", "parse_engines", "module_policy"]
 
 # name -> the router policy it runs (None: no router)
 ROUTER_MODULES: dict[str, Optional[str]] = {

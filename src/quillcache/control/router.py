@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
-from quillcache.control.modules import POLICIES
+from quillcache.protocol.route import POLICIES
 from quillcache.control.sketch import CountMinSketch
 from quillcache.model import IdentityScope
 

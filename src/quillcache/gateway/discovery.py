@@ -20,7 +20,7 @@ import asyncio
 import logging
 from typing import Any, Optional
 
-from quillcache.config import ConversionError
+from quillcache.net import ConversionError
 from quillcache.errors import InvalidArgument
 from quillcache.gateway.settings import engine_of_record
 

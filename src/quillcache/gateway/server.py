@@ -13,7 +13,8 @@ from typing import Optional
 
 from aiohttp import web
 
-from quillcache.config import EX_CONFIG, format_hostport
+from quillcache.node.settings import EX_CONFIG
+from quillcache.net import format_hostport
 from quillcache.errors import InvalidArgument
 
 __all__ = ["run", "start", "DRAIN_TIMEOUT_S"]
@@ -41,7 +42,7 @@ def run(cfg) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
     import uvloop
 
-    from quillcache.daemon import sd_notify, setup_logging
+    from quillcache.service import sd_notify, setup_logging
     setup_logging("info")
 
     async def main() -> int:

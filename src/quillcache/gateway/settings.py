@@ -1,7 +1,7 @@
 """The gateway's settings: ``[gateway]``, ``[[gateway.engines]]``, ``[router]`` and ``[auth]``.
 
 The same registry mechanism, TOML errors and exit codes as ``quillcached``
-(quillcache.config); ``[auth]`` and ``[router]`` are the node's own ``Setting`` objects,
+(quillcache.settings); ``[auth]`` and ``[router]`` are the node's own ``Setting`` objects,
 so a tenant table or a router knob means the same thing in both files.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from quillcache.config import (
-    SETTINGS, ConfigError, ConversionError, Registry, Setting, _bool, _int_range, _string,
-    load_config, parse_byte_size, parse_duration, parse_hostport,
-)
+from quillcache.node.settings import SETTINGS, ConfigError, load_config
+from quillcache.net import ConversionError, parse_hostport
+from quillcache.settings.registry import Registry, Setting
+from quillcache.settings.convert import boolean, int_range, string, parse_byte_size, parse_duration
 
 __all__ = ["GATEWAY_REGISTRY", "EngineSpec", "ENGINE_ROLES", "load_gateway_config", "MAX_ENGINES",
            "engine_of_record", "engine_conflict", "ENGINE_KEYS"]
@@ -186,9 +186,9 @@ _GATEWAY_SETTINGS: tuple[Setting, ...] = (
             "(ZMQ endpoints of the engine's KV-event publisher), block_size (tokens per KV block)."),
     Setting("gateway", "max_body", _body_size, "4MiB", False,
             "Largest request body; a larger one is refused with 413 before it is read."),
-    Setting("gateway", "max_prompt_tokens", _int_range(1, 1 << 24), 1 << 20, True,
+    Setting("gateway", "max_prompt_tokens", int_range(1, 1 << 24), 1 << 20, True,
             "Longest prompt in tokens (characters in approximate mode); longer ones get 400."),
-    Setting("gateway", "queue_limit", _int_range(1, 1 << 20), 256, True,
+    Setting("gateway", "queue_limit", int_range(1, 1 << 20), 256, True,
             "Requests in flight per engine at most; when every engine is at it, 429 with Retry-After."),
     Setting("gateway", "retry_after", _positive_duration, "1s", True,
             "The Retry-After of a 429."),
@@ -208,13 +208,13 @@ _GATEWAY_SETTINGS: tuple[Setting, ...] = (
             "Time-to-first-token objective used by the goodput metric."),
     Setting("gateway", "slo_tpot", _positive_duration, "80ms", True,
             "Time-per-output-token objective used by the goodput metric."),
-    Setting("gateway", "name", _string, "", False,
+    Setting("gateway", "name", string, "", False,
             "Name of this gateway in logs and metrics; empty means the host name."),
 )
 
 
 def _policy(value: Any) -> str:
-    from quillcache.control.router import POLICIES
+    from quillcache.protocol.route import POLICIES
     if isinstance(value, str) and value in POLICIES:
         return value
     raise ConversionError("not one of " + ", ".join(f'"{p}"' for p in POLICIES))
@@ -256,7 +256,7 @@ def _check_gateway(cfg) -> None:
 
 
 # [cluster]: the node's etcd and cluster_id (one pool, one name); enabled means "watch the engines".
-_CLUSTER = (Setting("cluster", "enabled", _bool, False, False,
+_CLUSTER = (Setting("cluster", "enabled", boolean, False, False,
                     "Also route to the engines registered in etcd (quillctl engine register, "
                     "quillcache-sim-engine --etcd), added and removed live; an id that is also in "
                     "[[gateway.engines]] is refused: the config's entry wins."),

@@ -21,7 +21,7 @@ from typing import NamedTuple, Sequence
 from quillcache._native.codec import (
     decode_key_body, decode_key_field, decode_put_body, encode_key_body, encode_put_body,
 )
-from quillcache.control.modules import POLICIES
+from quillcache.protocol.route import POLICIES
 from quillcache.errors import (
     STATUS_CLASSES, CapacityError, InvalidArgument, ProtocolError, QuillCacheError, UnsafeReuse,
     error_for_status,

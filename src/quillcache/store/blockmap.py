@@ -2,7 +2,7 @@
 rows recovered from it.
 
 ``read_checkpoint`` + ``Replay`` are the one reading of a tier's checkpoint and WAL, used
-by the tier's recovery (store/ssd.py) and by ``quillctl wal verify`` (cli/ctl_wal.py).
+by the tier's recovery (store/ssd.py) and by ``quillctl wal verify`` (quillcache_cli/ctl_wal.py).
 docs/ssd-format.md describes both checkpoint versions; this build writes version 2:
 
     header (48 bytes): magic "QCSSDCK2" | u32 version=2 | u32 unit | u64 capacity | u64 lsn

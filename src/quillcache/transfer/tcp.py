@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from quillcache.client import AsyncClient
-from quillcache.cluster import wire
+from quillcache.protocol import cluster as wire
 from quillcache.errors import ConnectionLost, InvalidArgument, QuillCacheError, Timeout
 from quillcache.protocol.opcodes import FLAG_PAYLOAD_CRC, Opcode, ProtocolLimits
 from quillcache.transfer.base import FetchResult, Peer

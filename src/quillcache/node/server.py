@@ -54,11 +54,11 @@ from quillcache.errors import (
 from quillcache.model import (
     KEY_FORMAT_VERSION, MAX_PIN_TTL_S, IdentityScope, KeyError_, KvBlockKey, decode_key,
 )
-from quillcache.metrics import RequestCounters
+from quillcache.node.metrics import RequestCounters
 from quillcache.protocol import messages
 from quillcache.protocol.connection import DEFER, ProtocolConnection
 from quillcache.protocol.info import render_info
-from quillcache.server_shm import LOCATED_HANDLERS, LocatedMixin
+from quillcache.node.located import LOCATED_HANDLERS, LocatedMixin
 from quillcache.protocol.opcodes import (
     CLUSTER_OPCODES, FLAG_DURABLE, FLAG_PAYLOAD_CRC, FLAG_REPLY, PROTOCOL_VERSION, InfoFormat, Opcode,
     PinMode, ProtocolLimits,

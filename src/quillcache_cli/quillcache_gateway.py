@@ -3,7 +3,7 @@ import sys
 
 import click
 
-from quillcache.config import ConfigError
+from quillcache.node.settings import ConfigError
 
 from quillcache_cli import exitcodes
 

@@ -57,7 +57,7 @@ def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters
     batching timed by a cost model, vLLM-format KV events on ZMQ.  Prints one READY line
     with the bound addresses, then serves until SIGINT/SIGTERM.  With --etcd it registers
     itself (cluster/engines.py) once bound, like `quillctl engine register` does for vLLM."""
-    from quillcache.config import ConversionError
+    from quillcache.net import ConversionError
     from quillcache.control.sim.engine import EngineConfig, SimEngineError, cost_with
     from quillcache.control.sim.server import SimServerConfig, serve_forever
 

@@ -3,7 +3,8 @@ import re
 
 import click
 
-from quillcache.config import ConversionError, parse_duration
+from quillcache.net import ConversionError
+from quillcache.settings.convert import parse_duration
 
 _BARE_NUMBER = re.compile(r"^\s*[0-9]+(\.[0-9]+)?\s*$")
 

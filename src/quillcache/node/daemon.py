@@ -20,23 +20,23 @@ import os
 import signal
 import socket
 import stat
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from quillcache import __version__, exitcodes
 from quillcache.auth import Authenticator
-from quillcache.config import SETTINGS, Config, ConfigError, format_hostport, load_config
+from quillcache.node.settings import SETTINGS, Config, ConfigError, format_hostport, load_config
 from quillcache.errors import Busy, InvalidArgument, QuillCacheError
 from quillcache.index.persistent import PersistentArtIndex
 from quillcache.model import CacheTier
-from quillcache.metrics import NodeMetrics
+from quillcache.node.metrics import NodeMetrics
 from quillcache.protocol.opcodes import ProtocolLimits
-from quillcache.server import NodeServer
+from quillcache.node.server import NodeServer
+from quillcache.service import LOG_LEVELS, sd_notify, setup_logging
 from quillcache.store.tiers import LocalKvStore
 
-__all__ = ["Node", "run", "sd_notify", "setup_logging", "MAINTENANCE_INTERVAL_S"]
+__all__ = ["Node", "run", "MAINTENANCE_INTERVAL_S"]
 
 log = logging.getLogger("quillcache.daemon")
 
@@ -45,51 +45,6 @@ LISTEN_BACKLOG = 1024            # pending TCP connections the kernel queues
 UNIX_SOCKET_NAME = "quillcached.sock"    # in data_dir, unless [node] unix_socket names a path
 UNIX_SOCKET_MODE = 0o660         # owner and group may connect (the group is the fence in open mode)
 UNIX_PATH_MAX = 108              # bytes of sun_path, the terminating NUL included
-_LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-               "error": logging.ERROR}
-
-
-# --------------------------------------------------------------------------- sd_notify
-
-
-def sd_notify(message: str, env: Optional[Mapping[str, str]] = None) -> bool:
-    """Send ``message`` (e.g. "READY=1") to $NOTIFY_SOCKET; False when unset or it failed.
-
-    A unix datagram socket; a name starting with '@' is in the abstract namespace.
-    """
-    path = (env if env is not None else os.environ).get("NOTIFY_SOCKET", "")
-    if not path:
-        return False
-    if path[0] == "@":
-        addr: Any = "\0" + path[1:]
-    elif path[0] == "/":
-        addr = path
-    else:
-        log.warning("NOTIFY_SOCKET=%r is neither a path nor an abstract name: not notifying", path)
-        return False
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.connect(addr)
-            s.sendall(message.encode("utf-8"))
-    except OSError as exc:
-        log.warning("sd_notify(%s) to %s failed: %s", message.split("\n")[0], path, exc)
-        return False
-    return True
-
-
-class _StderrHandler(logging.StreamHandler):
-    """The daemon's own log handler (added once however often setup_logging runs)."""
-
-
-def setup_logging(level: str) -> None:
-    root = logging.getLogger()
-    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
-        handler = _StderrHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(handler)
-    root.setLevel(_LOG_LEVELS[level])
-
-
 # --------------------------------------------------------------------------- the node
 
 
@@ -422,7 +377,7 @@ def _unlink_stale_socket(path: str) -> None:
 
 
 def _reload_log_level(node: Node, value: Any, new: Config) -> None:
-    logging.getLogger().setLevel(_LOG_LEVELS[value])
+    logging.getLogger().setLevel(LOG_LEVELS[value])
 
 
 def _read_where_used(node: Node, value: Any, new: Config) -> None:

@@ -16,7 +16,8 @@ import time
 
 import click
 
-from quillcache.config import DEFAULT_ADDRESS, ConversionError, parse_byte_size
+from quillcache.net import DEFAULT_ADDRESS, ConversionError
+from quillcache.settings.convert import parse_byte_size
 from quillcache.errors import NotFound, QuillCacheError
 
 from quillcache_cli import exitcodes

@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 
 from quillcache import __version__
-from quillcache.config import SECTIONS, SETTINGS, _toml_value
+from quillcache.node.settings import SECTIONS, SETTINGS
+from quillcache.settings.registry import toml_value
 
 DATE = "2026"  # fixed so that regeneration is reproducible
 
@@ -100,7 +101,7 @@ def toml_page() -> str:
         lines += [f".SS [{section}]", _esc(summary)]
         for s in (x for x in SETTINGS if x.section == section):
             reload_ = " (reloadable on SIGHUP)" if s.reloadable else ""
-            lines += [".TP", f"\\fB{s.name}\\fR = {_esc(_toml_value(s.default))}", _esc(s.help + reload_)]
+            lines += [".TP", f"\\fB{s.name}\\fR = {_esc(toml_value(s.default))}", _esc(s.help + reload_)]
     lines += [".SH SEE ALSO", "quillcached(8), quillctl(1)"]
     return "\n".join(lines) + "\n"
 

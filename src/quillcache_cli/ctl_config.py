@@ -3,7 +3,8 @@ import sys
 
 import click
 
-from quillcache.config import ConfigError, hash_token, load_config, render_sample
+from quillcache.node.settings import ConfigError, load_config, render_sample
+from quillcache.settings.convert import hash_token
 
 from quillcache_cli import exitcodes
 

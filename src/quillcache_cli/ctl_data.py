@@ -2,7 +2,7 @@
 
 Thin: each command opens one connection, sends one request (ls pages with LIST), prints a
 human table or, with --json, one JSON document, and exits with a named code
-(cli/exitcodes.py).  The work is in quillcache.client.
+(quillcache_cli/exitcodes.py).  The work is in quillcache.client.
 
 KEYFIELDS, how a key is named on the command line (the help of every key command says it):
 the identity scope comes from options with environment defaults, the block from options:
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import click
 
-from quillcache.config import DEFAULT_ADDRESS
+from quillcache.net import DEFAULT_ADDRESS
 from quillcache.errors import (
     Busy, CapacityError, ConnectionLost, InvalidArgument, NotFound, PermissionDenied,
     ProtocolError, QuillCacheError, ReadOnlyError, Timeout, UnsafeReuse,

@@ -48,7 +48,7 @@ def register_cmd(etcd, cluster_id, engine_id, url, model, tokenizer, tokenizer_i
     the way the gateways check it."""
     from quillcache import __version__
     from quillcache.cluster.engines import cluster_args, etcd_client_missing, keep_registered
-    from quillcache.config import ConversionError
+    from quillcache.net import ConversionError
     from quillcache.gateway.settings import engine_of_record
 
     record = {"id": engine_id, "url": url, "model": model, "role": role, "block_size": block_size,

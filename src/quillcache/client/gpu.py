@@ -4,7 +4,7 @@ torch is optional and imported only when these helpers are used; the daemon and 
 client never import it.
 
     from quillcache import Client
-    from quillcache.gpu import ArenaCopier
+    from quillcache.client.gpu import ArenaCopier
     with Client("unix:var/quillcached.sock") as c:
         gpu = ArenaCopier(c)                  # registers the mapped arena with CUDA once
         gpu.save(keys, kv_tensors)            # device -> arena slots -> commit
@@ -37,7 +37,7 @@ def _torch():
     try:
         import torch
     except ImportError as exc:
-        raise ImportError("quillcache.gpu needs torch (pip install torch)") from exc
+        raise ImportError("quillcache.client.gpu needs torch (pip install torch)") from exc
     return torch
 
 
@@ -113,7 +113,7 @@ class ArenaCopier:
     def _bind(self) -> None:
         """(Re)attach to the client's current mapping (a reconnect maps a new arena)."""
         torch = _torch()
-        arena = getattr(self.client, "_arena", None)
+        arena = getattr(self.client, "arena", None)
         if arena is self._arena:
             return
         self._arena = arena

@@ -26,7 +26,7 @@ def _size(n: int) -> str:
 @click.pass_context
 def cluster_cmd(ctx, as_json):
     """The pool as this node sees it: members, epochs, free space, state."""
-    from quillcache.cluster import wire  # noqa: PLC0415
+    from quillcache.protocol import cluster as wire  # noqa: PLC0415
     from quillcache.protocol.opcodes import Opcode  # noqa: PLC0415
 
     with node(ctx) as client:
@@ -53,7 +53,7 @@ def cluster_cmd(ctx, as_json):
 @click.pass_context
 def locate_cmd(ctx, as_json, **kw):
     """A key's home node, rendezvous order and holders."""
-    from quillcache.cluster import wire  # noqa: PLC0415
+    from quillcache.protocol import cluster as wire  # noqa: PLC0415
     from quillcache.model import encode_key  # noqa: PLC0415
     from quillcache.protocol.opcodes import Opcode  # noqa: PLC0415
 

@@ -1,10 +1,10 @@
-"""quillcached: the node daemon (a thin front end; the work is in quillcache.daemon)."""
+"""quillcached: the node daemon (a thin front end; the work is in quillcache.node.daemon)."""
 import sys
 
 import click
 
 from quillcache._native import REBUILD_HINT, missing_extensions
-from quillcache.config import ConfigError, load_config
+from quillcache.node.settings import ConfigError, load_config
 
 from quillcache_cli import exitcodes
 
@@ -40,5 +40,5 @@ def main(config_path, listen, data_dir):
     except ConfigError as exc:
         click.echo(f"quillcached: {exc}", err=True)
         sys.exit(exitcodes.CONFIG)
-    from quillcache.daemon import run     # after validation: a bad config exits before any import cost
+    from quillcache.node.daemon import run     # after validation: a bad config exits before any import cost
     sys.exit(run(cfg, config_path=config_path, overrides=overrides))

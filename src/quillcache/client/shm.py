@@ -1,7 +1,7 @@
 """The client's shared-memory data path (docs/shm.md): the mapped arena and the located
 operations, written once as generators that both clients drive.
 
-A flow is a generator that yields request descriptions (``client._Req``) and is sent
+A flow is a generator that yields request descriptions (``calls.Req``) and is sent
 each one's result; ``Client`` drives it with blocking calls, ``AsyncClient`` with
 ``await``.  So the steps of a located GET (locate, copy out of the mapping, release) or
 of a reserved PUT (reserve, copy into the mapping, commit) exist once.
@@ -29,6 +29,7 @@ from quillcache.errors import (
     STATUS_CLASSES, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout, UnsafeReuse,
     error_for_status,
 )
+from quillcache.client.calls import Req
 from quillcache.protocol import located, messages
 from quillcache.protocol.opcodes import FLAG_DURABLE, Opcode
 
@@ -138,23 +139,22 @@ def _status_error(status: int, what: str) -> QuillCacheError:
 
 def located_flow(c, keys: Sequence):
     """GET_LOCATED of every key (batches of max_batch) -> Located."""
-    from quillcache.client import _Req
     lim = c.limits
-    ekeys = [c._ekey(k) for k in keys]
+    ekeys = [c.encoded_key(k) for k in keys]
     ids: list[int] = []
     extents: list = []
     expires = 1 << 63
     try:
         for start in range(0, len(ekeys), lim.max_batch):
             chunk = ekeys[start:start + lim.max_batch]
-            rep = yield _Req(Opcode.GET_LOCATED, messages.encode_keys_request(chunk, lim, "GET_LOCATED"), (), 0,
+            rep = yield Req(Opcode.GET_LOCATED, messages.encode_keys_request(chunk, lim, "GET_LOCATED"), (), 0,
                              None, lambda r: located.decode_located_reply(r.header, lim))
             if len(rep.items) != len(chunk):
                 raise ProtocolError(f"GET_LOCATED reply has {len(rep.items)} items for {len(chunk)} keys")
             if rep.lease_id:
                 ids.append(rep.lease_id)
                 expires = min(expires, rep.expires_ns)
-            size = c._arena.size
+            size = c.arena.size
             for st, off, n in rep.items.tolist():
                 if st == 0:
                     if off + n > size:
@@ -172,10 +172,9 @@ def located_flow(c, keys: Sequence):
 
 
 def release_flow(c, ids: list[int]):
-    from quillcache.client import _Req
     lim = c.limits
     for start in range(0, len(ids), lim.max_batch):
-        yield _Req(Opcode.RELEASE, located.encode_release_request(ids[start:start + lim.max_batch], lim), (), 0,
+        yield Req(Opcode.RELEASE, located.encode_release_request(ids[start:start + lim.max_batch], lim), (), 0,
                    None, lambda r: located.decode_release_count(r.header))
 
 
@@ -183,7 +182,7 @@ def get_many_into_flow(c, keys: Sequence, dsts: Sequence[memoryview]):
     """Located GET, one memcpy per block out of the mapping, expiry check, release."""
     loc = yield from located_flow(c, keys)
     try:
-        view = c._arena.view
+        view = c.arena.view
         out: list = []
         for i, (ext, dst) in enumerate(zip(loc.extents, dsts)):
             if ext is None:
@@ -208,12 +207,11 @@ def get_flow(c, key, dst: Optional[memoryview]):
     try:
         ext = loc.extents[0]
         if ext is None:
-            from quillcache.client import _Req
             # a miss: ask the copy path, whose error names the reason (not found, unsafe reuse)
-            yield _Req(Opcode.GET, c._get_header(key), (), 0, lambda f: bytearray(f.payload_length), lambda r: None)
+            yield Req(Opcode.GET, c.get_header(key), (), 0, lambda f: bytearray(f.payload_length), lambda r: None)
             raise NotFound("located GET: no such block")   # reached only if the key appeared meanwhile
         off, n = ext
-        src = c._arena.view[off:off + n]
+        src = c.arena.view[off:off + n]
         if dst is None:
             out: Any = bytes(src)
         else:
@@ -231,22 +229,21 @@ def get_flow(c, key, dst: Optional[memoryview]):
 def reserve_flow(c, items: Sequence[tuple[Any, int]], durable: bool):
     """RESERVE (batches of max_batch) -> [(reserve id, expires_ns, [offsets])]; all or
     nothing: on an error every batch already reserved is aborted."""
-    from quillcache.client import _Req
     lim = c.limits
-    prepared = [(c._ekey(k), n) for k, n in items]
+    prepared = [(c.encoded_key(k), n) for k, n in items]
     out: list = []
     try:
         for start in range(0, len(prepared), lim.max_batch) if prepared else ():
             chunk = prepared[start:start + lim.max_batch]
-            rep = yield _Req(Opcode.RESERVE, messages.encode_put_many_request(chunk, lim), (),
+            rep = yield Req(Opcode.RESERVE, messages.encode_put_many_request(chunk, lim), (),
                              FLAG_DURABLE if durable else 0, None,
                              lambda r: located.decode_reserve_reply(r.header, lim))
             if len(rep.offsets) != len(chunk):
                 raise ProtocolError(f"RESERVE reply has {len(rep.offsets)} slots for {len(chunk)} keys")
             out.append(rep)
             for off, (_, n) in zip(rep.offsets, chunk):
-                if off + n > c._arena.size:
-                    raise ProtocolError(f"RESERVE: slot {off}+{n} outside the {c._arena.size}-byte arena")
+                if off + n > c.arena.size:
+                    raise ProtocolError(f"RESERVE: slot {off}+{n} outside the {c.arena.size}-byte arena")
     except BaseException:
         yield from abort_flow(c, [r.reserve_id for r in out])
         raise
@@ -254,12 +251,11 @@ def reserve_flow(c, items: Sequence[tuple[Any, int]], durable: bool):
 
 
 def commit_flow(c, reserves: list):
-    from quillcache.client import _Req
     lim = c.limits
     first = None
     i = 0
     for rep in reserves:
-        statuses = yield _Req(Opcode.COMMIT, located.encode_id(rep.reserve_id), (), 0, None,
+        statuses = yield Req(Opcode.COMMIT, located.encode_id(rep.reserve_id), (), 0, None,
                               lambda r: messages.decode_status_list(r.header, lim))
         for st in statuses:
             if st and first is None:
@@ -270,10 +266,9 @@ def commit_flow(c, reserves: list):
 
 
 def abort_flow(c, ids: list[int]):
-    from quillcache.client import _Req
     for rid in ids:
         try:
-            yield _Req(Opcode.ABORT, located.encode_id(rid), (), 0, None, lambda r: None)
+            yield Req(Opcode.ABORT, located.encode_id(rid), (), 0, None, lambda r: None)
         except QuillCacheError:
             pass                 # the connection is gone: the node aborts them itself
 
@@ -282,7 +277,7 @@ def put_many_flow(c, items: Sequence[tuple[Any, memoryview]], durable: bool):
     """RESERVE, one memcpy per block into its slot, COMMIT."""
     reserves = yield from reserve_flow(c, [(k, mv.nbytes) for k, mv in items], durable)
     try:
-        view = c._arena.view
+        view = c.arena.view
         pos = 0
         for rep in reserves:
             for off in rep.offsets:
@@ -296,6 +291,6 @@ def put_many_flow(c, items: Sequence[tuple[Any, memoryview]], durable: bool):
 
 
 def slot_views(c, reserves: list, sizes: Iterable[int]) -> list[memoryview]:
-    view = c._arena.view
+    view = c.arena.view
     offsets = [off for rep in reserves for off in rep.offsets]
     return [view[off:off + n] for off, n in zip(offsets, sizes)]

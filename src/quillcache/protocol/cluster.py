@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
-from quillcache.cluster.records import Holder
 from quillcache._native.codec import decode_key_list
 from quillcache.errors import InvalidArgument
 from quillcache.protocol.messages import BodyReader, encode_keys_request
@@ -44,6 +43,13 @@ _names: dict[str, bytes] = {}           # node id -> its text8 bytes (a LOCATE r
 _names_read: dict[bytes, str] = {}      # the other way, for the decoder
 _holder_items: dict[tuple[str, int, int], bytes] = {}   # (node id, epoch, size) -> its reply bytes
 _COUNTS = [bytes((i,)) for i in range(MAX_HOLDERS + 1)]
+
+
+class Holder(NamedTuple):
+    """One holder of a block as LOCATE answers it: the node, the epoch of its run, the block's size."""
+    node_id: str
+    epoch: int
+    size: int
 
 
 def _name(node_id: str) -> bytes:

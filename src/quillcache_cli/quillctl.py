@@ -2,7 +2,7 @@
 import click
 
 from quillcache.client import DEFAULT_TIMEOUT_S
-from quillcache.config import DEFAULT_ADDRESS
+from quillcache.net import DEFAULT_ADDRESS
 from quillcache.exitcodes import QUILLCTL_EXIT_CODES
 
 from quillcache_cli.ctl_bench import bench_command

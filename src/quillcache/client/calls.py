@@ -1,0 +1,129 @@
+"""The client's I/O-free pieces: limits and defaults, the request description ``Req`` that a
+flow yields and a client executes, and the conversions of addresses, tokens and buffers.
+
+Nothing here touches a socket; ``ops`` builds requests from them, ``sync`` and ``aio`` send them.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any, Callable, NamedTuple, Sequence
+
+from quillcache.net import parse_hostport
+from quillcache.errors import (
+    STATUS_CLASSES, InvalidArgument, QuillCacheError, error_for_status,
+)
+from quillcache.protocol.connection import Reply
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S", "LIST_PAGE", "CLIENT_NAME", "KEY_CACHE_ENTRIES", "GET_MANY_BUFFER_BYTES",
+    "MIN_SOCKET_TIMEOUT_S", "UNIX_PREFIX", "Req", "resolve_address", "token_bytes", "payload_view",
+    "dest_view", "timeval", "pack_buffers", "status_error", "chunks"
+]
+
+DEFAULT_TIMEOUT_S = 10.0         # seconds: connect and every wait for a reply
+LIST_PAGE = 1024                 # keys asked per LIST request (capped at the server's max_batch)
+CLIENT_NAME = "quillcache-py"
+KEY_CACHE_ENTRIES = 16384        # encoded keys kept per client (KvBlockKey -> bytes), oldest dropped
+GET_MANY_BUFFER_BYTES = 8 << 20  # bytes: get_many packs consecutive values into buffers of at most this
+MIN_SOCKET_TIMEOUT_S = 0.001     # seconds: the smallest SO_RCVTIMEO set (0 would mean "forever")
+
+
+
+
+UNIX_PREFIX = "unix:"            # Client("unix:/path/quillcached.sock"): the node's Unix socket
+
+
+def resolve_address(address) -> "tuple[str, int] | str":
+    """(host, port) for TCP, or the socket path (a str) for ``unix:/path``."""
+    if isinstance(address, str) and address.startswith(UNIX_PREFIX):
+        path = address[len(UNIX_PREFIX):]
+        if not path:
+            raise InvalidArgument(f"address {address!r}: unix: needs a socket path")
+        return path
+    if isinstance(address, tuple):
+        return address[0], int(address[1])
+    try:
+        return parse_hostport(address)
+    except ValueError as exc:
+        raise InvalidArgument(f"address {address!r}: {exc}") from None
+
+
+def token_bytes(token) -> bytes:
+    if token is None:
+        return b""
+    if isinstance(token, str):
+        return token.encode("utf-8")
+    return bytes(token)
+
+
+def payload_view(data) -> memoryview:
+    mv = memoryview(data)
+    if not mv.c_contiguous:
+        raise InvalidArgument("data must be C-contiguous")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def dest_view(buffer) -> memoryview:
+    mv = memoryview(buffer)
+    if mv.readonly:
+        raise InvalidArgument("get_into: the buffer is read-only")
+    if not mv.c_contiguous:
+        raise InvalidArgument("get_into: the buffer is not C-contiguous")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def timeval(seconds: float) -> bytes:
+    seconds = max(seconds, MIN_SOCKET_TIMEOUT_S)
+    sec = int(seconds)
+    return struct.pack("@ll", sec, int((seconds - sec) * 1e6))
+
+
+def pack_buffers(sizes: list[int]) -> list[tuple[bytearray, list[memoryview]]]:
+    """Consecutive values packed into buffers of at most GET_MANY_BUFFER_BYTES (a larger
+    value gets its own): ``[(buffer, [view of each value in it])]``, in order."""
+    out: list = []
+    group: list[int] = []
+    total = 0
+
+    def close() -> None:
+        buf = bytearray(total)
+        mv = memoryview(buf)
+        views, pos = [], 0
+        for n in group:
+            views.append(mv[pos:pos + n])
+            pos += n
+        out.append((buf, views))
+
+    for n in sizes:
+        if group and total + n > GET_MANY_BUFFER_BYTES:
+            close()
+            group, total = [], 0
+        group.append(n)
+        total += n
+    if group:
+        close()
+    return out
+
+
+def status_error(status: int, what: str) -> QuillCacheError:
+    """The exception of one item's status in a PUT_MANY/GET_MANY reply (no ERROR body to read)."""
+    name = STATUS_CLASSES.get(status, QuillCacheError).__name__
+    return error_for_status(status, f"{what}: status {status} ({name})")
+
+
+class Req(NamedTuple):
+    opcode: int
+    header: bytes
+    views: Sequence[Any]
+    flags: int
+    into: Any                               # destination or callable(frame), or None
+    finish: Callable[[Reply], Any]          # OK reply -> result (errors raised before)
+
+
+def chunks(seq: Sequence, n: int) -> list:
+    return [seq[i:i + n] for i in range(0, len(seq), n)] or [seq[:0]]

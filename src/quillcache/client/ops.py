@@ -1,0 +1,331 @@
+"""The request builders shared by ``Client`` and ``AsyncClient``: each call builds ``Req``s from
+``calls`` and hands them to the client's ``_exec``/``_exec_many`` (blocking or awaited)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Optional, Sequence
+
+from quillcache._native.codec import (
+    encode_key_body,
+)
+from quillcache.errors import (
+    InvalidArgument, NotFound, ProtocolError, UnsafeReuse,
+)
+from quillcache.model import (
+    IdentityScope, KvBlockKey, encode_key, encode_scope, encode_scope_prefix,
+)
+from quillcache.protocol import located, messages
+from quillcache.protocol.connection import ClientProtocolConnection, Reply
+from quillcache.protocol.info import parse_info
+from quillcache.protocol.opcodes import FLAG_DURABLE, InfoFormat, Opcode, PinMode, ProtocolLimits
+
+
+from quillcache.client import shm
+from quillcache.client.calls import (
+    LIST_PAGE, KEY_CACHE_ENTRIES, Req, payload_view, dest_view, pack_buffers, status_error, chunks,
+)
+
+__all__ = ["Ops"]
+
+_GET = int(Opcode.GET)
+_STALE = " (the arena mapping is no longer the node's: reconnect() maps its new arena)"
+
+
+class Ops:
+    """Request builders shared by Client and AsyncClient; ``_exec``/``_exec_many`` run them."""
+
+    _conn: Optional[ClientProtocolConnection]
+    _keys: dict
+
+    @property
+    def arena(self) -> "Optional[shm.Arena]":
+        """The node's DRAM arena as this client maps it (the Unix socket with shm), else None.
+        The located flows and ``ArenaCopier`` read it; it changes on ``reconnect()``."""
+        return self._arena
+
+    @property
+    def limits(self) -> ProtocolLimits:
+        """The server's limits (from HELLO)."""
+        return self._conn.peer_limits if self._conn is not None else ProtocolLimits()
+
+    def encoded_key(self, key) -> bytes:
+        """``encode_key(key)``, cached (a key is immutable and its encoding a pure function of it)."""
+        if not isinstance(key, KvBlockKey):
+            raise InvalidArgument(f"key {key!r}: must be a KvBlockKey")
+        cache = self._keys
+        raw = cache.get(key)
+        if raw is None:
+            raw = encode_key(key)
+            if len(cache) >= KEY_CACHE_ENTRIES:
+                del cache[next(iter(cache))]       # the oldest insertion
+            cache[key] = raw
+        return raw
+
+    def get_header(self, key) -> bytes:
+        """The GET request body of ``key`` within the server's limits (the codec's format)."""
+        return encode_key_body(self.encoded_key(key), self.limits.max_key_bytes)
+
+    # each returns the result (Client) or an awaitable of it (AsyncClient)
+
+    _arena: Optional["shm.Arena"] = None
+
+    @property
+    def shm(self) -> bool:
+        """Whether the node's arena is mapped (Unix socket, trusted): puts and gets then copy
+        through the mapping and the located calls are zero-copy."""
+        return self._arena is not None
+
+    def put(self, key: KvBlockKey, data, durable: bool = False):
+        mv = payload_view(data)
+        if self._arena is not None:
+            return self._drive(shm.put_many_flow(self, [(key, mv)], durable))
+        hdr = messages.encode_put_request(self.encoded_key(key), mv.nbytes, self.limits)
+        return self._exec(Req(Opcode.PUT, hdr, [mv] if mv.nbytes else [],
+                               FLAG_DURABLE if durable else 0, None, lambda r: None))
+
+    def get(self, key: KvBlockKey):
+        if self._arena is not None:
+            return self._drive(shm.get_flow(self, key, None))
+        hdr = self.get_header(key)
+        holder: list = []
+
+        def into(frame):                     # one buffer of the exact size, received into by recv_into
+            holder.append(bytearray(frame.payload_length))
+            return holder[0]
+
+        return self._exec(Req(Opcode.GET, hdr, (), 0, into,
+                               lambda r: bytes(holder[0]) if holder else b""))
+
+    def get_into(self, key: KvBlockKey, buffer):
+        dst = dest_view(buffer)
+        if self._arena is not None:
+            return self._drive(shm.get_flow(self, key, dst))
+        hdr = self.get_header(key)
+
+        def into(frame):
+            if frame.payload_length > dst.nbytes:
+                raise InvalidArgument(f"get_into: buffer of {dst.nbytes} bytes, block is "
+                                      f"{frame.payload_length} bytes")
+            return dst
+
+        def finish(r: Reply) -> int:
+            return 0 if r.payload is None else memoryview(r.payload).nbytes
+
+        return self._exec(Req(Opcode.GET, hdr, (), 0, into, finish))
+
+    def exists(self, key: KvBlockKey):
+        hdr = messages.encode_keys_request([self.encoded_key(key)], self.limits, "EXISTS")
+        return self._exec(Req(Opcode.EXISTS, hdr, (), 0, None,
+                               lambda r: messages.decode_exists_reply(r.header, self.limits).present[0]))
+
+    def exists_many(self, keys: Iterable[KvBlockKey]):
+        keys = [self.encoded_key(k) for k in keys]
+        reqs = [Req(Opcode.EXISTS, messages.encode_keys_request(c, self.limits, "EXISTS"), (), 0, None,
+                     lambda r: messages.decode_exists_reply(r.header, self.limits))
+                for c in chunks(keys, self.limits.max_batch)]
+
+        def combine(results) -> tuple[int, list[bool]]:
+            present: list[bool] = []
+            for res in results:
+                present += res.present
+            prefix = next((i for i, p in enumerate(present) if not p), len(present))
+            return prefix, present
+
+        return self._exec_many(reqs, combine)
+
+    def remove(self, key: KvBlockKey):
+        hdr = messages.encode_keys_request([self.encoded_key(key)], self.limits, "REMOVE")
+        return self._exec(Req(Opcode.REMOVE, hdr, (), 0, None,
+                               lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
+
+    def pin(self, key: KvBlockKey, ttl: float, hard: bool = False):
+        if not isinstance(ttl, (int, float)) or ttl < 0:
+            raise InvalidArgument(f"pin ttl {ttl!r}: seconds >= 0 (0 = until unpin)")
+        ttl_ms = 0 if ttl == 0 else max(1, int(round(ttl * 1000)))
+        mode = PinMode.HARD if hard else PinMode.SOFT
+        hdr = messages.encode_pin_request([self.encoded_key(key)], mode, ttl_ms, self.limits)
+        return self._exec(Req(Opcode.PIN, hdr, (), 0, None,
+                               lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
+
+    def unpin(self, key: KvBlockKey, hard: bool = False):
+        """Drop the key's pin; ``hard`` names the pin mode to drop (sent as the UNPIN mode)."""
+        hdr = messages.encode_unpin_request([self.encoded_key(key)], PinMode.HARD if hard else PinMode.SOFT,
+                                            self.limits)
+        return self._exec(Req(Opcode.UNPIN, hdr, (), 0, None,
+                               lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
+
+    def put_many(self, items: Iterable[tuple[KvBlockKey, Any]], durable: bool = False):
+        """Store every (key, data); raises the first item's error (after all were tried)."""
+        if self._arena is not None:
+            return self._drive(shm.put_many_flow(self, [(k, payload_view(d)) for k, d in items], durable))
+        prepared = [(self.encoded_key(k), payload_view(d)) for k, d in items]
+        lim = self.limits
+        reqs, starts = [], []
+        i = 0
+        while i < len(prepared) or not reqs:
+            batch, total = [], 0
+            while i < len(prepared) and len(batch) < lim.max_batch:
+                nb = prepared[i][1].nbytes
+                if batch and total + nb > lim.max_payload_bytes:
+                    break
+                batch.append(prepared[i])
+                total += nb
+                i += 1
+            hdr = messages.encode_put_many_request([(k, mv.nbytes) for k, mv in batch], lim)
+            starts.append(i - len(batch))
+            reqs.append(Req(Opcode.PUT_MANY, hdr, [mv for _, mv in batch if mv.nbytes],
+                             FLAG_DURABLE if durable else 0, None,
+                             lambda r: messages.decode_status_list(r.header, lim)))
+            if i >= len(prepared):
+                break
+
+        def combine(results) -> None:
+            for start, statuses in zip(starts, results):
+                for j, st in enumerate(statuses):
+                    if st:
+                        raise status_error(st, f"put_many item {start + j}")
+
+        return self._exec_many(reqs, combine)
+
+    def get_many(self, keys: Iterable[KvBlockKey]):
+        """``list[memoryview | None]`` in key order; None where the key is not served (not
+        found, or refused by the identity guard).  Each value is a writable memoryview of
+        exactly its bytes, over one buffer per GET_MANY request that the reply was received
+        into (no copy); it compares equal to the same ``bytes``; ``bytes(v)`` makes an
+        independent copy.  The shared buffer lives as long as any of its views."""
+        return self._get_many(keys, None)
+
+    def get_many_into(self, keys: Iterable[KvBlockKey], buffers: Sequence[Any]):
+        """Receive each key's value straight into the buffer at the same position (writable,
+        C-contiguous; numpy arrays welcome).  Returns ``list[int | None]``: the bytes written
+        into each buffer, None where the key is not served.  Every buffer is checked before
+        anything is sent; a value larger than its buffer raises InvalidArgument (the values of
+        that GET_MANY request are then dropped, other requests' buffers may be filled)."""
+        return self._get_many(keys, buffers)
+
+    def _get_many(self, keys, buffers):
+        keys = list(keys)
+        dsts = None
+        if buffers is not None:
+            dsts = [dest_view(b) for b in buffers]
+            if len(dsts) != len(keys):
+                raise InvalidArgument(f"get_many_into: {len(keys)} keys and {len(dsts)} buffers")
+            if self._arena is not None:
+                return self._drive(shm.get_many_into_flow(self, keys, dsts))
+        keys = [self.encoded_key(k) for k in keys]
+        lim = self.limits
+        mb = lim.max_batch
+        reqs = []
+        for start in range(0, len(keys), mb) if keys else (0,):
+            chunk = keys[start:start + mb]
+            holder: dict = {}
+
+            def into(frame, holder=holder, start=start, count=len(chunk)):  # noqa: B008 (binds this chunk)
+                items = messages.decode_get_many_reply(frame.header, frame.payload_length, lim)
+                if len(items) != count:
+                    raise ProtocolError(f"GET_MANY reply has {len(items)} items for {count} keys")
+                holder["items"] = items
+                if dsts is None:
+                    bufs = holder["bufs"] = pack_buffers([nb for st, nb in items if st == 0 and nb])
+                    return [b for b, _ in bufs]
+                views = []
+                for j, (st, nb) in enumerate(items):
+                    if st == 0 and nb:
+                        d = dsts[start + j]
+                        if nb > d.nbytes:
+                            raise InvalidArgument(f"get_many_into: buffer {start + j} has {d.nbytes} bytes, "
+                                                  f"its block is {nb} bytes")
+                        views.append(d[:nb])
+                return views
+
+            def finish(r: Reply, holder=holder, count=len(chunk)):  # noqa: B008 (binds this chunk)
+                items = holder.get("items")
+                if items is None:                   # no payload phase: every value empty or missing
+                    items = messages.decode_get_many_reply(r.header, None, lim)
+                if len(items) != count:
+                    raise ProtocolError(f"GET_MANY reply has {len(items)} items for {count} keys")
+                views = iter([v for _, vs in holder.get("bufs", ()) for v in vs])
+                out: list = []
+                for st, nb in items:
+                    if st == 0:
+                        if dsts is not None:
+                            out.append(nb)
+                        else:
+                            out.append(next(views) if nb else memoryview(b""))
+                    elif st in (NotFound.status, UnsafeReuse.status):
+                        out.append(None)
+                    else:
+                        raise status_error(st, "get_many item")
+                return out
+
+            reqs.append(Req(Opcode.GET_MANY, messages.encode_keys_request(chunk, lim, "GET_MANY"),
+                             (), 0, into, finish))
+        return self._exec_many(reqs, lambda results: [x for res in results for x in res])
+
+    def _list_req(self, prefix: bytes, start_after: bytes) -> Req:
+        lim = self.limits
+        hdr = messages.encode_list_request(prefix, min(LIST_PAGE, lim.max_batch), start_after, lim)
+        return Req(Opcode.LIST, hdr, (), 0, None, lambda r: messages.decode_list_reply(r.header, lim))
+
+    def _stats_req(self, fmt: InfoFormat, section: str, raw: bool = False) -> Req:
+        def finish(r: Reply):
+            text = bytes(r.payload).decode("utf-8") if r.payload is not None else ""
+            if raw:
+                return text
+            return json.loads(text) if fmt == InfoFormat.JSON else parse_info(text)
+        return Req(Opcode.STATS, messages.encode_stats_request(fmt, section), (), 0, None, finish)
+
+    def info(self, section: str = ""):
+        """INFO sections as ``{"Server": {...}, "Store": {...}, ...}``."""
+        return self._exec(self._stats_req(InfoFormat.TEXT, section))
+
+    def info_text(self, section: str = ""):
+        """INFO exactly as the server rendered it (redis-style ``# Section`` / ``key:value`` text)."""
+        return self._exec(self._stats_req(InfoFormat.TEXT, section, raw=True))
+
+    def stats(self, section: str = ""):
+        return self._exec(self._stats_req(InfoFormat.JSON, section))
+
+    def _map_req(self) -> Req:
+        return Req(Opcode.MAP, b"", (), 0, None, lambda r: located.decode_map_reply(r.header))
+
+    def route(self, scope: IdentityScope, token_ids=None, *, hashes=None, policy: "str | None" = None,
+              request_id: "str | None" = None, request_tokens: int = 0, track: bool = True):
+        """Ask the node's hosted router where to send a request (its token ids, or the
+        router's block hashes): a ``messages.RouteReply`` with the worker and the per-block
+        plan (0 device, 1 host, 2 disk, 3 pool, 4 recompute).  With ``track`` report the
+        request's first token and end with ``route_update``."""
+        if (token_ids is None) == (hashes is None):
+            raise InvalidArgument("route: give token_ids or hashes")
+        kind, items = (messages.ROUTE_TOKENS, token_ids) if hashes is None else (messages.ROUTE_HASHES, hashes)
+        hdr = messages.encode_route_request(
+            kind, scope.tenant_id, scope.model_id, scope.tokenizer_id, scope.adapter_id, items,
+            policy=policy, track=track, request_id=request_id, request_tokens=request_tokens,
+            limits=self.limits)
+        return self._exec(Req(Opcode.ROUTE, hdr, (), 0, None,
+                               lambda r: messages.decode_route_reply(r.header)))
+
+    def route_update(self, request_id: str, *, first_token: bool = False):
+        """The routed request produced its first token (``first_token=True``) or ended, was
+        aborted or lost its client; returns whether the router knew the request."""
+        event = messages.ROUTE_FIRST_TOKEN if first_token else messages.ROUTE_FREE
+        return self._exec(Req(Opcode.ROUTE_UPDATE, messages.encode_route_update(event, request_id),
+                               (), 0, None, lambda r: bool(r.header[:1] == b"\x01")))
+
+    def _hello_req(self, token: bytes, name: str) -> Req:
+        return Req(Opcode.HELLO, messages.encode_hello_request(token, client_name=name), (), 0, None,
+                    lambda r: messages.decode_hello_reply(r.header))
+
+    @staticmethod
+    def _ping_req() -> Req:
+        return Req(Opcode.PING, b"", (), 0, None, lambda r: None)
+
+    @staticmethod
+    def _scope_prefix(scope, prefix_hash: "str | None") -> bytes:
+        if isinstance(scope, KvBlockKey):
+            scope = scope.scope
+        if not isinstance(scope, IdentityScope):
+            raise InvalidArgument("ls: scope must be an IdentityScope or a KvBlockKey")
+        if prefix_hash is None:                 # every block of the scope
+            return encode_scope(scope)
+        return encode_scope_prefix(scope, prefix_hash)

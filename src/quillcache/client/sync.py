@@ -1,0 +1,435 @@
+"""``Client``: the blocking client over one socket (TCP or the node's Unix socket)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from quillcache._native.codec import (
+    EV_NEED_DATA, EV_PAYLOAD_END, EV_PAYLOAD_START, FRAME_OVERHEAD, MalformedFrame,
+)
+from quillcache.net import DEFAULT_ADDRESS
+from quillcache.errors import (
+    ConnectionLost, InvalidArgument, PermissionDenied,
+    ProtocolError, QuillCacheError, Timeout,
+)
+from quillcache.model import (
+    KvBlockKey, decode_key,
+)
+from quillcache.protocol import located
+from quillcache.protocol.connection import ClientProtocolConnection, Reply
+from quillcache.protocol.opcodes import Opcode
+
+
+from quillcache.client import shm
+from quillcache.client.calls import (
+    DEFAULT_TIMEOUT_S, CLIENT_NAME, MIN_SOCKET_TIMEOUT_S, Req, resolve_address, token_bytes, dest_view, timeval,
+)
+from quillcache.client.ops import _GET, _STALE, Ops
+
+__all__ = ["Client"]
+
+
+class _SyncConnection(ClientProtocolConnection):
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+        self.replies: dict[int, Reply] = {}
+
+    def _write(self, data: list) -> None:
+        try:
+            if len(data) == 1:                  # a request without payload: one bytes object
+                self.sock.sendall(data[0])
+                return
+            views = [memoryview(b).cast("B") for b in data]
+            views = [v for v in views if v.nbytes]
+            while views:
+                n = self.sock.sendmsg(views[:1024])     # IOV_MAX
+                while n:
+                    head = views[0]
+                    if n >= head.nbytes:
+                        n -= head.nbytes
+                        views.pop(0)
+                    else:
+                        views[0] = head[n:]
+                        n = 0
+        except (BlockingIOError, socket.timeout):   # SO_SNDTIMEO expired: part of a frame may be out
+            self.connection_lost(None)
+            raise Timeout("timed out sending a request (connection closed)") from None
+        except OSError as exc:
+            self.connection_lost(exc)
+            raise ConnectionLost(f"connection lost while sending: {exc}") from None
+
+    def _on_reply(self, reply: Reply) -> None:
+        self.replies[reply.request_id] = reply
+
+
+class Client(Ops):
+    """A blocking client over one TCP connection (TCP_NODELAY), or over the node's Unix
+    socket (``"unix:/path/quillcached.sock"``), where a trusted client maps the node's arena
+    at connect (``shm``; ``shm=False`` does not ask).  Not thread-safe: use one per thread."""
+
+    def __init__(self, address=DEFAULT_ADDRESS, token=None, timeout: float = DEFAULT_TIMEOUT_S, *,
+                 client_name: str = CLIENT_NAME, shm: bool = True) -> None:
+        self.address = resolve_address(address)
+        self.timeout = float(timeout)
+        self._conn: Optional[_SyncConnection] = None
+        self._keys: dict = {}
+        self.tenant: Optional[str] = None
+        self.server_name = ""
+        self._token = token_bytes(token)
+        self._name = client_name
+        self._want_shm = bool(shm)
+        self.shm_refused = ""            # why MAP was refused (the copy path is used), "" if not
+        self._connect()
+
+    def _connect(self) -> None:
+        where = self.address if isinstance(self.address, str) else f"{self.address[0]}:{self.address[1]}"
+        try:
+            if isinstance(self.address, str):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(self.timeout)
+                    sock.connect(self.address)
+                except BaseException:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection(self.address, timeout=self.timeout)
+        except socket.timeout:
+            raise Timeout(f"connecting to {where} timed out") from None
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect to {where}: {exc.strerror or exc}") from None
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Blocking socket, timeouts in the kernel: a recv/send is one syscall (CPython's
+        # timeout mode polls before each one and settimeout() costs an ioctl).
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.timeout))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(self.timeout))
+        self._recv_timeout = max(self.timeout, MIN_SOCKET_TIMEOUT_S)
+        self._sock = sock
+        self._conn = _SyncConnection(sock)
+        try:
+            hello = self._exec(self._hello_req(self._token, self._name))
+            self.tenant = hello.tenant_id or None
+            self.server_name = hello.server_name
+            if sock.family == socket.AF_UNIX and self._want_shm:
+                self._map()
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self) -> None:
+        """MAP: the reply brings the arena's fd (SCM_RIGHTS), mapped here MAP_SHARED."""
+        conn = self._conn
+        rid = self._send(self._map_req())
+        deadline = time.monotonic() + self.timeout
+        fds: list[int] = []
+        try:
+            while rid not in conn.replies:
+                if time.monotonic() > deadline:
+                    raise Timeout(f"no MAP reply within {self.timeout} s")
+                try:
+                    n, got = shm.recv_with_fds(self._sock, conn.get_buffer(-1))
+                except (BlockingIOError, socket.timeout):
+                    conn.buffer_updated(0)
+                    continue
+                fds += got
+                if n == 0:
+                    conn.connection_lost(None)
+                    self._check()
+                conn.buffer_updated(n)
+            reply = conn.replies.pop(rid)
+            if reply.error is not None:
+                if isinstance(reply.error, PermissionDenied):
+                    self.shm_refused = str(reply.error)     # not trusted: the copy path it is
+                    return
+                raise reply.error
+            info = located.decode_map_reply(reply.header)
+            if len(fds) != 1:
+                raise ProtocolError(f"MAP reply came with {len(fds)} fds, expected 1")
+            self._arena = shm.Arena(fds[0], info)
+        finally:
+            for fd in fds:
+                os.close(fd)              # the mapping keeps the memory; the fd is not needed
+
+    def detach(self) -> tuple:
+        """Hand over (socket, the node's limits, the mapped arena or None) and leave this
+        client closed; the socket must be idle (no request in flight, nothing buffered).
+        AsyncClient connects over the Unix socket this way."""
+        conn = self._check()
+        if conn.in_flight or conn.replies:
+            raise InvalidArgument("detach: requests are in flight")
+        out = (self._sock, conn.peer_limits, self._arena)
+        self._arena = None
+        self._sock = None
+        conn.connection_lost(None)
+        return out
+
+    def reconnect(self) -> None:
+        """Close and connect again (HELLO, and MAP on the Unix socket): after the node
+        restarted, this maps its new arena."""
+        self.close()
+        self._conn = None
+        self.shm_refused = ""
+        self._connect()
+
+    def _drive(self, flow):
+        """Run a client_shm flow: each request it yields is executed, its result sent back."""
+        try:
+            req = next(flow)
+            while True:
+                try:
+                    result = self._exec(req)
+                except BaseException as exc:
+                    req = flow.throw(exc)
+                else:
+                    req = flow.send(result)
+        except StopIteration as stop:
+            return stop.value
+        except ConnectionLost as exc:
+            raise ConnectionLost(f"{exc}{_STALE}") from None
+
+    @contextlib.contextmanager
+    def get_many_located(self, keys: Iterable[KvBlockKey]):
+        """Zero-copy reads: yields a ``LocatedViews`` (a list of read-only memoryviews into
+        the mapped arena, None for a miss) valid inside the block; leaving it releases the
+        lease (and the views).  Raises Timeout on leaving if the lease ran out while held
+        (the bytes read may then be another block's).  Over TCP (or untrusted): the
+        ``get_many`` copies, read-only."""
+        keys = list(keys)
+        if self._arena is None:
+            yield shm.LocatedViews.copies(self.get_many(keys))
+            return
+        loc = self._drive(shm.located_flow(self, keys))
+        out = shm.LocatedViews.of_arena(self._arena.view, loc.extents)
+        ok = False
+        try:
+            yield out
+            ok = True
+        finally:
+            out.release_views()
+            if loc.lease_ids and not self._conn.closed and self._conn.failed is None:
+                self._drive(shm.release_flow(self, loc.lease_ids))
+        if ok:
+            shm.check_lease(loc.expires_ns, "get_many_located")
+
+    @contextlib.contextmanager
+    def put_many_reserved(self, items: Iterable[tuple[KvBlockKey, int]], durable: bool = False):
+        """Zero-copy writes: ``items`` are (key, nbytes); yields a writable memoryview per
+        key (a reserved arena slot, invisible to readers); leaving the block commits them
+        all (``durable``: after the SSD fsync), an exception aborts them.  Write only inside
+        the views.  Over TCP (or untrusted): buffers sent by ``put_many`` on leaving."""
+        items = [(k, int(n)) for k, n in items]
+        if self._arena is None:
+            bufs = [memoryview(bytearray(n)) for _, n in items]
+            yield bufs
+            self.put_many([(k, b) for (k, _), b in zip(items, bufs)], durable)
+            return
+        reserves = self._drive(shm.reserve_flow(self, items, durable))
+        views = shm.slot_views(self, reserves, [n for _, n in items])
+        try:
+            yield views
+        except BaseException:
+            self._drive(shm.abort_flow(self, [r.reserve_id for r in reserves]))
+            raise
+        finally:
+            for v in views:
+                try:
+                    v.release()
+                except BufferError:
+                    pass
+        self._drive(shm.commit_flow(self, reserves))
+
+    # ------------------------------------------------------------------ plumbing
+
+    def close(self) -> None:
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            conn.connection_lost(None)
+        try:
+            self._sock.close()
+        except (OSError, AttributeError):
+            pass
+        arena, self._arena = self._arena, None
+        if arena is not None:
+            arena.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check(self) -> _SyncConnection:
+        conn = self._conn
+        if conn is None:
+            raise ConnectionLost("not connected (reconnect() failed)")
+        if conn.failed is not None or conn.closed:
+            err = conn.failed
+            if isinstance(err, QuillCacheError):
+                raise err
+            raise ConnectionLost(f"connection is closed ({err}){_STALE if self._arena is not None else ''}")
+        return conn
+
+    def _send(self, req: Req) -> int:
+        conn = self._check()
+        return conn.send_request(req.opcode, req.header, req.views, flags=req.flags, into=req.into)
+
+    def _set_recv_timeout(self, seconds: float) -> None:
+        seconds = max(seconds, MIN_SOCKET_TIMEOUT_S)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(seconds))
+        self._recv_timeout = seconds
+
+    def _wait(self, rid: int, deadline: float, first_read: int = 0) -> Reply:
+        """Receive until the reply to ``rid`` is in; ``first_read`` > 0: when nothing is
+        buffered, read at most that many bytes first (the fixed header of a payload reply,
+        so that the payload then lands straight in its destination)."""
+        replies = self._conn.replies
+        while rid not in replies:
+            self._recv_once(deadline, first_read, True)
+        return replies.pop(rid)
+
+    def _recv_once(self, deadline: float, first_read: int, process: bool) -> None:
+        """One recv into the parser's buffer (raises Timeout past ``deadline``, ConnectionLost
+        at EOF); ``process``: let the connection handle the events it completes, else the
+        caller drives ``next_event`` itself."""
+        conn = self._conn
+        if conn.failed is not None or conn.closed:
+            self._check()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self.close()
+            raise Timeout(f"no reply within {self.timeout} s (connection closed)")
+        r = self._recv_timeout
+        slack = max(MIN_SOCKET_TIMEOUT_S, 0.05 * self.timeout)     # how late a recv may return
+        if r > left + slack or r < left - slack:   # the kernel timeout must not outlast the deadline
+            self._set_recv_timeout(left)
+        parser = conn.parser
+        buf = conn.get_buffer(-1)
+        if first_read and parser.buffered == 0 and not parser.in_payload:
+            buf = buf[:first_read]
+        update = conn.buffer_updated if process else parser.buffer_updated
+        try:
+            n = self._sock.recv_into(buf)
+        except (BlockingIOError, socket.timeout):  # SO_RCVTIMEO expired
+            update(0)
+            return                                 # the deadline check decides
+        except OSError as exc:
+            conn.connection_lost(exc)
+            raise ConnectionLost(f"connection lost: {exc}") from None
+        if n == 0:
+            update(0)
+            conn.connection_lost(None)
+            self._check()
+        update(n)
+
+    def get_into(self, key: KvBlockKey, buffer) -> int:
+        """Receive the block straight into ``buffer`` (writable, C-contiguous); returns its size."""
+        dst = dest_view(buffer)
+        if self._arena is not None:
+            return self._drive(shm.get_flow(self, key, dst))
+        hdr = self.get_header(key)
+        cap = dst.nbytes
+
+        def into(frame):
+            if frame.payload_length > cap:
+                raise InvalidArgument(f"get_into: buffer of {cap} bytes, block is "
+                                      f"{frame.payload_length} bytes")
+            return dst
+
+        conn = self._check()
+        parser = conn.parser
+        deadline = time.monotonic() + self.timeout
+        if conn.in_flight or parser.buffered or parser.in_payload or len(hdr) > conn.peer_limits.max_header_bytes:
+            rid = conn.send_request(Opcode.GET, hdr, (), into=into)   # the general way
+            return self._got_into(self._wait(rid, deadline, FRAME_OVERHEAD))
+        # The hot path of a connector: nothing else in flight, so this method drives the
+        # parser itself (about a third of the Python calls of the general way).  It takes
+        # only its own OK reply with a payload that fits; any other event (an error reply,
+        # a frame it does not expect) goes to the connection's own handler, which then
+        # finishes the request exactly as the general way would.
+        rid = conn.send_bare(_GET, hdr, into)
+        receiving = False
+        try:
+            while True:
+                ev = parser.next_event()
+                if ev == EV_NEED_DATA:
+                    self._recv_once(deadline, FRAME_OVERHEAD, False)
+                    continue
+                frame = parser.frame
+                if receiving and ev == EV_PAYLOAD_END:
+                    conn.complete(rid)
+                    return frame.payload_length
+                if (ev == EV_PAYLOAD_START and frame.request_id == rid and frame.opcode == _GET
+                        and frame.status == 0 and frame.payload_length <= cap):
+                    parser.set_destination(dst)
+                    receiving = True
+                    continue
+                conn.hand_over(ev, frame)
+                return self._got_into(self._wait(rid, deadline, FRAME_OVERHEAD))
+        except MalformedFrame as exc:
+            conn.fail(exc)
+            self._check()
+            raise
+
+    @staticmethod
+    def _got_into(reply: Reply) -> int:
+        if reply.error is not None:
+            raise reply.error
+        p = reply.payload
+        return 0 if p is None else memoryview(p).nbytes
+
+    def _exec(self, req: Req):
+        rid = self._send(req)
+        reply = self._wait(rid, time.monotonic() + self.timeout)
+        reply.raise_for_status()
+        return req.finish(reply)
+
+    def _exec_many(self, reqs: list[Req], combine: Callable[[list], Any]):
+        rids: list[int] = []
+        got: dict[int, Reply] = {}
+        try:
+            for req in reqs:
+                if self._conn.in_flight >= self.limits.max_in_flight:
+                    oldest = next(r for r in rids if r not in got)
+                    got[oldest] = self._wait(oldest, time.monotonic() + self.timeout)
+                rids.append(self._send(req))
+            deadline = time.monotonic() + self.timeout
+            replies = [got.pop(rid) if rid in got else self._wait(rid, deadline) for rid in rids]
+        except BaseException:
+            for rid in rids:
+                self._conn.replies.pop(rid, None)
+            raise
+        results = []
+        for req, reply in zip(reqs, replies):
+            reply.raise_for_status()
+            results.append(req.finish(reply))
+        return combine(results)
+
+    # ------------------------------------------------------------------ calls with their own loop
+
+    def call(self, opcode: int, header: bytes = b"", views: Sequence[Any] = (), *, flags: int = 0,
+             into: Any = None) -> Reply:
+        """One raw request (``quillctl cluster``/``locate`` use it): the OK reply, or its error raised."""
+        rid = self._send(Req(opcode, header, views, flags, into, None))
+        return self._wait(rid, time.monotonic() + self.timeout).raise_for_status()
+
+    def ls(self, scope, prefix_hash: "str | None" = None) -> list[KvBlockKey]:
+        prefix = self._scope_prefix(scope, prefix_hash)
+        out: list[KvBlockKey] = []
+        after = b""
+        while True:
+            page = self._exec(self._list_req(prefix, after))
+            out += [decode_key(k) for k in page.keys]
+            if not page.more or not page.keys:
+                return out
+            after = page.keys[-1]
+
+    def ping(self) -> float:
+        t0 = time.perf_counter()
+        self._exec(self._ping_req())
+        return time.perf_counter() - t0

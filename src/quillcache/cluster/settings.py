@@ -1,0 +1,44 @@
+"""The ``[cluster]`` section: one table read by the node, the gateway (etcd, cluster_id) and the
+engines' registrants (``quillctl engine register``, ``quillcache-sim-engine``), so each option
+means the same thing everywhere."""
+from __future__ import annotations
+
+from quillcache.settings.convert import advertise, boolean, choice, duration_range, endpoints, ident, int_range, string
+from quillcache.settings.registry import Setting
+
+__all__ = ["CLUSTER_SETTINGS", "CLUSTER_SUMMARY", "CLUSTER_BY_NAME"]
+
+CLUSTER_SUMMARY = "A pool of nodes: membership on etcd, residency by rendezvous hashing, cross-node fetch."
+
+CLUSTER_SETTINGS: tuple[Setting, ...] = (
+    Setting("cluster", "enabled", boolean, False, False,
+            "Join a pool of nodes; false: a single node with no etcd and no peers."),
+    Setting("cluster", "etcd", endpoints, ["127.0.0.1:2379"], False,
+            "The etcd endpoints that hold the membership: host:port, http://host:port or host (port 2379)."),
+    Setting("cluster", "cluster_id", ident, "quillcache", False,
+            "Name of the pool: nodes with the same etcd and cluster_id see each other."),
+    Setting("cluster", "node_id", string, "", False,
+            "This node's name in the pool; empty means [node] id, else the host name."),
+    Setting("cluster", "advertise", advertise, "", False,
+            "host:port that peers dial to reach this node; empty means [node] listen."),
+    Setting("cluster", "lease_ttl", duration_range(1.0, 60.0), "3s", False,
+            "TTL of the etcd lease under this node's record (kept alive every TTL/3); a dead node "
+            "leaves the view within this."),
+    Setting("cluster", "hop_timeout", duration_range(0.01, 30.0), "1s", False,
+            "Deadline of one node-to-node request (locate, fetch, announce)."),
+    Setting("cluster", "replicas", int_range(1, 16), 1, False,
+            "Copies of each put block: the first where placement says, the others on the next "
+            "nodes in rendezvous order."),
+    Setting("cluster", "placement", choice("local", "hashed"), "local", False,
+            "local: the node a client writes to keeps the first copy (no hop on the put path); "
+            "hashed: the first copy also goes to the key's first node in rendezvous order."),
+    Setting("cluster", "cache_remote", boolean, True, False,
+            "Keep a local copy of a block fetched from another node."),
+    Setting("cluster", "credential", string, "", False,
+            "Shared secret that nodes present to each other (at least 16 characters; required "
+            "when enabled)."),
+    Setting("cluster", "reannounce_rate", int_range(1, 1 << 24), 20000, False,
+            "Records per second a node re-announces to their new homes after a membership change."),
+)
+
+CLUSTER_BY_NAME = {s.name: s for s in CLUSTER_SETTINGS}
