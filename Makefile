@@ -75,7 +75,8 @@ lint: $(STAMP)
 gateway: build
 	$(PY) -m tests._support.gateway_demo
 
-test: build lint
+# ruff runs once, inside the suite (tests/test__sourcecode.py); `make lint` runs it alone.
+test: build
 	$(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS)
 ifeq ($(QUILLCACHE_NO_ENGINES),1)
 	@echo "*** QUILLCACHE_NO_ENGINES=1: the engine tests (-m engines) were NOT run ***"

@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._local_node import LocalNode  # noqa: E402
-from quillcache import Client  # noqa: E402
-from quillcache.connectors.core import (  # noqa: E402
+from bench._local_node import LocalNode
+from quillcache import Client
+from quillcache.connectors.core import (
     ConnectorCore, batch_len, Identity, chain_keys, model_scope,
 )
 

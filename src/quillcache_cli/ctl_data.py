@@ -87,7 +87,7 @@ def exit_code_for(exc: BaseException) -> int:
 @contextmanager
 def node(ctx):
     """One connection to the node, with every failure turned into a message and an exit code."""
-    from quillcache.client import Client  # noqa: PLC0415  (import cost only for data commands)
+    from quillcache.client import Client  # import cost only for data commands
 
     obj = ctx.find_root().obj or {}
     addr = obj.get("addr", DEFAULT_ADDRESS)
