@@ -11,7 +11,7 @@ DEB_PKGS := liburing-dev pkg-config redis-server etcd-server
 N        ?= 500
 PYTEST_ARGS ?=
 
-.PHONY: all build deps bench-deps _debs run gateway lint test bench crash man clean distclean engines engines-clean cluster
+.PHONY: all build deps bench-deps _debs run gateway lint test bench crash man clean distclean engines engines-clean cluster nixl
 
 # The engines' own venv (vLLM, SGLang, LMCache on the CPU torch wheel), for the tests marked
 # `engines`. Every pin is in requirements/engines.txt and installed with --no-deps, torch first.
@@ -56,6 +56,18 @@ $(STAMP): $(PY) pyproject.toml setup.py
 	$(PIP) install -q --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
+# NIXL (bytes between nodes, transfer/nixl.py) in the main venv, with --no-deps: the wheel declares
+# torch, which host memory does not need, and a plain install would pull a CUDA torch (~5 GB).
+# Optional: where it cannot be installed the NIXL tests skip and say so in one line.
+NIXL_PKG   := nixl-cu12==1.5.1
+NIXL_STAMP := $(VENV)/.nixl-installed
+
+nixl: $(NIXL_STAMP)
+
+$(NIXL_STAMP): $(STAMP)
+	@$(PIP) install -q --no-deps "$(NIXL_PKG)" && touch $(NIXL_STAMP) \
+	    || echo "note: $(NIXL_PKG) could not be installed: the NIXL tests will be skipped"
+
 # Incremental: cythonize rebuilds only what changed.
 build: deps $(STAMP)
 	$(PY) setup.py -q build_ext --inplace -j 2
@@ -76,7 +88,7 @@ gateway: build
 	$(PY) -m tests._support.gateway_demo
 
 # ruff runs once, inside the suite (tests/test__sourcecode.py); `make lint` runs it alone.
-test: build
+test: build nixl
 	$(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS)
 ifeq ($(QUILLCACHE_NO_ENGINES),1)
 	@echo "*** QUILLCACHE_NO_ENGINES=1: the engine tests (-m engines) were NOT run ***"
