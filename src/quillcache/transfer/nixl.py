@@ -76,7 +76,7 @@ class StagedRead:
 
     def release(self) -> None:
         if self._alloc is not None:
-            self._endpoint._free_staging(self._alloc)
+            self._endpoint.free_staging(self._alloc)
             self._alloc = None
             self.blocks = []
 
@@ -183,7 +183,7 @@ class NixlEndpoint:
         try:
             await self._run(self._read, peer[1], peer[2], extents, sizes, base, deadline)
         except BaseException:
-            self._free_staging(alloc)
+            self.free_staging(alloc)
             raise
         views, off = [], base
         for n in sizes:
@@ -217,7 +217,8 @@ class NixlEndpoint:
         finally:
             self._agent.release_xfer_handle(handle)
 
-    def _free_staging(self, alloc) -> None:
+    def free_staging(self, alloc) -> None:
+        """Give a read's staging extent back (``StagedRead.release`` calls it)."""
         self._staging_alloc.free(alloc[2])          # (offset, size, handle)
 
     async def _run(self, fn, *args) -> Any:
