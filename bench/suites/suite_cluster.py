@@ -50,8 +50,9 @@ class CrossNodeGet:
         for i, k in enumerate(self.keys):   # the first GET at B locates the holder; then B remembers it
             if get_retry(self.at_b, k) != content(i, BLOCK_BYTES):
                 raise RuntimeError("cross-node GET: wrong bytes")
-        if self.at_b.info("cluster").get("remote_hits", 1) == 0:
-            raise RuntimeError("node B served the blocks without fetching them from A")
+        counters = self.at_b.info("cluster")["Cluster"]
+        if counters["remote_hits"] < BLOCKS or counters["cached_remote"] != 0:
+            raise RuntimeError(f"node B did not fetch every block from A (and keep no copy): {counters}")
 
     def teardown(self, transport):
         for c in self.clients:
