@@ -34,7 +34,7 @@ def _indexer(kind):
 
 class Indexer:
     """CHAINS x DEPTH blocks (32k) stored, plus half of each chain offloaded to a second worker's
-    host tier: 34k-odd block events per ingestion."""
+    host tier: 49,152 block events per ingestion."""
 
     params = ["art", "dict"]
     param_names = ["indexer"]
