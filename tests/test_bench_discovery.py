@@ -27,11 +27,15 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(path), ASV_PYTHONPATH=os.pathsep.join(path))
 
 
-def _asv(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def _require_asv() -> None:
     try:
         import asv  # noqa: F401
     except ImportError:
         pytest.fail("asv is not installed in this interpreter: it is in the `test` extra (pip install -e '.[test]')")
+
+
+def _asv(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    _require_asv()
     return subprocess.run([sys.executable, "-m", "asv", *args], cwd=cwd, env=_env(), capture_output=True,
                           text=True, timeout=CHECK_TIMEOUT_S)
 
@@ -73,6 +77,7 @@ def test_asv_check_fails_on_a_suite_that_breaks_discovery(tmp_path):
 
 
 def test_every_hot_path_suite_is_discovered(tmp_path):
+    _require_asv()
     from asv.runner import BENCHMARK_RUN_SCRIPT
 
     out = tmp_path / "discovered.json"
