@@ -116,12 +116,16 @@ $(ESTAMP): requirements/engines.txt pyproject.toml setup.py
 engines-clean:
 	rm -rf $(ENGINES_VENV)
 
-# asv on the current commit (offline: the existing venv), then the standalone ratio scripts.
+# asv over bench/suites/ on the current commit (offline: the existing venv), the standalone
+# ratio script, then asv's HTML report of every commit recorded so far (docs/benchmarks.md).
 bench: build bench-deps
 	$(PIP) install -q --no-build-isolation -e '.[test,bench]'
 	$(VENV)/bin/asv machine --yes >/dev/null
-	$(VENV)/bin/asv run --quick --environment existing:$(abspath $(PY)) --set-commit-hash $$(git rev-parse HEAD)
+	$(VENV)/bin/asv run --quick --show-stderr --environment existing:$(abspath $(PY)) \
+	    --set-commit-hash $$(git rev-parse HEAD)
 	$(PY) bench/native_core.py
+	$(VENV)/bin/asv publish
+	@echo "asv HTML report: $(abspath .asv/html)/index.html (serve it: $(VENV)/bin/asv preview)"
 
 crash: build
 	QUILLCACHE_CRASH_CYCLES=$(N) $(PY) -m pytest -q tests/crash --crash-long

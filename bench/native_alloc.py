@@ -7,7 +7,7 @@ Three sides in one process run, same sizes and the same random victim choice:
   firstfit  a pure-Python first-fit free list with coalescing (what LMCache does)
 
 Run:  .venv/bin/python bench/native_alloc.py [--pairs N] [--live N]
-Importing this module does no work (asv imports every file in bench/).
+Importing this module does no work (bench/suites/suite_alloc.py imports its helpers).
 """
 import argparse
 import bisect

@@ -12,7 +12,7 @@ The raw side: one thread, os.pwrite of the same block size with O_DIRECT at incr
 offsets of a preallocated file, then one fdatasync.  Both run interleaved ``--rounds`` times
 in one process; the best of each is compared and the ratio printed (target >= 0.7).
 
-Cheap to import (asv imports bench/): all work happens in main().
+All work happens in main() (asv imports only bench/suites/).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ on the 2-CPU development machine this alone swings a 256 KiB GET between 1200 an
 run to run, for every system alike.  The same placement applies to each system.  MB/s = bytes moved / time inside the
 request calls (MiB = 2^20 bytes; "MB/s" here is MiB/s).
 
-Cheap to import (asv imports bench/): all work happens in main().
+All work happens in main() (asv imports only bench/suites/).
 """
 import argparse
 import contextlib

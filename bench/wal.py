@@ -8,7 +8,7 @@ one process, so machine noise hits all three alike; the ratio is what matters.
 
     .venv/bin/python bench/wal.py [--dir /path/on/the/disk] [--seconds 1.5] [--batch 16]
 
-Cheap to import (asv imports bench/): all work happens in main().
+All work happens in main() (asv imports only bench/suites/).
 """
 import argparse
 import os

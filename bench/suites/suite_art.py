@@ -2,10 +2,7 @@
 stays short; bench/native_art.py runs the 1M-key comparison)."""
 import random
 
-try:  # asv imports bench/ as a package; a plain run has bench/ on sys.path
-    from .native_art import GROUP, make_keys, miss_keys
-except ImportError:
-    from native_art import GROUP, make_keys, miss_keys
+from bench.native_art import GROUP, make_keys, miss_keys
 
 N_KEYS = 100_000
 

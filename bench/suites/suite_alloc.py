@@ -6,10 +6,7 @@ import random
 
 from quillcache._native.alloc import OffsetAllocator
 
-try:  # asv imports bench/ as a package; a plain run has bench/ on sys.path
-    from .native_alloc import CAPACITY, UNIT, FirstFit, mixed_sizes
-except ImportError:
-    from native_alloc import CAPACITY, UNIT, FirstFit, mixed_sizes
+from bench.native_alloc import CAPACITY, UNIT, FirstFit, mixed_sizes
 
 LIVE = 10_000          # live allocations
 PAIRS = 10_000         # free+allocate pairs per timed call

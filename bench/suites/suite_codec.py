@@ -7,7 +7,7 @@
   crc32c         the codec's CRC32C (libcrc32c through a C pointer when found, else its own
                  slicing-by-8 table) next to the table code and google_crc32c's Python API
 
-Standalone: ``.venv/bin/python bench/suite_codec.py`` prints the numbers.
+Standalone: ``.venv/bin/python bench/suites/suite_codec.py`` prints the numbers.
 """
 import os
 import time
