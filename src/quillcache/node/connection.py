@@ -26,8 +26,9 @@ import socket
 import time
 from typing import Any, Callable, Optional
 
-from quillcache.errors import Busy, PermissionDenied, QuillCacheError
+from quillcache.errors import Busy, PermissionDenied, QuillCacheError, Timeout
 from quillcache.model import KvBlockKey
+from quillcache.node.admission import peer_identity
 from quillcache.node.limits import WRITE_HIGH_BYTES
 from quillcache.node.located import LOCATED_HANDLERS, LocatedMixin
 from quillcache.node.login import LoginMixin
@@ -55,7 +56,8 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
         self.node = node
         self.store = node.store
         self.transport: Optional[asyncio.Transport] = None
-        self.peer = "?"
+        self.peer = "?"                           # the peer's name in logs: ip:port, unix:uid=U,pid=P
+        self.source = "?"                         # what per-source limits count by (node.admission)
         self.tenant: Optional[str] = None
         self._puts: dict[int, list] = {}          # request id -> put handles in their payload phase
         self._started: dict[int, float] = {}      # request id -> perf_counter at arrival
@@ -70,13 +72,16 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
         self._deferred_task: Optional[asyncio.Task] = None   # a PUT waiting for DRAM room (DEFER)
         self._located_init()                      # located leases and reserves (server_shm)
         self.peer_node = False                    # HELLO with the cluster credential: another node
+        self._hello_timer: Optional[asyncio.TimerHandle] = None   # [node] hello_timeout, before login
+        self._hello_refusal: Optional[asyncio.TimerHandle] = None  # a failed HELLO's delayed answer
+        self._active = True                       # bytes came since the last idle check
+        self._idle_since = 0.0                    # monotonic s: the idle check that saw it quiet
 
     # ------------------------------------------------------------------ asyncio side
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        peer = transport.get_extra_info("peername")
-        self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        self.source, self.peer = peer_identity(transport)
         transport.set_write_buffer_limits(high=0, low=0)     # pause/resume = "buffer non-empty/empty"
         node = self.node
         sock = transport.get_extra_info("socket")
@@ -90,21 +95,87 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, node.send_buffer)
             except OSError:
                 pass
-        if len(node.connections) >= node.max_connections:
-            if self._metrics is not None:
-                self._metrics.connections_refused.labels("max_connections").inc()
-            self._send_error(0, Busy(f"{len(node.connections)} connections open, at most "
-                                     f"{node.max_connections}"))
-            self.failed = Busy("max_connections")
-            transport.close()
+        if self.require_hello:
+            # not logged in yet: one of the slots those may hold (it may push out the oldest)
+            refused = node.admission.admit(self, self.source, len(node.connections))
+            if refused is not None:
+                self._refuse(refused[1], refused[0])
+                return
+            self._hello_timer = asyncio.get_running_loop().call_later(node.hello_timeout, self._hello_expired)
+        elif len(node.connections) >= node.max_connections:
+            self._refuse(f"{len(node.connections)} connections open, at most {node.max_connections}",
+                         "max_connections")
             return
         node.connections.add(self)
         if self._metrics is not None:
             self._metrics.connections.inc()
             self._metrics.connections_total.inc()
 
+    def _refuse(self, why: str, reason: str) -> None:
+        """Answer a connection-level Busy and close (a connection not admitted, or pushed out)."""
+        if self._metrics is not None:
+            self._metrics.connections_refused.labels(reason).inc()
+        self.node.bad_input_log.log(logging.INFO, "refusing connection from %s: %s", self.peer, why)
+        self._send_error(0, Busy(why))
+        self.failed = Busy(reason)
+        if self.transport is not None:
+            self.transport.close()
+
+    def evict(self) -> None:
+        """Pushed out by a newer connection while waiting to log in (``Admission``)."""
+        node = self.node
+        if self in node.connections:
+            node.connections.discard(self)
+            if self._metrics is not None:
+                self._metrics.connections.dec()
+        self._cancel_timers()
+        self._refuse("too many connections waiting to log in: the oldest is closed", "unauthenticated_evicted")
+
+    def _hello_expired(self) -> None:
+        self._hello_timer = None
+        if self.hello_done or self.closed or self.transport is None or self.transport.is_closing():
+            return
+        self.node.admission.remove(self)
+        self._refuse(f"no HELLO within {self.node.hello_timeout:g} s ([node] hello_timeout)", "hello_timeout")
+
+    def _logged_in(self) -> None:
+        """HELLO succeeded: the connection leaves the unauthenticated pool."""
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
+        self.node.admission.remove(self)
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._hello_timer, self._hello_refusal):
+            if timer is not None:
+                timer.cancel()
+        self._hello_timer = self._hello_refusal = None
+
+    def check_idle(self, now: float, timeout: float) -> int:
+        """Close the connection if nothing came for ``timeout`` s and it holds nothing (no
+        request in flight, no lease, no reserve, no PUT) and did not map the arena (its
+        mapping would be lost); 1 if closed.  Called about once a second (the node's sweep)."""
+        if self._active:
+            self._active = False
+            self._idle_since = now
+            return 0
+        if timeout <= 0 or now - self._idle_since < timeout or self.mapped or self.in_flight or self._held \
+                or self._puts or self._deferred_task is not None or self.located_leases or self.located_reserves:
+            return 0
+        if self.transport is None or self.transport.is_closing():
+            return 0
+        if self._metrics is not None:
+            self._metrics.connections_refused.labels("idle_timeout").inc()
+        log.info("closing connection from %s: idle for %.0f s ([node] idle_timeout)", self.peer, now - self._idle_since)
+        self._send_error(0, Timeout(f"idle for {timeout:g} s ([node] idle_timeout): closing"))
+        self.failed = Timeout("idle")
+        self.transport.close()
+        return 1
+
     def connection_lost(self, exc) -> None:
         super().connection_lost(exc)        # aborts a PUT in its payload phase
+        self._cancel_timers()
+        self.node.admission.remove(self)
         if self in self.node.connections:
             self.node.connections.discard(self)
             if self._metrics is not None:
@@ -121,6 +192,7 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
 
     def buffer_updated(self, nbytes: int) -> None:
         self._counters.received_bytes += nbytes
+        self._active = True
         super().buffer_updated(nbytes)
         if self.close_requested and self.transport is not None:
             self.transport.close()
@@ -159,7 +231,7 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
             self.node.protocol_errors += 1
             if self._metrics is not None:
                 self._metrics.protocol_errors.inc()
-            log.info("closing connection from %s: %s", self.peer, exc)
+            self.node.bad_input_log.log(logging.INFO, "closing connection from %s: %s", self.peer, exc)
         if self.transport is not None:
             self.transport.close()
 

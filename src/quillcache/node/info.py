@@ -52,6 +52,10 @@ def info_sections(node, conn=None) -> dict[str, dict[str, Any]]:
         except Exception as exc:       # stats of a tier in trouble must not break INFO
             wal["stats_error"] = str(exc)
     auth = node.auth.stats()
+    auth.update(node.admission.stats())
+    auth["hello_timeout_s"] = node.hello_timeout
+    auth["idle_timeout_s"] = node.idle_timeout
+    auth["bad_input_log_suppressed"] = node.bad_input_log.suppressed_total
     auth["connection_tenant"] = (conn.tenant or "") if conn is not None else ""
     sections = {"Server": server, "Store": store, "Tiers": tiers, "Guard": guard, "WAL": wal, "Auth": auth}
     if node.router is not None:

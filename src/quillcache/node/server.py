@@ -24,21 +24,28 @@ The connection itself is ``node.connection.ServerProtocol``; its requests are ha
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Any, Optional
 
 from quillcache.auth import Authenticator
+from quillcache.node.admission import Admission, RateLimitedLog
 from quillcache.node.connection import ServerProtocol
 from quillcache.node.info import info_sections
 from quillcache.node.keys import KeyCache
-from quillcache.node.limits import KEY_CACHE_ENTRIES, LEASE_MARGIN_S, SEND_BUFFER_BYTES, WRITE_HIGH_BYTES
+from quillcache.node.limits import (
+    HELLO_TIMEOUT_S, IDLE_TIMEOUT_S, KEY_CACHE_ENTRIES, LEASE_MARGIN_S, MAX_UNAUTHENTICATED,
+    MAX_UNAUTHENTICATED_PER_SOURCE, SEND_BUFFER_BYTES, WRITE_HIGH_BYTES,
+)
 from quillcache.node.metrics import RequestCounters
 from quillcache.protocol.info import render_info
 from quillcache.protocol.opcodes import ProtocolLimits
 
 __all__ = ["NodeServer", "ServerProtocol", "KeyCache", "render_info", "WRITE_HIGH_BYTES", "LEASE_MARGIN_S",
            "KEY_CACHE_ENTRIES", "SEND_BUFFER_BYTES"]
+
+log = logging.getLogger("quillcache.server")
 
 
 def _wmem_max() -> int:
@@ -56,13 +63,20 @@ class NodeServer:
     def __init__(self, store, *, limits: Optional[ProtocolLimits] = None, auth: Optional[Authenticator] = None,
                  metrics=None, max_connections: int = 4096, node_id: str = "", version: str = "",
                  ssd=None, lease_margin_s: float = LEASE_MARGIN_S, sendfile: bool = True,
-                 shm: bool = True, router=None) -> None:
+                 shm: bool = True, router=None, hello_timeout: float = HELLO_TIMEOUT_S,
+                 idle_timeout: float = IDLE_TIMEOUT_S, max_unauthenticated: int = MAX_UNAUTHENTICATED,
+                 max_unauthenticated_per_source: int = MAX_UNAUTHENTICATED_PER_SOURCE) -> None:
         self.store = store
         self.router = router            # a control.host.RouterHost answering ROUTE, or None
         self.limits = limits or ProtocolLimits()
         self.auth = auth or Authenticator()
         self.metrics = metrics
         self.max_connections = max_connections
+        self.hello_timeout = hello_timeout      # s a connection may wait before its HELLO ([node] hello_timeout)
+        self.idle_timeout = idle_timeout        # s of silence that close a connection; 0: never
+        # the connections that have not logged in yet: their slots, per source and in all
+        self.admission = Admission(max_connections, max_unauthenticated, max_unauthenticated_per_source)
+        self.bad_input_log = RateLimitedLog(log)   # lines a peer can cause at will
         self.node_id = node_id
         self.version = version
         self.ssd = ssd
@@ -110,6 +124,16 @@ class NodeServer:
     def close_all(self) -> None:
         for conn in list(self.connections):
             conn.close()
+
+    def close_idle(self, now: Optional[float] = None) -> int:
+        """Close connections idle past ``idle_timeout`` (see ``ServerProtocol.check_idle``) and
+        log what the bad-input log suppressed; returns how many were closed.  About once a second."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        for conn in list(self.connections):
+            n += conn.check_idle(now, self.idle_timeout)
+        self.bad_input_log.flush()
+        return n
 
     def expire_slow_writers(self, now: Optional[float] = None) -> int:
         """Disconnect clients that hold a GET lease too close to its expiry; returns how many."""
