@@ -8,10 +8,13 @@
 * ``Admission`` keeps the connections that have not logged in yet (HELLO), oldest first.
   Together they may hold at most ``max_unauthenticated`` slots (at most half of
   ``max_connections``: logged-in clients keep the rest); one source at most
-  ``max_per_source`` of them, more from it are refused.  When the shared pool is full, or
-  every slot of the node is taken, the oldest connection still waiting to log in is closed
-  to make room: a newcomer with a valid token always gets its chance, and bare connections
-  cannot keep logged-in clients out.
+  ``max_per_source`` of them.  The newest always gets its chance: a source at its limit
+  pushes out its own oldest waiting connection (never another source's), and when the
+  shared pool is full, or every slot of the node is taken, the oldest waiting connection of
+  all is closed.  A newcomer with a valid token logs in unless the peer opens more
+  connections in the time of its HELLO's round trip than those limits; bare connections
+  cannot keep logged-in clients out, and a source that is refused nothing cannot be locked
+  out by a neighbour holding idle connections.
 * ``RateLimitedLog``: log lines about bad input (malformed frames, refused HELLOs, refused
   connections) at most ``LOG_BURST`` at once and ``LOG_PER_S`` a second; the lines it drops
   are counted and the count is logged with the next line that passes (or by ``flush``).
@@ -104,52 +107,57 @@ class Admission:
         # logged-in clients keep at least half of the slots
         self.max_unauthenticated = max(1, min(max_unauthenticated, max_connections // 2))
         self.max_per_source = max_per_source
-        self._waiting: OrderedDict = OrderedDict()     # connection -> source, oldest first
-        self._per_source: dict[str, int] = {}
-        self.evicted = 0             # closed to make room for a newer one
-        self.refused_per_source = 0  # refused: their source had max_per_source waiting
+        self._waiting: OrderedDict = OrderedDict()              # connection -> source, oldest first
+        self._by_source: dict[str, OrderedDict] = {}            # source -> its waiting, oldest first
+        self.evicted = 0             # closed to make room for a newer one, from anywhere
+        self.evicted_same_source = 0  # ... for a newer one of the same source (max_per_source)
 
     def __len__(self) -> int:
         return len(self._waiting)
 
     def waiting_from(self, source: str) -> int:
-        return self._per_source.get(source, 0)
+        mine = self._by_source.get(source)
+        return len(mine) if mine is not None else 0
 
     def admit(self, conn, source: str, open_connections: int) -> Optional[tuple[str, str]]:
-        """Take ``conn`` (not logged in) among the waiting, making room if needed; returns
-        None, or ``(reason, message)`` when it is refused (reason: a metrics label).
-        ``open_connections``: the node's connections before it."""
-        if self._per_source.get(source, 0) >= self.max_per_source:
-            self.refused_per_source += 1
-            return ("unauthenticated_per_source",
-                    f"{self.max_per_source} connections from {source} are already waiting to log in "
-                    "([limits] max_unauthenticated_per_source)")
+        """Take ``conn`` (not logged in) among the waiting, closing the oldest waiting ones to
+        make room: of its own source when that one has ``max_per_source`` waiting (a source
+        pushes out only its own), else of all.  Returns None, or ``(reason, message)`` when
+        every slot is held by logged-in clients.  ``open_connections``: the node's before it."""
+        mine = self._by_source.get(source)
+        if mine is not None and len(mine) >= self.max_per_source:
+            self.evicted_same_source += 1
+            open_connections -= self._evict(next(iter(mine)))
         while self._waiting and (len(self._waiting) >= self.max_unauthenticated
                                  or open_connections >= self.max_connections):
-            oldest = next(iter(self._waiting))
-            self.remove(oldest)
             self.evicted += 1
-            open_connections -= 1
-            oldest.evict()
+            open_connections -= self._evict(next(iter(self._waiting)))
         if open_connections >= self.max_connections:
             return "max_connections", f"{open_connections} connections open, at most {self.max_connections}"
         self._waiting[conn] = source
-        self._per_source[source] = self._per_source.get(source, 0) + 1
+        if mine is None:
+            mine = self._by_source[source] = OrderedDict()
+        mine[conn] = None
         return None
+
+    def _evict(self, conn) -> int:
+        """Close a waiting connection (``conn.evict()``); 1 if it held one of the node's slots."""
+        self.remove(conn)
+        return conn.evict()
 
     def remove(self, conn) -> None:
         """``conn`` logged in or went: it no longer waits."""
         source = self._waiting.pop(conn, None)
         if source is None:
             return
-        n = self._per_source[source] - 1
-        if n:
-            self._per_source[source] = n
-        else:
-            del self._per_source[source]
+        mine = self._by_source[source]
+        del mine[conn]
+        if not mine:
+            del self._by_source[source]
 
     def stats(self) -> dict:
-        return {"unauthenticated": len(self._waiting), "unauthenticated_sources": len(self._per_source),
+        return {"unauthenticated": len(self._waiting), "unauthenticated_sources": len(self._by_source),
                 "max_unauthenticated": self.max_unauthenticated,
                 "max_unauthenticated_per_source": self.max_per_source,
-                "unauthenticated_evicted": self.evicted, "unauthenticated_refused": self.refused_per_source}
+                "unauthenticated_evicted": self.evicted,
+                "unauthenticated_evicted_same_source": self.evicted_same_source}

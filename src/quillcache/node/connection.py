@@ -74,6 +74,7 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
         self.peer_node = False                    # HELLO with the cluster credential: another node
         self._hello_timer: Optional[asyncio.TimerHandle] = None   # [node] hello_timeout, before login
         self._hello_refusal: Optional[asyncio.TimerHandle] = None  # a failed HELLO's delayed answer
+        self._close_after_refusal = False         # the login deadline passed while it waited
         self._active = True                       # bytes came since the last idle check
         self._idle_since = 0.0                    # monotonic s: the idle check that saw it quiet
 
@@ -111,32 +112,41 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
             self._metrics.connections.inc()
             self._metrics.connections_total.inc()
 
-    def _refuse(self, why: str, reason: str) -> None:
-        """Answer a connection-level Busy and close (a connection not admitted, or pushed out)."""
+    def _refuse(self, why: str, reason: str, error: type = Busy) -> None:
+        """Answer a connection-level error (Busy unless said) and close: a connection not
+        admitted, pushed out, or too slow to log in.  ``reason``: the metrics label."""
         if self._metrics is not None:
             self._metrics.connections_refused.labels(reason).inc()
-        self.node.bad_input_log.log(logging.INFO, "refusing connection from %s: %s", self.peer, why)
-        self._send_error(0, Busy(why))
-        self.failed = Busy(reason)
+        self.node.bad_input_log.log(logging.INFO, "closing connection from %s: %s", self.peer, why)
+        self._send_error(0, error(why))
+        self.failed = error(reason)
         if self.transport is not None:
             self.transport.close()
 
-    def evict(self) -> None:
-        """Pushed out by a newer connection while waiting to log in (``Admission``)."""
+    def evict(self) -> int:
+        """Pushed out by a newer connection while waiting to log in (``Admission``); returns 1
+        if it held one of the node's slots (it is given back now, not when the close lands)."""
         node = self.node
+        held = 0
         if self in node.connections:
             node.connections.discard(self)
+            held = 1
             if self._metrics is not None:
                 self._metrics.connections.dec()
         self._cancel_timers()
         self._refuse("too many connections waiting to log in: the oldest is closed", "unauthenticated_evicted")
+        return held
 
     def _hello_expired(self) -> None:
         self._hello_timer = None
         if self.hello_done or self.closed or self.transport is None or self.transport.is_closing():
             return
+        if self._hello_refusal is not None:
+            self._close_after_refusal = True    # a failed HELLO waits for its answer: then close
+            return
         self.node.admission.remove(self)
-        self._refuse(f"no HELLO within {self.node.hello_timeout:g} s ([node] hello_timeout)", "hello_timeout")
+        self._refuse(f"not logged in within {self.node.hello_timeout:g} s ([node] hello_timeout)", "hello_timeout",
+                     Timeout)
 
     def _logged_in(self) -> None:
         """HELLO succeeded: the connection leaves the unauthenticated pool."""

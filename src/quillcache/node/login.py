@@ -69,7 +69,7 @@ class LoginMixin:
             return
         if self.is_in_flight(rid):
             self._err(rid, Opcode.HELLO, exc)
-        if close:
+        if close or self._close_after_refusal:
             self.close()
         elif not self._reading_paused and not self.put_deferred:
             t.resume_reading()

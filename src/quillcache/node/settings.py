@@ -149,7 +149,8 @@ SETTINGS: tuple[Setting, ...] = (
             "valid token from logging in."),
     Setting("limits", "max_unauthenticated_per_source", int_range(1, 1 << 20), 32, False,
             "Most connections waiting to log in from one source (an IP address; on the Unix socket a "
-            "process, by SO_PEERCRED uid and pid); more from it are refused."),
+            "process, by SO_PEERCRED uid and pid); a newer one from it pushes out its own oldest, "
+            "never another source's."),
     Setting("metrics", "enabled", boolean, True, False,
             "Serve Prometheus metrics."),
     Setting("metrics", "listen", parse_hostport, "127.0.0.1:7471", False,
