@@ -47,6 +47,14 @@ def test_a_source_at_its_limit_pushes_out_its_own_oldest_never_another_sources()
     assert adm.stats()["unauthenticated_evicted_same_source"] == 2
 
 
+def test_a_limit_of_one_per_source_keeps_exactly_the_newest():
+    adm, open_set = Admission(100, 40, 1), set()
+    conns = [_admit(adm, open_set, f"m{i}", "10.0.0.1")[0] for i in range(3)]
+    assert [c.evicted for c in conns] == [True, True, False] and adm.waiting_from("10.0.0.1") == 1
+    adm.remove(conns[2])
+    assert len(adm) == 0 and adm.waiting_from("10.0.0.1") == 0
+
+
 def test_the_shared_pool_and_the_node_slots_push_out_the_oldest_waiting_and_logged_in_keep_theirs():
     adm, open_set = Admission(8, 100, 100), set()       # at most half of 8 may wait: 4
     assert adm.max_unauthenticated == 4

@@ -135,6 +135,7 @@ class Admission:
         if open_connections >= self.max_connections:
             return "max_connections", f"{open_connections} connections open, at most {self.max_connections}"
         self._waiting[conn] = source
+        mine = self._by_source.get(source)        # again: an eviction may have emptied and dropped it
         if mine is None:
             mine = self._by_source[source] = OrderedDict()
         mine[conn] = None
