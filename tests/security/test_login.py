@@ -102,3 +102,19 @@ def test_a_source_s_failures_do_not_slow_another_source(node):
         assert time.monotonic() - t0 < 1.0      # 127.0.0.2's first failure: 50 ms
     finally:
         s.close()
+
+
+def test_before_login_one_hello_at_a_time_and_a_refused_one_holds_the_connection(node):
+    s = raw_connect(node.port)
+    try:
+        bad2 = encode_frame_header(Opcode.HELLO, 2, header=messages.encode_hello_request(b"guess2"))
+        s.sendall(BAD_HELLO + bad2)                 # pipelined: the second while the first waits
+        frames = {f.request_id: f for f in read_frames(s, 2, timeout=ANSWER_WITHIN_S)}
+        assert frames[1].status == PermissionDenied.status
+        assert frames[2].status != 0 and "one HELLO at a time" in messages.decode_error(
+            frames[2].status, frames[2].header).args[0]
+        good = encode_frame_header(Opcode.HELLO, 3, header=messages.encode_hello_request(TOKEN.encode()))
+        s.sendall(good)                             # the same connection logs in afterwards
+        assert read_frames(s, 1, timeout=ANSWER_WITHIN_S)[0].status == 0
+    finally:
+        s.close()
