@@ -491,3 +491,29 @@ def test_decode_key_list_reads_a_terminal_key_list_and_refuses_every_bad_one():
                      ((b"\xff\xff\xff\x0f", 0, 1 << 30, 8), "needs at least")]:
         with pytest.raises(InvalidArgument, match=why):
             decode_key_list(*bad)
+
+
+def test_set_limits_applies_to_the_next_frames_keeps_buffered_bytes_and_refuses_mid_frame():
+    p = FrameParser(REQUEST_OPCODES, max_header_bytes=16, max_payload_bytes=0, read_chunk=4096)
+    first = encode_frame_header(Opcode.HELLO, 1, header=b"h" * 16)
+    second = encode_frame_header(Opcode.PUT, 2, header=b"k" * 100, payload_length=3) + b"abc"
+    p.feed(first + second[:10])
+    assert p.next_event() == EV_FRAME and p.frame.request_id == 1
+    assert p.limits == (16, 0, 4096)
+    p.set_limits(max_header_bytes=1 << 20, max_payload_bytes=1 << 20, read_chunk=65536)
+    assert p.limits == (1 << 20, 1 << 20, 65536)
+    assert p.next_event() == EV_NEED_DATA        # the 10 bytes of the next frame were kept
+    p.feed(second[10:30])
+    assert p.next_event() == EV_NEED_DATA        # its fixed prefix is parsed, the header is not in
+    with pytest.raises(RuntimeError):
+        p.set_limits(max_header_bytes=16, max_payload_bytes=0)     # its prefix is parsed: too late
+    p.feed(second[30:])
+    assert p.next_event() == EV_PAYLOAD_START and p.frame.request_id == 2
+    with pytest.raises(InvalidArgument):
+        FrameParser(REQUEST_OPCODES, max_header_bytes=1, max_payload_bytes=0).set_limits(
+            max_header_bytes=1, max_payload_bytes=0, read_chunk=16)
+    small = FrameParser(REQUEST_OPCODES, max_header_bytes=16, max_payload_bytes=0, read_chunk=4096)
+    small.feed(encode_frame_header(Opcode.PING, 1, payload_length=1 << 20))
+    with pytest.raises(MalformedFrame) as ei:      # the claim is refused on the fixed prefix
+        small.next_event()
+    assert ei.value.reason == "payload_too_large" and small.buffer_capacity <= 4096

@@ -291,6 +291,41 @@ cdef class FrameParser:
     def __dealloc__(self):
         self._release_input()
 
+    def set_limits(self, *, uint64_t max_header_bytes, uint64_t max_payload_bytes, Py_ssize_t read_chunk=-1):
+        """Change the limits for the frames that follow (a server raises them once a client
+        logged in).  ``read_chunk`` (-1: unchanged) is what ``get_buffer`` offers between
+        payloads; a larger one replaces the internal buffer now, its live bytes kept.  Only
+        between events: not between ``get_buffer`` and ``buffer_updated``, nor while a frame
+        is half parsed (the limits of a frame are those it was admitted under)."""
+        cdef bytearray nb
+        cdef Py_ssize_t live
+        if max_header_bytes > 0xFFFFFFFF:
+            raise InvalidArgument(f"max_header_bytes {max_header_bytes}: the field is 32 bits")
+        if read_chunk != -1 and read_chunk < MIN_READ_ROOM:
+            raise InvalidArgument(f"read_chunk {read_chunk}: at least {MIN_READ_ROOM} bytes")
+        if self._gb_kind != GB_NONE:
+            raise RuntimeError("set_limits() between get_buffer() and buffer_updated()")
+        if self._have_fixed or self._state != ST_HEADER:
+            raise RuntimeError("set_limits() in the middle of a frame")
+        self._max_header = max_header_bytes
+        self._max_payload = max_payload_bytes
+        if read_chunk == -1:
+            return
+        self._read_chunk = read_chunk
+        if len(self._buf) < read_chunk:
+            live = self._end - self._start
+            nb = bytearray(read_chunk)
+            if live:
+                memcpy(PyByteArray_AS_STRING(nb), PyByteArray_AS_STRING(self._buf) + self._start, live)
+            self._buf = nb
+            self._start = 0
+            self._end = live
+
+    @property
+    def limits(self):
+        """``(max_header_bytes, max_payload_bytes, read_chunk)`` now in force."""
+        return (self._max_header, self._max_payload, self._read_chunk)
+
     # ------------------------------------------------------------------ introspection
 
     @property

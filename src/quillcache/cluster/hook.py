@@ -40,6 +40,7 @@ from quillcache.errors import (
 )
 from quillcache.model import KvBlockKey, encode_key
 from quillcache.protocol.opcodes import Opcode, ProtocolLimits
+from quillcache.store.leases import release_leases as _release
 from quillcache.transfer.base import Peer
 from quillcache.transfer.tcp import TcpTransport
 
@@ -580,11 +581,6 @@ class ClusterHook(PoolReads):
         for k, v in self.transport.stats().items():
             out[f"transport_{k}"] = v
         return out
-
-
-def _release(leases) -> None:
-    for lease in leases:
-        lease.release()
 
 
 def _fetch_failed(conn, rid: int, leases: list, exc: BaseException) -> None:

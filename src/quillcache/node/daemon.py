@@ -141,7 +141,10 @@ class Node:
         self.server = NodeServer(self.store, limits=limits, auth=auth, metrics=self.metrics,
                                  max_connections=cfg.limits.max_connections, node_id=self.node_id,
                                  version=__version__, ssd=self.ssd,
-                                 sendfile=cfg.ssd.sendfile, shm=cfg.node.shm, router=self.router)
+                                 sendfile=cfg.ssd.sendfile, shm=cfg.node.shm, router=self.router,
+                                 hello_timeout=cfg.node.hello_timeout, idle_timeout=cfg.node.idle_timeout,
+                                 max_unauthenticated=cfg.limits.max_unauthenticated,
+                                 max_unauthenticated_per_source=cfg.limits.max_unauthenticated_per_source)
         self.server.wal_backend = wal_backend
         loop = asyncio.get_running_loop()
         host, port = cfg.node.listen
@@ -238,6 +241,7 @@ class Node:
             await asyncio.sleep(MAINTENANCE_INTERVAL_S)
             try:
                 self.server.expire_slow_writers()
+                self.server.close_idle()
                 await self.store.maintenance()
                 # Periodic checkpoint: bounds WAL replay at restart ([wal] checkpoint_interval,
                 # read from the current config so SIGHUP applies it).
@@ -430,6 +434,14 @@ def _reload_auth(node: Node, value: Any, new: Config) -> None:
         log.info("reload: closed %d connections of removed tenants", closed)
 
 
+def _reload_hello_timeout(node: Node, value: Any, new: Config) -> None:
+    node.server.hello_timeout = float(value)        # connections made from now on
+
+
+def _reload_idle_timeout(node: Node, value: Any, new: Config) -> None:
+    node.server.idle_timeout = float(value)         # the next sweep
+
+
 def _reload_commit_window(node: Node, value: Any, new: Config) -> None:
     if node.ssd is None:
         raise ConfigError("no SSD tier: the commit window applies to its WAL")
@@ -439,6 +451,8 @@ def _reload_commit_window(node: Node, value: Any, new: Config) -> None:
 RELOAD_HOOKS: dict[str, Callable[[Node, Any, Config], None]] = {
     "node.log_level": _reload_log_level,
     "node.drain_timeout": _read_where_used,
+    "node.hello_timeout": _reload_hello_timeout,
+    "node.idle_timeout": _reload_idle_timeout,
     "wal.checkpoint_interval": _read_where_used,
     "store.policy": _reload_policy,
     "store.high_watermark": _reload_watermarks,

@@ -192,7 +192,8 @@ class NodeMetrics:
         self.connections_total = Counter("quillcache_connections_accepted", "Connections accepted",
                                          registry=r)
         self.connections_refused = Counter("quillcache_connections_refused",
-                                           "Connections refused (max_connections, HELLO rate limit)",
+                                           "Connections refused or closed by the node (max_connections, "
+                                           "unauthenticated_evicted, hello_timeout, idle_timeout)",
                                            ["reason"], registry=r)
         self.protocol_errors = Counter("quillcache_protocol_errors", "Connections closed on a malformed frame",
                                        registry=r)

@@ -71,6 +71,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Lowest level of the log lines written to stderr."),
     Setting("node", "drain_timeout", parse_duration, "10s", True,
             "How long SIGTERM waits for in-flight requests before closing connections."),
+    Setting("node", "hello_timeout", parse_duration, "5s", True,
+            "How long a new connection may take to log in (HELLO) when the node has tenants; then it "
+            "is closed. Until then it may send nothing but HELLO, with a header of at most 8 KiB and no "
+            "payload."),
+    Setting("node", "idle_timeout", parse_duration, "300s", True,
+            "Close a connection after this long without a byte from its client, when it holds nothing "
+            "(no request in flight, no lease, no reserve) and did not map the arena; 0s: never."),
     Setting("store", "dram", size_range(1 << 20, 1 << 50), "1GiB", False,
             "Capacity of the DRAM arena (one anonymous mapping)."),
     Setting("store", "max_block", size_range(1, 1 << 36), "64MiB", False,
@@ -135,6 +142,15 @@ SETTINGS: tuple[Setting, ...] = (
             "Most requests in flight on one connection."),
     Setting("limits", "max_connections", int_range(1, 1 << 20), 4096, False,
             "Most client connections at once."),
+    Setting("limits", "max_unauthenticated", int_range(1, 1 << 20), 1024, False,
+            "Most connections that have not logged in yet (HELLO), from all sources together, and at "
+            "most half of max_connections: logged-in clients keep the other slots. A newer connection "
+            "pushes the oldest one still waiting out, so bare connections cannot keep a client with a "
+            "valid token from logging in."),
+    Setting("limits", "max_unauthenticated_per_source", int_range(1, 1 << 20), 32, False,
+            "Most connections waiting to log in from one source (an IP address; on the Unix socket a "
+            "process, by SO_PEERCRED uid and pid); a newer one from it pushes out its own oldest, "
+            "never another source's."),
     Setting("metrics", "enabled", boolean, True, False,
             "Serve Prometheus metrics."),
     Setting("metrics", "listen", parse_hostport, "127.0.0.1:7471", False,
@@ -145,7 +161,10 @@ SETTINGS: tuple[Setting, ...] = (
             "may_act_for = [\"*\"] (or a list of names) lets that principal (an engine) name those tenants "
             "in its keys."),
     Setting("auth", "max_failed_hellos", int_range(1, 1 << 20), 10, True,
-            "Failed HELLOs per peer address per minute before that peer is refused."),
+            "Failed HELLOs in a row from one source (an IP address; on the Unix socket a uid and pid) "
+            "after which each further failed HELLO also closes its connection. Every failed HELLO is "
+            "answered late, 50 ms doubled per failure in a row up to 5 s (a minute without a failure "
+            "ends the row); a valid token is never refused or delayed."),
     Setting("router", "module", router_module, "none", False,
             "Routing module hosted by this node: none (a plain store node), dynamo (Dynamo's cost "
             "function as shipped, identity-blind) or quillcache (identity-scoped credit plus pool credit)."),
@@ -196,6 +215,9 @@ def _check_node(cfg: "Config") -> None:
         raise ConfigError(
             f"{cfg.source}: [store] max_block = \"{format_byte_size(store.max_block)}\": larger "
             f"than [store] dram = \"{format_byte_size(store.dram)}\" (e.g. \"64MiB\")")
+    if cfg.node.hello_timeout <= 0:
+        raise ConfigError(f'{cfg.source}: [node] hello_timeout = "{cfg.node.hello_timeout:g}s": must be above 0 '
+                          '(e.g. "5s")')
     cluster = cfg.cluster
     if cluster.enabled and len(cluster.credential) < 16:
         raise ConfigError(

@@ -30,7 +30,8 @@ from quillcache.protocol.opcodes import (
     PAYLOAD_REQUEST_OPCODES, REQUEST_OPCODES, Opcode, ProtocolLimits, Status,
 )
 
-__all__ = ["ProtocolConnection", "ClientProtocolConnection", "Reply", "Destination", "DEFER"]
+__all__ = ["ProtocolConnection", "ClientProtocolConnection", "Reply", "Destination", "DEFER",
+           "PREAUTH_OPCODES", "PREAUTH_HEADER_BYTES", "PREAUTH_READ_CHUNK", "PREAUTH_MAX_IN_FLIGHT"]
 
 # What a hook may hand back for a payload: one writable buffer, a list of them
 # (filled in order), or None (the parser collects the payload into a bytearray).
@@ -50,6 +51,16 @@ class _Deferred:
 DEFER = _Deferred()
 
 _SCRATCH = 65536    # bytes: get_buffer() target once the connection has failed (input is dropped)
+_READ_CHUNK = 65536  # bytes: what the parser offers a read between payloads once logged in
+
+# Before a client logged in (a server that requires HELLO), only these opcodes are taken;
+# any other frame fails the connection (a connection-level PermissionDenied, then close).
+PREAUTH_OPCODES = frozenset({Opcode.HELLO})
+# Limits before login, enforced by the parser before anything is allocated: a HELLO's header
+# (a token of max_token_bytes, a client name) fits; no payload at all; a small read buffer.
+PREAUTH_HEADER_BYTES = 8192         # bytes of variable header
+PREAUTH_READ_CHUNK = 4096           # bytes offered to a read (the codec's minimum)
+PREAUTH_MAX_IN_FLIGHT = 1           # HELLOs at once (a refused one may be answered late)
 
 
 def _nbytes(views: Sequence[Any]) -> int:
@@ -62,12 +73,18 @@ class _Base:
     _replies = False
     put_deferred = False       # input is held: a PUT waits for its destination (server side, DEFER)
 
-    def __init__(self, limits: ProtocolLimits | None = None) -> None:
+    def __init__(self, limits: ProtocolLimits | None = None, *, preauth: bool = False) -> None:
         self.limits = limits or ProtocolLimits()
-        self._parser = FrameParser(
-            REQUEST_OPCODES, max_header_bytes=self.limits.max_header_bytes,
-            max_payload_bytes=self.limits.max_payload_bytes, replies=self._replies,
-            allowed_flags=KNOWN_FLAGS)
+        if preauth:         # the small limits of a client that has not logged in yet
+            self._parser = FrameParser(
+                REQUEST_OPCODES, max_header_bytes=min(self.limits.max_header_bytes, PREAUTH_HEADER_BYTES),
+                max_payload_bytes=0, replies=self._replies, allowed_flags=KNOWN_FLAGS,
+                read_chunk=PREAUTH_READ_CHUNK)
+        else:
+            self._parser = FrameParser(
+                REQUEST_OPCODES, max_header_bytes=self.limits.max_header_bytes,
+                max_payload_bytes=self.limits.max_payload_bytes, replies=self._replies,
+                allowed_flags=KNOWN_FLAGS, read_chunk=_READ_CHUNK)
         self.failed: Optional[BaseException] = None   # the error that ended the connection
         self.close_requested = False                  # the owner should close the transport
         self.closed = False                           # connection_lost() was called
@@ -210,7 +227,7 @@ class ProtocolConnection(_Base):
     _replies = False
 
     def __init__(self, limits: ProtocolLimits | None = None, *, require_hello: bool = True) -> None:
-        super().__init__(limits)
+        super().__init__(limits, preauth=require_hello)
         self.require_hello = require_hello
         self.hello_done = False
         self.negotiated_version: Optional[int] = None
@@ -249,6 +266,10 @@ class ProtocolConnection(_Base):
         if opcode != expected:
             raise InvalidArgument(f"reply opcode {opcode:#04x} for a request with opcode {expected:#04x}")
         if opcode == Opcode.HELLO and header_body:
+            if not self.hello_done and self.require_hello:
+                # logged in: the connection's own limits from the next frame on
+                self._parser.set_limits(max_header_bytes=self.limits.max_header_bytes,
+                                        max_payload_bytes=self.limits.max_payload_bytes, read_chunk=_READ_CHUNK)
             self.hello_done = True
             self.negotiated_version = header_body[0]
         if self.failed is None and not self.closed:
@@ -287,8 +308,8 @@ class ProtocolConnection(_Base):
         if len(self._in_flight) >= self.limits.max_in_flight:
             return Busy(f"{len(self._in_flight)} requests in flight on this connection, "
                         f"at most {self.limits.max_in_flight}")
-        if self.require_hello and not self.hello_done and frame.opcode not in (Opcode.HELLO, Opcode.PING):
-            return PermissionDenied(f"{Opcode(frame.opcode).name} before HELLO")
+        if self.require_hello and not self.hello_done and len(self._in_flight) >= PREAUTH_MAX_IN_FLIGHT:
+            return Busy("one HELLO at a time before login")
         return None
 
     def _event(self, ev: int, frame: Frame) -> None:
@@ -303,6 +324,10 @@ class ProtocolConnection(_Base):
         if ev == EV_PAYLOAD_CHUNK:      # never asked for; keep the stream moving
             return
         rid = frame.request_id
+        if self.require_hello and not self.hello_done and frame.opcode not in PREAUTH_OPCODES:
+            self._fail(PermissionDenied(f"{Opcode(frame.opcode).name} before HELLO: this node has tenants, "
+                                        "log in first; closing"))
+            return
         if rid in self._in_flight:
             self._fail(ProtocolError(f"request id {rid} is already in flight"))
             return
