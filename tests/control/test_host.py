@@ -54,7 +54,6 @@ def test_node_routes_by_the_engines_events_and_scopes_credit_by_identity(tmp_pat
             other = IdentityScope("llama", "llama-tok", None, "globex")
             r2 = c.route(other, toks, track=False)
             assert r2.device == 0 and r2.plan == bytes([4] * 10)
-            assert r2.worker != "e1" or r2.refused == 10
 
             # the same question by the router's block hashes
             r3 = c.route(ACME, hashes=chain_hashes(toks, BS), request_tokens=40, track=False)
