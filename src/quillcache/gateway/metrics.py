@@ -1,4 +1,5 @@
-"""The gateway's Prometheus metrics, on a private registry served at ``/metrics``."""
+"""The gateway's Prometheus metrics, on a private registry served at ``/metrics`` on the admin
+address only: the refused and cross-identity counts are the operator's, never a tenant's."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -61,6 +62,14 @@ class GatewayMetrics:
         self.etcd_state = Gauge("quillcache_gateway_etcd_state", "1 for the state of the etcd engine "
                                 "view: starting, ok, degraded (etcd unreachable: the last view is kept)",
                                 ["state"], registry=r)
+        self.connections_refused = Counter("quillcache_gateway_connections_refused", "Client connections "
+                                           "answered 503 and closed at once: [gateway] max_connections "
+                                           "were open", ["listener"], registry=r)
+        self.client_timeouts = Counter("quillcache_gateway_client_timeouts", "Requests answered 408 "
+                                       "because the body did not arrive within client_body_timeout",
+                                       registry=r)
+        self.stripped_fields = Counter("quillcache_gateway_stripped_fields", "Engine-internal body "
+                                       "fields a client sent and the gateway removed", ["field"], registry=r)
         for tier in TIERS:
             self.hit_blocks.labels(tier)
         for met in ("true", "false"):

@@ -177,8 +177,21 @@ _GATEWAY_SECTIONS = {
 
 _GATEWAY_SETTINGS: tuple[Setting, ...] = (
     Setting("gateway", "listen", parse_hostport, "127.0.0.1:8088", False,
-            "Address of the HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-            "/health, /metrics)."),
+            "Address of the tenants' HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+            "/health)."),
+    Setting("gateway", "admin_listen", parse_hostport, "127.0.0.1:8089", False,
+            "Address of the operator's endpoints (/metrics, /quillcache/workers, /quillcache/hot, "
+            "/health), never served on listen: keep it where only operators reach it."),
+    Setting("gateway", "max_connections", int_range(1, 1 << 20), 1024, False,
+            "Client connections open at once (both addresses); past it a new connection is answered "
+            "503 and closed. The descriptor limit is raised to fit (2 per connection + 256), or "
+            "this is lowered to fit it, with a warning."),
+    Setting("gateway", "client_header_timeout", _positive_duration, "15s", False,
+            "A client connection that has sent no complete request head this long after it opened, "
+            "or after its previous answer, is closed (aiohttp's keepalive_timeout): silent "
+            "connections, slow headers and idle keep-alive connections."),
+    Setting("gateway", "client_body_timeout", _positive_duration, "30s", True,
+            "The whole request body must arrive within this; else 408 and the connection is closed."),
     Setting("gateway", "engines", _engines, [], False,
             "Upstream engines as [[gateway.engines]] tables: id, url, model, and optionally "
             "tokenizer (a local tokenizer.json), tokenizer_id, chat_template (a Jinja file), "

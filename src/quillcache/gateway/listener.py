@@ -1,0 +1,131 @@
+"""A listening socket for an aiohttp runner with a limit on the connections open at once.
+
+aiohttp has timeouts (its ``keepalive_timeout`` closes a connection that has sent no complete
+request head in that time) but no connection limit, so a client that opens connections and
+says nothing holds a descriptor each until then.  Here every accepted connection passes a
+``ConnectionGate``: past ``limit`` open connections, a new one is answered
+``503`` (an OpenAI error) and closed at once, before aiohttp allocates anything for it.  The
+count is exact: it is taken when the connection is accepted and given back when it is lost.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+from typing import Callable, Optional
+
+from aiohttp import web
+
+__all__ = ["ConnectionGate", "Listener", "raise_fd_limit", "FDS_PER_CONNECTION", "RESERVED_FDS"]
+
+log = logging.getLogger("quillcache.gateway")
+
+FDS_PER_CONNECTION = 2      # a client's socket and its upstream socket to the engine
+RESERVED_FDS = 256          # descriptors for everything else: listeners, ZMQ, etcd, logs
+
+_BUSY = json.dumps({"error": {"message": "too many connections open to the gateway; retry later",
+                              "type": "unavailable", "code": 503}}).encode()
+_BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                  b"Retry-After: 1\r\nConnection: close\r\nContent-Length: " + str(len(_BUSY)).encode()
+                  + b"\r\n\r\n" + _BUSY)
+
+
+class ConnectionGate:
+    """Counts the open connections of one or more listeners against one limit."""
+
+    def __init__(self, limit: int, on_refused: Callable[[], None] = lambda: None) -> None:
+        self.limit = limit
+        self.open = 0
+        self.refused = 0
+        self._on_refused = on_refused
+
+    def take(self) -> bool:
+        if self.open >= self.limit:
+            self.refused += 1
+            self._on_refused()
+            return False
+        self.open += 1
+        return True
+
+    def give_back(self) -> None:
+        self.open -= 1
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with the gate's slot given back when it ends."""
+
+    __slots__ = ("_inner", "_gate")
+
+    def __init__(self, inner: asyncio.Protocol, gate: ConnectionGate) -> None:
+        self._inner = inner
+        self._gate = gate
+
+    def connection_made(self, transport) -> None:
+        self._inner.connection_made(transport)
+
+    def connection_lost(self, exc) -> None:
+        self._gate.give_back()
+        self._inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self):
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+class _Refused(asyncio.Protocol):
+    """Past the limit: one 503 and the connection is closed (nothing read, nothing kept)."""
+
+    def connection_made(self, transport) -> None:
+        transport.write(_BUSY_RESPONSE)
+        transport.close()
+
+
+class Listener:
+    """``runner``'s application served on ``host:port`` through ``gate``."""
+
+    def __init__(self, runner: web.BaseRunner, gate: ConnectionGate) -> None:
+        self.runner = runner
+        self.gate = gate
+        self._server: Optional[asyncio.AbstractServer] = None
+
+    def _protocol(self) -> asyncio.Protocol:
+        if not self.gate.take():
+            return _Refused()
+        return _Counted(self.runner.server(), self.gate)
+
+    async def start(self, host: str, port: int, backlog: int = 1024) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._protocol, host, port, backlog=backlog, reuse_address=True)
+        return self._server.sockets[0].getsockname()[:2]
+
+    def close(self) -> None:
+        """Stop accepting; connections already open are the runner's to drain."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+def raise_fd_limit(connections: int) -> int:
+    """Raise the soft descriptor limit so that ``connections`` clients fit (each with its
+    upstream socket, plus ``RESERVED_FDS``); returns how many connections fit under it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections * FDS_PER_CONNECTION + RESERVED_FDS
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the descriptor limit to %d: %s", new, exc)
+    if soft == resource.RLIM_INFINITY:
+        return connections
+    return max(1, min(connections, (soft - RESERVED_FDS) // FDS_PER_CONNECTION))
