@@ -23,6 +23,8 @@ log = logging.getLogger("quillcache.gateway")
 
 FDS_PER_CONNECTION = 2      # a client's socket and its upstream socket to the engine
 RESERVED_FDS = 256          # descriptors for everything else: listeners, ZMQ, etcd, logs
+REFUSED_LINGER_S = 0.5      # seconds a refused connection may take to read its 503 before the close
+MAX_LINGERING = 64          # refused connections lingering at once; past it they close at once
 
 _BUSY = json.dumps({"error": {"message": "too many connections open to the gateway; retry later",
                               "type": "unavailable", "code": 503}}).encode()
@@ -82,11 +84,38 @@ class _Counted(asyncio.Protocol):
 
 
 class _Refused(asyncio.Protocol):
-    """Past the limit: one 503 and the connection is closed (nothing read, nothing kept)."""
+    """Past the limit: one 503, then the connection is closed.  What the client sends meanwhile
+    is discarded for ``REFUSED_LINGER_S`` at most, so that the close does not reset the
+    connection before the client has read the answer; past ``MAX_LINGERING`` refused
+    connections lingering at once, the close is immediate (a flood keeps no descriptors)."""
+
+    lingering = 0
+
+    def __init__(self) -> None:
+        self._transport = None
+        self._timer = None
 
     def connection_made(self, transport) -> None:
         transport.write(_BUSY_RESPONSE)
-        transport.close()
+        if _Refused.lingering >= MAX_LINGERING or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        _Refused.lingering += 1
+        self._transport = transport
+        self._timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass                                       # discarded
+
+    def eof_received(self) -> bool:
+        return False                               # the client is done: close now
+
+    def connection_lost(self, exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            _Refused.lingering -= 1
 
 
 class Listener:

@@ -28,6 +28,8 @@ __all__ = ["run", "start", "GatewayService", "DRAIN_TIMEOUT_S"]
 log = logging.getLogger("quillcache.gateway")
 
 DRAIN_TIMEOUT_S = 10.0           # seconds answers in flight get at SIGTERM
+LINGER_S = 1.0                   # seconds an unread body is still read after an early answer (408,
+                                 # 413) so that the client sees it before the close (aiohttp: 10 s)
 
 
 class GatewayService:
@@ -61,7 +63,7 @@ async def start(cfg, host: Optional[str] = None, port: Optional[int] = None):
     # aiohttp's own limits: keepalive_timeout closes a connection with no complete request head
     # (silent, slow headers, idle keep-alive); the header sizes keep aiohttp's defaults.
     kw = dict(handler_cancellation=True, access_log=None, shutdown_timeout=DRAIN_TIMEOUT_S,
-              keepalive_timeout=g.client_header_timeout)
+              keepalive_timeout=g.client_header_timeout, lingering_time=LINGER_S)
     runner, admin_runner = web.AppRunner(gw.app, **kw), web.AppRunner(gw.admin_app, **kw)
     service = GatewayService(gw, [runner, admin_runner], [Listener(runner, gate), Listener(admin_runner, gate)])
     try:
