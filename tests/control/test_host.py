@@ -131,7 +131,7 @@ def test_node_publishes_its_residency_in_the_vllm_event_format(tmp_path):
     ('[[router.engines]]\nid = "e0"\nendpoint = "http://x"\nmodel = "m"\ntokenizer = "t"\ntenant = "a"\n',
      "not a ZMQ endpoint"),
     ('[[router.engines]]\nid = "e0"\nendpoint = "tcp://127.0.0.1:1"\nmodel = "m"\ntokenizer = "t"\n'
-     'tenant = "a"\ncolour = "red"\n', "unknown field"),
+     'tenant = "a"\ncolour = "red"\n', "unknown key"),
 ])
 def test_bad_engine_tables_are_config_errors_naming_the_key(engines, message):
     from quillcache.node.settings import ConfigError, load_config

@@ -183,7 +183,7 @@ def test_a_bad_registration_is_a_usage_error_before_anything_is_written(etcd):
     r = subprocess.run([QUILLCTL, "engine", "register", "--etcd", etcd.endpoint, "--id", "x y",
                         "--url", "http://127.0.0.1:1", "--model", "m"], capture_output=True, text=True,
                        timeout=30)
-    assert r.returncode == 2 and "id 'x y' must be 1-64" in r.stderr
+    assert r.returncode == 2 and "id 'x y' must be 1-128" in r.stderr
     every_key = {"key": base64.b64encode(b"\0").decode(), "range_end": base64.b64encode(b"\0").decode()}
     req = urllib.request.Request(f"http://{etcd.endpoint}/v3/kv/range", data=json.dumps(every_key).encode())
     with urllib.request.urlopen(req, timeout=10) as resp:

@@ -241,7 +241,7 @@ def test_an_engine_silent_on_events_while_serving_is_marked_unhealthy():
     async def main():
         # e0 is real; "mute" has a live HTTP server (e0's) but an event endpoint nobody publishes on.
         async with harness(n=1, gateway_toml='unhealthy_after = "0.5s"\n[router]\npolicy = "round_robin"') as h:
-            h.gw.add_engine(EngineSpec("mute", h.urls[0], "m", adapters=("lora-x",),
+            h.gw.add_engine(EngineSpec("mute", "m", h.urls[0], adapters=("lora-x",),
                                        kv_events=f"tcp://127.0.0.1:{free_port()}"))
             workers = [decision((await h.complete(f"{i} {PROMPT}", max_tokens=1))[1])["worker"] for i in range(2)]
             assert "mute" in workers
@@ -260,7 +260,7 @@ def test_an_event_gap_is_replayed_and_the_blocks_it_carried_are_credited():
         try:
             async with harness(n=1, auth=False) as h:
                 # "ext" serves through e0's HTTP server; its events come from this test's publisher.
-                h.gw.add_engine(EngineSpec("ext", h.urls[0], "m", adapters=("lora-x",),
+                h.gw.add_engine(EngineSpec("ext", "m", h.urls[0], adapters=("lora-x",),
                                            kv_events=pub.endpoint, kv_replay=pub.replay_endpoint))
                 while not h.gw.router.event_stats("ext")["batches"]:       # the SUB socket joined
                     pub.publish([AllBlocksCleared()])

@@ -49,11 +49,11 @@ class RouterHost:
         for spec in self.engines:
             if not spec.pool:
                 self.router.add_worker(spec.id)
-            scope = IdentityScope(spec.model, spec.tokenizer, spec.adapter, spec.tenant)
+            scope = IdentityScope(spec.model, spec.identity_tokenizer, spec.adapter, spec.tenant)
             consumer = EventConsumer(
-                spec.endpoint,
+                spec.kv_events,
                 self._on_batch(spec, scope),
-                replay_endpoint=spec.replay_endpoint,
+                replay_endpoint=spec.kv_replay or None,
                 topic=spec.topic.encode("utf-8"),
                 on_reset=self._on_reset(spec),
             )
