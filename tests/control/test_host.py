@@ -146,3 +146,30 @@ def test_router_module_names_come_from_the_registry():
     for name in ROUTER_MODULES:
         assert setting.convert(name) == name
     assert module_policy("none") is None and module_policy("dynamo") == "dynamo"
+
+
+def test_a_caller_has_a_bounded_number_of_tracked_requests_and_ids_of_its_own(monkeypatch):
+    """In process: the per-caller limit on tracked requests (BUSY past it, nothing allocated),
+    and two callers' same request id stay two requests."""
+    from quillcache.control import host as host_module
+    from quillcache.control.host import RouterHost
+    from quillcache.control.router import RouterConfig
+    from quillcache.errors import Busy
+    from quillcache.protocol.route import ROUTE_TOKENS, RouteRequest
+    monkeypatch.setattr(host_module, "MAX_TRACKED_PER_CALLER", 3)
+    h = RouterHost("quillcache", RouterConfig(block_size=BS), start=False)
+    h.router.add_worker("e0")
+
+    def ask(rid):
+        return RouteRequest(ROUTE_TOKENS, None, True, "acme", "llama", "llama-tok", None, rid, 0, list(range(8)))
+    for rid in ("a", "b", "c"):
+        assert h.route(ask(rid), caller="acme").request_id == rid
+    assert h.route(ask("a"), caller="acme").request_id == "a"          # the same id again: no new slot
+    with pytest.raises(Busy, match="at most 3 per caller"):
+        h.route(ask("d"), caller="acme")
+    assert h.router.load("e0").active_requests == 3
+    assert h.route(ask("a"), caller="globex").request_id == "a"         # another caller's "a"
+    assert h.router.load("e0").active_requests == 4
+    assert h.update(2, "a", caller="acme") and h.update(2, "a", caller="globex")
+    assert not h.update(2, "a", caller="acme")
+    assert h.route(ask("d"), caller="acme").request_id == "d"           # a slot was given back
