@@ -154,8 +154,9 @@ class GatewayProcess:
     # ------------------------------------------------------------------ requests
 
     def request(self, method: str, path: str, body: Optional[dict] = None, tenant: Optional[str] = None,
-                admin: bool = False, timeout: float = 30.0) -> tuple[int, dict, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.admin_port if admin else self.port, timeout=timeout)
+                admin: bool = False, timeout: float = 30.0, source: str = "127.0.0.1") -> tuple[int, dict, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.admin_port if admin else self.port, timeout=timeout,
+                                          source_address=(source, 0))
         try:
             headers = {"Content-Type": "application/json"}
             if tenant is not None:
@@ -169,9 +170,10 @@ class GatewayProcess:
     def get(self, path: str, admin: bool = False) -> tuple[int, dict, bytes]:
         return self.request("GET", path, admin=admin)
 
-    def complete(self, prompt: str, tenant: str = "alice", **extra) -> tuple[int, dict, bytes]:
+    def complete(self, prompt: str, tenant: str = "alice", source: str = "127.0.0.1",
+                 **extra) -> tuple[int, dict, bytes]:
         body = {"model": "m", "prompt": prompt, "max_tokens": 2, "stream": False, **extra}
-        return self.request("POST", "/v1/completions", body, tenant)
+        return self.request("POST", "/v1/completions", body, tenant, source=source)
 
     def engine_stats(self, i: int = 0) -> dict:
         host, port = self.engine_urls[i].split("//", 1)[1].rsplit(":", 1)

@@ -6,6 +6,7 @@ process in front of a real simulated engine:
 * 1,000 silent connections against a 1,024-descriptor limit: the connections past
   ``max_connections`` get a 503 (not a reset), the silent ones are closed at
   ``client_header_timeout``, and then a legitimate request is served;
+* one peer address cannot take more than ``max_connections_per_peer`` of them;
 * a client's own ``kv_transfer_params`` never reaches the engine;
 * a wrong path or method gets an OpenAI-shaped JSON error.
 """
@@ -94,6 +95,24 @@ def test_silent_connections_cannot_exhaust_the_descriptors_or_lock_out_a_client(
                 s.close()
         assert gp.proc.poll() is None
         assert "does not fit the descriptor limit" in gp.log()
+
+
+def test_one_peer_cannot_take_every_connection_slot(tmp_path):
+    with GatewayProcess(tmp_path, gateway_toml="max_connections_per_peer = 10") as gp:
+        silent = [_connect(gp.port) for _ in range(10)]          # from 127.0.0.1
+        try:
+            st, _, body = gp.complete("from the same address", "alice")
+            assert st == 503 and b"too many connections" in body
+            assert gp.complete("from another address", "alice", source="127.0.0.2")[0] == 200
+        finally:
+            for s in silent:
+                s.close()
+        deadline = time.monotonic() + 5
+        while gp.complete("again", "alice")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)                                       # its slots come back as they close
+        assert gp.complete("again", "alice")[0] == 200
+        st, _, body = gp.get("/metrics", admin=True)
+        assert b'quillcache_gateway_connections_refused_total{reason="max_connections_per_peer"}' in body
 
 
 def test_a_clients_kv_transfer_params_never_reach_the_engine(tmp_path):

@@ -3,9 +3,10 @@
 aiohttp has timeouts (its ``keepalive_timeout`` closes a connection that has sent no complete
 request head in that time) but no connection limit, so a client that opens connections and
 says nothing holds a descriptor each until then.  Here every accepted connection passes a
-``ConnectionGate``: past ``limit`` open connections, a new one is answered
-``503`` (an OpenAI error) and closed at once, before aiohttp allocates anything for it.  The
-count is exact: it is taken when the connection is accepted and given back when it is lost.
+``ConnectionGate``: past ``limit`` open connections, a new one is answered ``503`` (an
+OpenAI error) and closed at once, before aiohttp allocates anything for it; past ``per_peer``
+connections of one address, the same.  The counts are exact: taken when the connection is
+accepted (its address when it is made) and given back when it is lost.
 """
 from __future__ import annotations
 
@@ -34,40 +35,71 @@ _BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: applicatio
 
 
 class ConnectionGate:
-    """Counts the open connections of one or more listeners against one limit."""
+    """Counts the open connections of one or more listeners against one limit, and those of
+    each peer address against ``per_peer`` (0: no per-peer limit)."""
 
-    def __init__(self, limit: int, on_refused: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, limit: int, per_peer: int = 0,
+                 on_refused: Callable[[str], None] = lambda reason: None) -> None:
         self.limit = limit
+        self.per_peer = per_peer
         self.open = 0
         self.refused = 0
+        self.peers: dict[str, int] = {}
         self._on_refused = on_refused
 
+    def _refuse(self, reason: str) -> bool:
+        self.refused += 1
+        self._on_refused(reason)
+        return False
+
     def take(self) -> bool:
+        """At accept, before anything is allocated for the connection."""
         if self.open >= self.limit:
-            self.refused += 1
-            self._on_refused()
-            return False
+            return self._refuse("max_connections")
         self.open += 1
         return True
 
-    def give_back(self) -> None:
+    def admit(self, peer: str) -> bool:
+        """Once the peer's address is known (the connection already holds a slot)."""
+        if self.per_peer and self.peers.get(peer, 0) >= self.per_peer:
+            return self._refuse("max_connections_per_peer")
+        self.peers[peer] = self.peers.get(peer, 0) + 1
+        return True
+
+    def give_back(self, peer: Optional[str]) -> None:
         self.open -= 1
+        if peer is not None:
+            n = self.peers[peer] - 1
+            if n:
+                self.peers[peer] = n
+            else:
+                del self.peers[peer]
 
 
 class _Counted(asyncio.Protocol):
-    """aiohttp's protocol for one connection, with the gate's slot given back when it ends."""
+    """aiohttp's protocol for one connection, made once the peer is admitted, with the gate's
+    slots given back when the connection ends."""
 
-    __slots__ = ("_inner", "_gate")
+    __slots__ = ("_make", "_inner", "_gate", "_peer")
 
-    def __init__(self, inner: asyncio.Protocol, gate: ConnectionGate) -> None:
-        self._inner = inner
+    def __init__(self, make: Callable[[], asyncio.Protocol], gate: ConnectionGate) -> None:
+        self._make = make
+        self._inner: Optional[asyncio.Protocol] = None
         self._gate = gate
+        self._peer: Optional[str] = None
 
     def connection_made(self, transport) -> None:
+        peer = transport.get_extra_info("peername")
+        peer = peer[0] if isinstance(peer, tuple) else str(peer)
+        if self._gate.admit(peer):
+            self._peer = peer
+            self._inner = self._make()
+        else:
+            self._inner = _Refused()
         self._inner.connection_made(transport)
 
     def connection_lost(self, exc) -> None:
-        self._gate.give_back()
+        self._gate.give_back(self._peer)
         self._inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -129,7 +161,7 @@ class Listener:
     def _protocol(self) -> asyncio.Protocol:
         if not self.gate.take():
             return _Refused()
-        return _Counted(self.runner.server(), self.gate)
+        return _Counted(self.runner.server, self.gate)
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> tuple[str, int]:
         loop = asyncio.get_running_loop()

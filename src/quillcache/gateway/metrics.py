@@ -63,8 +63,9 @@ class GatewayMetrics:
                                 "view: starting, ok, degraded (etcd unreachable: the last view is kept)",
                                 ["state"], registry=r)
         self.connections_refused = Counter("quillcache_gateway_connections_refused", "Client connections "
-                                           "answered 503 and closed at once: [gateway] max_connections "
-                                           "were open", ["listener"], registry=r)
+                                           "answered 503 and closed at once, by the limit they were past "
+                                           "(max_connections, max_connections_per_peer)", ["reason"],
+                                           registry=r)
         self.client_timeouts = Counter("quillcache_gateway_client_timeouts", "Requests answered 408 "
                                        "because the body did not arrive within client_body_timeout",
                                        registry=r)

@@ -59,7 +59,8 @@ async def start(cfg, host: Optional[str] = None, port: Optional[int] = None):
     if limit < g.max_connections:
         log.warning("[gateway] max_connections = %d does not fit the descriptor limit: %d connections "
                     "at most", g.max_connections, limit)
-    gate = ConnectionGate(limit, on_refused=gw.metrics.connections_refused.labels("any").inc)
+    refused = gw.metrics.connections_refused
+    gate = ConnectionGate(limit, g.max_connections_per_peer, on_refused=lambda reason: refused.labels(reason).inc())
     # aiohttp's own limits: keepalive_timeout closes a connection with no complete request head
     # (silent, slow headers, idle keep-alive); the header sizes keep aiohttp's defaults.
     kw = dict(handler_cancellation=True, access_log=None, shutdown_timeout=DRAIN_TIMEOUT_S,

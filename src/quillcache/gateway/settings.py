@@ -102,6 +102,9 @@ _GATEWAY_SETTINGS: tuple[Setting, ...] = (
             "Client connections open at once (both addresses); past it a new connection is answered "
             "503 and closed. The descriptor limit is raised to fit (2 per connection + 256), or "
             "this is lowered to fit it, with a warning."),
+    Setting("gateway", "max_connections_per_peer", int_range(0, 1 << 20), 0, False,
+            "Client connections one peer address may have open at once; past it, 503 and the close. "
+            "0: no per-peer limit (the default: behind a proxy every client is the proxy's address)."),
     Setting("gateway", "client_header_timeout", _positive_duration, "15s", False,
             "A client connection that has sent no complete request head this long after it opened, "
             "or after its previous answer, is closed (aiohttp's keepalive_timeout): silent "
