@@ -186,4 +186,7 @@ def build_router_host(section, *, start: bool = True) -> Optional[RouterHost]:
         disk_weight=section.disk_weight, pool_weight=section.pool_weight,
         temperature=section.temperature, approximate=section.approximate,
         approx_ttl_s=section.approx_ttl)
+    if policy in IDENTITY_BLIND:
+        log.warning("[router] module = %r is identity-blind: which engine a ROUTE names depends on what "
+                    "other tenants cached (the answer's figures stay the requester's own)", section.module)
     return RouterHost(section.module, config, section.engines, start=start)

@@ -33,6 +33,7 @@ from quillcache.gateway.proxy import HEADER_PREFIX, MAX_UPSTREAM_BODY, PREFILL_K
 from quillcache.gateway.routing import GatewayRouter
 from quillcache.gateway.settings import EngineSpec, engine_conflict
 from quillcache.gateway.tokens import TokenizerCache
+from quillcache.protocol.route import IDENTITY_BLIND
 from quillcache.settings.registry import parse_config
 
 __all__ = ["Gateway", "EngineState", "HEADER_PREFIX", "MAX_UPSTREAM_BODY", "PREFILL_KV_PARAMS"]
@@ -73,6 +74,13 @@ class Gateway:
         self.app.on_startup.append(self._startup)
         self.app.on_cleanup.append(self._cleanup)
         self.admin_app = admin_app(self)
+        self._warn_identity_blind()
+
+    def _warn_identity_blind(self) -> None:
+        if self.cfg.router.policy in IDENTITY_BLIND and not self.auth.open_mode:
+            log.warning("[router] policy = %r is identity-blind: which engine serves a tenant depends on "
+                        "what other tenants cached (a baseline to compare with, not one to serve tenants)",
+                        self.cfg.router.policy)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -200,6 +208,7 @@ class Gateway:
             if "auth.tenants" in apply or "auth.max_failed_hellos" in apply:
                 self.auth.configure(self.cfg.auth.tenants, self.cfg.auth.max_failed_hellos)
             self.router.reconfigure(self.cfg)
+            self._warn_identity_blind()
         return sorted(apply), sorted(fixed)
 
     # ------------------------------------------------------------------ tenants' endpoints

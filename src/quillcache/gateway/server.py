@@ -93,10 +93,10 @@ def run(cfg, reload: Optional[Callable[[], object]] = None) -> int:
             return
         try:
             new = reload()
+            applied, kept = gw.reload(new)
         except ConfigError as exc:
             log.error("reload refused, keeping the running configuration: %s", exc)
             return
-        applied, kept = gw.reload(new)
         for qualname in kept:
             log.warning("reload: %s changed: it needs a restart, the running value is kept", qualname)
         log.info("reloaded %s: %s", getattr(new, "source", "the configuration"),
