@@ -31,7 +31,7 @@ from quillcache.control.router import PLAN_DEVICE, PLAN_DISK, PLAN_HOST, PLAN_RE
 from quillcache.errors import Busy, InvalidArgument, PermissionDenied
 from quillcache.model import IdentityScope
 from quillcache.protocol import messages
-from quillcache.protocol.route import IDENTITY_BLIND
+from quillcache.protocol.route import IDENTITY_BLIND, POLICIES
 
 __all__ = ["RouterHost", "build_router_host", "MAX_TRACKED_PER_CALLER"]
 
@@ -123,7 +123,6 @@ class RouterHost:
     @property
     def request_policies(self) -> tuple[str, ...]:
         """The policies a ROUTE request may name (the identity-scoped ones)."""
-        from quillcache.protocol.route import POLICIES
         return tuple(p for p in POLICIES if p not in IDENTITY_BLIND)
 
     def update(self, event: int, request_id: str, caller: str = "") -> bool:
