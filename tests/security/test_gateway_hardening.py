@@ -78,6 +78,8 @@ def test_silent_connections_cannot_exhaust_the_descriptors_or_lock_out_a_client(
             assert hd.get("Retry-After") == "1"
             late, closed = _read_until_closed(silent[-1], 2.0)      # one past the limit: told so
             assert late.startswith(b"HTTP/1.1 503") and closed
+            st, _, metrics = gp.get("/metrics", admin=True)          # the operator still sees it
+            assert st == 200 and b'connections_refused_total{reason="max_connections"}' in metrics
             # The silent ones are closed at the header timeout; the client is served again.
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:

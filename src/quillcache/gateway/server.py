@@ -1,8 +1,8 @@
 """Run the gateway in the foreground on uvloop (the process never forks; systemd runs it).
 
-Two addresses: the tenants' API on ``[gateway] listen`` and the operator's endpoints on
-``[gateway] admin_listen``, both behind one connection limit (``[gateway] max_connections``)
-and aiohttp's header timeout (``client_header_timeout``).  SIGTERM / SIGINT stop accepting,
+Two addresses: the tenants' API on ``[gateway] listen`` (at most ``[gateway] max_connections``
+open at once) and the operator's endpoints on ``[gateway] admin_listen`` (``ADMIN_CONNECTIONS``
+of its own), both under aiohttp's header timeout (``client_header_timeout``).  SIGTERM / SIGINT stop accepting,
 let the answers in flight finish for up to ``DRAIN_TIMEOUT_S`` and exit 0.  SIGHUP reloads
 the configuration file: the reloadable settings take effect for the next request, a changed
 fixed one is logged and kept as it runs.  A configuration that cannot start (a tokenizer
@@ -28,6 +28,7 @@ __all__ = ["run", "start", "GatewayService", "DRAIN_TIMEOUT_S"]
 log = logging.getLogger("quillcache.gateway")
 
 DRAIN_TIMEOUT_S = 10.0           # seconds answers in flight get at SIGTERM
+ADMIN_CONNECTIONS = 64           # connections the admin address takes at once (its own, apart)
 LINGER_S = 1.0                   # seconds an unread body is still read after an early answer (408,
                                  # 413) so that the client sees it before the close (aiohttp: 10 s)
 
@@ -55,7 +56,8 @@ async def start(cfg, host: Optional[str] = None, port: Optional[int] = None):
     from quillcache.gateway.app import Gateway
     g = cfg.gateway
     gw = Gateway(cfg)
-    limit = raise_fd_limit(g.max_connections)
+    limit = raise_fd_limit(g.max_connections + ADMIN_CONNECTIONS) - ADMIN_CONNECTIONS
+    limit = max(limit, 1)
     if limit < g.max_connections:
         log.warning("[gateway] max_connections = %d does not fit the descriptor limit: %d connections "
                     "at most", g.max_connections, limit)
@@ -66,7 +68,11 @@ async def start(cfg, host: Optional[str] = None, port: Optional[int] = None):
     kw = dict(handler_cancellation=True, access_log=None, shutdown_timeout=DRAIN_TIMEOUT_S,
               keepalive_timeout=g.client_header_timeout, lingering_time=LINGER_S)
     runner, admin_runner = web.AppRunner(gw.app, **kw), web.AppRunner(gw.admin_app, **kw)
-    service = GatewayService(gw, [runner, admin_runner], [Listener(runner, gate), Listener(admin_runner, gate)])
+    # The admin address has its own few slots: a flood of the tenants' address leaves the
+    # operator able to see it (/metrics).
+    admin_gate = ConnectionGate(ADMIN_CONNECTIONS, on_refused=lambda reason: refused.labels("admin").inc())
+    service = GatewayService(gw, [runner, admin_runner],
+                             [Listener(runner, gate), Listener(admin_runner, admin_gate)])
     try:
         await runner.setup()
         await admin_runner.setup()

@@ -99,9 +99,9 @@ _GATEWAY_SETTINGS: tuple[Setting, ...] = (
             "Address of the operator's endpoints (/metrics, /quillcache/workers, /quillcache/hot, "
             "/health), never served on listen: keep it where only operators reach it."),
     Setting("gateway", "max_connections", int_range(1, 1 << 20), 1024, False,
-            "Client connections open at once (both addresses); past it a new connection is answered "
-            "503 and closed. The descriptor limit is raised to fit (2 per connection + 256), or "
-            "this is lowered to fit it, with a warning."),
+            "Client connections open at once on listen (the admin address has 64 of its own); past it "
+            "a new connection is answered 503 and closed. The descriptor limit is raised to fit (2 per "
+            "connection + 256), or this is lowered to fit it, with a warning."),
     Setting("gateway", "max_connections_per_peer", int_range(0, 1 << 20), 0, False,
             "Client connections one peer address may have open at once; past it, 503 and the close. "
             "0: no per-peer limit (the default: behind a proxy every client is the proxy's address)."),
