@@ -214,7 +214,7 @@ def test_models_health_metrics_and_workers():
     async def main():
         async with harness(n=2) as h:
             await h.complete(PROMPT, stream=True)
-            async with h.session.get(h.base + "/v1/models") as r:
+            async with h.session.get(h.base + "/v1/models", headers=h.headers()) as r:
                 ids = [m["id"] for m in (await r.json())["data"]]
             assert ids == ["m", "lora-x"]
             async with h.session.get(h.base + "/health") as r:

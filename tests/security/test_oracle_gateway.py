@@ -5,7 +5,8 @@ quillcache-gateway process in front of a real simulated engine, with two tenants
   a prompt nobody cached get the same x-quillcache-* headers (no ``reuse-refused``, no decision time);
 * the same with the operator's identity-blind policy (``[router] policy = "dynamo"``);
 * the operator's endpoints (/metrics, /quillcache/workers, /quillcache/hot) are not on the
-  tenants' address, with or without a key; they answer on the admin address.
+  tenants' address, with or without a key; they answer on the admin address;
+* the served models and adapters (whose names may be a tenant's own) need a key.
 """
 from __future__ import annotations
 
@@ -73,3 +74,11 @@ def test_the_operators_endpoints_are_not_on_the_tenants_address(tmp_path):
         st, _, body = gp.get("/quillcache/workers", admin=True)
         assert st == 200 and [w["id"] for w in json.loads(body)["workers"]] == ["e0"]
         assert gp.get("/health")[0] == 200                  # load balancers still see health
+
+
+def test_the_served_models_and_adapters_are_listed_to_a_client_with_a_key_only(tmp_path):
+    with GatewayProcess(tmp_path) as gp:
+        st, _, body = gp.request("GET", "/v1/models")
+        assert st == 401 and json.loads(body)["error"]["type"] == "authentication_error"
+        st, _, body = gp.request("GET", "/v1/models", tenant="bob")
+        assert st == 200 and [m["id"] for m in json.loads(body)["data"]] == ["m"]

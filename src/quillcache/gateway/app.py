@@ -24,10 +24,10 @@ import aiohttp
 from aiohttp import web
 
 from quillcache.auth import Authenticator
-from quillcache.errors import InvalidArgument
+from quillcache.errors import InvalidArgument, PermissionDenied
 from quillcache.gateway.admin import admin_app
 from quillcache.gateway.engines import EngineState
-from quillcache.gateway.http import json_errors
+from quillcache.gateway.http import error, json_errors
 from quillcache.gateway.metrics import GatewayMetrics
 from quillcache.gateway.proxy import HEADER_PREFIX, MAX_UPSTREAM_BODY, PREFILL_KV_PARAMS, Proxy
 from quillcache.gateway.routing import GatewayRouter
@@ -214,6 +214,12 @@ class Gateway:
     # ------------------------------------------------------------------ tenants' endpoints
 
     async def models(self, request: web.Request) -> web.Response:
+        """The served models and adapters, to a client with a key (adapter names may be a
+        tenant's own: they are not for anyone who asks)."""
+        try:
+            self.proxy.tenant_of(request)
+        except PermissionDenied as exc:
+            return error(401, str(exc), "authentication_error")
         now = int(time.time())
         data = [{"id": m, "object": "model", "created": now, "owned_by": "quillcache"}
                 for m in sorted(self.by_model)]

@@ -128,7 +128,8 @@ class Proxy:
 
     # ------------------------------------------------------------------ parsing
 
-    def _tenant(self, request: web.Request) -> str:
+    def tenant_of(self, request: web.Request) -> str:
+        """The request's tenant, from its API key alone; raises PermissionDenied."""
         header = request.headers.get("Authorization", "")
         if self.auth.open_mode:
             return OPEN_TENANT
@@ -319,7 +320,7 @@ class Proxy:
 
     async def _proxy(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t_arrival = time.monotonic()
-        tenant = self._tenant(request)
+        tenant = self.tenant_of(request)
         body = await self._body(request)
         identity, engines = self._identity(body, tenant)
         stream = body.get("stream", False)
