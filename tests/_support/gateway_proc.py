@@ -45,16 +45,18 @@ def _known(keys: str) -> str:
 class GatewayProcess:
     """``engines`` simulated engines (model "m", KV events on) behind one gateway process
     with the tenants of ``TENANT_KEYS``; ``gateway_toml`` adds [gateway] keys, ``router_toml``
-    [router] keys; ``nofile`` sets the gateway's descriptor limit (soft and hard)."""
+    [router] keys; ``nofile`` sets the gateway's descriptor limit (soft and hard); ``engine_args``
+    are more quillcache-sim-engine options."""
 
     def __init__(self, tmp_path: Path, *, engines: int = 1, gateway_toml: str = "", router_toml: str = "",
-                 nofile: Optional[int] = None, time_scale: float = 1.0) -> None:
+                 nofile: Optional[int] = None, time_scale: float = 1.0, engine_args: tuple = ()) -> None:
         self.tmp = Path(tmp_path)
         self.n_engines = engines
         self.gateway_toml = gateway_toml
         self.router_toml = router_toml
         self.nofile = nofile
         self.time_scale = time_scale
+        self.engine_args = tuple(engine_args)
         self.port, self.admin_port = free_port(), free_port()
         self.config = self.tmp / "gateway.toml"
         self.log_path = self.tmp / "gateway.log"
@@ -67,7 +69,8 @@ class GatewayProcess:
     def _start_engine(self, i: int) -> str:
         ev, rp = free_port(), free_port()
         p = subprocess.Popen([SIM_ENGINE, "--port", "0", "--model", "m", "--time-scale", repr(self.time_scale),
-                              "--kv-events", f"tcp://127.0.0.1:{ev}", "--kv-events-replay", f"tcp://127.0.0.1:{rp}"],
+                              "--kv-events", f"tcp://127.0.0.1:{ev}", "--kv-events-replay", f"tcp://127.0.0.1:{rp}",
+                              *self.engine_args],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._engines.append(p)

@@ -3,6 +3,8 @@ forward (issue 22, item 6; issue 23's JSON errors), probed against a real quillc
 process in front of a real simulated engine:
 
 * a body trickled a byte at a time is cut off at ``client_body_timeout`` with a 408;
+* a client that stops reading a streamed answer is dropped at ``client_send_timeout``, and its
+  upstream request and router load with it;
 * 1,000 silent connections against a 1,024-descriptor limit: the connections past
   ``max_connections`` get a 503 (not a reset), the silent ones are closed at
   ``client_header_timeout``, and then a legitimate request is served;
@@ -64,6 +66,37 @@ def test_a_body_trickled_byte_by_byte_is_cut_off_at_the_body_timeout(tmp_path):
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "timeout_error"
         assert closed and elapsed < 6, elapsed
         assert gp.complete("still serving", "bob")[0] == 200
+
+
+def test_a_client_that_stops_reading_its_answer_is_dropped_with_its_upstream_request(tmp_path):
+    # An answer of 400,000 tokens (~60 MB of events): far more than the sockets between the
+    # gateway and the client hold, and far longer to generate than the test waits.
+    long = ("--max-model-len", "500000", "--capacity-blocks", "40000")
+    with GatewayProcess(tmp_path, gateway_toml='client_send_timeout = "1s"', time_scale=0.01, engine_args=long) as gp:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)      # a small window, never read
+        s.connect(("127.0.0.1", gp.port))
+        body = json.dumps({"model": "m", "prompt": "tell me everything", "max_tokens": 400000, "stream": True})
+        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer {TENANT_KEYS['bob']}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        try:
+            deadline = time.monotonic() + 10
+            while gp.engine_stats()["running"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert gp.engine_stats()["running"] == 1                     # it is being answered
+            # The gateway drops the client that takes nothing, and the engine aborts the request.
+            deadline = time.monotonic() + 15
+            while gp.engine_stats()["aborted"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            stats = gp.engine_stats()
+            assert stats["aborted"] == 1 and stats["running"] == 0, stats
+            worker = json.loads(gp.get("/quillcache/workers", admin=True)[2])["workers"][0]
+            assert worker["in_flight"] == 0 and worker["active_requests"] == 0
+            metrics = gp.get("/metrics", admin=True)[2]
+            assert b'quillcache_gateway_client_timeouts_total{stage="send"} 1.0' in metrics
+        finally:
+            s.close()
+        assert gp.complete("next", "alice")[0] == 200
 
 
 def test_silent_connections_cannot_exhaust_the_descriptors_or_lock_out_a_client(tmp_path):

@@ -66,9 +66,9 @@ class GatewayMetrics:
                                            "answered 503 and closed at once, by the limit they were past "
                                            "(max_connections, max_connections_per_peer)", ["reason"],
                                            registry=r)
-        self.client_timeouts = Counter("quillcache_gateway_client_timeouts", "Requests answered 408 "
-                                       "because the body did not arrive within client_body_timeout",
-                                       registry=r)
+        self.client_timeouts = Counter("quillcache_gateway_client_timeouts", "Clients cut off: a body "
+                                       "not in within client_body_timeout (408), an answer not taken "
+                                       "within client_send_timeout", ["stage"], registry=r)
         self.stripped_fields = Counter("quillcache_gateway_stripped_fields", "Engine-internal body "
                                        "fields a client sent and the gateway removed", ["field"], registry=r)
         for tier in TIERS:

@@ -306,7 +306,7 @@ class Proxy:
             return error(404, str(exc), "model_not_found")
         except _BodyTimeout:
             status = 408
-            self.metrics.client_timeouts.inc()
+            self.metrics.client_timeouts.labels("body").inc()
             resp = error(408, f"the body did not arrive within [gateway] client_body_timeout = "
                               f"{self.cfg.gateway.client_body_timeout:g}s", "timeout_error")
             resp.force_close()                   # what is left of the body is not read
@@ -460,7 +460,7 @@ class Proxy:
             resp = web.StreamResponse(status=200, headers={**passthrough, **headers})
             resp.headers.setdefault("Content-Type", "text/event-stream")
             await resp.prepare(request)            # the decision headers go out now
-            await self._pump(up, resp, state, rid, req)
+            await self._pump(request, up, resp, state, rid, req)
             return resp
         finally:
             await up_cm.__aexit__(None, None, None)
@@ -479,8 +479,23 @@ class Proxy:
                 raise _Upstream("body", f"the answer is larger than {MAX_UPSTREAM_BODY} bytes")
             chunks.append(chunk)
 
-    async def _pump(self, up, resp, state: EngineState, rid: str, req: _Request) -> None:
-        """Pass the SSE stream through chunk by chunk; end it cleanly if the engine dies."""
+    async def _send(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> bool:
+        """Write to the client; False when it took nothing for [gateway] client_send_timeout
+        (it stopped reading): its connection is then dropped, which frees the request."""
+        try:
+            async with asyncio.timeout(self.cfg.gateway.client_send_timeout):
+                await resp.write(data)
+            return True
+        except TimeoutError:
+            self.metrics.client_timeouts.labels("send").inc()
+            log.info("a client stopped reading its answer for %gs: dropped", self.cfg.gateway.client_send_timeout)
+            if request.transport is not None:
+                request.transport.abort()
+            return False
+
+    async def _pump(self, request: web.Request, up, resp, state: EngineState, rid: str, req: _Request) -> None:
+        """Pass the SSE stream through chunk by chunk; end it cleanly if the engine dies, drop
+        a client that stops reading."""
         g = self.cfg.gateway
         t_first = t_last = None
         events = 0
@@ -493,7 +508,7 @@ class Proxy:
                 except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                     self.metrics.upstream_errors.labels(state.id, "stream").inc()
                     log.warning("engine %s broke off a stream: %s", state.id, type(exc).__name__)
-                    await resp.write(sse_error(f"the engine {state.id} stopped mid-answer "
+                    await self._send(request, resp, sse_error(f"the engine {state.id} stopped mid-answer "
                                                 f"({type(exc).__name__})"))
                     return
                 if not chunk:
@@ -514,7 +529,9 @@ class Proxy:
                 if n:
                     t_last = now
                     events += n
-                await resp.write(chunk)
+                if not await self._send(request, resp, chunk):
+                    up.close()                     # the engine sees the client go: it aborts
+                    return
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
             self.metrics.disconnects.inc()

@@ -111,6 +111,9 @@ _GATEWAY_SETTINGS: tuple[Setting, ...] = (
             "connections, slow headers and idle keep-alive connections."),
     Setting("gateway", "client_body_timeout", _positive_duration, "30s", True,
             "The whole request body must arrive within this; else 408 and the connection is closed."),
+    Setting("gateway", "client_send_timeout", _positive_duration, "60s", True,
+            "A client that takes none of its streamed answer for this long (it stopped reading) is "
+            "dropped, and its upstream request with it."),
     Setting("gateway", "engines", _engines, [], False,
             "Upstream engines as [[gateway.engines]] tables: id, url, model, and optionally "
             "tokenizer (a local tokenizer.json), tokenizer_id, chat_template (a Jinja file), "
