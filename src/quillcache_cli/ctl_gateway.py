@@ -8,12 +8,12 @@ import click
 from quillcache_cli import exitcodes
 from quillcache_cli.ctl_data import _want_json, fail, json_option, table
 
-DEFAULT_GATEWAY = "http://127.0.0.1:8088"
+DEFAULT_GATEWAY = "http://127.0.0.1:8089"      # [gateway] admin_listen: the operator's endpoints
 
 
 @click.command("gateway")
 @click.option("--url", envvar="QUILLCACHE_GATEWAY", default=DEFAULT_GATEWAY, show_default=True,
-              help="Base URL of the gateway (env QUILLCACHE_GATEWAY).")
+              help="Base URL of the gateway's admin address, [gateway] admin_listen (env QUILLCACHE_GATEWAY).")
 @json_option
 @click.pass_context
 def gateway_cmd(ctx, url, as_json):

@@ -16,13 +16,16 @@ from quillcache_cli import exitcodes
 def main(config_path, listen):
     """Route OpenAI requests to engines with the QuillCache control plane.
 
-    SIGTERM/SIGINT let answers in flight finish and stop.  A bad configuration exits 78.
+    SIGTERM/SIGINT let answers in flight finish and stop; SIGHUP reloads the file's
+    reloadable settings.  A bad configuration exits 78.
     """
     from quillcache.gateway.settings import load_gateway_config
-    try:
+
+    def load():
         cfg = load_gateway_config(config_path)
-        if listen:
-            cfg = cfg.with_overrides({"gateway.listen": listen})
+        return cfg.with_overrides({"gateway.listen": listen}) if listen else cfg
+    try:
+        cfg = load()
     except ConfigError as exc:
         click.echo(f"quillcache-gateway: {exc}", err=True)
         sys.exit(exitcodes.CONFIG)
@@ -32,7 +35,7 @@ def main(config_path, listen):
                    "them from etcd ([cluster] enabled = true)", err=True)
         sys.exit(exitcodes.CONFIG)
     from quillcache.gateway.server import run
-    sys.exit(run(cfg))
+    sys.exit(run(cfg, reload=load if config_path else None))
 
 
 if __name__ == "__main__":

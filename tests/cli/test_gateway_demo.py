@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PORTS = (8088, 8001, 8002, 5571, 5572, 5573, 5574, 7470, 7471)     # every port the demo uses
+PORTS = (8088, 8089, 8001, 8002, 5571, 5572, 5573, 5574, 7470, 7471)     # every port the demo uses
 
 
 def free_offset() -> int:
@@ -63,7 +63,8 @@ def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
         for h in ("x-quillcache-worker: sim-", "x-quillcache-overlap-blocks: device=", "x-quillcache-plan: hit="):
             assert h in head.lower(), head
         assert body.count("data: {") == 8 and body.rstrip().endswith("data: [DONE]")
-        r = subprocess.run([str(Path(sys.executable).with_name("quillctl")), "gateway", "--url", f"http://127.0.0.1:{gw}"],
+        admin = f"http://127.0.0.1:{gw + 1}"                 # [gateway] admin_listen, 8089 + offset
+        r = subprocess.run([str(Path(sys.executable).with_name("quillctl")), "gateway", "--url", admin],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert {line.split()[0] for line in r.stdout.splitlines()[1:]} == {"sim-0", "sim-1"}

@@ -53,15 +53,15 @@ async def ask(session, base, prompt=PROMPT, model="m"):
         return r.status, r.headers.get("x-quillcache-worker"), data
 
 
-async def workers(session, base) -> dict:
-    async with session.get(base + "/quillcache/workers") as r:
+async def workers(session, admin) -> dict:
+    async with session.get(admin + "/quillcache/workers") as r:
         return await r.json()
 
 
 def test_an_engine_registered_after_start_gets_traffic_and_one_whose_lease_expires_stops(etcd):
     async def main():
         loop = asyncio.get_running_loop()
-        async with gateway(cluster_toml(etcd)) as (gw, base, s):
+        async with gateway(cluster_toml(etcd)) as (gw, base, admin, s):
             assert gw.discovery.state == "ok" and not gw.engines
             async with s.get(base + "/health") as r:
                 assert r.status == 503                        # nothing to route to yet
@@ -73,7 +73,7 @@ def test_an_engine_registered_after_start_gets_traffic_and_one_whose_lease_expir
                 seen = [await ask(s, base, f"{i} {PROMPT}") for i in range(4)]
                 assert {st for st, _, _ in seen} == {200}
                 assert {w for _, w, _ in seen} == {"late-a", "late-b"}      # round robin: both serve
-                doc = await workers(s, base)
+                doc = await workers(s, admin)
                 assert {w["id"]: w["source"] for w in doc["workers"]} == {"late-a": "etcd", "late-b": "etcd"}
                 assert doc["cluster"]["state"] == "ok" and doc["cluster"]["rejected"] == {}
                 # late-a stops dead (SIGSTOP): it can no longer keep its lease alive.
@@ -100,7 +100,7 @@ def test_etcd_down_keeps_the_last_view_and_serving(etcd):
         loop = asyncio.get_running_loop()
         eng = await loop.run_in_executor(None, registered(etcd, "steady").start)
         try:
-            async with gateway(cluster_toml(etcd)) as (gw, base, s):
+            async with gateway(cluster_toml(etcd)) as (gw, base, admin, s):
                 await wait_until(lambda: "steady" in gw.engines, 10, "steady joined")
                 assert (await ask(s, base))[:2] == (200, "steady")
                 await loop.run_in_executor(None, etcd.stop, signal.SIGKILL)
@@ -108,7 +108,7 @@ def test_etcd_down_keeps_the_last_view_and_serving(etcd):
                 await asyncio.sleep(TTL_S + 1)                 # past the engine's lease TTL
                 for i in range(5):
                     assert (await ask(s, base, f"{i} {PROMPT}"))[:2] == (200, "steady")
-                metrics = await (await s.get(base + "/metrics")).text()
+                metrics = await (await s.get(admin + "/metrics")).text()
                 assert 'quillcache_gateway_etcd_state{state="degraded"} 1.0' in metrics
                 await loop.run_in_executor(None, etcd.start)
                 await wait_until(lambda: gw.discovery.state == "ok", 15, "etcd back")
@@ -135,9 +135,9 @@ def test_records_the_gateway_cannot_serve_are_refused_with_a_reason_and_the_conf
             for reg in regs:
                 reg.start()
             engines = f'[[gateway.engines]]\nid = "e-static"\nurl = "{static.url}"\nmodel = "m"\n'
-            async with gateway(cluster_toml(etcd, engines)) as (gw, base, s):
+            async with gateway(cluster_toml(etcd, engines)) as (gw, base, admin, s):
                 await wait_until(lambda: len(gw.discovery.rejected) == 3, 10, "three refusals")
-                why = (await workers(s, base))["cluster"]["rejected"]
+                why = (await workers(s, admin))["cluster"]["rejected"]
                 assert "config's entry is served" in why["e-static"]
                 assert "must be http" in why["bad-url"]
                 assert "block_size 32 differs from engine e-static's 16" in why["other-blocks"]
@@ -162,7 +162,7 @@ def test_quillctl_engine_register_keeps_a_plain_engine_registered_while_it_is_he
                 "--kv-replay", eng.replay, "--lease-ttl", f"{TTL_S}s", "--health-interval", "0.2"]
         sidecar = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
         try:
-            async with gateway(cluster_toml(etcd)) as (gw, base, s):
+            async with gateway(cluster_toml(etcd)) as (gw, base, admin, s):
                 await wait_until(lambda: "vllm-0" in gw.engines, 10, "vllm-0 joined")
                 assert gw.engines["vllm-0"].spec.kv_events == eng.events
                 assert (await ask(s, base))[:2] == (200, "vllm-0")
@@ -183,7 +183,7 @@ def test_a_bad_registration_is_a_usage_error_before_anything_is_written(etcd):
     r = subprocess.run([QUILLCTL, "engine", "register", "--etcd", etcd.endpoint, "--id", "x y",
                         "--url", "http://127.0.0.1:1", "--model", "m"], capture_output=True, text=True,
                        timeout=30)
-    assert r.returncode == 2 and "id 'x y' must be 1-64" in r.stderr
+    assert r.returncode == 2 and "id 'x y' must be 1-128" in r.stderr
     every_key = {"key": base64.b64encode(b"\0").decode(), "range_end": base64.b64encode(b"\0").decode()}
     req = urllib.request.Request(f"http://{etcd.endpoint}/v3/kv/range", data=json.dumps(every_key).encode())
     with urllib.request.urlopen(req, timeout=10) as resp:
