@@ -1,6 +1,7 @@
 """`make gateway` (tests/_support/gateway_demo.py) and the README's commands against it: the curl of the
 README streams an answer with the decision headers, and `quillctl gateway` lists both engines.
 The demo runs with every port moved by an offset (the defaults may be taken on a test machine)."""
+import json
 import os
 import re
 import selectors
@@ -40,9 +41,10 @@ def readme_block(after: str) -> str:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the README's command uses curl")
 def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
     offset = free_offset()
+    # its own session, so that SIGINT goes to its whole group as a terminal's Ctrl-C does
     demo = subprocess.Popen([sys.executable, "-m", "tests._support.gateway_demo", "--port-offset", str(offset)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
         out = b""
         sel = selectors.DefaultSelector()
@@ -63,16 +65,32 @@ def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
         for h in ("x-quillcache-worker: sim-", "x-quillcache-overlap-blocks: device=", "x-quillcache-plan: hit="):
             assert h in head.lower(), head
         assert body.count("data: {") == 8 and body.rstrip().endswith("data: [DONE]")
-        r = subprocess.run([str(Path(sys.executable).with_name("quillctl")), "gateway", "--url", f"http://127.0.0.1:{gw}"],
+        r = subprocess.run([str(Path(sys.executable).with_name("quillctl")), "gateway", "--addr", f"127.0.0.1:{gw}"],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert {line.split()[0] for line in r.stdout.splitlines()[1:]} == {"sim-0", "sim-1"}
+
+        # the engines share the node as their pool: the printed prompt, to one engine then to
+        # the other, is loaded from the node the second time
+        pool_curls = [line.strip() for line in out.decode().splitlines() if "/v1/completions" in line
+                      and "max_tokens\": 1" in line]
+        assert len(pool_curls) == 2
+        answers = []
+        for curl in pool_curls:
+            r = subprocess.run(["bash", "-c", curl], capture_output=True, timeout=60, cwd=ROOT)
+            assert r.returncode == 0, r.stderr
+            answers.append(json.loads(r.stdout)["usage"]["prompt_tokens_details"])
+        assert answers[0]["pool_tokens"] == 0 and answers[1]["pool_tokens"] >= 48, answers
     finally:
-        demo.send_signal(signal.SIGINT)
+        os.killpg(demo.pid, signal.SIGINT)          # Ctrl-C: the whole group
         try:
             rest = demo.communicate(timeout=30)[0]
         except subprocess.TimeoutExpired:
             demo.kill()
             rest = demo.communicate()[0]
+        leftover = (ROOT / "var" / f"gateway-demo-{offset}").exists()
         shutil.rmtree(ROOT / "var" / f"gateway-demo-{offset}", ignore_errors=True)
-    assert demo.returncode == 0, rest.decode(errors="replace")
+    text = (out + rest).decode(errors="replace")
+    assert demo.returncode == 0, text
+    assert "exited with code" not in text and "make gateway: stopped" in text
+    assert not leftover
