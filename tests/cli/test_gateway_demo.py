@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from quillcache import Client
+
 ROOT = Path(__file__).resolve().parents[2]
 PORTS = (8088, 8001, 8002, 5571, 5572, 5573, 5574, 7470, 7471)     # every port the demo uses
 
@@ -80,6 +82,11 @@ def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
             r = subprocess.run(["bash", "-c", curl], capture_output=True, timeout=60, cwd=ROOT)
             assert r.returncode == 0, r.stderr
             answers.append(json.loads(r.stdout)["usage"]["prompt_tokens_details"])
+            if len(answers) == 1:          # the first engine's save is asynchronous: wait until stored
+                with Client(f"127.0.0.1:{7470 + offset}") as c:
+                    deadline = time.monotonic() + 10
+                    while c.stats("store")["store"]["puts"] < 3 and time.monotonic() < deadline:
+                        time.sleep(0.05)
         assert answers[0]["pool_tokens"] == 0 and answers[1]["pool_tokens"] >= 48, answers
     finally:
         os.killpg(demo.pid, signal.SIGINT)          # Ctrl-C: the whole group
