@@ -79,7 +79,7 @@ build: deps $(STAMP)
 run: build
 	$(VENV)/bin/quillcached
 
-# etcd and three nodes on loopback (tests/_support/devcluster.py); Ctrl-C stops them.
+# etcd and three nodes on loopback (tests/_support/devcluster.py): kill -9 one, the others serve; Ctrl-C stops all.
 cluster: build
 	$(PY) -m tests._support.devcluster
 
@@ -87,7 +87,7 @@ cluster: build
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# A gateway in front of two simulated engines and one node (conf/gateway.toml); Ctrl-C stops all.
+# A gateway in front of two simulated engines sharing one node as their pool (conf/gateway.toml); Ctrl-C stops all.
 gateway: build
 	$(PY) -m tests._support.gateway_demo
 

@@ -3,6 +3,7 @@ README streams an answer with the decision headers, and `quillctl gateway` lists
 The demo runs with every port moved by an offset (the defaults may be taken on a test machine)."""
 import json
 import os
+import random
 import re
 import selectors
 import shutil
@@ -22,7 +23,10 @@ PORTS = (8088, 8001, 8002, 5571, 5572, 5573, 5574, 7470, 7471)     # every port 
 
 
 def free_offset() -> int:
-    for offset in range(20000, 40000, 97):
+    # a random start: two checkouts running this test at once must not both take the first free range
+    offsets = list(range(20000, 40000, 97))
+    random.shuffle(offsets)
+    for offset in offsets:
         try:
             for p in PORTS:
                 with socket.socket() as s:
