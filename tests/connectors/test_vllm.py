@@ -271,3 +271,16 @@ def test_a_wrong_token_is_one_logged_error_and_every_lookup_misses(auth_node, vi
     assert errors[0].startswith("vLLM scheduler connector: cannot use the node")
     assert auth_node.addresses[via] in errors[0] and "token matches no tenant" in errors[0]
     assert "not-the-token" not in errors[0]
+
+
+def test_a_typo_in_the_settings_is_a_warning_and_a_bad_value_stops_the_connector_with_its_name(auth_node, caplog):
+    from quillcache.connectors.settings import SettingError
+    with caplog.at_level(logging.WARNING, logger="quillcache.connectors.vllm"):
+        c = connector(auth_node, KVConnectorRole.SCHEDULER, adress="127.0.0.1:1", token_file=str(auth_node.token_file))
+        c.shutdown()
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "quillcache.connectors.vllm"]
+    assert "kv_connector_extra_config: unknown QuillCache setting(s) adress ignored" in warning
+    with pytest.raises(SettingError, match="kv_connector_extra_config: timeout_s = 'soon': not a number of seconds"):
+        connector(auth_node, KVConnectorRole.SCHEDULER, timeout_s="soon")
+    with pytest.raises(SettingError, match="token_file '/nonexistent/token': No such file"):
+        connector(auth_node, KVConnectorRole.SCHEDULER, token_file="/nonexistent/token")
