@@ -3,6 +3,7 @@ mapped arena: identity mapping, batched exists/load/save, and failures as counte
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from quillcache.connectors.core import (
     ConnectorCore, chain_keys, hash_hex, model_scope, tenant_from_args, tenant_from_salt,
 )
+from quillcache import Client
 from quillcache.connectors import core as core_mod
 from quillcache.model import IdentityScope
 from tests._support.daemon import Daemon
@@ -203,3 +205,42 @@ def test_nothing_listening_is_one_error_naming_every_address_tried(tmp_path, cap
             core.close()
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and where in errors[0] and "cannot connect" in errors[0]
+
+
+@pytest.mark.parametrize("via,opcode", [("unix", "GET_LOCATED"), ("tcp", "GET_MANY")])
+def test_the_counters_docs_engines_md_names_move_on_the_first_hit(auth_node, via, opcode):
+    """docs/engines.md, "Check it works": INFO's dram_hits and puts, mapped_connections over the
+    Unix socket, failed_hellos at 0, and the request counter of the load's opcode on /metrics."""
+    import urllib.request
+
+    from tests._support.engines_doc import DOC
+    doc = DOC.read_text()
+    for name in ("`dram_hits`", "`puts`", "`mapped_connections`", "`failed_hellos`",
+                 'quillcache_tier_hits_total{tier="dram"}', f'opcode="{opcode}"'):
+        assert name in doc, name
+
+    def node_stats():
+        with Client(auth_node.addr, token=auth_node.token) as c:
+            return c.stats()
+
+    def opcode_count() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{auth_node.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        m = re.search(rf'^quillcache_requests_total{{opcode="{opcode}",status="OK"}} ([0-9.]+)$', text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before, ops_before = node_stats(), opcode_count()
+    core = ConnectorCore(auth_node.addresses[via], token=auth_node.token)
+    try:
+        keys = chain_keys(ident(tenant=ENGINE_TENANT), [bytes([0xF0 + i, ord(via[0])]) * 16 for i in range(3)],
+                          block_size=16)
+        assert core.save(keys, blocks(3, 21)) and core.lookup(keys) == 3
+        assert core.load(keys, [np.zeros(BLOCK, np.uint8) for _ in keys]) == 3
+        after = node_stats()
+        assert after["server"]["mapped_connections"] == (1 if via == "unix" else 0)
+    finally:
+        core.close()
+    assert after["store"]["puts"] - before["store"]["puts"] == 3
+    assert after["tiers"]["dram_hits"] - before["tiers"]["dram_hits"] == 3
+    assert after["auth"]["failed_hellos"] == before["auth"]["failed_hellos"]
+    assert opcode_count() == ops_before + 1
