@@ -87,3 +87,14 @@ def test_ls_pool_on_a_node_outside_a_pool_lists_its_own_blocks_and_says_so(node,
     r = run("ls", "--addr", node.addr, "-m", "solo", "-p", "p", "--pool")
     assert r.returncode == 0, r.stderr
     assert "1 key(s) in the pool" in r.stdout and "not in a pool" in r.stdout and "(this node)" in r.stdout
+
+
+def test_token_after_the_command_reaches_a_node_with_auth_on(tmp_path):
+    from tests._support.engine_node import EngineNode
+    with EngineNode(tmp_path) as d:
+        r = run("ping", "--addr", d.addr)
+        assert r.returncode == exitcodes.PERMISSION and "needs a token" in r.stderr
+        assert run("ping", "--addr", d.addr, "--token", d.token).stdout.startswith("PONG")
+        assert run("--token", d.token, "ping", "--addr", d.unix).stdout.startswith("PONG")
+        r = run("ping", "--addr", d.addr, "--token", "wrong")
+        assert r.returncode == exitcodes.PERMISSION and "refused the token" in r.stderr
