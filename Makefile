@@ -11,7 +11,7 @@ DEB_PKGS := liburing-dev pkg-config redis-server etcd-server
 N        ?= 500
 PYTEST_ARGS ?=
 
-.PHONY: all help build deps bench-deps _debs run gateway lint test bench crash man clean distclean engines engines-clean cluster
+.PHONY: all help build deps bench-deps _debs run gateway lint test bench crash man clean distclean engines engines-clean cluster nixl
 
 # The engines' own venv (vLLM, SGLang, LMCache on the CPU torch wheel), for the tests marked
 # `engines`. Every pin is in requirements/engines.txt and installed with --no-deps, torch first.
@@ -41,6 +41,7 @@ help:
 	@echo "  make crash     the long crash-injection campaign (N=500 cycles)"
 	@echo "  make man       regenerate man/ from the command-line help"
 	@echo "  make clean     remove build output; make distclean also the venvs and var/"
+	@echo "  make nixl      NIXL (transfer/nixl.py) into .venv, --no-deps (make test does it)"
 	@echo "  make engines-clean  remove .venv-engines"
 
 # Debian packages: installed only when running as root and something is missing.
@@ -72,6 +73,18 @@ $(STAMP): $(PY) pyproject.toml setup.py
 	$(PIP) install -q --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
+# NIXL (bytes between nodes, transfer/nixl.py) in the main venv, with --no-deps: the wheel declares
+# torch, which host memory does not need, and a plain install would pull a CUDA torch (~5 GB).
+# Optional: where it cannot be installed the NIXL tests skip and say so in one line.
+NIXL_PKG   := nixl-cu12==1.5.1
+NIXL_STAMP := $(VENV)/.nixl-installed
+
+nixl: $(NIXL_STAMP)
+
+$(NIXL_STAMP): $(STAMP)
+	@$(PIP) install -q --no-deps "$(NIXL_PKG)" && touch $(NIXL_STAMP) \
+	    || echo "note: $(NIXL_PKG) could not be installed: the NIXL tests will be skipped"
+
 # Incremental: cythonize rebuilds only what changed.
 build: deps $(STAMP)
 	$(PY) setup.py -q build_ext --inplace -j 2
@@ -91,7 +104,8 @@ lint: $(STAMP)
 gateway: build
 	$(PY) -m tests._support.gateway_demo
 
-test: build lint
+# ruff runs once, inside the suite (tests/test__sourcecode.py); `make lint` runs it alone.
+test: build nixl
 	$(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS)
 ifeq ($(QUILLCACHE_NO_ENGINES),1)
 	@echo "*** QUILLCACHE_NO_ENGINES=1: the engine tests (-m engines) were NOT run ***"

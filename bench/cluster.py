@@ -40,13 +40,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from quillcache import Client  # noqa: E402
-from quillcache.protocol import cluster as wire  # noqa: E402
-from quillcache.cluster.hrw import Ring, key_hash  # noqa: E402
-from quillcache.model import KvBlockKey, encode_key  # noqa: E402
-from quillcache.protocol.opcodes import Opcode  # noqa: E402
-from tests._support.cluster import CREDENTIAL, Pool, cluster_view, unix_addr  # noqa: E402
-from tests._support.etcd import EtcdServer  # noqa: E402
+from quillcache import Client
+from quillcache.protocol import cluster as wire
+from quillcache.cluster.hrw import Ring, key_hash
+from quillcache.model import KvBlockKey, encode_key
+from quillcache.protocol.opcodes import Opcode
+from tests._support.cluster import CREDENTIAL, Pool, cluster_view, unix_addr
+from tests._support.etcd import EtcdServer
 
 
 def key(i: int, tag: str) -> KvBlockKey:

@@ -19,12 +19,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._local_node import LocalNode  # noqa: E402
-from quillcache import Client  # noqa: E402
-from quillcache.connectors.core import (  # noqa: E402
+from bench._local_node import LocalNode
+from quillcache import Client
+from quillcache.connectors.core import (
     ConnectorCore, batch_len, chain_keys, model_scope,
 )
-from quillcache.model import IdentityScope  # noqa: E402
+from quillcache.model import IdentityScope
 
 BLOCK_BYTES = 32 * 2 * 16 * 8 * 128 * 2          # bytes: one 16-token block of an 8B model, bf16
 

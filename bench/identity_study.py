@@ -275,7 +275,7 @@ def main(argv=None) -> int:
         requests = gen(args.requests, random.Random(args.seed))
         ratios = []
         for i in range(args.replays):          # interleaved whole replays; outcomes are deterministic
-            replay = _no_gc(lambda mode: asyncio.run(run_workload(requests, mode)))  # noqa: B023 (called here)
+            replay = _no_gc(lambda mode: asyncio.run(run_workload(requests, mode)))  # called here, in this iteration
             if i & 1:
                 off = replay("off")
                 strict = replay("strict")

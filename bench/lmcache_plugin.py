@@ -22,16 +22,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-from lmcache.utils import CacheEngineKey  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
-from lmcache.v1.storage_backend.connector import CreateConnector  # noqa: E402
-from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.connector import CreateConnector
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-from bench._local_node import LocalNode  # noqa: E402
-from quillcache.connectors.core import ConnectorCore, chain_keys, model_scope  # noqa: E402
-from quillcache.model import IdentityScope  # noqa: E402
+from bench._local_node import LocalNode
+from quillcache.connectors.core import ConnectorCore, chain_keys, model_scope
+from quillcache.model import IdentityScope
 
 LAYERS, TOKENS, HIDDEN = 32, 16, 8 * 128          # 8 KV heads x 128
 SHAPE = torch.Size([2, LAYERS, TOKENS, HIDDEN])

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _local_node import LocalNode  # noqa: E402
+from _local_node import LocalNode
 
 KiB, MiB = 1 << 10, 1 << 20
 BATCH = 256                          # blocks per request

@@ -234,7 +234,7 @@ def bench_command(ctx, block_size, concurrency, duration, mix, durable, nkeys, s
     show_bar = not as_json and sys.stderr.isatty()
     addr = obj.get("addr", DEFAULT_ADDRESS)
     try:
-        import uvloop  # noqa: PLC0415  (the daemon's loop; the client's protocol is faster on it)
+        import uvloop  # the daemon's loop; the client's protocol is faster on it
         stats, elapsed, moved = uvloop.run(_run(addr, obj.get("token"), obj.get("timeout", 10.0), block_size,
                                                 concurrency, duration, mix, durable, nkeys, seed, show_bar))
     except (QuillCacheError, OSError) as exc:

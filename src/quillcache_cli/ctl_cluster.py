@@ -26,8 +26,8 @@ def _size(n: int) -> str:
 @click.pass_context
 def cluster_cmd(ctx, as_json):
     """The pool as this node sees it: members, epochs, free space, state."""
-    from quillcache.protocol import cluster as wire  # noqa: PLC0415
-    from quillcache.protocol.opcodes import Opcode  # noqa: PLC0415
+    from quillcache.protocol import cluster as wire
+    from quillcache.protocol.opcodes import Opcode
 
     with node(ctx) as client:
         view = wire.decode_json(client.call(Opcode.CLUSTER_VIEW).header)
@@ -53,9 +53,9 @@ def cluster_cmd(ctx, as_json):
 @click.pass_context
 def locate_cmd(ctx, as_json, **kw):
     """A key's home node, rendezvous order and holders."""
-    from quillcache.protocol import cluster as wire  # noqa: PLC0415
-    from quillcache.model import encode_key  # noqa: PLC0415
-    from quillcache.protocol.opcodes import Opcode  # noqa: PLC0415
+    from quillcache.protocol import cluster as wire
+    from quillcache.model import encode_key
+    from quillcache.protocol.opcodes import Opcode
 
     with node(ctx) as client:
         key = build_key(client, kw)

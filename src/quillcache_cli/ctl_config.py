@@ -26,7 +26,7 @@ def config_sample():
 def config_check(file):
     """Validate FILE (- for standard input), a node configuration or, when it has a [gateway]
     section, a gateway one (quillcache-gateway's); exit 0 if valid, 78 if not."""
-    from quillcache.gateway.settings import GATEWAY_REGISTRY  # noqa: PLC0415
+    from quillcache.gateway.settings import GATEWAY_REGISTRY
 
     source = "<stdin>" if file == "-" else file
     try:

@@ -87,7 +87,7 @@ def exit_code_for(exc: BaseException) -> int:
 @contextmanager
 def node(ctx):
     """One connection to the node, with every failure turned into a message and an exit code."""
-    from quillcache.client import Client  # noqa: PLC0415  (import cost only for data commands)
+    from quillcache.client import Client  # import cost only for data commands
 
     obj = ctx.find_root().obj or {}
     addr = obj.get("addr", DEFAULT_ADDRESS)
@@ -501,9 +501,9 @@ def ls_cmd(ctx, model, tokenizer, adapter, tenant, prefix_hash, pool, as_json):
 def _pool_ls(ctx, client, scope, prefix_hash):
     """(keys in key order, key -> the ids of the nodes holding it, a note): a LIST on every
     member that this node's cluster view shows up (one connection each, the same token)."""
-    from quillcache.client import Client  # noqa: PLC0415
-    from quillcache.protocol import cluster as wire  # noqa: PLC0415
-    from quillcache.protocol.opcodes import Opcode  # noqa: PLC0415
+    from quillcache.client import Client
+    from quillcache.protocol import cluster as wire
+    from quillcache.protocol.opcodes import Opcode
 
     try:
         view = wire.decode_json(client.call(Opcode.CLUSTER_VIEW).header)

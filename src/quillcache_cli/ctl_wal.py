@@ -99,7 +99,7 @@ class SsdReplay:
     (``ssd.read_checkpoint`` and ``ssd.Replay``), with what verify reports about them."""
 
     def __init__(self, data_path: str, checkpoint_path: str):
-        from quillcache.store import ssd  # noqa: PLC0415
+        from quillcache.store import ssd
         self.ssd = ssd
         self.data_path = data_path
         self.problem = None
@@ -162,7 +162,7 @@ def ssd_tier_of(log_dir: str, root: str, ssd_path=None):
     the daemon's (<data_dir>/wal with the data file at [ssd] path, default
     <data_dir>/ssd/blocks.dat, its checkpoint beside it as <file>.checkpoint) and an SsdTier
     directory (data.qc, checkpoint and wal/ together)."""
-    from quillcache.store import ssd  # noqa: PLC0415
+    from quillcache.store import ssd
     if os.path.basename(log_dir) != ssd.WAL_DIR_NAME:
         return None
     parent = os.path.dirname(log_dir)

@@ -26,7 +26,7 @@ def test_the_readme_python_blocks_run_as_written_against_a_node(tmp_path):
         for code in blocks:           # the second uses the first one's key, as the README reads
             code = code.replace('"127.0.0.1:7470"', repr(d.addr))
             code = code.replace('"unix:var/quillcached.sock"', repr(f"unix:{d.data_dir / 'quillcached.sock'}"))
-            exec(compile(code, "README.md", "exec"), ns)      # noqa: S102  (the README's own code)
+            exec(compile(code, "README.md", "exec"), ns)        # the README's own code
         assert ns["n"] == 256 << 10
 
 

@@ -35,7 +35,7 @@ class TinyLM(torch.nn.Module):
     def __init__(self, seed: int) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        r = lambda *s: torch.randn(*s, generator=g, dtype=DTYPE) / math.sqrt(s[-1])  # noqa: E731
+        r = lambda *s: torch.randn(*s, generator=g, dtype=DTYPE) / math.sqrt(s[-1])
         self.emb = r(VOCAB, HIDDEN) * math.sqrt(HIDDEN)
         self.wq = [r(HEADS * HEAD, HIDDEN) for _ in range(LAYERS)]
         self.wkv = [r(2 * KV_HEADS * HEAD, HIDDEN) for _ in range(LAYERS)]

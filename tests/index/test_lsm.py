@@ -3,14 +3,14 @@ import pytest
 
 pytest.importorskip("rocksdict")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from bench.lsm_index import LsmIndex  # noqa: E402
-from quillcache.index.persistent import encode_put  # noqa: E402
-from quillcache.model import CacheTier, MemoryIndex  # noqa: E402
-from tests.index import test_backends as shared  # noqa: E402
-from tests.index.test_backends import SCOPE, key, ops, res, run_ops  # noqa: E402
+from bench.lsm_index import LsmIndex
+from quillcache.index.persistent import encode_put
+from quillcache.model import CacheTier, MemoryIndex
+from tests.index import test_backends as shared
+from tests.index.test_backends import SCOPE, key, ops, res, run_ops
 
 
 @pytest.fixture

@@ -157,7 +157,7 @@ class GroupCommitter:
             data_sync = any(b[2] for b in batch)
             try:
                 lsn = await loop.run_in_executor(self._executor, self.commit_now, records, data_sync)
-            except BaseException as exc:                # noqa: BLE001 - handed to every submitter
+            except BaseException as exc:                # handed to every submitter
                 err = exc if isinstance(exc, ReadOnlyError) else ReadOnlyError(str(exc))
                 if self.failed is None:
                     self.failed = err
@@ -170,7 +170,7 @@ class GroupCommitter:
             for _, on_durable, _, fut in batch:
                 try:
                     result = on_durable(lsn) if on_durable is not None else lsn
-                except Exception as exc:                # noqa: BLE001 - the submitter gets it
+                except Exception as exc:                # the submitter gets it
                     if not fut.done():
                         fut.set_exception(exc)
                     continue

@@ -1,0 +1,253 @@
+"""NIXL (the NVIDIA Inference Xfer Library, over UCX) for bytes between nodes: one-sided reads
+from a holder's registered DRAM arena into this node's registered memory.
+
+``NixlEndpoint`` is one node's agent:
+
+* the node's DRAM arena (the memfd mapping) is registered once at start, so any peer that
+  holds this agent's metadata and a lease on an extent can read it without this node's
+  Python touching the bytes;
+* a staging area of its own is registered for reads into this node (an ``OffsetAllocator``
+  hands out extents of it; a read holds its extents until the caller releases them);
+* peers are added from their metadata when first needed, keyed by node id *and* epoch: a
+  restarted peer (new epoch) is a new agent, and the old one is removed.
+
+Every NIXL call runs on one thread of the endpoint's own (``nixl-progress``); the event loop
+only awaits a future, it never waits on UCX.  A transfer that reports an error, or that is not
+done by its deadline, is released and raised as ``TransferFailed``/``Timeout``: the caller
+gets a miss, never bytes the transfer did not finish.  Checking the bytes (the CRC the writer
+computed) is the caller's, as for TCP.
+
+NIXL is optional: ``nixl_missing()`` says how to install it; nothing here imports it before
+an endpoint is made.  The wheel declares torch as a dependency, which host memory does not
+need: install it with ``pip install --no-deps nixl-cu12`` (a plain install pulls a CUDA torch).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import os
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from quillcache.errors import CapacityError, InvalidArgument, QuillCacheError, Timeout
+
+__all__ = ["NixlEndpoint", "StagedRead", "TransferFailed", "nixl_missing", "NIXL_INSTALL_HINT",
+           "NIXL_MODULE", "DEFAULT_STAGING_BYTES"]
+
+NIXL_MODULE = "nixl_cu12._api"          # the CUDA 12 variant's Python API (host memory needs no GPU)
+NIXL_INSTALL_HINT = ("pip install --no-deps 'nixl-cu12==1.5.1' (the [nixl] extra; --no-deps keeps pip "
+                     "from pulling a CUDA torch, which host memory does not need)")
+DEFAULT_STAGING_BYTES = 64 << 20        # bytes: registered memory reads land in before they are used
+STAGING_UNIT = 4096                     # bytes: staging extents are whole pages
+POLL_SLEEP_S = 20e-6                    # seconds between state polls of a transfer in flight
+
+
+class TransferFailed(QuillCacheError):
+    """A NIXL transfer that ended in error (the peer is gone, an extent it no longer registers)."""
+
+
+def _api():
+    import importlib
+    return importlib.import_module(NIXL_MODULE)
+
+
+def nixl_missing() -> Optional[str]:
+    """None when NIXL can be loaded here; otherwise one line saying why and how to install it."""
+    try:
+        _api()
+    except ImportError as exc:
+        return f"NIXL is not available ({exc}): {NIXL_INSTALL_HINT}"
+    except Exception as exc:   # a broken install (a missing shared library, ...): the same answer
+        return f"NIXL failed to load ({type(exc).__name__}: {exc}): {NIXL_INSTALL_HINT}"
+    return None
+
+
+class StagedRead:
+    """The blocks of one read, as views of this endpoint's staging area; ``release()`` gives the
+    staging extent back (the views must not be used after)."""
+
+    __slots__ = ("blocks", "_endpoint", "_alloc")
+
+    def __init__(self, endpoint: "NixlEndpoint", alloc, blocks: list[memoryview]) -> None:
+        self._endpoint, self._alloc, self.blocks = endpoint, alloc, blocks
+
+    def release(self) -> None:
+        if self._alloc is not None:
+            self._endpoint.free_staging(self._alloc)
+            self._alloc = None
+            self.blocks = []
+
+    def __enter__(self) -> "StagedRead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class NixlEndpoint:
+    """One node's NIXL agent: its arena registered for peers' reads, a staging area for its own."""
+
+    def __init__(self, name: str, arena: np.ndarray, *, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
+            raise InvalidArgument("arena: must be a 1-D uint8 numpy view of the node's mapping")
+        if not STAGING_UNIT <= staging_bytes <= 1 << 40:
+            raise InvalidArgument(f"staging_bytes {staging_bytes}: must be {STAGING_UNIT}..{1 << 40}")
+        api = _api()
+        from quillcache._native.alloc import OffsetAllocator
+        self.name = name
+        self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        self.arena_address = int(arena.ctypes.data)
+        self.arena_bytes = int(arena.nbytes)
+        self._arena = arena                                    # keeps the mapping alive while registered
+        self._arena_reg = self._agent.register_memory([(self.arena_address, self.arena_bytes, 0, "")], "DRAM")
+        staging_bytes -= staging_bytes % STAGING_UNIT
+        self._staging = np.empty(staging_bytes, dtype=np.uint8)
+        self._staging_address = int(self._staging.ctypes.data)
+        self._staging_reg = self._agent.register_memory([(self._staging_address, staging_bytes, 0, "")], "DRAM")
+        self._staging_alloc = OffsetAllocator(staging_bytes, unit=STAGING_UNIT)
+        self._staging_view = memoryview(self._staging)
+        self.metadata: bytes = self._agent.get_agent_metadata()
+        self._peers: dict[str, tuple[int, str, int, int]] = {}  # node id -> (epoch, agent, arena addr, bytes)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-progress")
+        self._notif = itertools.count(1)
+        self.counters = {"reads": 0, "read_bytes": 0, "read_errors": 0, "read_timeouts": 0,
+                         "peers_added": 0, "peers_removed": 0, "staging_full": 0}
+        self.closed = False
+
+    # ------------------------------------------------------------------ peers
+
+    def knows(self, node_id: str, epoch: int) -> bool:
+        return self._peers.get(node_id, (None,))[0] == epoch
+
+    async def add_peer(self, node_id: str, epoch: int, metadata: bytes, arena_address: int,
+                       arena_bytes: int) -> None:
+        """Know ``node_id``'s agent of run ``epoch``: its metadata and where its arena is registered,
+        as its node handed them out; an agent of an earlier run of the same node is removed first."""
+        if not isinstance(metadata, (bytes, bytearray)) or not metadata:
+            raise InvalidArgument(f"NIXL metadata of {node_id}: empty")
+        if not (isinstance(arena_address, int) and isinstance(arena_bytes, int) and arena_address > 0
+                and arena_bytes > 0):
+            raise InvalidArgument(f"NIXL arena of {node_id}: address and size must be positive integers")
+        if self.knows(node_id, epoch):
+            return
+        await self._run(self._add_peer, node_id, epoch, bytes(metadata), arena_address, arena_bytes)
+
+    def _add_peer(self, node_id: str, epoch: int, metadata: bytes, arena_address: int, arena_bytes: int) -> None:
+        old = self._peers.pop(node_id, None)
+        if old is not None:
+            self._remove_agent(old[1])
+        name = self._agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._peers[node_id] = (epoch, name, arena_address, arena_bytes)
+        self.counters["peers_added"] += 1
+
+    def forget(self, node_id: str) -> None:
+        """The peer left the view (or changed epoch): drop its agent (on the progress thread)."""
+        old = self._peers.pop(node_id, None)
+        if old is not None and not self.closed:
+            self._pool.submit(self._remove_agent, old[1])
+
+    def _remove_agent(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception:   # already gone on the UCX side: nothing left to drop
+            pass
+        self.counters["peers_removed"] += 1
+
+    # ------------------------------------------------------------------ reads
+
+    async def read(self, node_id: str, epoch: int, extents: Sequence[tuple[int, int]],
+                   deadline: float) -> StagedRead:
+        """Read ``extents`` (offset, size) of ``node_id``'s arena (run ``epoch``) in one transfer,
+        into this endpoint's staging area; raises ``TransferFailed``, ``Timeout`` or
+        ``InvalidArgument`` (an unknown peer, extents past what it registered, no staging room)."""
+        peer = self._peers.get(node_id)
+        if peer is None or peer[0] != epoch:
+            raise InvalidArgument(f"NIXL: no agent of {node_id} at epoch {epoch:x}")
+        sizes = [int(n) for _, n in extents]
+        if not sizes or any(n <= 0 for n in sizes):
+            raise InvalidArgument("NIXL read: extents must be non-empty and of positive size")
+        for off, n in extents:      # within what the peer registered: checked here, not by UCX
+            if not 0 <= int(off) <= peer[3] - n:
+                raise InvalidArgument(f"NIXL read: extent {off}+{n} outside {node_id}'s {peer[3]}-byte arena")
+        total = sum(sizes)
+        try:
+            alloc = self._staging_alloc.allocate(total)
+        except (CapacityError, MemoryError):   # no room now: this read becomes a miss
+            self.counters["staging_full"] += 1
+            raise InvalidArgument(f"NIXL read: {total} bytes do not fit the free staging area now") from None
+        base = int(alloc[0])
+        try:
+            await self._run(self._read, peer[1], peer[2], extents, sizes, base, deadline)
+        except BaseException:
+            self.free_staging(alloc)
+            raise
+        views, off = [], base
+        for n in sizes:
+            views.append(self._staging_view[off:off + n])
+            off += n
+        self.counters["reads"] += 1
+        self.counters["read_bytes"] += total
+        return StagedRead(self, alloc, views)
+
+    def _read(self, agent_name: str, arena: int, extents, sizes: list[int], base: int, deadline: float) -> None:
+        local, off = [], self._staging_address + base
+        for n in sizes:
+            local.append((off, n, 0))
+            off += n
+        remote = [(arena + int(o), int(n), 0) for o, n in extents]
+        ldesc = self._agent.get_xfer_descs(local, "DRAM")
+        rdesc = self._agent.get_xfer_descs(remote, "DRAM")
+        handle = self._agent.initialize_xfer("READ", ldesc, rdesc, agent_name,
+                                             str(next(self._notif)).encode())
+        try:
+            state = self._agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    self.counters["read_timeouts"] += 1
+                    raise Timeout(f"NIXL read from {agent_name}: not done by its deadline")
+                time.sleep(POLL_SLEEP_S)
+                state = self._agent.check_xfer_state(handle)
+            if state == "ERR":
+                self.counters["read_errors"] += 1
+                raise TransferFailed(f"NIXL read from {agent_name} failed")
+        finally:
+            self._agent.release_xfer_handle(handle)
+
+    def free_staging(self, alloc) -> None:
+        """Give a read's staging extent back (``StagedRead.release`` calls it)."""
+        self._staging_alloc.free(alloc[2])          # (offset, size, handle)
+
+    async def _run(self, fn, *args) -> Any:
+        if self.closed:
+            raise TransferFailed("NIXL endpoint is closed")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ------------------------------------------------------------------ life
+
+    def stats(self) -> dict:
+        return {**self.counters, "peers": len(self._peers), "staging_bytes": int(self._staging.nbytes),
+                "staging_used": int(self._staging_alloc.used)}
+
+    def close(self) -> None:
+        """Deregister and drop every peer; the arena mapping may be unmapped after this returns."""
+        if self.closed:
+            return
+        self.closed = True
+        self._pool.shutdown(wait=True)
+        for peer in self._peers.values():
+            self._remove_agent(peer[1])
+        self._peers.clear()
+        for reg in (self._staging_reg, self._arena_reg):
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception:   # closing anyway
+                pass
+
+
+def ucx_tls() -> str:
+    """The UCX transports asked for (``UCX_TLS``), or "default"."""
+    return os.environ.get("UCX_TLS") or "default"
