@@ -5,6 +5,7 @@ SGLang's pool assembler builds it) with SGLang's real page hashes, in the HiCach
 call order.  Tested against sglang 0.5.23."""
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -246,3 +247,16 @@ def test_a_wrong_token_is_one_logged_error_and_every_page_misses(auth_node, via,
     assert len(errors) == 1, errors
     assert errors[0].startswith("SGLang tp0 connector: cannot use the node")
     assert auth_node.addresses[via] in errors[0] and "token matches no tenant" in errors[0]
+
+
+def test_the_docs_launch_line_parses_with_sglangs_own_server_args():
+    import argparse
+    (server_args,) = engines.import_sglang("sglang.srt.server_args")
+    argv = engines_doc.engine_command("sglang")
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv[3:])
+    assert ns.enable_hierarchical_cache is True and ns.hicache_storage_backend == "dynamic"
+    (doc, *_) = engines_doc.doc_json("quillcache.connectors.sglang")
+    assert json.loads(ns.hicache_storage_backend_extra_config) == doc

@@ -284,3 +284,25 @@ def test_a_typo_in_the_settings_is_a_warning_and_a_bad_value_stops_the_connector
         connector(auth_node, KVConnectorRole.SCHEDULER, timeout_s="soon")
     with pytest.raises(SettingError, match="token_file '/nonexistent/token': No such file"):
         connector(auth_node, KVConnectorRole.SCHEDULER, token_file="/nonexistent/token")
+
+
+@pytest.mark.parametrize("program", ["vllm", "lmcache"])
+def test_the_docs_command_line_parses_with_vllm_serves_own_parser(program):
+    """docs/engines.md's `vllm serve ...` lines (QuillCache's connector, and LMCache's with
+    LMCACHE_CONFIG_FILE) through vLLM's own `serve` argument parser."""
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    argv = engines_doc.engine_command(program)
+    if program == "lmcache":
+        env, argv = argv[0], argv[1:]
+        assert env == "LMCACHE_CONFIG_FILE=/etc/quillcache/lmcache.yaml"
+    assert argv[:2] == ["vllm", "serve"]
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
+    kv = ns.kv_transfer_config
+    assert isinstance(kv, KVTransferConfig) and kv.kv_role == "kv_both"
+    if program == "vllm":
+        assert (kv.kv_connector, kv.kv_connector_module_path) == ("QuillCacheConnector", "quillcache.connectors.vllm")
+        assert kv.kv_connector_extra_config == {"address": "unix:/run/quillcache/quillcached.sock",
+                                                "token_file": "/etc/quillcache/engine.token"}
+    else:
+        assert kv.kv_connector == "LMCacheConnectorV1"
