@@ -47,11 +47,17 @@ from quillcache_cli import exitcodes
 @click.option("--lease-ttl", default="3s", show_default=True, help="TTL of the registration's etcd lease.")
 @click.option("--advertise-host", default="",
               help="Host the gateways reach it at, in the registration (default: the bound address).")
+@click.option("--pool", "pool_addr", default=None, metavar="ADDRESS",
+              help="Use a QuillCache node as the shared KV pool (unix:/path or host:port): blocks this "
+                   "engine computes are stored there, and a prefix another engine stored is loaded "
+                   "(usage.pool_tokens) instead of computed.")
+@click.option("--pool-token", envvar="QUILLCACHE_TOKEN", default=None,
+              help="Tenant token for the pool node (env QUILLCACHE_TOKEN).")
 @click.version_option(package_name="quillcache")
 def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters, block_size,
          capacity_blocks, max_num_seqs, max_batched_tokens, max_model_len, prefill_us_per_token,
          decode_us_per_token, running_decode_penalty_us, pool_us_per_mb, time_scale, etcd, cluster_id,
-         engine_id, role, lease_ttl, advertise_host):
+         engine_id, role, lease_ttl, advertise_host, pool_addr, pool_token):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
     /health) from a simulated engine: a paged prefix cache keyed by identity, continuous
     batching timed by a cost model, vLLM-format KV events on ZMQ.  Prints one READY line
@@ -72,8 +78,18 @@ def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters
     except SimEngineError as exc:
         click.echo(f"quillcache-sim-engine: {exc}", err=True)
         sys.exit(exitcodes.CONFIG)
+    pool = None
+    if pool_addr:
+        from quillcache.client.calls import resolve_address
+        from quillcache.connectors.sim import NodePool
+        from quillcache.errors import InvalidArgument
+        try:
+            resolve_address(pool_addr)
+        except InvalidArgument as exc:
+            raise click.BadParameter(str(exc), param_hint="--pool") from None
+        pool = NodePool(pool_addr, token=pool_token, block_size=block_size)
     cfg = SimServerConfig(model=model, adapters=tuple(adapters), max_model_len=max_model_len,
-                          engine=engine, time_scale=time_scale, engine_id=engine_id)
+                          engine=engine, time_scale=time_scale, engine_id=engine_id, pool=pool)
     if replay_endpoint and not events_endpoint:
         click.echo("quillcache-sim-engine: --kv-events-replay needs --kv-events", err=True)
         sys.exit(exitcodes.USAGE)
@@ -101,6 +117,9 @@ def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters
     except (OSError, zmq.ZMQError) as exc:
         click.echo(f"quillcache-sim-engine: cannot listen: {exc}", err=True)
         sys.exit(exitcodes.UNAVAILABLE)
+    finally:
+        if pool is not None:
+            pool.close()
 
 
 def _registrar(endpoints, cluster_id, ttl, engine_id, model, adapters, block_size, role, host):

@@ -12,22 +12,34 @@ Two kinds of metrics:
   about once a second on the loop thread and the scrape (prometheus_client's HTTP thread)
   only reads the last snapshot, so the store is never touched from another thread.
 
-``serve(host, port)`` starts prometheus_client's HTTP server on that registry (a daemon
-thread) and ``close()`` stops it.
+``serve(host, port)`` starts the node's HTTP port on that registry (a daemon thread) and
+``close()`` stops it.  Three paths, every other one is a 404:
+
+* ``/metrics``: the registry, as prometheus_client exposes it (text or OpenMetrics, gzip);
+* ``/health``: 200 ``ok`` while the process serves this port (liveness);
+* ``/ready``: 200 ``ready`` once the node listens (``serve`` is called after its listeners and
+  its cluster join), 503 with the reason while ``set_ready(False, why)`` says so or the cluster
+  state is ``starting`` or ``stopped`` (readiness: where a load balancer sends engines).
 """
 from __future__ import annotations
 
+import socket
 import threading
 from bisect import bisect_left
+from http.server import ThreadingHTTPServer
 from typing import Optional
+from urllib.parse import urlparse
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info, MetricsHandler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from quillcache.protocol.opcodes import Opcode, Status
 
-__all__ = ["NodeMetrics", "RequestCounters", "LATENCY_BUCKETS_S"]
+__all__ = ["NodeMetrics", "RequestCounters", "LATENCY_BUCKETS_S", "HTTP_PATHS"]
+
+HTTP_PATHS = ("/metrics", "/health", "/ready")     # the node's HTTP port answers these, 404 otherwise
+NOT_READY_CLUSTER_STATES = ("starting", "stopped")
 
 # seconds: request latency buckets, 20 us .. 5 s
 LATENCY_BUCKETS_S = (20e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
@@ -209,6 +221,8 @@ class NodeMetrics:
         r.register(self._store)
         self._server = None
         self._thread: Optional[threading.Thread] = None
+        self._not_ready = ""
+        self._cluster_state = ""
 
     def observe(self, opcode: int, status: int, seconds: float) -> None:
         """One request answered (called on the loop thread; the server's hot paths call
@@ -225,15 +239,58 @@ class NodeMetrics:
         self.wal_backend.info({"backend": backend})
 
     def set_cluster_state(self, state: str) -> None:
+        self._cluster_state = state
         for s in CLUSTER_STATES:
             self.cluster_state.labels(s).set(1 if s == state else 0)
 
     def update_store(self, stats: dict) -> None:
         self._store.update(stats)
 
+    def set_ready(self, ready: bool, why: str = "") -> None:
+        """What /ready answers (the daemon: False with the reason while it drains)."""
+        self._not_ready = "" if ready else (why or "not ready")
+
+    def readiness(self) -> tuple[bool, str]:
+        if self._not_ready:
+            return False, self._not_ready
+        state = self._cluster_state
+        if state in NOT_READY_CLUSTER_STATES:
+            return False, f"cluster state {state}"
+        return True, "ready"
+
     def serve(self, host: str, port: int) -> tuple[str, int]:
-        """Start the /metrics HTTP endpoint; returns the bound address."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        """Start the HTTP port (/metrics, /health, /ready); returns the bound address."""
+        metrics = self
+
+        class Handler(MetricsHandler.factory(self.registry)):
+            def do_GET(self) -> None:
+                path = urlparse(self.path).path
+                if path == "/metrics":
+                    super().do_GET()
+                    return
+                if path == "/health":
+                    self._plain(200, "ok")
+                elif path == "/ready":
+                    ready, why = metrics.readiness()
+                    self._plain(200 if ready else 503, why)
+                else:
+                    self._plain(404, f"no such path {path}: this port serves {', '.join(HTTP_PATHS)}")
+
+            def _plain(self, status: int, text: str) -> None:
+                body = (text + "\n").encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        server = Server((host, port), Handler)
+        thread = threading.Thread(target=server.serve_forever, name="quillcache-metrics", daemon=True)
+        thread.start()
         self._server, self._thread = server, thread
         return server.server_address[:2]
 

@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 from aiohttp import web
 
 from quillcache.control.sim.engine import (
-    EngineConfig, SimEngine, SimEngineError, SimRequest, StepResult, chain_hashes,
+    EngineConfig, SimEngine, SimEngineError, SimPool, SimRequest, StepResult, chain_hashes,
 )
 from quillcache.control import chat
 from quillcache.model import IdentityScope
@@ -82,6 +82,7 @@ class SimServerConfig:
     identity_events: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
     engine_id: str = ""                 # remote_engine_id in kv_transfer_params ("": a random one)
+    pool: Optional[SimPool] = None      # a shared KV pool (connectors/sim.py: a real node), or none
 
 
 class _Pending:
@@ -430,7 +431,7 @@ async def start_server(cfg: SimServerConfig, host: str = "127.0.0.1", port: int 
     publisher = None
     if events_endpoint is not None:
         publisher = EventPublisher(events_endpoint, replay_endpoint, topic=topic)
-    engine = SimEngine(cfg.engine)
+    engine = SimEngine(cfg.engine, cfg.pool)
     bs = cfg.engine.block_size
 
     def on_events(res: StepResult) -> None:
