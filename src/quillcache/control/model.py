@@ -14,8 +14,19 @@ from quillcache.model import DEFAULT_TOKENS_PER_BLOCK, CacheTier, GiB, KvBlockKe
 
 __all__ = [
     "WorkerState", "EngineKind", "EngineEndpoint", "BlockHint", "RequestKvHints", "SloTarget",
-    "RequestShape", "CostModel",
+    "RequestShape", "CostModel", "HOST_TO_HBM_BYTES_PER_S", "TCP_BYTES_PER_S", "us_per_mib",
 ]
+
+# Links measured on the GPU machine (/work/shared/notes/gpu-machine.md, 2026-11-23, 1 GiB copies,
+# best of 5): pinned or cudaHostRegister-ed host memory to HBM 55 GB/s; a QuillCache get over
+# loopback TCP into pinned memory then to the device 4.2-4.9 GB/s (one to eight client threads).
+HOST_TO_HBM_BYTES_PER_S = 55e9
+TCP_BYTES_PER_S = 4.5e9
+
+
+def us_per_mib(bytes_per_s: float) -> int:
+    """A link's cost in microseconds per MiB moved (at least 1)."""
+    return max(1, round((1 << 20) / bytes_per_s * 1e6))
 
 
 class EngineKind(enum.Enum):

@@ -13,8 +13,14 @@ T > 0 samples ``p ~ exp(-(c - c_min) / ((c_max - c_min) * T))`` (uniform when al
 
 Policies (``POLICIES``): ``round_robin``, ``least_loaded`` (the logit with no credit),
 ``prefix`` (deepest overlap, then least loaded), ``dynamo`` (the cost above as Dynamo ships
-it: it credits a prefix whoever cached it, and knows no pool) and ``quillcache`` (credit only
-for blocks cached under the request's identity, plus pool credit).
+it: it credits a prefix whoever cached it, and knows no pool), the peers ``sglang``, ``llmd``
+and ``mooncake`` (``quillcache.control.policies``: identity-blind, as they ship) and
+``quillcache``: the predicted time to first token on each worker from the ``CostModel``
+(queue, own uncached tokens, tier-by-tier loads, decode interference), with credit only for
+blocks cached under the request's identity, and the pool as a tier any worker can load from.
+With ``admission = "predict"`` a request whose predicted TTFT exceeds ``admission_k`` times
+its SLO is refused (``Decision.admitted`` False, nothing tracked): the caller answers it
+early (the gateway: 429 with ``Retry-After``).
 
 The decision carries the per-block plan on the chosen worker: local hit (device, host,
 disk), fetch from the pool, or recompute.  Load feedback: ``route`` adds the request's
@@ -35,6 +41,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
+from quillcache.control.model import TCP_BYTES_PER_S, CostModel, us_per_mib
+from quillcache.control.policies import (
+    Candidates, llmd_scores, mooncake_scores, predict_ttft, sglang_scores,
+)
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sketch import CountMinSketch
 from quillcache.model import IdentityScope
@@ -69,6 +79,16 @@ class RouterConfig:
     sketch_epsilon: float = 1e-3         # count-min: over-count <= epsilon * total ...
     sketch_delta: float = 1e-3           # ... with probability >= 1 - delta
     seed: Optional[int] = None
+    # --- the quillcache predictor and the mooncake peer: what one engine costs (the deployment's
+    # measured CostModel), its KV bytes per token and chunked-prefill budget, and the links
+    cost: CostModel = CostModel()
+    kv_bytes_per_token: int = 131072         # Llama-3-8B bf16: 32 layers x 8 heads x 128 x 2 x 2
+    batch_tokens: int = 8192                 # tokens per engine iteration (vLLM max_num_batched_tokens)
+    pool_us_per_mb: Optional[int] = None     # pool -> HBM; None: the cost model's CPU-DRAM cost
+    transfer_us_per_mb: int = us_per_mib(TCP_BYTES_PER_S)   # instance -> instance (mooncake)
+    admission: str = "off"                   # "predict": refuse what is predicted to miss k x SLO
+    admission_k: float = 1.0
+    slo_ttft_ms: float = 800.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -77,6 +97,12 @@ class RouterConfig:
             raise ValueError("block_size must be positive")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
+        if self.admission not in ("off", "predict"):
+            raise ValueError(f"router admission {self.admission!r}: one of off, predict")
+        if not self.admission_k > 0 or not self.slo_ttft_ms > 0:
+            raise ValueError("admission_k and slo_ttft_ms must be > 0")
+        if self.kv_bytes_per_token <= 0 or self.batch_tokens <= 0:
+            raise ValueError("kv_bytes_per_token and batch_tokens must be positive")
 
 
 @dataclass
@@ -84,6 +110,7 @@ class WorkerLoad:
     active_prefill_tokens: int = 0
     decode_blocks: int = 0
     active_requests: int = 0
+    prefill_requests: int = 0            # routed, first token not yet out
 
 
 @dataclass
@@ -105,6 +132,10 @@ class Decision:
     refused_blocks: int                  # prefix held there under another identity, not credited
     cross_identity_credited_blocks: int  # blocks credited though cached under another identity
     latency_us: float = 0.0
+    predicted_ttft_us: float = 0.0       # quillcache and mooncake: the chosen worker's estimate
+    admitted: bool = True                # False: refused by admission = "predict" (not tracked)
+    transfer_from: Optional[str] = None  # mooncake: the instance the prefix is moved from ...
+    transfer_blocks: int = 0             # ... and how many blocks (in the plan as "pool")
 
     def plan_names(self) -> list[str]:
         return [PLAN_CODES[c] for c in self.plan]
@@ -119,6 +150,8 @@ class RouterStats:
 
 
 LATENCY_WINDOW = 8192
+PEERS = ("sglang", "llmd", "mooncake")
+BLIND_POLICIES = ("dynamo",) + PEERS     # they know no identity: every scope's blocks count
 
 
 class Router:
@@ -220,10 +253,10 @@ class Router:
             dev, host, disk = scoped.device[idx], scoped.host[idx], scoped.disk[idx]
             pool, refused = scoped.pool[idx], scoped.refused[idx]
             cross = np.zeros(len(names), np.int64)
-            if policy == "dynamo":
+            if policy in BLIND_POLICIES:
                 blind = self._blind(hashes, names)
-                dev, host, disk = blind.device[[col[n] for n in names]], \
-                    blind.host[[col[n] for n in names]], blind.disk[[col[n] for n in names]]
+                bidx = [col[n] for n in names]
+                dev, host, disk = blind.device[bidx], blind.host[bidx], blind.disk[bidx]
                 pool = np.zeros(len(names), np.int64)
                 cross = np.maximum(dev + host + disk - (scoped.device[idx] + scoped.host[idx]
                                                         + scoped.disk[idx]), 0)
@@ -236,10 +269,29 @@ class Router:
             active = np.array([ld.active_requests for ld in loads], dtype=float)
             credit = (cfg.device_weight * dev + cfg.host_weight * host + cfg.disk_weight * disk
                       + cfg.pool_weight * pool)
-            if policy in ("dynamo", "quillcache"):
+            predicted = np.zeros(len(names))
+            transfer = np.zeros(len(names), np.int64)
+            if policy in PEERS or policy == "quillcache":
+                cand = self._candidates(names, loads, dev, host, disk, pool, n_tokens, len(hashes))
+            if policy == "dynamo":
                 logits = cfg.prefill_load_scale * np.maximum(raw - credit, 0.0) + decode \
                     + cfg.active_request_weight * active
                 choice = self._select(logits)
+            elif policy == "quillcache":
+                pred = predict_ttft(cand, cfg.cost, block_bytes=self._block_bytes,
+                                    batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb)
+                logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
+                choice = self._select(logits)
+            elif policy == "mooncake":
+                logits, transfer = mooncake_scores(cand, cfg.cost, cfg.transfer_us_per_mb, self._block_bytes)
+                predicted = logits
+                choice = self._select(logits)
+            elif policy == "llmd":
+                logits = llmd_scores(cand)
+                choice = self._select(logits)
+            elif policy == "sglang":
+                logits, eligible = sglang_scores(cand)
+                choice = self._select(np.where(eligible, 0.0, 1.0))
             elif policy == "least_loaded":
                 logits = cfg.prefill_load_scale * raw + decode + cfg.active_request_weight * active
                 choice = self._select(logits)
@@ -256,8 +308,17 @@ class Router:
                 self._rr += 1
             worker = names[choice]
             d, h, k, p = (int(dev[choice]), int(host[choice]), int(disk[choice]), int(pool[choice]))
+            moved = int(transfer[choice])
+            source = None
+            if moved:
+                local = dev + host + disk
+                source = names[int(np.argmax(local))]
+                p = moved
             plan = bytes([PLAN_DEVICE] * d + [PLAN_HOST] * h + [PLAN_DISK] * k + [PLAN_POOL] * p
                          + [PLAN_RECOMPUTE] * (len(hashes) - d - h - k - p))
+            admitted = not (cfg.admission == "predict" and policy == "quillcache"
+                            and predicted[choice] > cfg.admission_k * cfg.slo_ttft_ms * 1000.0)
+            track = track and admitted
             rid = request_id if request_id is not None else f"r{next(self._ids)}"
             if track:
                 self._start(rid, worker, n_tokens, d + h + k + p)
@@ -278,7 +339,26 @@ class Router:
                 self._refused_counter.inc(int(refused[choice]))
             return Decision(worker, rid, plan, {n: float(v) for n, v in zip(names, logits)},
                             float(credit[choice]), (d, h, k, p), int(refused[choice]),
-                            int(cross[choice]), latency)
+                            int(cross[choice]), latency, float(predicted[choice]), admitted,
+                            source, moved)
+
+    @property
+    def _block_bytes(self) -> int:
+        return self.config.block_size * self.config.kv_bytes_per_token
+
+    @property
+    def _pool_us_per_mb(self) -> float:
+        cfg = self.config
+        return cfg.cost.cpu_dram_us_per_mb if cfg.pool_us_per_mb is None else cfg.pool_us_per_mb
+
+    def _candidates(self, names, loads, dev, host, disk, pool, n_tokens: int, n_blocks: int) -> Candidates:
+        return Candidates(
+            tuple(names), dev, host, disk, pool,
+            np.array([ld.active_prefill_tokens for ld in loads], dtype=np.int64),
+            np.array([ld.prefill_requests for ld in loads], dtype=np.int64),
+            np.array([ld.active_requests for ld in loads], dtype=np.int64),
+            np.array(self.indexer.tree_blocks(names), dtype=np.int64),
+            n_tokens, n_blocks, self.config.block_size)
 
     def _blind(self, hashes: Sequence[int], names: Sequence[str]) -> Match:
         """Identity-blind per-tier overlap: every scope's blocks, as if one."""
@@ -310,6 +390,7 @@ class Router:
         ld.active_prefill_tokens += prefill
         ld.decode_blocks += blocks
         ld.active_requests += 1
+        ld.prefill_requests += 1
 
     def _release(self, a: _Active) -> None:
         ld = self._loads.get(a.worker)
@@ -317,6 +398,7 @@ class Router:
             return
         if a.prefilling:
             ld.active_prefill_tokens -= a.prefill_tokens
+            ld.prefill_requests -= 1
         ld.decode_blocks -= a.blocks
         ld.active_requests -= 1
 
@@ -330,6 +412,7 @@ class Router:
             ld = self._loads.get(a.worker)
             if ld is not None:
                 ld.active_prefill_tokens -= a.prefill_tokens
+                ld.prefill_requests -= 1
             return True
 
     def free(self, request_id: str) -> bool:

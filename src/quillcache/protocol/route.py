@@ -4,4 +4,4 @@ wire layer only needs their names, so it imports nothing from the control plane.
 
 __all__ = ["POLICIES"]
 
-POLICIES = ("round_robin", "least_loaded", "prefix", "dynamo", "quillcache")
+POLICIES = ("round_robin", "least_loaded", "prefix", "dynamo", "quillcache", "sglang", "llmd", "mooncake")
