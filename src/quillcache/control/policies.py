@@ -146,10 +146,9 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     disk_us = _block_us(cost.local_ssd_us_per_mb, block_bytes)
     pool_us = _block_us(pool_us_per_mb, block_bytes)
     use_pool = pool_us < bs * per_token
-    pool = c.pool if use_pool else np.zeros_like(c.pool)
-    reuse = c.local + pool
     limit = max((c.n_tokens - 1) // bs, 0)          # the engine computes at least one token
-    reuse = np.minimum(reuse, limit)
+    pool = np.minimum(c.pool, np.maximum(limit - c.local, 0)) if use_pool else np.zeros_like(c.pool)
+    reuse = np.minimum(c.local + pool, limit)
     own = c.n_tokens - reuse * bs
     work = c.prefill_tokens + own
     decodes = c.decodes.astype(float)
