@@ -264,15 +264,20 @@ class Router:
             elif policy != "quillcache":
                 pool = np.zeros(len(names), np.int64)
             loads = [self._loads[n] for n in names]
-            raw = np.array([(ld.active_prefill_tokens + n_tokens) / cfg.block_size for ld in loads])
-            decode = np.array([ld.decode_blocks for ld in loads], dtype=float)
-            active = np.array([ld.active_requests for ld in loads], dtype=float)
+            lt = np.array([(ld.active_prefill_tokens, ld.prefill_requests, ld.active_requests, ld.decode_blocks)
+                           for ld in loads], dtype=np.int64).reshape(len(loads), 4)
+            raw = (lt[:, 0] + n_tokens) / cfg.block_size
+            decode = lt[:, 3].astype(float)
+            active = lt[:, 2].astype(float)
             credit = (cfg.device_weight * dev + cfg.host_weight * host + cfg.disk_weight * disk
                       + cfg.pool_weight * pool)
             predicted = np.zeros(len(names))
             transfer = np.zeros(len(names), np.int64)
             if policy in PEERS or policy == "quillcache":
-                cand = self._candidates(names, loads, dev, host, disk, pool, n_tokens, len(hashes))
+                trees = np.array(self.indexer.tree_blocks(names) if policy == "sglang" else [0] * len(names),
+                                 dtype=np.int64)
+                cand = Candidates(tuple(names), dev, host, disk, pool, lt[:, 0], lt[:, 1], lt[:, 2], trees,
+                                  n_tokens, len(hashes), cfg.block_size)
             if policy == "dynamo":
                 logits = cfg.prefill_load_scale * np.maximum(raw - credit, 0.0) + decode \
                     + cfg.active_request_weight * active
@@ -337,7 +342,7 @@ class Router:
             if self._histogram is not None:
                 self._histogram.observe(latency / 1e6)
                 self._refused_counter.inc(int(refused[choice]))
-            return Decision(worker, rid, plan, {n: float(v) for n, v in zip(names, logits)},
+            return Decision(worker, rid, plan, dict(zip(names, logits.tolist())),
                             float(credit[choice]), (d, h, k, p), int(refused[choice]),
                             int(cross[choice]), latency, float(predicted[choice]), admitted,
                             source, moved)
@@ -350,15 +355,6 @@ class Router:
     def _pool_us_per_mb(self) -> float:
         cfg = self.config
         return cfg.cost.cpu_dram_us_per_mb if cfg.pool_us_per_mb is None else cfg.pool_us_per_mb
-
-    def _candidates(self, names, loads, dev, host, disk, pool, n_tokens: int, n_blocks: int) -> Candidates:
-        return Candidates(
-            tuple(names), dev, host, disk, pool,
-            np.array([ld.active_prefill_tokens for ld in loads], dtype=np.int64),
-            np.array([ld.prefill_requests for ld in loads], dtype=np.int64),
-            np.array([ld.active_requests for ld in loads], dtype=np.int64),
-            np.array(self.indexer.tree_blocks(names), dtype=np.int64),
-            n_tokens, n_blocks, self.config.block_size)
 
     def _blind(self, hashes: Sequence[int], names: Sequence[str]) -> Match:
         """Identity-blind per-tier overlap: every scope's blocks, as if one."""
