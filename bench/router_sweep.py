@@ -8,8 +8,8 @@ the JSON they come from.
 
 Load is set by the speed-up and measured as the engines' busy share (the share of time an
 engine had prefill work running or queued): for each trace and target, the speed-up is found
-by replaying ``dynamo`` (the baseline the issue measures against) without a pool (secant steps on log speed-up) until the measured
-load is within ``--load-tol`` of the target; every policy then replays at that speed-up and
+by replaying ``dynamo`` (the baseline the issue measures against) without a pool (steps, then
+bisection on log speed-up) until its measured load is within ``--load-tol`` of the target; every policy then replays at that speed-up and
 its own measured load is in the table.
 
 Engines: ``bench/router_replay.py``'s (one H200 serving Llama-3-8B each).  The engines'
@@ -88,7 +88,8 @@ def replay(task) -> tuple:
 
 
 def calibrate(name: str, target: float, args, start: float) -> tuple[float, float]:
-    """The speed-up whose measured load (the probe policy, no pool) is within tolerance of target."""
+    """The speed-up whose measured load (the probe policy, no pool) is closest to the target:
+    multiplicative steps until the target is bracketed, then bisection on log speed-up."""
     pts: list[tuple[float, float]] = []
     s = start
     for _ in range(args.probes):
@@ -96,15 +97,15 @@ def calibrate(name: str, target: float, args, start: float) -> tuple[float, floa
         pts.append((s, load))
         if abs(load - target) <= args.load_tol:
             break
-        if len(pts) >= 2 and pts[-1][1] != pts[-2][1]:
-            (s0, l0), (s1, l1) = pts[-2], pts[-1]
-            slope = (l1 - l0) / (math.log(s1) - math.log(s0))
-            step = (target - l1) / slope if slope > 0 else math.log(target / max(l1, 1e-3))
-            s = s1 * math.exp(max(-1.0, min(1.0, step)))
+        below = [p for p in pts if p[1] < target]
+        above = [p for p in pts if p[1] > target]
+        if below and above:
+            lo = max(below, key=lambda p: p[0])[0]
+            hi = min(above, key=lambda p: p[0])[0]
+            s = math.sqrt(lo * hi)
         else:
-            s = s * (target / max(load, 1e-3)) ** 1.5
-    best = min(pts, key=lambda p: abs(p[1] - target))
-    return best
+            s = s * min(4.0, max(0.25, (target / max(load, 1e-3)) ** 1.5))
+    return min(pts, key=lambda p: abs(p[1] - target))
 
 
 def run(args) -> dict:
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=3000, help="requests per trace")
     ap.add_argument("--loads", default="0.3,0.6,0.85")
     ap.add_argument("--load-tol", type=float, default=0.03)
-    ap.add_argument("--probes", type=int, default=5, help="calibration replays per load at most")
+    ap.add_argument("--probes", type=int, default=6, help="calibration replays per load at most")
     ap.add_argument("--start-speedup", type=float, default=1.0)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--engines", type=int, default=8)
