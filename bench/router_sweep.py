@@ -40,6 +40,7 @@ from quillcache.protocol.route import POLICIES  # noqa: E402
 
 OURS = "quillcache"
 PEERS = tuple(p for p in POLICIES if p != OURS)
+ADMIT = "quillcache+admission"     # quillcache with [router] admission = "predict", k = 1
 PROBE = "dynamo"
 
 _TRACES: dict = {}
@@ -78,9 +79,10 @@ def replay(task) -> tuple:
     name, target, speedup, policy, pool, args = task
     kv_gib, pool_gib = sizes(name, args)
     t0 = time.perf_counter()
-    res = run_policy(_requests(name, speedup, args), policy, args.engines,
+    res = run_policy(_requests(name, speedup, args), OURS if policy == ADMIT else policy, args.engines,
                      engine_config(kv_gib, args.pool_link), seed=args.seed,
-                     pool_blocks=pool_blocks(pool_gib) if pool else 0)
+                     pool_blocks=pool_blocks(pool_gib) if pool else 0,
+                     admission="predict" if policy == ADMIT else "off")
     slo = SloTarget()
     out = res.summary(slo.ttft_ms, slo.tpot_ms)
     out["wall_s"] = time.perf_counter() - t0
@@ -171,6 +173,9 @@ def verdicts(doc: dict) -> list[str]:
                   ("p99<=1.2xbest", q["ttft_p99_ms"] <= 1.2 * p99)]
         if load >= 0.8 and "dynamo" in g:
             checks.append(("goodput>=1.3xdynamo", q["goodput"] >= 1.3 * g["dynamo"]["goodput"]))
+            if ADMIT in g:
+                checks.append(("with admission: goodput>=1.3xdynamo",
+                               g[ADMIT]["goodput"] >= 1.3 * g["dynamo"]["goodput"]))
         line = ", ".join(f"{n} {'ok' if ok else 'NO'}" for n, ok in checks)
         out.append(f"{name} load {load} {'pool' if pool else 'no pool'}: {line} "
                    f"(quillcache p50 {q['ttft_p50_ms']:.0f} / best peer {p50:.0f} ms, p99 "
@@ -240,7 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--load-tol", type=float, default=0.03)
     ap.add_argument("--probes", type=int, default=6, help="calibration replays per load at most")
     ap.add_argument("--start-speedup", type=float, default=1.0)
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES + (ADMIT,)),
+                    help=f"policies to replay; {ADMIT}: quillcache with admission = predict (k = 1)")
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--cache-share", type=float, default=0.15)
     ap.add_argument("--pool-share", type=float, default=0.5)

@@ -238,3 +238,16 @@ def test_a_decision_looks_up_only_the_request_blocks_whatever_the_index_holds():
         looked.append(idx._tree.keys)
     assert looked[0] == looked[1] == 128
     assert math.isfinite(r.latency_percentile(50))
+
+
+def test_planned_loads_count_as_queued_work_on_the_chosen_worker():
+    """15 pool blocks x 0.5 MiB x 55 us = 412.5 us of loading = 9 tokens of prefill at 45 us:
+    the worker's queue is its 4 own tokens plus those 9, not 4 (a worker busy loading is busy)."""
+    r = router("quillcache", workers=("w0",))
+    h = chain_hashes(toks(16), BS)
+    r.indexer.add_blocks("node", A, h, POOL)
+    d = r.route(A, hashes=h, request_tokens=64, request_id="a")
+    assert d.overlap == (0, 0, 0, 15)
+    assert r.load("w0").active_prefill_tokens == 4 + 9
+    r.first_token("a")
+    assert r.load("w0").active_prefill_tokens == 0

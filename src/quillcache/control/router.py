@@ -326,7 +326,7 @@ class Router:
             track = track and admitted
             rid = request_id if request_id is not None else f"r{next(self._ids)}"
             if track:
-                self._start(rid, worker, n_tokens, d + h + k + p)
+                self._start(rid, worker, n_tokens, d + h + k + p, self._load_tokens(policy, h, k, p))
             if cfg.approximate:
                 self._predict(worker, scope, hashes)
             for hh in hashes[:1]:
@@ -374,12 +374,23 @@ class Router:
         return int(min(np.searchsorted(np.cumsum(probs), u), len(logits) - 1))
 
     # ---- load feedback
-    def _start(self, rid: str, worker: str, n_tokens: int, cached_blocks: int) -> None:
+    def _load_tokens(self, policy: str, host: int, disk: int, fetched: int) -> int:
+        """The time the chosen worker will spend loading what the plan reuses, in prefill-token
+        equivalents (queued work is counted in tokens): for the policies that plan loads."""
+        if policy not in ("quillcache", "mooncake") or not (host or disk or fetched):
+            return 0
+        cfg = self.config
+        mib = self._block_bytes / (1 << 20)
+        fetch_us = self._pool_us_per_mb if policy == "quillcache" else cfg.transfer_us_per_mb
+        us = mib * (host * cfg.cost.cpu_dram_us_per_mb + disk * cfg.cost.local_ssd_us_per_mb + fetched * fetch_us)
+        return round(us / max(cfg.cost.prefill_us_per_token, 1))
+
+    def _start(self, rid: str, worker: str, n_tokens: int, cached_blocks: int, load_tokens: int = 0) -> None:
         old = self._active.pop(rid, None)
         if old is not None:
             self._release(old)
         bs = self.config.block_size
-        prefill = max(n_tokens - cached_blocks * bs, 0)
+        prefill = max(n_tokens - cached_blocks * bs, 0) + load_tokens
         blocks = math.ceil(n_tokens / bs)
         self._active[rid] = _Active(worker, prefill, blocks)
         ld = self._loads[worker]
