@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
-from quillcache.control.model import TCP_BYTES_PER_S, CostModel, us_per_mib
+from quillcache.control.model import H200_LLAMA3_8B, TCP_BYTES_PER_S, CostModel, us_per_mib
 from quillcache.control.policies import (
     Candidates, llmd_scores, mooncake_scores, predict_ttft, sglang_scores,
 )
@@ -81,7 +81,7 @@ class RouterConfig:
     seed: Optional[int] = None
     # --- the quillcache predictor and the mooncake peer: what one engine costs (the deployment's
     # measured CostModel), its KV bytes per token and chunked-prefill budget, and the links
-    cost: CostModel = CostModel()
+    cost: CostModel = H200_LLAMA3_8B         # measured (control/model.py); a deployment sets its own
     kv_bytes_per_token: int = 131072         # Llama-3-8B bf16: 32 layers x 8 heads x 128 x 2 x 2
     batch_tokens: int = 8192                 # tokens per engine iteration (vLLM max_num_batched_tokens)
     pool_us_per_mb: Optional[int] = None     # pool -> HBM; None: the cost model's CPU-DRAM cost

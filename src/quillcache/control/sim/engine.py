@@ -42,7 +42,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
-from quillcache.control.model import CostModel
+from quillcache.control.model import H200_LLAMA3_8B, CostModel
 from quillcache.model import CacheTier, IdentityScope, encode_scope
 
 __all__ = [
@@ -54,20 +54,6 @@ __all__ = [
 # Llama-3-8B: 32 layers x 8 KV heads x 128 dims x (K and V) x 2 bytes (bf16).
 KV_BYTES_PER_TOKEN_LLAMA3_8B = 32 * 8 * 128 * 2 * 2        # 131072 bytes = 128 KiB
 
-# One H200 serving a Llama-3-8B-shaped model, from /work/shared/notes/gpu-machine.md:
-# * prefill: 8192 tokens in 238 ms measured -> 29 us per uncached token;
-# * decode: not measured there; one step streams the 16 GB of bf16 weights, 3.3 ms at the
-#   4.8 TB/s HBM peak, ~6 ms at a realistic 55 % of it -> 6000 us per step;
-# * each running decode also streams its KV: 4096 tokens x 128 KiB = 512 MiB, ~110 us at
-#   4.8 TB/s -> 100 us per running decode;
-# * pool load from pinned host memory: 8192 tokens reloaded + 128 computed in 43 ms measured,
-#   i.e. (43 - 128 x 0.029) ms / 8192 tokens = 4.8 us per token = 38 us per MiB of KV.
-H200_LLAMA3_8B = CostModel(
-    prefill_us_per_token=29,
-    decode_us_per_token=6000,
-    running_decode_penalty_us=100,
-    cpu_dram_us_per_mb=38,
-)
 
 
 
