@@ -166,6 +166,8 @@ class Router:
         self._loads: dict[str, WorkerLoad] = {}
         self._active: dict[str, _Active] = {}
         self._rr = 0
+        self._idx_key: Optional[tuple] = None
+        self._idx = np.zeros(0, dtype=np.intp)
         self._ids = itertools.count()
         self._approx: dict[tuple[str, IdentityScope, int], float] = {}
         self._approx_heap: list[tuple[float, str, IdentityScope, int]] = []
@@ -248,15 +250,17 @@ class Router:
             if not names:
                 raise NoWorkers("no worker to route to")
             scoped = self.indexer.find_matches(scope, hashes)
-            col = {name: i for i, name in enumerate(scoped.workers)}
-            idx = [col[n] for n in names]
+            key = (scoped.workers, tuple(names))
+            if self._idx_key != key:             # the columns of the candidates, kept while they hold
+                col = {name: i for i, name in enumerate(scoped.workers)}
+                self._idx_key, self._idx = key, np.array([col[n] for n in names], dtype=np.intp)
+            idx = self._idx
             dev, host, disk = scoped.device[idx], scoped.host[idx], scoped.disk[idx]
             pool, refused = scoped.pool[idx], scoped.refused[idx]
             cross = np.zeros(len(names), np.int64)
             if policy in BLIND_POLICIES:
                 blind = self._blind(hashes, names)
-                bidx = [col[n] for n in names]
-                dev, host, disk = blind.device[bidx], blind.host[bidx], blind.disk[bidx]
+                dev, host, disk = blind.device[idx], blind.host[idx], blind.disk[idx]
                 pool = np.zeros(len(names), np.int64)
                 cross = np.maximum(dev + host + disk - (scoped.device[idx] + scoped.host[idx]
                                                         + scoped.disk[idx]), 0)
