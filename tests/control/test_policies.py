@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from quillcache.control.indexer import DEVICE, POOL, ArtIndexer, chain_hashes
 from quillcache.control.model import TCP_BYTES_PER_S, CostModel, us_per_mib
@@ -251,3 +252,52 @@ def test_planned_loads_count_as_queued_work_on_the_chosen_worker():
     assert r.load("w0").active_prefill_tokens == 4 + 9
     r.first_token("a")
     assert r.load("w0").active_prefill_tokens == 0
+
+
+def brute_prediction(r, scope, hashes, n_tokens):
+    """The predictor's formula worker by worker, from the indexer's per-tier match and the
+    loads, in plain Python (the oracle for the vectorised policy)."""
+    cfg, cost = r.config, r.config.cost
+    mib = BS * KV / (1 << 20)
+    m = r.indexer.find_matches(scope, hashes).as_dict()
+    loads = {w: r.load(w) for w in r.workers}
+    all_decodes = sum(ld.active_requests - ld.prefill_requests for ld in loads.values())
+    mean_queue = sum(ld.prefill_requests for ld in loads.values()) / len(loads)
+    limit = (n_tokens - 1) // BS
+    out = {}
+    for w, ld in loads.items():
+        dev, host, disk, pool, _ = m[w]
+        pool_us = cost.cpu_dram_us_per_mb * mib
+        pool = min(pool, max(limit - dev - host - disk, 0)) if pool_us < BS * cost.prefill_us_per_token else 0
+        reuse = min(dev + host + disk + pool, limit)
+        own = n_tokens - reuse * BS
+        work = ld.active_prefill_tokens + own
+        decodes = ld.active_requests - ld.prefill_requests
+        per_iter = cost.decode_us_per_token + cost.running_decode_penalty_us * decodes if decodes else 0
+        iters = math.ceil(work / max(cfg.batch_tokens - decodes, 1))
+        ttft = (cost.prefill_us_per_token * work + iters * per_iter
+                + mib * (host * cost.cpu_dram_us_per_mb + disk * cost.local_ssd_us_per_mb) + pool * pool_us)
+        imposed = cost.prefill_us_per_token * own * (decodes / all_decodes if all_decodes else 0)
+        out[w] = ttft + imposed + cost.prefill_us_per_token * own * mean_queue
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(0, 3), st.integers(0, 6),
+                          st.integers(1, 8)), max_size=20),
+       st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 4), st.integers(0, 6)), min_size=3, max_size=3),
+       st.integers(1, 10), st.integers(0, 3))
+def test_quillcache_scores_match_a_brute_force_predictor(places, loads, qlen, extra_tokens):
+    r = router("quillcache")
+    chain = chain_hashes(toks(10), BS)
+    other = IdentityScope("m", "t", None, "globex")
+    for w, s, tier, start, n in places:
+        worker = "node" if w == 3 else f"w{w}"
+        r.indexer.add_blocks(worker, (A, other)[s], chain[start:start + n], POOL if w == 3 else min(tier, 2))
+    for name, (tokens_q, pre, extra) in zip(("w0", "w1", "w2"), loads):
+        set_load(r, name, tokens_q, pre, pre + extra)
+    n_tokens = qlen * BS + extra_tokens
+    d = r.route(A, hashes=chain[:qlen], request_tokens=n_tokens, track=False)
+    assert d.logits == pytest.approx(brute_prediction(r, A, chain[:qlen], n_tokens))
+    assert d.logits[d.worker] == min(d.logits.values())
+    assert d.cross_identity_credited_blocks == 0
