@@ -15,7 +15,7 @@ from quillcache.net import DEFAULT_ADDRESS, ConversionError, format_hostport, pa
 from quillcache.settings import registry as _registry
 from quillcache.settings.convert import (
     boolean, choice, format_byte_size, fraction, int_range,
-    nonneg_float, parse_duration, size_range, string, tenants,
+    nonneg_float, parse_duration, positive_float, size_range, string, tenants,
 )
 from quillcache.settings.registry import Config, Registry, Setting
 
@@ -190,6 +190,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Predict residency from routing decisions, for engines that publish no KV events."),
     Setting("router", "approx_ttl", parse_duration, "120s", False,
             "How long a predicted block is believed in approximate mode."),
+    Setting("router", "admission", choice("off", "predict"), "off", False,
+            "predict: policy quillcache refuses a request whose predicted time to first token exceeds "
+            "admission_k times its TTFT SLO (the gateway answers 429 with Retry-After); off: admit all."),
+    Setting("router", "admission_k", positive_float, 1.0, False,
+            "With admission = \"predict\": refuse above this multiple of the TTFT SLO."),
     Setting("events", "publish", boolean, False, False,
             "Publish this node's residency changes (block stored, block removed)."),
     Setting("events", "endpoint", string, "tcp://127.0.0.1:7480", False,

@@ -23,8 +23,10 @@ __all__ = ["POLICIES", "IDENTITY_BLIND", "RouteRequest", "RouteReply", "encode_r
            "decode_route_update", "ROUTE_TOKENS", "ROUTE_HASHES", "ROUTE_FIRST_TOKEN", "ROUTE_FREE",
            "ROUTE_POLICIES", "ROUTE_TRACK", "MAX_ROUTE_TEXT"]
 
-POLICIES = ("round_robin", "least_loaded", "prefix", "dynamo", "quillcache")
-IDENTITY_BLIND = frozenset({"dynamo"})
+# Append new policies at the end: a ROUTE request names one by its place in this tuple.
+POLICIES = ("round_robin", "least_loaded", "prefix", "dynamo", "quillcache", "sglang", "llmd", "mooncake")
+# The peers as their projects ship them credit a prefix whoever cached it (control/policies.py).
+IDENTITY_BLIND = frozenset({"dynamo", "sglang", "llmd", "mooncake"})
 
 
 # --------------------------------------------------------------------------- ROUTE (0x50, 0x51)

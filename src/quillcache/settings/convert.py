@@ -15,7 +15,7 @@ from quillcache.net import ConversionError, parse_hostport
 __all__ = [
     "ConversionError", "parse_byte_size", "format_byte_size", "parse_duration", "format_duration",
     "hash_token", "boolean", "string", "choice", "int_range", "fraction", "size_range", "nonneg_float",
-    "tenants", "endpoints", "ident", "advertise", "duration_range", "ETCD_CLIENT_PORT",
+    "positive_float", "tenants", "endpoints", "ident", "advertise", "duration_range", "ETCD_CLIENT_PORT",
 ]
 
 _SIZE_UNITS = {
@@ -139,6 +139,12 @@ def hash_token(token: str) -> str:
 def nonneg_float(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1e9:
         raise ConversionError("not a number >= 0 (e.g. 0.75)")
+    return float(value)
+
+
+def positive_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1e9:
+        raise ConversionError("not a number > 0 (e.g. 1.5)")
     return float(value)
 
 
