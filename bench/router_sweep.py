@@ -30,13 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from router_replay import BLOCK_BYTES, GiB, H200_KV_GIB, engine_config, pool_blocks, working_set_blocks  # noqa: E402
+from router_replay import BLOCK_BYTES, GiB, H200_KV_GIB, engine_config, pool_blocks, working_set_blocks
 
-from quillcache.control.model import SloTarget  # noqa: E402
-from quillcache.control.sim.gen import GENERATORS  # noqa: E402
-from quillcache.control.sim.replay import build_requests, run_policy  # noqa: E402
-from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, load_trace  # noqa: E402
-from quillcache.protocol.route import POLICIES  # noqa: E402
+from quillcache.control.model import SloTarget
+from quillcache.control.sim.gen import GENERATORS
+from quillcache.control.sim.replay import build_requests, run_policy
+from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, load_trace
+from quillcache.protocol.route import POLICIES
 
 OURS = "quillcache"
 PEERS = tuple(p for p in POLICIES if p != OURS)
