@@ -103,6 +103,8 @@ class Pins:
         """Per tenant (configured, or with a pin refused): its quota (-1: none), the bytes its
         live hard pins hold, and its hard pins refused.  For the operator (/metrics), never
         a tenant: O(pinned blocks)."""
+        if not self._pin_quota and not self._pins_refused:
+            return {}                                     # open mode, nothing refused: no walk
         now = self._clock()
         held: dict[str, int] = {}
         for key in self._pinned:
