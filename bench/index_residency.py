@@ -144,7 +144,7 @@ from quillcache.store.tiers import LocalKvStore, StoreOptions
 n = int(sys.argv[1]); BLOCK = 256
 keys = [KvBlockKey("llama-3-8b", "tok-a", None, "acme", "p%07d" % (i // 100), "b%09d" % i, i % 100)
         for i in range(n)]
-store = LocalKvStore(n * BLOCK + (64 << 20), max_block_bytes=BLOCK)
+store = LocalKvStore(StoreOptions(n * BLOCK + (64 << 20), max_block_bytes=BLOCK))
 payload = bytes(BLOCK)
 async def puts():
     for k in keys:

@@ -6,7 +6,6 @@ objects handed to ``LocalKvStore(options, ssd=..., index=..., clock=...)``.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -78,7 +77,3 @@ class StoreOptions:
                 raise InvalidArgument(f"{name} {value!r}: must be a positive integer")
         if not 0.0 <= self.max_hard_pin_fraction <= 1.0:
             raise InvalidArgument(f"max_hard_pin_fraction {self.max_hard_pin_fraction!r}: must be in [0, 1]")
-
-    def replace(self, **changes) -> "StoreOptions":
-        """A copy with ``changes`` (checked again)."""
-        return dataclasses.replace(self, **changes)
