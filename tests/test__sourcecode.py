@@ -200,6 +200,17 @@ def test_no_hot_path_module_touches_another_objects_private_members():
     assert not offenders, "use (or add) a public call:\n" + "\n".join(offenders)
 
 
+def test_the_residency_index_modules_use_only_public_calls_of_each_other():
+    """index/: the persistent index, its log codec and lazy maps reach the tree (art.py) and
+    the checkpoint (checkpoint.py) through public calls (add_block, block_hash, is_warm)."""
+    offenders = [line for path in (SRC / "index").glob("*.py") for line in _private_reaches(path)]
+    offenders += [f"{path.relative_to(ROOT)}: imports {a.name}" for path in (SRC / "index").glob("*.py")
+                  for node in ast.walk(_tree(path)) if isinstance(node, ast.ImportFrom)
+                  and (node.module or "").startswith("quillcache.index") for a in node.names
+                  if a.name.startswith("_")]
+    assert not offenders, "use (or add) a public call:\n" + "\n".join(offenders)
+
+
 def test_the_private_member_check_sees_what_it_must(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("def f(conn, ssd):\n    conn._pending.pop(1)\n    return getattr(ssd, '_committer')\n")

@@ -11,7 +11,7 @@ import pytest
 
 from quillcache import AsyncClient, Client
 from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout
-from quillcache.store.tiers import LocalKvStore
+from quillcache.store.tiers import LocalKvStore, StoreOptions
 from tests._support.daemon import Daemon
 from tests._support.data import content, key
 from tests._support.net import free_port
@@ -41,7 +41,7 @@ def test_put_get_round_trip_is_byte_exact(client, size):
 
 def test_empty_block_gets_the_same_answer_as_the_local_store(client):
     """A 0-byte put over the wire behaves exactly like LocalKvStore.put of 0 bytes."""
-    local = LocalKvStore(1 << 20)
+    local = LocalKvStore(StoreOptions(1 << 20))
     try:
         asyncio.run(local.put(key(0), b""))
         local_error = None

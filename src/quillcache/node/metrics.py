@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from quillcache.protocol.opcodes import Opcode, Status
+from quillcache.store.values import SSD_COUNTERS, STORE_COUNTERS, TIER_COUNTERS
 
 __all__ = ["NodeMetrics", "RequestCounters", "LATENCY_BUCKETS_S", "HTTP_PATHS"]
 
@@ -45,7 +46,6 @@ NOT_READY_CLUSTER_STATES = ("starting", "stopped")
 LATENCY_BUCKETS_S = (20e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
                      50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0)
 
-_TIER_COUNTERS = ("hits", "misses", "evictions", "demotions", "promotions")
 _GUARD_REFUSALS = ("tenant", "model", "tokenizer", "adapter")
 _OP_NAMES = {int(op): op.name for op in Opcode if op.name != "INFO"}
 _STATUS_NAMES = {int(s): s.name for s in Status}
@@ -76,8 +76,9 @@ class _StoreCollector:
         cap = GaugeMetricFamily("quillcache_tier_capacity_bytes", "Capacity of the tier in bytes",
                                 labels=["tier"])
         blocks = GaugeMetricFamily("quillcache_tier_blocks", "Blocks resident in the tier", labels=["tier"])
-        counters = {name: CounterMetricFamily(f"quillcache_tier_{name}", f"Tier {name} since start",
-                                              labels=["tier"]) for name in _TIER_COUNTERS}
+        # the store's counters, as the store defines them (store/values.py): one list, no copy
+        counters = {name: CounterMetricFamily(f"quillcache_tier_{name}", doc, labels=["tier"])
+                    for name, doc in (*TIER_COUNTERS.items(), *SSD_COUNTERS.items())}
         for tier in ("dram", "ssd"):
             t = s.get(tier)
             if not t:
@@ -86,7 +87,7 @@ class _StoreCollector:
                 v = _num(t.get(field))
                 if v is not None:
                     fam.add_metric([tier], v)
-            for name in _TIER_COUNTERS:
+            for name in counters:
                 v = _num(t.get(name))
                 if v is not None:
                     counters[name].add_metric([tier], v)
@@ -103,17 +104,14 @@ class _StoreCollector:
                 refused.add_metric([v], n)
         yield refused
         store = s.get("store") or {}
-        for field, doc in (("puts", "Puts published"), ("removes", "Blocks removed"),
-                           ("puts_aborted", "Puts aborted"), ("leases_expired", "Leases expired"),
-                           ("put_waits", "Puts that waited for demotions to make DRAM room"),
-                           ("put_wait_seconds", "Seconds puts spent waiting for DRAM room"),
-                           ("put_wait_timeouts", "Puts refused after waiting put_timeout for room"),
-                           ("dropped_dirty", "Blocks lost: DRAM needed and the SSD tier could not take them")):
+        for field, doc in (*STORE_COUNTERS.items(),
+                           ("put_wait_seconds", "Seconds puts spent waiting for DRAM room")):
             n = _num(store.get(field))
             if n is not None:
                 c = CounterMetricFamily(f"quillcache_store_{field}", doc)
                 c.add_metric([], n)
                 yield c
+        yield from _tenant_families(s.get("tenants") or {})
         wal = s.get("wal") or {}
         commit = GaugeMetricFamily("quillcache_wal_commit_seconds",
                                    "WAL group commit latency (quantiles over the SSD tier's window)",
@@ -123,6 +121,25 @@ class _StoreCollector:
             if n is not None:
                 commit.add_metric([q], n)
         yield commit
+
+
+def _tenant_families(tenants: dict):
+    """Per tenant: its hard-pin quota, the bytes its hard pins hold, its pins refused
+    (store/pins.py).  The operator's figures: a tenant never sees another's."""
+    quota = GaugeMetricFamily("quillcache_tenant_pin_quota_bytes",
+                              "Bytes a tenant's hard pins may hold (-1: no per-tenant quota)", labels=["tenant"])
+    held = GaugeMetricFamily("quillcache_tenant_hard_pinned_bytes", "Bytes a tenant's live hard pins hold",
+                             labels=["tenant"])
+    refused = CounterMetricFamily("quillcache_tenant_pins_refused",
+                                  "Hard pins refused by the tenant's quota or the node's hard-pin budget",
+                                  labels=["tenant"])
+    for tenant, t in sorted(tenants.items()):
+        quota.add_metric([tenant], t["pin_quota_bytes"])
+        held.add_metric([tenant], t["hard_pinned_bytes"])
+        refused.add_metric([tenant], t["pins_refused"])
+    yield quota
+    yield held
+    yield refused
 
 
 _SENDFILE_DOC = "Of the bytes sent, those sent from the SSD data file by sendfile"

@@ -159,7 +159,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Tenants as [[auth.tenants]] tables with name and token (a hash: quillctl auth hash-token), "
             "and shm = true where that tenant's Unix-socket clients may map the DRAM arena; "
             "may_act_for = [\"*\"] (or a list of names) lets that principal (an engine) name those tenants "
-            "in its keys."),
+            "in its keys; pin_bytes (e.g. \"1GiB\") is the most its keys' hard pins may hold, and a tenant "
+            "without it gets an even share of the hard-pin budget that the others' pin_bytes leave "
+            "(docs/tiering.md)."),
     Setting("auth", "max_failed_hellos", int_range(1, 1 << 20), 10, True,
             "Failed HELLOs in a row from one source (an IP address; on the Unix socket a uid and pid) "
             "after which each further failed HELLO also closes its connection. Every failed HELLO is "
