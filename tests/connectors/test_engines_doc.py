@@ -75,7 +75,9 @@ def test_the_node_config_of_the_doc_loads_with_the_nodes_parser(tmp_path):
     (block,) = [b for b in engines_doc.blocks("toml") if "[[auth.tenants]]" in b]
     text = re.sub(r'"sha256:<[^>]*>"', f'"{hash_token("engine-secret")}"', block)
     cfg = load_config(text=text, source="docs/engines.md")
-    assert cfg.auth.tenants == (("engines", hash_token("engine-secret"), True, ("*",)),)   # shm, may_act_for
+    tenant, = cfg.auth.tenants
+    assert (tenant.name, tenant.token, tenant.shm, tenant.may_act_for) == (
+        "engines", hash_token("engine-secret"), True, ("*",))
     assert cfg.node.shm is True
 
 
