@@ -117,7 +117,7 @@ class EngineWatch(Membership):
     def _register(self) -> None:
         self.registered.set()               # a watcher keeps no record of its own
 
-    def _parse(self, name: str, raw: bytes) -> tuple[str, Any]:
+    def _parse(self, name: str, raw: bytes, lease: int = 0) -> tuple[str, Any]:
         if len(raw) > MAX_RECORD_BYTES:
             raise ValueError(f"record of {len(raw)} bytes")
         return name, _record_of(raw)

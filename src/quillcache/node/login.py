@@ -32,10 +32,10 @@ class LoginMixin:
         req = messages.decode_hello_request(frame.header, self.limits)
         version = messages.negotiate_version(req)
         cluster = self.node.cluster
-        if cluster is not None and req.token and cluster.is_credential(req.token):
-            self.peer_node = True           # another node of the pool: tenants travel per request
+        if cluster is not None and cluster.is_node_hello(req.token):
+            # a node about to log in (NODE_AUTH, NODE_PROOF): nothing granted yet, and it stays
+            # in the unauthenticated pool until the hook's login succeeds (logged_in_as_node)
             self.tenant = None
-            self._logged_in()
             self._ok(rid, Opcode.HELLO, messages.encode_hello_reply(version, "", self.limits, self.node.node_id))
             return
         try:

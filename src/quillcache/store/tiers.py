@@ -278,6 +278,12 @@ class LocalKvStore:
         size, tiers = self._index.holder(ek, self.holder)
         return size if tiers else None
 
+    def stored_crc(self, ek: bytes) -> Optional[int]:
+        """The CRC32C the SSD tier recorded when it wrote the block under encoded key ``ek``
+        (None: no SSD copy).  Read without touching the block: the cluster announces a block
+        recovered at start with it (docs/security.md)."""
+        return None if self._ssd is None else self._ssd.crc_of(ek)
+
     def _adopt_ssd(self, ssd) -> None:
         """At start: the blocks the SSD tier recovered (CRC-checked per its ``verify``) are
         resident, and the index must say exactly that.  A persistent index comes back with
