@@ -354,12 +354,17 @@ class Membership:
 
     # The two hooks a subclass keeping other records under another prefix overrides
     # (cluster/engines.py: the engines a gateway routes to); a node's are its Member record.
+    def _content(self) -> bytes:
+        """This process's own record, a JSON object (``sig`` is added by ``_record_value``)."""
+        return self._record().to_json()
+
     def _record_value(self) -> bytes:
         """The bytes of this process's own record (signed, with ``keys``)."""
-        content = self._record().to_json()
+        content = self._content()
         if self.keys is None:
             return content
         d = json.loads(content)
+        content = json.dumps(d, sort_keys=True).encode("utf-8")     # the form a reader re-encodes
         d["sig"] = self.keys.sign_record(self.key, content)
         return json.dumps(d, sort_keys=True).encode("utf-8")
 
@@ -374,13 +379,10 @@ class Membership:
 
     def _parse(self, name: str, raw: bytes, lease: int = 0) -> tuple[str, Any]:
         """(name in the view, value) of the record under ``prefix + name`` on etcd lease
-        ``lease``; raises ValueError, KeyError or TypeError for a record that is not well
-        formed, RecordRefused for one that is not a member's (either way it is skipped)."""
+        ``lease`` (its signature, with ``keys``, was checked and taken off); raises
+        ValueError, KeyError or TypeError for a record that is not well formed, RecordRefused
+        for one that is not a member's (either way it is skipped)."""
         d = json.loads(raw)
-        if self.keys is not None:
-            d = self._verified(self.prefix + name, d)
-            if d is None:
-                raise RecordRefused("not signed with this pool's record key")
         if not isinstance(d, dict):
             raise ValueError("not a JSON object")
         m = Member.from_dict(d)
@@ -393,7 +395,13 @@ class Membership:
     def _accept(self, name: str, kv: dict) -> Optional[tuple[str, Any]]:
         """``_parse`` of an etcd key-value, or None (counted and logged) when it is refused."""
         try:
-            return self._parse(name, base64.b64decode(kv["value"]), int(kv.get("lease", 0)))
+            raw = base64.b64decode(kv["value"])
+            if self.keys is not None:
+                d = self._verified(self.prefix + name, json.loads(raw))
+                if d is None:
+                    raise RecordRefused("not signed with this pool's record key")
+                raw = json.dumps(d, sort_keys=True).encode("utf-8")
+            return self._parse(name, raw, int(kv.get("lease", 0)))
         except RecordRefused as exc:
             self.records_refused += 1
             if self._refusals.get(name) != str(exc):
