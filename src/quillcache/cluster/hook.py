@@ -508,13 +508,18 @@ class ClusterHook(PoolReads):
                     items.append((ek, size, crc))
             if not items:
                 return                  # gone already
-            try:
-                body = wire.encode_replicate(items, self.limits)
-                await self.transport.request(peer, Opcode.REPLICATE, body, time.monotonic() + self.hop_timeout)
-                self.counters["replicas_pushed"] += len(items)
-            except QuillCacheError as exc:
-                self.counters["replica_failures"] += 1
-                log.debug("replica of %d blocks to %s failed: %s", len(items), peer.node_id, exc)
+            body = wire.encode_replicate(items, self.limits)
+            for attempt in range(2):        # one more try: the notice is small, a lost one loses a copy
+                try:
+                    await self.transport.request(peer, Opcode.REPLICATE, body, time.monotonic() + self.hop_timeout)
+                    self.counters["replicas_pushed"] += len(items)
+                    return
+                except QuillCacheError as exc:
+                    if attempt == 0:
+                        await asyncio.sleep(RETRY_HOME_S)
+                        continue
+                    self.counters["replica_failures"] += 1
+                    log.debug("replica of %d blocks to %s failed: %s", len(items), peer.node_id, exc)
 
     async def _take_replicas(self, holder: str, epoch: int, items: list) -> None:
         """REPLICATE from ``holder``: fetch the blocks not held here from it, check them
