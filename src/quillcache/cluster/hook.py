@@ -53,7 +53,7 @@ from quillcache.errors import (
     Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse,
 )
 from quillcache.model import KvBlockKey, decode_key, encode_key
-from quillcache.protocol.opcodes import Opcode, ProtocolLimits
+from quillcache.protocol.opcodes import FLAG_PAYLOAD_CRC, Opcode, ProtocolLimits
 from quillcache.store.leases import release_leases as _release
 from quillcache.transfer.base import Peer
 from quillcache.transfer.tcp import TcpTransport
@@ -673,16 +673,17 @@ class ClusterHook(PoolReads):
                     items.append((exc.status, 0))
                     continue
                 if lease is None:
-                    conn.spawn(self._serve_fetch_async(conn, rid, tenant, keys[i:], leases, items))
+                    conn.spawn(self._serve_fetch_async(conn, rid, tenant, keys[i:], leases, items, frame.flags))
                     return
                 leases.append(lease)
                 items.append((0, lease.size))
         except BaseException:
             _release(leases)
             raise
-        self._reply_fetch(conn, rid, leases, items)
+        self._reply_fetch(conn, rid, leases, items, frame.flags)
 
-    async def _serve_fetch_async(self, conn, rid: int, tenant: str, keys: list, leases: list, items: list) -> None:
+    async def _serve_fetch_async(self, conn, rid: int, tenant: str, keys: list, leases: list, items: list,
+                                 flags: int) -> None:
         try:
             for key in keys:
                 if not self._may_read(tenant, key):
@@ -700,9 +701,11 @@ class ClusterHook(PoolReads):
         except BaseException as exc:
             _fetch_failed(conn, rid, leases, exc)
             return
-        self._reply_fetch(conn, rid, leases, items)
+        self._reply_fetch(conn, rid, leases, items, flags)
 
-    def _reply_fetch(self, conn, rid: int, leases: list, items: list) -> None:
+    def _reply_fetch(self, conn, rid: int, leases: list, items: list, flags: int) -> None:
+        """The FETCH reply; a frame CRC trailer only if the request asked for one (a reader
+        checks each block against its writer's CRC instead, docs/security.md)."""
         try:
             if not conn.is_in_flight(rid):
                 _release(leases)
@@ -712,7 +715,8 @@ class ClusterHook(PoolReads):
             _fetch_failed(conn, rid, leases, exc)
             return
         self.counters["fetches_served"] += 1
-        conn.finish(rid, Opcode.FETCH, body, [lease.view for lease in leases], crc=True, leases=leases)
+        conn.finish(rid, Opcode.FETCH, body, [lease.view for lease in leases], crc=bool(flags & FLAG_PAYLOAD_CRC),
+                    leases=leases)
 
     async def _cluster_locate(self, conn, rid: int, keys: list[KvBlockKey]) -> None:
         try:
