@@ -201,6 +201,12 @@ def test_a_member_connection_reads_and_writes_no_tenants_block_through_the_tenan
             assert wire.decode_fetch_reply(r.header, m.limits, 0)[1] == [(NotFound.status, 0)]
         with Client(addr, token="tok-alice") as alice:
             assert alice.get(key(1, "alice")) == secret      # nothing was changed
+        # the node HELLO marker is no login: the pre-login limits stay (8 KiB of header)
+        with Client(addr, token=wire.NODE_HELLO_TOKEN) as c:
+            with pytest.raises(QuillCacheError):
+                c.call(Opcode.NODE_AUTH, wire.encode_node_auth("x" * 200, 1, "node-a", bytes(32)) + bytes(16 << 10))
+            with pytest.raises(QuillCacheError):        # the frame ended the connection: not just refused
+                c.call(Opcode.NODE_AUTH, wire.encode_node_auth("x", 1, "node-a", bytes(32)))
 
 
 def test_a_wrong_proof_closes_the_login_and_grants_nothing(tmp_path, etcd):

@@ -347,6 +347,9 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
         """The cluster hook's node login succeeded (NODE_PROOF): a member connection from now
         on, bound to that node and epoch, out of the unauthenticated pool."""
         self.peer_node, self.peer_epoch = node_id, epoch
+        if self.require_hello:              # the limits the node HELLO kept small (node/login.py)
+            self._parser.set_limits(max_header_bytes=self.limits.max_header_bytes,
+                                    max_payload_bytes=self.limits.max_payload_bytes)
         self._logged_in()
 
     def _key(self, raw: bytes) -> KvBlockKey:

@@ -17,6 +17,7 @@ import logging
 
 from quillcache.errors import PermissionDenied
 from quillcache.protocol import messages
+from quillcache.protocol.connection import PREAUTH_HEADER_BYTES, PREAUTH_READ_CHUNK
 from quillcache.protocol.opcodes import Opcode
 
 __all__ = ["LoginMixin"]
@@ -37,6 +38,9 @@ class LoginMixin:
             # in the unauthenticated pool until the hook's login succeeds (logged_in_as_node)
             self.tenant = None
             self._ok(rid, Opcode.HELLO, messages.encode_hello_reply(version, "", self.limits, self.node.node_id))
+            if self.require_hello:          # the HELLO reply raised the limits: not logged in yet
+                self._parser.set_limits(max_header_bytes=min(self.limits.max_header_bytes, PREAUTH_HEADER_BYTES),
+                                        max_payload_bytes=0, read_chunk=PREAUTH_READ_CHUNK)
             return
         try:
             tenant = auth.authenticate(req.token)
