@@ -67,6 +67,12 @@ class Residency:
         size, tiers = self._index.holder(ek, self.holder)
         return size if tiers else None
 
+    def stored_crc(self, ek: bytes) -> Optional[int]:
+        """The CRC32C the SSD tier recorded when it wrote the block under encoded key ``ek``
+        (None: no SSD copy).  Read without touching the block: the cluster announces a block
+        recovered at start with it (docs/security.md)."""
+        return None if self._ssd is None else self._ssd.crc_of(ek)
+
     # ------------------------------------------------------------------ the index's records of this node
 
     def _adopt_ssd(self, ssd) -> None:

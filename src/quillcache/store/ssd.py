@@ -409,6 +409,15 @@ class SsdTier(SsdDataFile, SsdRecovery):
         row = self._cold.row_of(kb) if self._cold.rows_alive else -1
         return None if row < 0 else int(self._cold.length[row])
 
+    def crc_of(self, kb: bytes) -> Optional[int]:
+        """The CRC32C recorded when the block under encoded key ``kb`` was written, or None
+        when absent; a recovered block stays untouched (the cluster announces it with this)."""
+        e = self._map.get(kb)
+        if e is not None:
+            return e.crc
+        row = self._cold.row_of(kb) if self._cold.rows_alive else -1
+        return None if row < 0 else int(self._cold.crc[row])
+
     def keys(self) -> list:
         """Every published key (decodes each: tools and tests)."""
         return [decode_key(kb) for kb in self._encoded_keys()]
