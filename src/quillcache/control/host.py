@@ -4,7 +4,7 @@ events (one SUB consumer thread each), answering ROUTE and ROUTE_UPDATE requests
 The node's event loop calls ``route`` and ``update``; the consumer threads call the
 router's ``apply_events``; the router's lock keeps them apart.
 
-No oracle for another tenant's prompts (docs/security-gateway.md):
+No oracle for another tenant's prompts (docs/security.md):
 
 * a ROUTE answer is computed from the request's identity alone: its overlap, plan, credit and
   logits never count a block cached under another identity.  How many prefix blocks another

@@ -12,7 +12,7 @@ forward it, and stream the engine's answer through (docs/gateway.md).
   ``cache_salt`` is set from the tenant, so the engine isolates its cache the same way;
   the engine-internal fields a client sends (``kv_transfer_params`` ...) are removed;
 * the ``x-quillcache-*`` headers are computed from the request's own identity alone: no
-  count of blocks another identity cached, no timing of the decision (docs/security-gateway.md);
+  count of blocks another identity cached, no timing of the decision (docs/security.md);
 * a model served by "prefill" and "decode" engines is served in two hops, as vLLM's
   disaggregated-serving proxy does: the prompt goes to a prefill engine (cache-aware) with
   ``max_tokens`` 1 and ``kv_transfer_params.do_remote_decode``, then the request with the

@@ -6,7 +6,7 @@ from the control plane.
 ``IDENTITY_BLIND``: the policies that credit a prefix whoever cached it.  A request may not
 name one (its answer would tell another tenant's prompt); only the operator's config may.
 A reply carries only figures of the request's own identity: no count of blocks another
-identity holds (docs/security-gateway.md).
+identity holds (docs/security.md).
 """
 from __future__ import annotations
 
