@@ -564,3 +564,46 @@ def test_uninitialised_bytearray_has_the_size_asked_and_refuses_a_negative_one()
     assert codec.uninitialised_bytearray(0) == bytearray()
     with pytest.raises(InvalidArgument):
         codec.uninitialised_bytearray(-1)
+
+
+def _count_reads(parser, data, on_start):
+    """Feed ``data`` as a socket with plenty of bytes ready would (every read fills the view
+    offered); returns the number of reads."""
+    reads, pos, out = 0, 0, []
+    while pos < len(data):
+        view = parser.get_buffer(-1)
+        n = min(len(view), len(data) - pos)
+        view[:n] = data[pos:pos + n]
+        parser.buffer_updated(n)
+        pos += n
+        reads += 1
+        drain(parser, out, on_start)
+    return reads, out
+
+
+def test_a_scatter_of_small_values_is_received_in_buffer_sized_reads_not_one_per_value():
+    blobs = [os.urandom(1024) for _ in range(500)]
+    slots = [bytearray(1024) for _ in blobs]
+    stream = memoryview(frame_bytes(Opcode.PUT_MANY, 3, b"hdr", b"".join(blobs), flags=FLAG_PAYLOAD_CRC))
+    reads, out = _count_reads(make_parser(), stream, lambda p, f: p.set_destination(slots))
+    assert [bytes(s) for s in slots] == blobs and out[0][-1] == b"".join(blobs)
+    assert reads <= len(stream) // 65536 + 3          # 64 KiB reads, not 500 of 1 KiB
+
+
+def test_large_scatter_segments_are_still_received_in_place():
+    blobs = [os.urandom(256 << 10) for _ in range(4)]
+    slots = [bytearray(256 << 10) for _ in blobs]
+    stream = memoryview(frame_bytes(Opcode.PUT_MANY, 3, b"hdr", b"".join(blobs)))
+    p = make_parser()
+    direct, pos = 0, 0
+    while pos < len(stream):
+        view = p.get_buffer(-1)
+        n = min(len(view), len(stream) - pos)
+        view[:n] = stream[pos:pos + n]
+        if any(view.obj is s for s in slots):
+            direct += n
+        p.buffer_updated(n)
+        pos += n
+        drain(p, [], lambda parser, f: parser.set_destination(slots))
+    assert [bytes(s) for s in slots] == blobs
+    assert direct >= sum(map(len, blobs)) - 65536     # all but the first read went straight into the slots

@@ -57,6 +57,9 @@ cdef enum:
     _OP_ERROR = 0xFF
     DEFAULT_READ_CHUNK = 65536      # bytes offered by get_buffer() between payloads
     MIN_READ_ROOM = 4096            # bytes: compact/grow the buffer when less is free
+    DIRECT_MIN = 32768              # bytes: a destination segment with less left than this, and
+                                    # more payload after it, is received through the internal
+                                    # buffer (one recv for many small values, then memcpy)
     _EV_NEED = 0
     _EV_FRAME = 1
     _EV_START = 2
@@ -480,7 +483,8 @@ cdef class FrameParser:
 
     def get_buffer(self, Py_ssize_t sizehint=-1):
         """A writable view for the next received bytes: the rest of the current payload
-        destination while a payload is received into one, else the internal buffer."""
+        destination while a payload is received into one (unless that is a small segment with
+        more payload after it), else the internal buffer."""
         cdef Py_ssize_t n, room
         self._check_alive()
         if self._in_held:
@@ -492,9 +496,13 @@ cdef class FrameParser:
             n = self._seg_len - self._seg_pos
             if <uint64_t>n > self._remaining:
                 n = <Py_ssize_t>self._remaining
-            self._gb_kind = GB_DEST
-            self._gb_len = n
-            return self._seg_obj[self._seg_pos:self._seg_pos + n]
+            # Straight into the destination, unless this is a small segment of a scatter
+            # (a PUT_MANY/GET_MANY of small values): a recv per value costs a syscall and a
+            # trip through the owner each, far more than the memcpy out of the buffer.
+            if n >= DIRECT_MIN or <uint64_t>n == self._remaining:
+                self._gb_kind = GB_DEST
+                self._gb_len = n
+                return self._seg_obj[self._seg_pos:self._seg_pos + n]
         if self._end == self._start and len(self._buf) > self._read_chunk and self._state != ST_TRAILER \
                 and not self._have_fixed:
             self._buf = bytearray(self._read_chunk)     # drop a buffer grown for a big header
