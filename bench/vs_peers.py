@@ -62,7 +62,7 @@ SIZES = (1 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 4 * MiB)
 BATCH_BYTES = 4 * MiB          # bytes a batch request aims at (values per request: batch_for)
 BATCH_MIN, BATCH_MAX = 16, 500  # values per batch request
 WORKING_SET = 64 * MiB         # bytes of distinct values per size ...
-MAX_KEYS = 2048                # ... at most this many keys, at least two batches
+MAX_KEYS = 1024                # ... at most this many keys, at least two batches
 FLOOR_SIZE = 64                # bytes: the value of the round-trip floor measurement
 FLOOR_REQUESTS = 3000          # timed single GETs of it per system
 START_TIMEOUT = 30.0           # seconds: a server that does not answer by then is skipped
@@ -340,8 +340,7 @@ class QuillCacheAdapter:
         return self.client.get_many([self.key(k) for k in ks])
 
     def clear(self, keys):
-        for k in keys:
-            self.client.remove(self.key(k))
+        self.client.remove_many([self.key(k) for k in keys])
 
     def close(self):
         with contextlib.suppress(Exception):

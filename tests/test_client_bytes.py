@@ -92,3 +92,4 @@ def test_async_get_returns_bytes_that_never_change(daemon):
 
     first, want = asyncio.run(main())
     assert first == want
+

@@ -139,6 +139,23 @@ class Ops:
         return self._exec(Req(Opcode.REMOVE, hdr, (), 0, None,
                                lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
 
+    def remove_many(self, keys: Iterable[KvBlockKey]):
+        """Remove every key (REMOVE requests of up to max_batch keys, pipelined); returns, per
+        key, whether it was there."""
+        keys = [self.encoded_key(k) for k in keys]
+        lim = self.limits
+
+        def request(chunk: list) -> Req:
+            def finish(r: Reply) -> list[bool]:
+                done = messages.decode_bitmap_reply(r.header, lim)
+                if len(done) != len(chunk):
+                    raise ProtocolError(f"REMOVE reply has {len(done)} items for {len(chunk)} keys")
+                return done
+            return Req(Opcode.REMOVE, messages.encode_keys_request(chunk, lim, "REMOVE"), (), 0, None, finish)
+
+        reqs = [request(c) for c in chunks(keys, lim.max_batch)]
+        return self._exec_many(reqs, lambda results: [x for res in results for x in res])
+
     def pin(self, key: KvBlockKey, ttl: float, hard: bool = False):
         if not isinstance(ttl, (int, float)) or ttl < 0:
             raise InvalidArgument(f"pin ttl {ttl!r}: seconds >= 0 (0 = until unpin)")
