@@ -788,6 +788,19 @@ def render_get_vs_get_into(results, sizes):
 
 # --------------------------------------------------------------------------- main
 
+def _start(kind, workdir, log, tries=3):
+    """Start a server; on a loaded machine a start can miss its deadline: try again."""
+    cls = {"quillcache": QuillCacheServer, "redis": RedisServer, "mooncake": MooncakeCluster}[kind]
+    for attempt in range(1, tries + 1):
+        try:
+            return cls(workdir)
+        except RuntimeError as exc:
+            if attempt == tries:
+                raise
+            log(f"{kind}: {exc}; trying again")
+    raise AssertionError("unreachable")
+
+
 def _parse_sizes(text):
     out = []
     for part in text.split(","):
@@ -846,8 +859,7 @@ def main(argv=None):
             kind = SERVER_OF[name]
             try:
                 if kind not in servers:
-                    servers[kind] = {"quillcache": QuillCacheServer, "redis": RedisServer,
-                                     "mooncake": MooncakeCluster}[kind](workdir)
+                    servers[kind] = _start(kind, workdir, log)
                 a = ADAPTERS[name](servers[kind].info)
                 a.info = servers[kind].info
                 adapters.append(a)
