@@ -77,6 +77,25 @@ def test_get_allocates_the_value_once(client):
     assert peak < size + (256 << 10)             # a bytearray received into, then copied, is two
 
 
+def test_put_of_bytes_sends_the_callers_buffer_without_a_copy(client):
+    size = 4 << 20
+    data = content(4, size)
+    k = key(2, prefix="put-no-copy")
+    client.put(k, data)                          # warm: the key's encoding is cached
+    client.put_many([(key(3, prefix="put-no-copy"), data)])
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        client.put(k, data)
+        client.put_many([(key(3, prefix="put-no-copy"), data), (k, data)])
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10                       # frame headers and bookkeeping, never the value
+    assert client.get(k) == data
+
+
 def test_async_get_returns_bytes_that_never_change(daemon):
     async def main():
         async with AsyncClient(daemon.addr) as c:
