@@ -446,3 +446,11 @@ def test_get_into_of_a_broken_reply_raises_and_ends_the_connection(daemon, behav
         srv.close()
         for s in held:
             s.close()
+
+
+def test_remove_many_removes_every_key_across_requests_and_says_which_were_there(client):
+    keys = [key(i, prefix="rm-many") for i in range(client.limits.max_batch + 10)]
+    client.put_many([(k, b"x" * 10) for k in keys[::2]])
+    assert client.remove_many(keys) == [i % 2 == 0 for i in range(len(keys))]
+    assert client.exists_many(keys)[1] == [False] * len(keys)
+    assert client.remove_many([]) == []
