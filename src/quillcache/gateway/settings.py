@@ -140,7 +140,8 @@ _GATEWAY_SETTINGS: tuple[Setting, ...] = (
             "How long a routed prefix counts as resident on its engine (predict-on-route) before "
             "the engine's events confirm it."),
     Setting("gateway", "slo_ttft", _positive_duration, "800ms", True,
-            "Time-to-first-token objective used by the goodput metric."),
+            "Time-to-first-token objective used by the goodput metric, and the SLO that [router] "
+            "admission = \"predict\" holds each request to (refused above admission_k times it)."),
     Setting("gateway", "slo_tpot", _positive_duration, "80ms", True,
             "Time-per-output-token objective used by the goodput metric."),
     Setting("gateway", "name", string, "", False,
@@ -173,6 +174,10 @@ _ROUTER_POLICY = Setting("router", "policy", _policy, "quillcache", True,
 
 
 def _check_gateway(cfg) -> None:
+    if cfg.router.admission == "predict" and cfg.router.policy != "quillcache":
+        raise ConfigError(f'{cfg.source}: [router] admission = "predict" with policy = "{cfg.router.policy}": '
+                          'only policy "quillcache" predicts a time to first token (set admission = "off" '
+                          'or policy = "quillcache")')
     seen: list[EngineSpec] = []
     for spec in cfg.gateway.engines:
         why = engine_conflict(spec, seen)
