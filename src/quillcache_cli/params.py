@@ -65,3 +65,39 @@ def connection_options(cmd: click.Command) -> click.Command:
         cmd.params.append(click.Option(["--json"], "json", is_flag=True, default=None, expose_value=False,
                                        callback=_into_root("json"), help="Print JSON (as before the command)."))
     return cmd
+
+
+CREDENTIAL_HELP = ("File holding the pool's [cluster] credential (its first line; at least 16 characters). "
+                   "Without it, the value of QUILLCACHE_CLUSTER_CREDENTIAL. The record is signed with a key "
+                   "derived from it: the gateways route only to engines whose record it signs.")
+
+
+def registrant_keys(credential_file, cluster_id: str, option: str = "--credential-file"):
+    """The pool's keys (cluster.keys.ClusterKeys) for an engine registrant, from
+    ``credential_file`` (its first line) or else the environment's QUILLCACHE_CLUSTER_CREDENTIAL;
+    raises ConversionError (the caller exits 2) when there is none or it is too short.  The
+    credential is never echoed."""
+    import os
+
+    from quillcache.cluster.keys import ClusterKeys
+    from quillcache.cluster.settings import CREDENTIAL_ENV, CREDENTIAL_MIN_CHARS
+
+    if credential_file:
+        try:
+            with open(credential_file, encoding="utf-8") as f:
+                credential = f.readline().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConversionError(f"{option} {credential_file}: cannot read: "
+                                   f"{getattr(exc, 'strerror', None) or exc}") from None
+        where = f"{option} {credential_file}"
+    else:
+        credential = os.environ.get(CREDENTIAL_ENV, "")
+        where = CREDENTIAL_ENV
+        if not credential:
+            raise ConversionError(
+                f"no cluster credential: give {option} PATH (a file holding the pool's [cluster] credential) "
+                f"or set {CREDENTIAL_ENV}; the gateways refuse an engine record that it does not sign")
+    if len(credential) < CREDENTIAL_MIN_CHARS:
+        raise ConversionError(f"{where}: the cluster credential needs at least {CREDENTIAL_MIN_CHARS} "
+                               "characters (the pool's [cluster] credential)")
+    return ClusterKeys(credential, cluster_id)

@@ -46,10 +46,11 @@ class GatewayProcess:
     """``engines`` simulated engines (model "m", KV events on) behind one gateway process
     with the tenants of ``TENANT_KEYS``; ``gateway_toml`` adds [gateway] keys, ``router_toml``
     [router] keys; ``nofile`` sets the gateway's descriptor limit (soft and hard); ``engine_args``
-    are more quillcache-sim-engine options."""
+    are more quillcache-sim-engine options; ``extra_toml`` more sections (``[cluster]``)."""
 
     def __init__(self, tmp_path: Path, *, engines: int = 1, gateway_toml: str = "", router_toml: str = "",
-                 nofile: Optional[int] = None, time_scale: float = 1.0, engine_args: tuple = ()) -> None:
+                 nofile: Optional[int] = None, time_scale: float = 1.0, engine_args: tuple = (),
+                 extra_toml: str = "") -> None:
         self.tmp = Path(tmp_path)
         self.n_engines = engines
         self.gateway_toml = gateway_toml
@@ -57,6 +58,7 @@ class GatewayProcess:
         self.nofile = nofile
         self.time_scale = time_scale
         self.engine_args = tuple(engine_args)
+        self.extra_toml = extra_toml
         self.port, self.admin_port = free_port(), free_port()
         self.config = self.tmp / "gateway.toml"
         self.log_path = self.tmp / "gateway.log"
@@ -89,7 +91,8 @@ class GatewayProcess:
                           for n, k in TENANT_KEYS.items())
         router = f"[router]\n{self.router_toml}\n" if self.router_toml else ""
         keys = f'listen = "127.0.0.1:{self.port}"\nadmin_listen = "127.0.0.1:{self.admin_port}"\n{self.gateway_toml}'
-        self.config.write_text("[gateway]\n" + _known(keys) + "\n" + router + tenants + self._engine_tables)
+        self.config.write_text("[gateway]\n" + _known(keys) + "\n" + router + tenants + self._engine_tables
+                               + self.extra_toml)
 
     def start(self) -> "GatewayProcess":
         self._engine_tables = "".join(self._start_engine(i) for i in range(self.n_engines))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from quillcache.cluster.engines import EngineRegistration
+from quillcache.cluster.keys import ClusterKeys
 from tests._support.etcd import EtcdServer, etcd_binary
 from tests._support.gateway import gateway, wait_until
 from tests._support.sim import SimEngine
@@ -24,6 +25,8 @@ CID = "gwtest"
 TTL_S = 2                       # the engines' lease TTL (etcd's shortest is about 2 s)
 PROMPT = "the quick brown fox jumps over the lazy dog " * 4
 QUILLCTL = str(Path(sys.executable).with_name("quillctl"))
+CREDENTIAL = "discovery-test-credential-0123"      # the pool's [cluster] credential
+KEYS = ClusterKeys(CREDENTIAL, CID)
 
 
 @pytest.fixture
@@ -32,14 +35,23 @@ def etcd(tmp_path):
         yield server
 
 
+@pytest.fixture
+def credential_file(tmp_path):
+    path = tmp_path / "credential"
+    path.write_text(CREDENTIAL + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
 def cluster_toml(etcd, engines: str = "", policy: str = "round_robin") -> str:
     return (f'[gateway]\nunhealthy_after = "30s"\n{engines}\n[router]\npolicy = "{policy}"\n'
-            f'[cluster]\nenabled = true\netcd = ["{etcd.endpoint}"]\ncluster_id = "{CID}"\n')
+            f'[cluster]\nenabled = true\netcd = ["{etcd.endpoint}"]\ncluster_id = "{CID}"\n'
+            f'credential = "{CREDENTIAL}"\n')
 
 
-def registered(etcd, engine_id: str, **flags) -> SimEngine:
+def registered(etcd, engine_id: str, credential_file: str, **flags) -> SimEngine:
     return SimEngine(model="m", etcd=etcd.endpoint, cluster_id=CID, engine_id=engine_id,
-                     lease_ttl=f"{TTL_S}s", **flags)
+                     lease_ttl=f"{TTL_S}s", credential_file=credential_file, **flags)
 
 
 def run(coro):
@@ -58,7 +70,7 @@ async def workers(session, admin) -> dict:
         return await r.json()
 
 
-def test_an_engine_registered_after_start_gets_traffic_and_one_whose_lease_expires_stops(etcd):
+def test_an_engine_registered_after_start_gets_traffic_and_one_whose_lease_expires_stops(etcd, credential_file):
     async def main():
         loop = asyncio.get_running_loop()
         async with gateway(cluster_toml(etcd)) as (gw, base, admin, s):
@@ -66,8 +78,8 @@ def test_an_engine_registered_after_start_gets_traffic_and_one_whose_lease_expir
             async with s.get(base + "/health") as r:
                 assert r.status == 503                        # nothing to route to yet
             assert (await ask(s, base))[0] == 404
-            a = await loop.run_in_executor(None, registered(etcd, "late-a").start)
-            b = await loop.run_in_executor(None, registered(etcd, "late-b").start)
+            a = await loop.run_in_executor(None, registered(etcd, "late-a", credential_file).start)
+            b = await loop.run_in_executor(None, registered(etcd, "late-b", credential_file).start)
             try:
                 await wait_until(lambda: {"late-a", "late-b"} <= set(gw.engines), 10, "both engines joined")
                 seen = [await ask(s, base, f"{i} {PROMPT}") for i in range(4)]
@@ -95,10 +107,10 @@ def test_an_engine_registered_after_start_gets_traffic_and_one_whose_lease_expir
     run(main())
 
 
-def test_etcd_down_keeps_the_last_view_and_serving(etcd):
+def test_etcd_down_keeps_the_last_view_and_serving(etcd, credential_file):
     async def main():
         loop = asyncio.get_running_loop()
-        eng = await loop.run_in_executor(None, registered(etcd, "steady").start)
+        eng = await loop.run_in_executor(None, registered(etcd, "steady", credential_file).start)
         try:
             async with gateway(cluster_toml(etcd)) as (gw, base, admin, s):
                 await wait_until(lambda: "steady" in gw.engines, 10, "steady joined")
@@ -129,8 +141,8 @@ def test_records_the_gateway_cannot_serve_are_refused_with_a_reason_and_the_conf
             {"id": "bad-url", "url": "ftp://x", "model": "m"},
             {"id": "other-blocks", "url": "http://127.0.0.1:2", "model": "m", "block_size": 32},
         ]
-        regs = [EngineRegistration(endpoints=[(etcd.host, etcd.port)], cluster_id=CID, record=r, ttl=TTL_S)
-                for r in records]
+        regs = [EngineRegistration(endpoints=[(etcd.host, etcd.port)], cluster_id=CID, record=r, ttl=TTL_S,
+                                   keys=KEYS) for r in records]
         try:
             for reg in regs:
                 reg.start()
@@ -160,7 +172,9 @@ def test_quillctl_engine_register_keeps_a_plain_engine_registered_while_it_is_he
         argv = [QUILLCTL, "engine", "register", "--etcd", etcd.endpoint, "--cluster-id", CID,
                 "--id", "vllm-0", "--url", eng.url, "--model", "m", "--kv-events", eng.events,
                 "--kv-replay", eng.replay, "--lease-ttl", f"{TTL_S}s", "--health-interval", "0.2"]
-        sidecar = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+        # The credential from the environment this time (the other registrants read a file).
+        sidecar = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "QUILLCACHE_CLUSTER_CREDENTIAL": CREDENTIAL})
         try:
             async with gateway(cluster_toml(etcd)) as (gw, base, admin, s):
                 await wait_until(lambda: "vllm-0" in gw.engines, 10, "vllm-0 joined")
@@ -188,3 +202,35 @@ def test_a_bad_registration_is_a_usage_error_before_anything_is_written(etcd):
     req = urllib.request.Request(f"http://{etcd.endpoint}/v3/kv/range", data=json.dumps(every_key).encode())
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert "kvs" not in json.load(resp)                  # nothing was written
+
+
+def _etcd_is_empty(etcd) -> bool:
+    every_key = {"key": base64.b64encode(b"\0").decode(), "range_end": base64.b64encode(b"\0").decode()}
+    req = urllib.request.Request(f"http://{etcd.endpoint}/v3/kv/range", data=json.dumps(every_key).encode())
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return "kvs" not in json.load(resp)
+
+
+def test_a_registrant_without_the_credential_refuses_to_register(etcd, tmp_path):
+    # An unsigned record would be refused by every gateway: both registrants say so and exit 2
+    # before anything is written, and a credential too short is refused the same way.
+    env = {k: v for k, v in os.environ.items() if k != "QUILLCACHE_CLUSTER_CREDENTIAL"}
+    short = tmp_path / "short"
+    short.write_text("too-short\n")
+    ctl = [QUILLCTL, "engine", "register", "--etcd", etcd.endpoint, "--cluster-id", CID, "--id", "e0",
+           "--url", "http://127.0.0.1:1", "--model", "m", "--health-interval", "0"]
+    sim = [str(Path(sys.executable).with_name("quillcache-sim-engine")), "--port", "0", "--etcd", etcd.endpoint,
+           "--cluster-id", CID]
+    for argv in (ctl, sim):
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env)
+        assert r.returncode == 2, r.stderr
+        assert "no cluster credential: give --credential-file PATH" in r.stderr
+        assert "QUILLCACHE_CLUSTER_CREDENTIAL" in r.stderr
+        r = subprocess.run(argv + ["--credential-file", str(short)], capture_output=True, text=True, timeout=30,
+                           env=env)
+        assert r.returncode == 2 and "needs at least 16 characters" in r.stderr, r.stderr
+        assert "too-short" not in r.stderr                   # the credential is never echoed
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30,
+                           env={**env, "QUILLCACHE_CLUSTER_CREDENTIAL": "short"})
+        assert r.returncode == 2 and "QUILLCACHE_CLUSTER_CREDENTIAL: the cluster credential needs" in r.stderr
+    assert _etcd_is_empty(etcd)

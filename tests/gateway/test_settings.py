@@ -99,3 +99,15 @@ def test_the_node_and_the_gateway_share_one_engine_spec_and_one_validator():
         errors.append(str(exc.value).split("entry 0: ", 1)[1])
     assert errors[0] == errors[1].replace("kv_events", "endpoint") and "is not a ZMQ endpoint" in errors[0]
     assert errors[2] == errors[3] == "id 'e 0' must be 1-128 of A-Z a-z 0-9 _ . : -"
+
+
+def test_cluster_enabled_needs_the_pools_credential_and_never_echoes_it():
+    cluster = '[cluster]\nenabled = true\netcd = ["127.0.0.1:2379"]\n'
+    with pytest.raises(ConfigError, match=r"\[cluster\] credential: needs at least 16 characters"):
+        load_gateway_config(text=cluster)
+    with pytest.raises(ConfigError) as exc:
+        load_gateway_config(text=cluster + 'credential = "sekrit-15-chars"\n')
+    assert "sekrit" not in str(exc.value)
+    cfg = load_gateway_config(text=cluster + 'credential = "sixteen-chars-ok"\n')
+    assert cfg.cluster.credential == "sixteen-chars-ok"
+    assert load_gateway_config(text='[cluster]\nenabled = false\n').cluster.credential == ""

@@ -61,3 +61,38 @@ def test_other_methods_are_refused(method):
         assert exc.value.code == 501
     finally:
         m.close()
+
+
+def test_ready_answers_503_draining_from_sigterm_until_the_node_stops(tmp_path):
+    # A PUT held in flight (half its payload sent) keeps the node draining after SIGTERM:
+    # meanwhile /ready must say 503 "draining" (a load balancer stops sending here) while
+    # /health still says the process is alive.
+    import signal
+    import time
+
+    from quillcache._native.codec import encode_frame_header
+    from quillcache.model import encode_key
+    from quillcache.protocol import messages
+    from quillcache.protocol.opcodes import Opcode
+    from tests._support.data import content, key
+    from tests._support.net import raw_connect, read_frames
+
+    with Daemon(tmp_path) as d:
+        assert get(d.metrics_port, "/ready") == (200, "ready\n")
+        s = raw_connect(d.port)
+        payload = content(1, 1 << 20)
+        s.sendall(encode_frame_header(Opcode.PUT, 7, header=messages.encode_put_request(encode_key(key(1)),
+                                                                                        len(payload)),
+                                      payload_length=len(payload)) + payload[:1000])
+        time.sleep(0.3)
+        d.send(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while get(d.metrics_port, "/ready")[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert get(d.metrics_port, "/ready") == (503, "draining\n")
+        assert get(d.metrics_port, "/health") == (200, "ok\n")
+        assert d.proc.poll() is None                    # still draining: it waits for the PUT
+        s.sendall(payload[1000:])
+        frames = read_frames(s, 1)
+        assert frames and frames[0].request_id == 7 and frames[0].status == 0
+        assert d.wait(30) == 0

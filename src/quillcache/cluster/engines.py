@@ -18,8 +18,9 @@ etcd is unreachable (the last view is kept, the state is ``degraded``, the threa
 With ``keys`` (the pool's ``cluster.keys.ClusterKeys``, from the ``[cluster] credential``) a
 registration signs its record as a node signs its own (docs/security.md) and a watch refuses
 every record that is not so signed or whose ``id`` is not its key's name: an etcd writer
-cannot then point a gateway at an engine of its own.  Without ``keys`` records are neither
-signed nor checked (the registrants and gateways that have no credential yet).
+cannot then point a gateway at an engine of its own.  The gateway (``[cluster] credential``)
+and both registrants (``--credential-file`` or QUILLCACHE_CLUSTER_CREDENTIAL) always pass
+``keys``; without them records are neither signed nor checked (library use only).
 """
 from __future__ import annotations
 

@@ -49,6 +49,9 @@ class GatewayMetrics:
                                "after a failure before the first byte", registry=r)
         self.rejected = Counter("quillcache_gateway_rejected", "Requests refused with 429 because "
                                 "every worker was at its queue limit", registry=r)
+        self.admission_refused = Counter("quillcache_gateway_admission_refused", "Requests refused with "
+                                         "429 by [router] admission = \"predict\": their predicted TTFT "
+                                         "was past admission_k x slo_ttft (sent to no engine)", registry=r)
         self.disconnects = Counter("quillcache_gateway_client_disconnects", "Clients that left "
                                    "before the end of their answer", registry=r)
         self.in_flight = Gauge("quillcache_gateway_in_flight", "Requests in flight, by worker",

@@ -5,6 +5,8 @@ forward it, and stream the engine's answer through (docs/gateway.md).
   once on another worker; after the first byte an error ends the stream with an error
   event and ``data: [DONE]``;
 * when every worker of the model is at ``queue_limit``: 429 with Retry-After;
+* with ``[router] admission = "predict"``, a request predicted to miss ``admission_k`` x
+  ``[gateway] slo_ttft`` on the engine chosen: 429 with Retry-After (the excess), sent to no engine;
 * a client that disconnects cancels the upstream request (the handler is cancelled and
   the upstream connection closed) and frees the router's state;
 * a body that has not arrived within ``client_body_timeout`` is answered 408;
@@ -252,6 +254,8 @@ class Proxy:
             return error(429, "every engine of this model is at its queue limit",
                           "rate_limit_error", headers={"Retry-After": str(retry)})
         d = self.router.decide(req.identity, req.hashes, req.n_tokens, [c.id for c in candidates], policy)
+        if not d.admitted:
+            return self._refused(d)
         state = self.engines[d.worker]
         state.in_flight += 1
         state.routed += 1
@@ -266,6 +270,19 @@ class Proxy:
             state.pending_since = time.monotonic()
         self.metrics.in_flight.labels(state.id).set(state.in_flight)
         return d, state
+
+    def _refused(self, d: Decision) -> web.Response:
+        """A request that [router] admission = "predict" refused: predicted to miss
+        admission_k x [gateway] slo_ttft even on the best engine.  429, no engine sees it;
+        Retry-After is how far the prediction is past the objective (at least 1 s)."""
+        self.metrics.admission_refused.inc()
+        slo = self.cfg.gateway.slo_ttft
+        retry = max(1, math.ceil(d.predicted_ttft_us / 1e6 - slo))
+        # Only the whole seconds of Retry-After tell the client anything of the prediction: it
+        # is a function of every tenant's load and of this identity's own cached blocks.
+        return error(429, "the engines are too busy for this request now: its predicted time to first "
+                          "token is past [router] admission_k x [gateway] slo_ttft", "rate_limit_error",
+                     headers={"Retry-After": str(retry)})
 
     def _release(self, d: Decision, state: EngineState) -> None:
         state.in_flight -= 1

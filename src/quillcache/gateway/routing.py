@@ -16,6 +16,10 @@ So a tenant-b request never earns credit for tenant a's prefix.  The decision's 
 (overlap, local hits, plan) are the request's own identity's whatever the policy; how many
 prefix blocks another identity holds (``refused``) and what the identity-blind ``dynamo``
 credited across identities are kept for the operator's metrics, never for the client.
+
+Admission (``[router] admission = "predict"``): the router holds each request to the gateway's
+``[gateway] slo_ttft`` (``RouterConfig.slo_ttft_ms``, updated on SIGHUP); a refused decision
+(``admitted`` False) is tracked nowhere and the proxy answers it 429.
 """
 from __future__ import annotations
 
@@ -58,6 +62,8 @@ class Decision:
     plan_recompute: int
     decision_us: float           # metrics only: it depends on what other identities cached
     cross_credited: int = 0      # metrics only: blocks credited though another identity cached them
+    admitted: bool = True        # False: [router] admission = "predict" refused it (nothing tracked)
+    predicted_ttft_us: float = 0.0   # the chosen worker's predicted TTFT (policy quillcache)
 
 
 @dataclass
@@ -82,7 +88,10 @@ class GatewayRouter:
 
     def __init__(self, cfg, clock: Callable[[], float] = time.monotonic) -> None:
         r = cfg.router                  # the cost knobs shared with a node's [router]
-        self._knobs = {**{k: v for k, v in r.as_dict().items() if k in _ROUTER_FIELDS}, "policy": r.policy}
+        # The TTFT objective that admission ([router] admission = "predict") holds a request to
+        # is the gateway's own [gateway] slo_ttft, the one its goodput metric counts against.
+        self._knobs = {**{k: v for k, v in r.as_dict().items() if k in _ROUTER_FIELDS}, "policy": r.policy,
+                       "slo_ttft_ms": cfg.gateway.slo_ttft * 1000.0}
         self._clock = clock
         self.predict_ttl = cfg.gateway.predict_ttl
         self.policy = r.policy
@@ -138,7 +147,8 @@ class GatewayRouter:
         # The router counts the request's load from here on: first_token() and finish() release it.
         d = mr.router.route(identity, hashes=hashes, request_tokens=n_tokens, candidates=candidates,
                             policy=policy)
-        self._requests[d.request_id] = mr
+        if d.admitted:
+            self._requests[d.request_id] = mr
         # Refused (metrics only): the most prefix blocks any candidate holds only under another
         # identity, whichever worker was chosen (the chosen one may hold none of them).
         m = mr.router.find_matches(identity, hashes)
@@ -157,13 +167,19 @@ class GatewayRouter:
         return Decision(d.worker, d.request_id, len(hashes),
                         {"device": dev, "host": host, "disk": disk, "pool": pool},
                         dev + host + disk, max(refused, d.refused_blocks), hit, fetch,
-                        len(hashes) - hit - fetch, d.latency_us, d.cross_identity_credited_blocks)
+                        len(hashes) - hit - fetch, d.latency_us, d.cross_identity_credited_blocks,
+                        d.admitted, d.predicted_ttft_us)
 
     def reconfigure(self, cfg) -> None:
-        """SIGHUP: the reloadable [router] policy and [gateway] predict_ttl (the next decision
-        and the next prediction use them)."""
+        """SIGHUP: the reloadable [router] policy, [gateway] predict_ttl and slo_ttft (the next
+        decision and the next prediction use them)."""
         self.policy = cfg.router.policy
         self.predict_ttl = cfg.gateway.predict_ttl
+        slo_ms = cfg.gateway.slo_ttft * 1000.0
+        if slo_ms != self._knobs["slo_ttft_ms"]:
+            self._knobs["slo_ttft_ms"] = slo_ms
+            for mr in self.models.values():
+                mr.router.config = dataclasses.replace(mr.router.config, slo_ttft_ms=slo_ms)
 
     def first_token(self, request_id: str) -> None:
         mr = self._requests.get(request_id)

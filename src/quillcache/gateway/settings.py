@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from quillcache.cluster.settings import CREDENTIAL_MIN_CHARS
 from quillcache.control.engine_spec import (
     ENGINE_ROLES, GATEWAY_EXAMPLE, GATEWAY_REQUIRED, GATEWAY_TABLE, MAX_ENGINES, EngineSpec, parse_engine,
     parse_engine_list,
@@ -140,7 +141,8 @@ _GATEWAY_SETTINGS: tuple[Setting, ...] = (
             "How long a routed prefix counts as resident on its engine (predict-on-route) before "
             "the engine's events confirm it."),
     Setting("gateway", "slo_ttft", _positive_duration, "800ms", True,
-            "Time-to-first-token objective used by the goodput metric."),
+            "Time-to-first-token objective used by the goodput metric, and the SLO that [router] "
+            "admission = \"predict\" holds each request to (refused above admission_k times it)."),
     Setting("gateway", "slo_tpot", _positive_duration, "80ms", True,
             "Time-per-output-token objective used by the goodput metric."),
     Setting("gateway", "name", string, "", False,
@@ -173,6 +175,10 @@ _ROUTER_POLICY = Setting("router", "policy", _policy, "quillcache", True,
 
 
 def _check_gateway(cfg) -> None:
+    if cfg.router.admission == "predict" and cfg.router.policy != "quillcache":
+        raise ConfigError(f'{cfg.source}: [router] admission = "predict" with policy = "{cfg.router.policy}": '
+                          'only policy "quillcache" predicts a time to first token (set admission = "off" '
+                          'or policy = "quillcache")')
     seen: list[EngineSpec] = []
     for spec in cfg.gateway.engines:
         why = engine_conflict(spec, seen)
@@ -180,6 +186,11 @@ def _check_gateway(cfg) -> None:
             raise ConfigError(f"{cfg.source}: [[gateway.engines]] {spec.id}: {why}")
         seen.append(spec)
     if cfg.cluster.enabled:
+        if len(cfg.cluster.credential) < CREDENTIAL_MIN_CHARS:
+            # Never the value itself, here or in any log line.
+            raise ConfigError(f"{cfg.source}: [cluster] credential: needs at least {CREDENTIAL_MIN_CHARS} "
+                              "characters when [cluster] enabled = true (the pool's credential: the "
+                              "gateway routes only to engine records signed with it)")
         return                    # the missing half of a disaggregated model may register in etcd
     for model in sorted({s.model for s in seen}):
         roles = {s.role for s in seen if s.model == model}
@@ -190,12 +201,15 @@ def _check_gateway(cfg) -> None:
                               f"and no {need} engine: a disaggregated model needs both")
 
 
-# [cluster]: the node's etcd and cluster_id (one pool, one name); enabled means "watch the engines".
+# [cluster]: the node's etcd, cluster_id and credential (one pool, one name, one secret); enabled
+# means "watch the engines", and route only to those whose record is signed with the credential.
 _CLUSTER = (Setting("cluster", "enabled", boolean, False, False,
                     "Also route to the engines registered in etcd (quillctl engine register, "
-                    "quillcache-sim-engine --etcd), added and removed live; an id that is also in "
-                    "[[gateway.engines]] is refused: the config's entry wins."),
-            ) + tuple(s for s in SETTINGS if s.section == "cluster" and s.name in ("etcd", "cluster_id"))
+                    "quillcache-sim-engine --etcd), added and removed live, when their records are "
+                    "signed with [cluster] credential; an id that is also in [[gateway.engines]] is "
+                    "refused: the config's entry wins."),
+            ) + tuple(s for s in SETTINGS if s.section == "cluster" and s.name in ("etcd", "cluster_id",
+                                                                                 "credential"))
 
 GATEWAY_REGISTRY = Registry("gateway", _GATEWAY_SECTIONS,
                             _GATEWAY_SETTINGS + (_ROUTER_POLICY,) + _shared("router") + _shared("auth")

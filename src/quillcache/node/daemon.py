@@ -8,9 +8,10 @@ Lifecycle (the process never forks; systemd runs it as Type=notify):
             lease, watermarks, tenants, ...); log what was applied and what needs a
             restart; a bad file is logged and the running config kept
     SIGTERM / SIGINT
-            sd_notify STOPPING=1 -> stop accepting -> refuse new requests and wait for the
-            ones in flight (up to [node] drain_timeout) -> close connections -> close the
-            store (the SSD tier commits its WAL and checkpoints) -> exit 0
+            sd_notify STOPPING=1 -> /ready answers 503 "draining" -> stop accepting ->
+            refuse new requests and wait for the ones in flight (up to [node]
+            drain_timeout) -> close connections -> close the store (the SSD tier commits
+            its WAL and checkpoints) -> exit 0
 """
 from __future__ import annotations
 
@@ -317,6 +318,8 @@ class Node:
             return True
         self._stopped = True
         sd_notify("STOPPING=1")
+        if self.metrics is not None:
+            self.metrics.set_ready(False, "draining")   # first: load balancers stop sending here
         drained = True
         if self._listener is not None:
             self._listener.close()              # stop accepting

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quillcache.cluster.settings import CLUSTER_SETTINGS, CLUSTER_SUMMARY
+from quillcache.cluster.settings import CLUSTER_SETTINGS, CLUSTER_SUMMARY, CREDENTIAL_MIN_CHARS
 from quillcache.errors import ConfigError
 from quillcache.exitcodes import CONFIG as EX_CONFIG  # the exit code of a bad config
 from quillcache.net import DEFAULT_ADDRESS, ConversionError, format_hostport, parse_hostport
@@ -226,10 +226,10 @@ def _check_node(cfg: "Config") -> None:
         raise ConfigError(f'{cfg.source}: [node] hello_timeout = "{cfg.node.hello_timeout:g}s": must be above 0 '
                           '(e.g. "5s")')
     cluster = cfg.cluster
-    if cluster.enabled and len(cluster.credential) < 16:
+    if cluster.enabled and len(cluster.credential) < CREDENTIAL_MIN_CHARS:
         raise ConfigError(
-            f"{cfg.source}: [cluster] credential: needs at least 16 characters when [cluster] "
-            "enabled = true (nodes present it to each other)")
+            f"{cfg.source}: [cluster] credential: needs at least {CREDENTIAL_MIN_CHARS} characters when "
+            "[cluster] enabled = true (the pool's keys are derived from it)")
     if cluster.enabled:
         for section, name in (("cluster", "node_id"), ("node", "id")):
             value = getattr(getattr(cfg, section), name)
