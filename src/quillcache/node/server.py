@@ -1,5 +1,5 @@
-"""The asyncio glue of the node: one BufferedProtocol per client connection over the
-sans-I/O ``ProtocolConnection``, and the request dispatch to ``LocalKvStore``.
+"""``NodeServer``: the node's listeners (TCP and the Unix socket), its connections and what they
+share (the store, limits, auth, counters); the connection glue is ``node.connection``.
 
 Zero copy on both paths:
 
