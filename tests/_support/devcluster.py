@@ -15,8 +15,22 @@ import sys
 import time
 from pathlib import Path
 
+from quillcache import Client
 from tests._support.cluster import CREDENTIAL, Pool
 from tests._support.etcd import EtcdServer
+
+
+def _transport(pool: Pool, d, timeout: float = 10.0) -> str:
+    """The node's [cluster] transport once ``auto`` settled (NIXL's agent is made in the background)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with Client(d.addr, token=CREDENTIAL) as c:
+            info = c.info("cluster")["Cluster"]
+        if info["transport_transport"] == "nixl" or "transport auto -> tcp" in d.log() \
+                or time.monotonic() > deadline:
+            extra = f" (UCX_TLS {info['transport_ucx_tls']})" if info["transport_transport"] == "nixl" else ""
+            return info["transport_transport"] + extra
+        time.sleep(0.05)
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +45,7 @@ def main(argv: list[str]) -> int:
             pool.wait_members(n, timeout=30)
             print(f"etcd      {etcd.endpoint}")
             for node_id, d in pool.nodes.items():
-                print(f"{node_id:9} {d.addr}   config {d.config}   log {d.log_path}")
+                print(f"{node_id:9} {d.addr}   transport {_transport(pool, d)}   config {d.config}   log {d.log_path}")
             a = next(iter(pool.nodes.values())).addr
             print(f"\ntry:  .venv/bin/quillctl --addr {a} cluster")
             print(f"      echo hello > /tmp/b; .venv/bin/quillctl --addr {a} put -m demo -p p0 -b b0 /tmp/b")

@@ -31,6 +31,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from quillcache.protocol import cluster as wire
+from quillcache.cluster.grants import GRANT_OPCODES
 from quillcache.cluster.hrw import Ring, key_hash
 from quillcache.cluster.membership import Member, Membership
 from quillcache.cluster.reads import MAX_HOLDER_TRIES, PoolReads
@@ -108,6 +109,7 @@ class ClusterHook(PoolReads):
         self._unseen_grace = 2.0 * float(settings.lease_ttl)
         self._reads_init()
         self._sentinels: dict[str, tuple[int, asyncio.Task]] = {}   # node -> (epoch, its watch task)
+        self.grants = None              # GrantTable: the NIXL transport's holder side (cluster/grants.py)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -153,6 +155,8 @@ class ClusterHook(PoolReads):
         self.store.set_residency_listener(None, None)
         if self.membership is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.membership.stop)
+        if self.grants is not None:
+            self.grants.close()
         await self.transport.close()
 
     def is_credential(self, token: bytes) -> bool:
@@ -424,7 +428,11 @@ class ClusterHook(PoolReads):
         if op in _PEER_OPS and not conn.peer_node:
             raise PermissionDenied(f"{Opcode(op).name} is for nodes of the pool (HELLO with the cluster credential)")
         rid = frame.request_id
-        if op == Opcode.ANNOUNCE:
+        if op in GRANT_OPCODES:         # the NIXL transport's holder side (cluster/grants.py)
+            if not conn.peer_node or self.grants is None:
+                raise PermissionDenied(f"{Opcode(op).name}: for nodes of the pool, on a node that uses NIXL")
+            self.grants.on_request(conn, frame)
+        elif op == Opcode.ANNOUNCE:
             node, epoch, items = wire.decode_announce(frame.header, self.limits)
             if node != self.node_id:            # this node's blocks are the store's own records
                 m = self.view.get(node)
@@ -579,6 +587,8 @@ class ClusterHook(PoolReads):
                 out[f"membership_{k}"] = v
         for k, v in self.transport.stats().items():
             out[f"transport_{k}"] = v
+        if self.grants is not None:
+            out.update(self.grants.stats())
         return out
 
 

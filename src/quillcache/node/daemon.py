@@ -218,6 +218,8 @@ class Node:
         advertise = format_hostport(cfg.cluster.advertise) if cfg.cluster.advertise else self.server.listen
         self.cluster = ClusterHook(cfg.cluster, store=self.store, node_id=node_id, address=advertise,
                                    limits=limits, version=__version__, auth=auth)
+        from quillcache.cluster.grants import use_transport     # [cluster] transport: NIXL or TCP
+        self.cluster.grants = use_transport(self.cluster, self.store)
         self.server.cluster = self.cluster
         await self.cluster.start()
         log.info("cluster %s: node %s (epoch %x) advertised at %s, etcd %s", cfg.cluster.cluster_id, node_id,
@@ -512,4 +514,9 @@ def run(cfg: Config, *, config_path: Optional[str] = None, overrides: Optional[M
     setup_logging(cfg.node.log_level)
     log.info("quillcached %s starting (pid %d, configuration %s)", __version__, os.getpid(), cfg.source)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_main(cfg, config_path, dict(overrides or {})))
+        code = runner.run(_main(cfg, config_path, dict(overrides or {})))
+    from quillcache.transfer.nixl import agents_made
+    if agents_made():       # NIXL 1.5.1 crashes in an ELF destructor at exit (transfer/nixl.py)
+        logging.shutdown()
+        os._exit(code)
+    return code

@@ -64,6 +64,10 @@ class Opcode(enum.IntEnum):
     # operator ops (any client; keys are checked against the connection's tenant)
     CLUSTER_LOCATE = 0x44   # n keys -> JSON: each key's home and holders
     CLUSTER_VIEW = 0x45     # -> JSON: the members this node sees, their epochs and state
+    # node-to-node, the NIXL transport (protocol/grants.py, cluster/grants.py)
+    NIXL_META = 0x49        # -> holder: its NIXL agent metadata and where its arena is registered
+    GRANT = 0x4A            # -> holder: n keys for a tenant, reply: per-key arena offset, size, CRC, held
+    GRANT_RELEASE = 0x4B    # -> holder: grants read, their blocks may move again
     ERROR = OP_ERROR    # reply only: status in the fixed header, message in the body
 
     INFO = 0x20         # alias of STATS
@@ -81,7 +85,7 @@ KNOWN_FLAGS = int(Flag.REPLY | Flag.PAYLOAD_CRC | Flag.DURABLE)
 REQUEST_OPCODES = frozenset(op for op in Opcode if op is not Opcode.ERROR)
 PAYLOAD_REQUEST_OPCODES = frozenset({Opcode.PUT, Opcode.PUT_MANY, Opcode.PING})
 PAYLOAD_REPLY_OPCODES = frozenset({Opcode.GET, Opcode.GET_MANY, Opcode.PING, Opcode.STATS, Opcode.FETCH})
-CLUSTER_OPCODES = frozenset(op for op in Opcode if 0x40 <= op <= 0x47)   # handled by cluster.hook
+CLUSTER_OPCODES = frozenset(op for op in Opcode if 0x40 <= op <= 0x4F)   # handled by cluster.hook
 
 
 # The wire name of each error class; the numbers are the classes' own ``status`` (errors.py,

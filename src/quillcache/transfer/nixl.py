@@ -34,7 +34,7 @@ import numpy as np
 
 from quillcache.errors import CapacityError, InvalidArgument, QuillCacheError, Timeout
 
-__all__ = ["NixlEndpoint", "StagedRead", "TransferFailed", "nixl_missing", "NIXL_INSTALL_HINT",
+__all__ = ["NixlEndpoint", "StagedRead", "TransferFailed", "nixl_missing", "agents_made", "NIXL_INSTALL_HINT",
            "NIXL_MODULE", "DEFAULT_STAGING_BYTES"]
 
 NIXL_MODULE = "nixl_cu12._api"          # the CUDA 12 variant's Python API (host memory needs no GPU)
@@ -52,6 +52,16 @@ class TransferFailed(QuillCacheError):
 def _api():
     import importlib
     return importlib.import_module(NIXL_MODULE)
+
+
+_AGENTS_MADE = False
+
+
+def agents_made() -> bool:
+    """Whether this process made a NIXL agent: NIXL 1.5.1's wheel then crashes in an ELF destructor
+    at exit (its bundled libnl-route, after ``main`` returned), so such a process ends with
+    ``os._exit`` once its own work is done."""
+    return _AGENTS_MADE
 
 
 def nixl_missing() -> Optional[str]:
@@ -97,6 +107,8 @@ class NixlEndpoint:
             raise InvalidArgument(f"staging_bytes {staging_bytes}: must be {STAGING_UNIT}..{1 << 40}")
         api = _api()
         from quillcache._native.alloc import OffsetAllocator
+        global _AGENTS_MADE
+        _AGENTS_MADE = True
         self.name = name
         self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
         self.arena_address = int(arena.ctypes.data)
@@ -136,11 +148,19 @@ class NixlEndpoint:
         await self._run(self._add_peer, node_id, epoch, bytes(metadata), arena_address, arena_bytes)
 
     def _add_peer(self, node_id: str, epoch: int, metadata: bytes, arena_address: int, arena_bytes: int) -> None:
+        if self.knows(node_id, epoch):
+            return              # added meanwhile: replacing it would cut reads in flight to it
         old = self._peers.pop(node_id, None)
         if old is not None:
             self._remove_agent(old[1])
         name = self._agent.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
+        try:
+            # Wire up now, on this thread: UCX's first transfer to a peer otherwise pays for it
+            # (hundreds of ms under UCX_TLS=tcp), past the deadline of the read that needed it.
+            self._agent.make_connection(name)
+        except Exception:       # optional: the first READ connects then
+            pass
         self._peers[node_id] = (epoch, name, arena_address, arena_bytes)
         self.counters["peers_added"] += 1
 
