@@ -43,6 +43,7 @@ NIXL_INSTALL_HINT = ("pip install --no-deps 'nixl-cu12==1.5.1' (the [nixl] extra
 DEFAULT_STAGING_BYTES = 64 << 20        # bytes: registered memory reads land in before they are used
 STAGING_UNIT = 4096                     # bytes: staging extents are whole pages
 POLL_SLEEP_S = 20e-6                    # seconds between state polls of a transfer in flight
+PROGRESS_DELAY_US = 100                 # microseconds: the NIXL progress thread's sleep between rounds
 
 
 class TransferFailed(QuillCacheError):
@@ -73,6 +74,31 @@ def nixl_missing() -> Optional[str]:
     except Exception as exc:   # a broken install (a missing shared library, ...): the same answer
         return f"NIXL failed to load ({type(exc).__name__}: {exc}): {NIXL_INSTALL_HINT}"
     return None
+
+
+def _make_agent(api, name: str):
+    """A NIXL agent with the UCX backend whose progress thread sleeps ``PROGRESS_DELAY_US`` between
+    rounds.  NIXL 1.5.1's Python ``nixl_agent`` fixes that delay at 0: its progress thread then
+    spins a core while the node is idle (measured: 70-78% of a core per agent, every node of a
+    pool on one host).  Without a progress thread a holder's agent never answers a peer (reads
+    of it hang), so the thread stays and only its delay is set: through a subclass of the config
+    type, in place for the time the agent is made (the wrapper sets ``pthrDelay`` there)."""
+    bind = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    if base is None:                    # another layout of the wrapper: its defaults
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+
+    class _Config(base):
+        def __setattr__(self, field, value):
+            if field == "pthrDelay":
+                value = PROGRESS_DELAY_US
+            super().__setattr__(field, value)
+
+    bind.nixlAgentConfig = _Config
+    try:
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    finally:
+        bind.nixlAgentConfig = base
 
 
 class StagedRead:
@@ -110,7 +136,7 @@ class NixlEndpoint:
         global _AGENTS_MADE
         _AGENTS_MADE = True
         self.name = name
-        self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        self._agent = _make_agent(api, name)
         self.arena_address = int(arena.ctypes.data)
         self.arena_bytes = int(arena.nbytes)
         self._arena = arena                                    # keeps the mapping alive while registered
