@@ -40,15 +40,21 @@ from tests._support.etcd import EtcdServer  # noqa: E402
 KINDS = {"tcp": ("tcp", None), "nixl": ("nixl", None), "nixl-ucx-tcp": ("nixl", "tcp")}
 
 
-def cpu_ns(pid: int) -> int:
-    """CPU time (ns) of every thread of ``pid`` so far."""
-    total = 0
+def cpu_by_thread(pid: int) -> dict[str, int]:
+    """CPU time (ns) of each thread of ``pid`` so far, by thread (name/tid)."""
+    out: dict[str, int] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            total += int((task / "schedstat").read_text().split()[0])
+            name = f"{(task / 'comm').read_text().strip()}/{task.name}"
+            out[name] = out.get(name, 0) + int((task / "schedstat").read_text().split()[0])
         except (OSError, ValueError):
             pass                        # a thread that just ended
-    return total
+    return out
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time (ns) of every thread of ``pid`` so far."""
+    return sum(cpu_by_thread(pid).values())
 
 
 def wait_nixl(pool: Pool, reader: str, timeout: float = 20.0) -> None:
@@ -120,11 +126,16 @@ def holder_cpu(pool: Pool, name: str, gets: int) -> tuple[float, float]:
         for k in s.keys:
             s.b.get(k)
         pa, pb = pool["a"].proc.pid, pool["b"].proc.pid
-        a0, b0 = cpu_ns(pa), cpu_ns(pb)
+        a0, b0 = cpu_by_thread(pa), cpu_by_thread(pb)
         for i in range(gets):
             if len(s.b.get(s.keys[i % len(s.keys)])) != s.size:
                 raise SystemExit("wrong size")
-        return (cpu_ns(pa) - a0) / gets / 1e3, (cpu_ns(pb) - b0) / gets / 1e3
+        a1, b1 = cpu_by_thread(pa), cpu_by_thread(pb)
+        for side, t0, t1 in (("holder", a0, a1), ("reader", b0, b1)):
+            per = {n: (t1[n] - t0.get(n, 0)) / gets / 1e3 for n in t1 if t1[n] - t0.get(n, 0) > 0}
+            print(f"# {name} {side} CPU per GET by thread: "
+                  + ", ".join(f"{n} {us:.1f} µs" for n, us in sorted(per.items(), key=lambda x: -x[1])))
+        return (sum(a1.values()) - sum(a0.values())) / gets / 1e3, (sum(b1.values()) - sum(b0.values())) / gets / 1e3
     finally:
         s.close()
 

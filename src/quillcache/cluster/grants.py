@@ -38,6 +38,7 @@ __all__ = ["GrantTable", "MAX_GRANTED_BLOCKS", "GRANT_OPCODES"]
 MAX_GRANTED_BLOCKS = 65536      # blocks held by grants at once, over every peer
 GRANT_OPCODES = frozenset({Opcode.NIXL_META, Opcode.GRANT, Opcode.GRANT_RELEASE})
 _MISS = (NotFound, UnsafeReuse, Busy)
+_LATER = object()               # a block on SSD only: read (and promoted) off the loop first
 
 
 class GrantTable:
@@ -70,40 +71,87 @@ class GrantTable:
             conn.finish(rid, op, wire.encode_meta_reply(
                 wire.Meta(self._epoch(), ep.arena_address, ep.arena_bytes, ep.metadata)))
         elif op == Opcode.GRANT:
-            tenant, ekeys = wire.decode_grant(frame.header, self.limits)
+            release, tenant, ekeys = wire.decode_grant(frame.header, self.limits)
+            for grant_id in release:
+                self.release(grant_id)
             keys = [conn.key_of(ekey) for ekey in ekeys]
-            conn.spawn(self._grant(conn, rid, tenant, keys))
+            self._grant(conn, rid, tenant, keys)
         elif op == Opcode.GRANT_RELEASE:
             held = sum(self.release(g) for g in wire.decode_release(frame.header, self.limits))
             conn.finish(rid, op, wire.encode_release_reply(held))
 
-    async def _grant(self, conn, rid: int, tenant: str, keys: list) -> None:
+    def _grant(self, conn, rid: int, tenant: str, keys: list) -> None:
+        """GRANT: leases on the blocks in DRAM, in this loop turn; the first block that must be
+        read from the SSD tier first sends the rest off the loop (``_grant_async``)."""
         leases: list = []
         items: list[wire.GrantItem] = []
-        store = self.store
+        try:
+            for i, key in enumerate(keys):
+                lease = self._lease(tenant, key, items, len(leases))
+                if lease is _LATER:
+                    conn.spawn(self._grant_async(conn, rid, tenant, keys[i:], leases, items))
+                    return
+                if lease is not None:
+                    leases.append(lease)
+        except BaseException as exc:
+            self._failed(conn, rid, leases, exc)
+            return
+        self._reply(conn, rid, leases, items)
+
+    async def _grant_async(self, conn, rid: int, tenant: str, keys: list, leases: list, items: list) -> None:
         try:
             for key in keys:
-                # Another tenant's key is a miss, the same as an absent one (as FETCH answers).
-                if not self._may_read(tenant, key):
-                    items.append(wire.GrantItem(NotFound.status, 0, 0, 0))
-                    continue
-                if self.held_blocks + len(leases) >= MAX_GRANTED_BLOCKS:
-                    items.append(wire.GrantItem(wire.STATUS_FETCH, 0, 0, 0))
-                    continue
-                try:
-                    lease = store.get_nowait(key)
-                    if lease is None:
-                        lease = await store.get_async(key)      # SSD: promoted into DRAM where there is room
-                except _MISS as exc:
-                    items.append(wire.GrantItem(exc.status, 0, 0, 0))
-                    continue
-                if lease.offset is None or lease.view is None:  # not in the arena: FETCH sends it
-                    lease.release()
-                    self.counters["grant_fetch_items"] += 1
-                    items.append(wire.GrantItem(wire.STATUS_FETCH, 0, 0, 0))
-                    continue
-                leases.append(lease)
-                items.append(wire.GrantItem(0, lease.offset, lease.size, crc32c(lease.view)))
+                lease = self._lease(tenant, key, items, len(leases))
+                if lease is _LATER:
+                    try:
+                        lease = await self.store.get_async(key)     # SSD: promoted into DRAM where there is room
+                    except _MISS as exc:
+                        items.append(wire.GrantItem(exc.status, 0, 0, 0))
+                        continue
+                    lease = self._granted(lease, items)
+                if lease is not None:
+                    leases.append(lease)
+        except BaseException as exc:
+            self._failed(conn, rid, leases, exc)
+            return
+        self._reply(conn, rid, leases, items)
+
+    def _lease(self, tenant: str, key, items: list, taken: int):
+        """The store lease for one key, its item appended; None (a miss, or not in the arena) or
+        ``_LATER`` (on SSD only: ``get_async`` first, its item not appended yet)."""
+        # Another tenant's key is a miss, the same as an absent one (as FETCH answers).
+        if not self._may_read(tenant, key):
+            items.append(wire.GrantItem(NotFound.status, 0, 0, 0))
+            return None
+        if self.held_blocks + taken >= MAX_GRANTED_BLOCKS:
+            items.append(wire.GrantItem(wire.STATUS_FETCH, 0, 0, 0))
+            return None
+        try:
+            lease = self.store.get_nowait(key)
+        except _MISS as exc:
+            items.append(wire.GrantItem(exc.status, 0, 0, 0))
+            return None
+        if lease is None:
+            return _LATER
+        return self._granted(lease, items)
+
+    def _granted(self, lease, items: list):
+        if lease.offset is None or lease.view is None:      # not in the arena: FETCH sends it
+            lease.release()
+            self.counters["grant_fetch_items"] += 1
+            items.append(wire.GrantItem(wire.STATUS_FETCH, 0, 0, 0))
+            return None
+        items.append(wire.GrantItem(0, lease.offset, lease.size, crc32c(lease.view)))
+        return lease
+
+    def _failed(self, conn, rid: int, leases: list, exc: BaseException) -> None:
+        _release(leases)
+        if not isinstance(exc, Exception):
+            raise exc
+        conn.finish_error(rid, Opcode.GRANT, exc)
+
+    def _reply(self, conn, rid: int, leases: list, items: list) -> None:
+        try:
             if not conn.is_in_flight(rid):
                 _release(leases)
                 return
@@ -111,10 +159,7 @@ class GrantTable:
             body = wire.encode_grant_reply(wire.Grant(self._epoch(), grant_id, int(self.ttl_s * 1e6), items),
                                            self.limits)
         except BaseException as exc:
-            _release(leases)
-            if not isinstance(exc, Exception):
-                raise
-            conn.finish_error(rid, Opcode.GRANT, exc)
+            self._failed(conn, rid, leases, exc)
             return
         if leases:
             # Held from now until released or the ttl ends: the reader counts its ttl from

@@ -5,7 +5,7 @@ Integers are little-endian; ``text8`` and ``keys`` as in protocol/cluster.py.
 
 NIXL_META      empty         reply: u64 holder epoch, u64 arena address, u64 arena bytes,
                                     u32 length + the holder's NIXL agent metadata
-GRANT          text8 tenant, keys
+GRANT          u32 r, r x u64 grant id (grants read since, released first), text8 tenant, keys
                              reply: u64 holder epoch, u64 grant id, u32 ttl (microseconds),
                                     u32 n, n x (u8 status, u64 arena offset, u64 size, u32 crc32c)
 GRANT_RELEASE  u32 n, n x u64 grant id      reply: u32 how many were still held
@@ -78,12 +78,24 @@ def decode_meta_reply(body) -> Meta:
     return Meta(epoch, address, nbytes, meta)
 
 
-def encode_grant(tenant: str, keys: Sequence[bytes], limits: ProtocolLimits) -> bytes:
-    return encode_fetch(tenant, keys, limits)       # the same body as FETCH: tenant, keys
+def encode_grant(tenant: str, keys: Sequence[bytes], limits: ProtocolLimits, release: Sequence[int] = ()) -> bytes:
+    """GRANT of ``keys`` for ``tenant``, releasing the grants ``release`` first (a reader's
+    releases ride on its next GRANT to the same holder instead of a message of their own)."""
+    if len(release) > limits.max_batch:
+        raise InvalidArgument(f"GRANT: {len(release)} grants to release, at most {limits.max_batch}")
+    head = _I.pack(len(release)) + b"".join(_Q.pack(g) for g in release)
+    return head + encode_fetch(tenant, keys, limits)     # then the same body as FETCH: tenant, keys
 
 
-def decode_grant(body, limits: ProtocolLimits) -> tuple[str, list[bytes]]:
-    return decode_fetch(body, limits)
+def decode_grant(body, limits: ProtocolLimits) -> tuple[list[int], str, list[bytes]]:
+    """(grant ids to release, tenant, keys)."""
+    r = BodyReader(body, "GRANT")
+    n = r.u32("release count")
+    if n > limits.max_batch:
+        raise InvalidArgument(f"GRANT: {n} grants to release, at most {limits.max_batch}")
+    release = [r.u64("grant id") for _ in range(n)]
+    tenant, keys = decode_fetch(memoryview(r.buf)[r.pos:], limits)
+    return release, tenant, keys
 
 
 def encode_grant_reply(grant: Grant, limits: ProtocolLimits) -> bytes:

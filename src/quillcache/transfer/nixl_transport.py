@@ -7,8 +7,9 @@ Control messages (ANNOUNCE, WITHDRAW, LOCATE, GRANT, ...) stay on the TCP member
    size and CRC32C, held in place for the grant's ttl;
 2. one NIXL READ for the batch, holder arena -> this node's registered staging area
    (``NixlEndpoint``), on the endpoint's progress thread (the loop only awaits);
-3. each block copied out of staging and checked against the CRC the holder sent; GRANT_RELEASE
-   sent without waiting for it (the grant also ends at its ttl).
+3. each block copied out of staging and checked against the CRC the holder sent; the grant is
+   released by the next GRANT to that holder, or by GRANT_RELEASE after ``RELEASE_DELAY_S``
+   (and ends at its ttl anyway).
 
 The holder's agent is learnt over the member link (NIXL_META: its metadata, where its arena is
 registered) the first time a (node, epoch) is read, and forgotten when it leaves the view or
@@ -42,6 +43,7 @@ __all__ = ["NixlTransport", "make_endpoint", "TRANSPORT_CHOICES", "TTL_MARGIN_S"
 TRANSPORT_CHOICES = ("auto", "tcp", "nixl")
 TTL_MARGIN_S = 0.002        # seconds: a READ must be done this long before its grant's ttl ends
 META_TIMEOUT_S = 5.0        # seconds: NIXL_META and GRANT_RELEASE, sent off any read's path
+RELEASE_DELAY_S = 0.005     # seconds a read grant waits to ride on the next GRANT before GRANT_RELEASE
 
 
 class NixlTransport:
@@ -55,6 +57,7 @@ class NixlTransport:
         self.limits = tcp.limits
         self._tcp_only: set[Peer] = set()                   # holders (of an epoch) without NIXL
         self._adding: set[Peer] = set()                     # agents being learnt
+        self._releases: dict[Peer, list[int]] = {}          # grants read, not yet released
         self._bg: set[asyncio.Task] = set()
         self.counters = {"nixl_reads": 0, "nixl_bytes": 0, "nixl_fallbacks": 0, "nixl_late": 0,
                          "nixl_crc_mismatches": 0, "nixl_meta_fetched": 0, "nixl_release_failures": 0,
@@ -101,8 +104,10 @@ class NixlTransport:
                 self._adding.add(peer)          # before the task runs: one _know per peer
                 self._spawn(self._know(peer))
             return await self._tcp_fetch(peer, tenant, keys, deadline)
+        release = self._releases.pop(peer, [])      # grants read since: released by this GRANT
         sent = time.monotonic()
-        body = await self.tcp.request(peer, Opcode.GRANT, wire.encode_grant(tenant, keys, self.limits), deadline)
+        body = await self.tcp.request(peer, Opcode.GRANT, wire.encode_grant(tenant, keys, self.limits, release),
+                                      deadline)
         grant = wire.decode_grant_reply(body, self.limits)
         if len(grant.items) != len(keys):
             raise InvalidArgument(f"GRANT reply names {len(grant.items)} items for {len(keys)} keys")
@@ -192,12 +197,26 @@ class NixlTransport:
         return await self.tcp.fetch(peer, tenant, keys, deadline)
 
     def _release(self, peer: Peer, grant_id: int) -> None:
+        """Release a grant that was read: with the next GRANT to that holder if one goes within
+        ``RELEASE_DELAY_S`` (no message of its own), else by GRANT_RELEASE then."""
+        pending = self._releases.setdefault(peer, [])
+        pending.append(grant_id)
+        if len(pending) == 1:
+            asyncio.get_running_loop().call_later(RELEASE_DELAY_S, self._flush_releases, peer)
+
+    def _flush_releases(self, peer: Peer) -> None:
+        ids = self._releases.pop(peer, None)
+        if not ids:
+            return
+
         async def send() -> None:
             try:
-                await self.tcp.request(peer, Opcode.GRANT_RELEASE, wire.encode_release([grant_id], self.limits),
-                                       time.monotonic() + META_TIMEOUT_S)
+                for i in range(0, len(ids), self.limits.max_batch):
+                    await self.tcp.request(peer, Opcode.GRANT_RELEASE,
+                                           wire.encode_release(ids[i:i + self.limits.max_batch], self.limits),
+                                           time.monotonic() + META_TIMEOUT_S)
             except QuillCacheError:
-                self.counters["nixl_release_failures"] += 1     # it ends at its ttl anyway
+                self.counters["nixl_release_failures"] += 1     # they end at their ttl anyway
         self._spawn(send())
 
     def _spawn(self, coro) -> None:
