@@ -192,7 +192,7 @@ def main(argv=None) -> int:
                 with Client(p["b"].addr) as c:
                     info = c.info("cluster")["Cluster"]
                 print(f"# {n}: B's transport {info['transport_transport']}, nixl_reads "
-                      f"{info.get('transport_nixl_reads', 0)}, nixl_fallbacks {info.get('transport_nixl_fallbacks', 0)}, "
+                      f"{info.get('transport_nixl_reads', 0)} ({info.get('transport_nixl_reads_inline', 0)} done at once), nixl_fallbacks {info.get('transport_nixl_fallbacks', 0)}, "
                       f"FETCHes {info['transport_fetches']}")
         finally:
             for p in pools.values():

@@ -86,7 +86,7 @@ def _make_agent(api, name: str):
     bind = getattr(api, "nixlBind", None)
     base = getattr(bind, "nixlAgentConfig", None)
     if base is None:                    # another layout of the wrapper: its defaults
-        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], sync_mode=_strict(api)))
 
     class _Config(base):
         def __setattr__(self, field, value):
@@ -96,9 +96,15 @@ def _make_agent(api, name: str):
 
     bind.nixlAgentConfig = _Config
     try:
-        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], sync_mode=_strict(api)))
     finally:
         bind.nixlAgentConfig = base
+
+
+def _strict(api):
+    """The thread-safe agent mode: READs are posted from the event loop, the rest runs on the
+    endpoint's progress thread."""
+    return api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
 
 
 class StagedRead:
@@ -151,9 +157,11 @@ class NixlEndpoint:
         self._peers: dict[str, tuple[int, str, int, int]] = {}  # node id -> (epoch, agent, arena addr, bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-progress")
         self._notif = itertools.count(1)
-        self.counters = {"reads": 0, "read_bytes": 0, "read_errors": 0, "read_timeouts": 0,
+        self.counters = {"reads": 0, "reads_inline": 0, "read_bytes": 0, "read_errors": 0, "read_timeouts": 0,
                          "peers_added": 0, "peers_removed": 0, "staging_full": 0}
         self.closed = False
+        self._slow_calls = 0            # agent adds/removes on the thread now (the loop's count)
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # ------------------------------------------------------------------ peers
 
@@ -171,7 +179,11 @@ class NixlEndpoint:
             raise InvalidArgument(f"NIXL arena of {node_id}: address and size must be positive integers")
         if self.knows(node_id, epoch):
             return
-        await self._run(self._add_peer, node_id, epoch, bytes(metadata), arena_address, arena_bytes)
+        self._slow_calls += 1
+        try:
+            await self._run(self._add_peer, node_id, epoch, bytes(metadata), arena_address, arena_bytes)
+        finally:
+            self._slow_calls -= 1
 
     def _add_peer(self, node_id: str, epoch: int, metadata: bytes, arena_address: int, arena_bytes: int) -> None:
         if self.knows(node_id, epoch):
@@ -194,7 +206,20 @@ class NixlEndpoint:
         """The peer left the view (or changed epoch): drop its agent (on the progress thread)."""
         old = self._peers.pop(node_id, None)
         if old is not None and not self.closed:
-            self._pool.submit(self._remove_agent, old[1])
+            self._slow_calls += 1
+            self._pool.submit(self._remove_agent, old[1]).add_done_callback(self._slow_done)
+
+    def _slow_done(self, _fut) -> None:
+        if self._loop is None:  # no loop ever posted a read: nothing to keep in step
+            self._slow_calls -= 1
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._slow_dec)
+        except RuntimeError:    # the loop is closed: nothing posts reads any more
+            pass
+
+    def _slow_dec(self) -> None:
+        self._slow_calls -= 1
 
     def _remove_agent(self, name: str) -> None:
         try:
@@ -227,7 +252,20 @@ class NixlEndpoint:
             raise InvalidArgument(f"NIXL read: {total} bytes do not fit the free staging area now") from None
         base = int(alloc[0])
         try:
-            await self._run(self._read, peer[1], peer[2], extents, sizes, base, deadline)
+            # Posted from the loop (posting does not wait: the agent is thread-safe); a READ that
+            # UCX finished at once (shared memory / CMA usually does) ends here, without a hop
+            # to the progress thread; any other is polled there until done or its deadline.
+            # Not while the thread adds or removes an agent: that holds the agent's lock for as
+            # long as UCX takes to wire up, and the loop must not wait for it.
+            if self._slow_calls:
+                await self._run(self._read_on_thread, peer[1], peer[2], extents, sizes, base, deadline)
+            else:
+                handle, state = self._post(peer[1], peer[2], extents, sizes, base)
+                if state in ("DONE", "ERR"):
+                    self.counters["reads_inline"] += 1
+                    self._end(handle, state, peer[1])
+                else:
+                    await self._run(self._wait, handle, state, peer[1], deadline)
         except BaseException:
             self.free_staging(alloc)
             raise
@@ -239,7 +277,9 @@ class NixlEndpoint:
         self.counters["read_bytes"] += total
         return StagedRead(self, alloc, views)
 
-    def _read(self, agent_name: str, arena: int, extents, sizes: list[int], base: int, deadline: float) -> None:
+    def _post(self, agent_name: str, arena: int, extents, sizes: list[int], base: int) -> tuple[Any, str]:
+        if self.closed:
+            raise TransferFailed("NIXL endpoint is closed")
         local, off = [], self._staging_address + base
         for n in sizes:
             local.append((off, n, 0))
@@ -250,18 +290,34 @@ class NixlEndpoint:
         handle = self._agent.initialize_xfer("READ", ldesc, rdesc, agent_name,
                                              str(next(self._notif)).encode())
         try:
-            state = self._agent.transfer(handle)
+            return handle, self._agent.transfer(handle)
+        except BaseException:
+            self._agent.release_xfer_handle(handle)
+            raise
+
+    def _read_on_thread(self, agent_name: str, arena: int, extents, sizes: list[int], base: int,
+                        deadline: float) -> None:
+        handle, state = self._post(agent_name, arena, extents, sizes, base)
+        self._wait(handle, state, agent_name, deadline)
+
+    def _wait(self, handle, state: str, agent_name: str, deadline: float) -> None:
+        try:
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
                     self.counters["read_timeouts"] += 1
                     raise Timeout(f"NIXL read from {agent_name}: not done by its deadline")
                 time.sleep(POLL_SLEEP_S)
                 state = self._agent.check_xfer_state(handle)
-            if state == "ERR":
-                self.counters["read_errors"] += 1
-                raise TransferFailed(f"NIXL read from {agent_name} failed")
-        finally:
+        except BaseException:
             self._agent.release_xfer_handle(handle)
+            raise
+        self._end(handle, state, agent_name)
+
+    def _end(self, handle, state: str, agent_name: str) -> None:
+        self._agent.release_xfer_handle(handle)
+        if state == "ERR":
+            self.counters["read_errors"] += 1
+            raise TransferFailed(f"NIXL read from {agent_name} failed")
 
     def free_staging(self, alloc) -> None:
         """Give a read's staging extent back (``StagedRead.release`` calls it)."""
@@ -270,7 +326,8 @@ class NixlEndpoint:
     async def _run(self, fn, *args) -> Any:
         if self.closed:
             raise TransferFailed("NIXL endpoint is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        self._loop = asyncio.get_running_loop()
+        return await self._loop.run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------------ life
 

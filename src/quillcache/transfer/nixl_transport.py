@@ -92,7 +92,8 @@ class NixlTransport:
         return {**self.tcp.stats(), "transport": self.name, "ucx_tls": ucx_tls(), **self.counters,
                 "nixl_peers": ep["peers"], "nixl_tcp_peers": len(self._tcp_only),
                 "nixl_staging_used": ep["staging_used"], "nixl_staging_full": ep["staging_full"],
-                "nixl_read_errors": ep["read_errors"], "nixl_read_timeouts": ep["read_timeouts"]}
+                "nixl_read_errors": ep["read_errors"], "nixl_read_timeouts": ep["read_timeouts"],
+                "nixl_reads_inline": ep["reads_inline"]}
 
     async def fetch(self, peer: Peer, tenant: str, keys: Sequence[bytes], deadline: float) -> FetchResult:
         if peer in self._tcp_only:
