@@ -150,11 +150,11 @@ class Node:
         self.address = self._listener.sockets[0].getsockname()[:2]
         self.server.listen = format_hostport(self.address)
         await self._listen_unix(data_dir)
-        if cfg.cluster.enabled:
-            await self._join_cluster(limits, auth)
-        if self.metrics is not None:
+        if self.metrics is not None:    # before the pool: NIXL's UCX binds ephemeral ports of its own
             self.metrics_address = self.metrics.serve(*cfg.metrics.listen)
             self.metrics.update_store(self._snapshot())
+        if cfg.cluster.enabled:
+            await self._join_cluster(limits, auth)
         self._maint = loop.create_task(self._maintenance())
         log.info("quillcached %s node %s listening on %s%s", __version__, self.node_id, self.server.listen,
                  f", metrics on http://{format_hostport(self.metrics_address)}/metrics"
