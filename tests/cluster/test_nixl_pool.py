@@ -309,3 +309,13 @@ def test_auto_reads_a_holder_without_nixl_over_tcp_and_says_so(tmp_path, etcd, m
         assert ib["transport_nixl_tcp_peers"] == 1 and ib["transport_nixl_reads"] == 0
         assert ib["transport_nixl_tcp_fetches"] >= 1 and ia["fetches_served"] >= 1
         assert "transport auto -> tcp" in pool["a"].log()
+
+
+def test_a_node_on_nixl_stops_on_term_with_exit_0(tmp_path, etcd, monkeypatch):
+    """NIXL 1.5.1 crashes in an ELF destructor at process exit once an agent was made: the node
+    ends past it (``exit_past_nixl``) with its own exit code, its log flushed."""
+    _tls(monkeypatch, "default")
+    with Pool(tmp_path, etcd.endpoint, 1, transport="nixl") as pool:
+        pool.wait_members(1)
+        assert pool["a"].stop(signal.SIGTERM) == 0
+        assert "transport nixl" in pool["a"].log() and pool["a"].log().rstrip().endswith("stopped")

@@ -515,8 +515,5 @@ def run(cfg: Config, *, config_path: Optional[str] = None, overrides: Optional[M
     log.info("quillcached %s starting (pid %d, configuration %s)", __version__, os.getpid(), cfg.source)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(_main(cfg, config_path, dict(overrides or {})))
-    from quillcache.transfer.nixl import agents_made
-    if agents_made():       # NIXL 1.5.1 crashes in an ELF destructor at exit (transfer/nixl.py)
-        logging.shutdown()
-        os._exit(code)
-    return code
+    from quillcache.transfer.nixl import exit_past_nixl
+    return exit_past_nixl(code)         # NIXL 1.5.1 crashes in an ELF destructor at exit (transfer/nixl.py)

@@ -34,8 +34,8 @@ import numpy as np
 
 from quillcache.errors import CapacityError, InvalidArgument, QuillCacheError, Timeout
 
-__all__ = ["NixlEndpoint", "StagedRead", "TransferFailed", "nixl_missing", "agents_made", "NIXL_INSTALL_HINT",
-           "NIXL_MODULE", "DEFAULT_STAGING_BYTES"]
+__all__ = ["NixlEndpoint", "StagedRead", "TransferFailed", "nixl_missing", "agents_made", "exit_past_nixl",
+           "NIXL_INSTALL_HINT", "NIXL_MODULE", "DEFAULT_STAGING_BYTES"]
 
 NIXL_MODULE = "nixl_cu12._api"          # the CUDA 12 variant's Python API (host memory needs no GPU)
 NIXL_INSTALL_HINT = ("pip install --no-deps 'nixl-cu12==1.5.1' (the [nixl] extra; --no-deps keeps pip "
@@ -63,6 +63,16 @@ def agents_made() -> bool:
     at exit (its bundled libnl-route, after ``main`` returned), so such a process ends with
     ``os._exit`` once its own work is done."""
     return _AGENTS_MADE
+
+
+def exit_past_nixl(code: int) -> int:
+    """``code``, for a process to exit with; a process that made an agent ends here instead, with
+    its logs flushed, past the destructors that would crash (``agents_made``)."""
+    if _AGENTS_MADE:
+        import logging
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def nixl_missing() -> Optional[str]:
