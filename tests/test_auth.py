@@ -6,9 +6,9 @@ import pytest
 
 from quillcache import Client
 from quillcache._native.codec import encode_frame_header
-from quillcache.auth import FAILED_HELLO_WINDOW_S, Authenticator
+from quillcache.auth import FAILED_HELLO_DELAY_MAX_S, FAILED_HELLO_DELAY_S, FAILED_HELLO_WINDOW_S, Authenticator
 from quillcache.settings.convert import hash_token
-from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, PermissionDenied
+from quillcache.errors import InvalidArgument, NotFound, PermissionDenied
 from quillcache.model import encode_key
 from quillcache.protocol import messages
 from quillcache.protocol.opcodes import Opcode
@@ -49,16 +49,29 @@ def test_plain_tokens_in_the_table_are_rejected():
         Authenticator([("alice", "alice-secret")], 10)
 
 
-def test_failed_hellos_are_limited_per_peer_within_a_minute():
+def test_failed_hellos_are_slowed_per_source_doubling_up_to_the_cap_never_refused():
     clock = FakeClock()
     auth = Authenticator(TENANTS, 3, clock=clock)
-    assert not auth.record_failure("10.0.0.1")
-    assert not auth.record_failure("10.0.0.1")
-    assert auth.record_failure("10.0.0.1")             # the third reaches the limit
-    assert auth.blocked("10.0.0.1")
-    assert not auth.blocked("10.0.0.2")                 # per peer
+    delays = [auth.record_failure("10.0.0.1") for _ in range(12)]
+    assert [d for d, _ in delays[:4]] == [FAILED_HELLO_DELAY_S * 2 ** i for i in range(4)]
+    assert max(d for d, _ in delays) == FAILED_HELLO_DELAY_MAX_S == delays[-1][0]
+    assert [c for _, c in delays[:3]] == [False, False, True]     # the third in a row closes
+    assert auth.failures("10.0.0.1") == 12
+    assert auth.record_failure("10.0.0.2") == (FAILED_HELLO_DELAY_S, False)   # per source
+    assert auth.authenticate(b"alice-secret") == "alice"      # nothing refuses a valid token
     clock.now += FAILED_HELLO_WINDOW_S + 0.1
-    assert not auth.blocked("10.0.0.1")                 # the window slid past them
+    assert auth.failures("10.0.0.1") == 0                     # a quiet minute ends the row
+    assert auth.record_failure("10.0.0.1") == (FAILED_HELLO_DELAY_S, False)
+
+
+def test_failures_are_remembered_for_a_bounded_number_of_sources(monkeypatch):
+    import quillcache.auth as auth_mod
+    monkeypatch.setattr(auth_mod, "MAX_TRACKED_PEERS", 4)
+    auth = Authenticator(TENANTS, 3)
+    for i in range(10):
+        auth.record_failure(f"10.0.0.{i}")
+    assert auth.stats()["failing_sources"] == 4
+    assert auth.failures("10.0.0.9") == 1 and auth.failures("10.0.0.0") == 0   # the least recent went
 
 
 def test_reconfigure_replaces_tenants():
@@ -95,14 +108,16 @@ def test_wrong_token_is_refused(daemon):
         assert info["Auth"]["failed_hellos"] >= 1
 
 
-def test_requests_before_hello_are_refused_but_ping_is_not(daemon):
+@pytest.mark.parametrize("opcode", [Opcode.GET, Opcode.PING])
+def test_any_request_before_hello_fails_the_connection(daemon, opcode):
     s = raw_connect(daemon.port)
     k = encode_key(key(1, tenant="alice"))
-    s.sendall(encode_frame_header(Opcode.GET, 1, header=messages.encode_get_request(k))
-              + encode_frame_header(Opcode.PING, 2))
-    replies = {f.request_id: f for f in read_frames(s, 2)}
-    assert replies[1].status == PermissionDenied.status
-    assert replies[2].status == 0
+    body = messages.encode_get_request(k) if opcode == Opcode.GET else b""
+    s.sendall(encode_frame_header(opcode, 1, header=body) + encode_frame_header(Opcode.PING, 2))
+    frames = read_frames(s, 3)
+    assert len(frames) == 1                                    # one connection-level error, then EOF
+    assert frames[0].request_id == 0 and frames[0].status == PermissionDenied.status
+    assert "before HELLO" in messages.decode_error(frames[0].status, frames[0].header).args[0]
     s.close()
 
 
@@ -155,24 +170,22 @@ def test_may_act_for_is_validated_and_only_widens_the_named_principal():
             tenants([{"name": "eng", "token": h, "may_act_for": bad}])
 
 
-def test_failed_hellos_past_the_limit_close_the_connection_at_once(tmp_path):
+def test_failed_hellos_past_the_limit_close_their_connection_and_the_right_token_still_works(tmp_path):
     tenants = "\n".join(f'[[auth.tenants]]\nname = "{n}"\ntoken = "{h}"' for n, h in TENANTS)
     d = Daemon(tmp_path)
     d.config.write_text(d.config.read_text() + "\n[auth]\nmax_failed_hellos = 2\n" + tenants + "\n")
     with d:
-        for _ in range(2):
-            with pytest.raises(PermissionDenied):
-                Client(d.addr, token="guess")
-        # now over the limit: even the right token is refused and the connection closed
         s = raw_connect(d.port)
-        s.sendall(encode_frame_header(Opcode.HELLO, 1, header=messages.encode_hello_request(b"alice-secret")))
-        frames = read_frames(s, 2)
+        hello = encode_frame_header(Opcode.HELLO, 1, header=messages.encode_hello_request(b"guess"))
+        s.sendall(hello)
+        assert read_frames(s, 1)[0].status == PermissionDenied.status      # the first: the connection stays
+        s.sendall(hello)
+        frames = read_frames(s, 2)                  # the second reaches the limit: answered, then closed
         assert len(frames) == 1 and frames[0].status == PermissionDenied.status
-        assert "too many failed" in messages.decode_error(frames[0].status, frames[0].header).args[0]
         s.close()
-        with pytest.raises((PermissionDenied, ConnectionLost)):
-            Client(d.addr, token="alice-secret")
-        assert "rate limit reached" in d.log()
+        with Client(d.addr, token="alice-secret") as c:                   # never a lockout
+            assert c.tenant == "alice"
+        assert "then closing" in d.log()
 
 
 def test_open_mode_says_so_in_info(tmp_path):

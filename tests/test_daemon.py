@@ -20,7 +20,7 @@ from quillcache.protocol import messages
 from quillcache.protocol.opcodes import Opcode
 from tests._support.daemon import QUILLCACHED, Daemon
 from tests._support.data import content, key
-from tests._support.metrics import metric_value, scrape
+from tests._support.metrics import has_metric, metric_value, scrape
 from tests._support.net import raw_connect, read_frames
 
 
@@ -143,6 +143,29 @@ def test_sighup_reports_settings_that_need_a_restart(tmp_path):
         assert "reload: applied store.lease=20.0" in log
 
 
+def test_sighup_applies_the_login_deadline_and_the_idle_timeout_to_the_running_node(tmp_path):
+    from quillcache.settings.convert import hash_token
+    from tests._support.net import raw_connect, read_frames
+    auth = f'\n[auth]\n[[auth.tenants]]\nname = "a"\ntoken = "{hash_token("t")}"\n'
+    d = Daemon(tmp_path)
+    d.config.write_text(d.config.read_text() + auth)
+    with d, Client(d.addr, token="t") as c:
+        assert c.info("Auth")["Auth"]["hello_timeout_s"] == 5.0
+        d.write_config(sections={"node": 'hello_timeout = "1s"\nidle_timeout = "0s"'})
+        d.config.write_text(d.config.read_text() + auth)
+        d.send(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while c.info("Auth")["Auth"]["hello_timeout_s"] != 1.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.info("Auth")["Auth"]["idle_timeout_s"] == 0.0
+        s = raw_connect(d.port)
+        t0 = time.monotonic()
+        frames = read_frames(s, 2, timeout=10)      # the new deadline, for a connection made after
+        s.close()
+        assert len(frames) == 1 and frames[0].request_id == 0 and time.monotonic() - t0 < 4.0
+        assert "reload: applied node.hello_timeout=1.0, node.idle_timeout=0.0" in d.log()
+
+
 def test_sd_notify_ready_and_stopping_reach_a_unix_datagram_socket(tmp_path):
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -195,6 +218,23 @@ def test_metrics_endpoint_counts_requests_by_opcode_and_status(tmp_path):
         assert metric_value(text, "quillcache_tier_capacity_bytes", 'tier="dram"') == 64 << 20
         assert metric_value(text, "quillcache_tier_used_bytes", 'tier="dram"') >= 300
         assert metric_value(text, "quillcache_tier_misses_total", 'tier="dram"') >= 1
+
+
+def test_every_store_counter_is_exported_in_metrics(tmp_path):
+    """The store defines its counters once (store/values.py); /metrics exports every one of
+    them, each tier's and the store's: a counter added to the store cannot be left out."""
+    from quillcache.store.values import SSD_COUNTERS, STORE_COUNTERS, TIER_COUNTERS
+    with Daemon(tmp_path, ssd=True) as d, Client(d.addr) as c:
+        c.put(key(1), b"abc" * 100)
+        time.sleep(1.3)            # the store snapshot refreshes once a second
+        text = scrape(d.metrics_port)
+    missing = [f"{name} ({tier})" for tier in ("dram", "ssd") for name in TIER_COUNTERS
+               if not has_metric(text, f"quillcache_tier_{name}_total", f'tier="{tier}"')]
+    missing += [f"{name} (ssd)" for name in SSD_COUNTERS
+                if not has_metric(text, f"quillcache_tier_{name}_total", 'tier="ssd"')]
+    missing += [name for name in STORE_COUNTERS if not has_metric(text, f"quillcache_store_{name}_total")]
+    assert not missing, f"store counters missing from /metrics: {missing}"
+    assert "lease_waits" in TIER_COUNTERS
 
 
 # --------------------------------------------------------------------------- durability (SSD tier)

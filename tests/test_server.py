@@ -461,7 +461,7 @@ def test_request_counters_render_as_prometheus_families():
 def test_a_handler_that_suspends_is_finished_by_a_task_with_its_result_and_its_cancellation():
     import asyncio
 
-    from quillcache.node.server import _finish
+    from quillcache.node.tasks import finish_in_task as _finish
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""Tenants, token checks and the failed-HELLO rate limit.
+"""Tenants, token checks and the failed-HELLO slow-down.
 
 A tenant is ``(name, "sha256:<hex>")`` from ``[auth] tenants`` (config.hash_token makes
 the hash).  A HELLO presents the plain token; we hash it and compare it with every
@@ -7,24 +7,31 @@ match, so the time taken says nothing about which tenant (or how much of a hash)
 matched.  With no tenants the node runs open (dev mode): every HELLO succeeds and binds
 no tenant.
 
-Failed HELLOs are counted per peer address in a sliding window of
-``FAILED_HELLO_WINDOW_S``; a peer past ``max_failed_hellos`` in the window is refused at
-once (the server closes the connection without looking at the token).
+Failed HELLOs are counted per *source* (an IP address; ``uid,pid`` on the Unix socket):
+the n-th failure in a row is answered only after ``FAILED_HELLO_DELAY_S * 2**(n-1)``
+seconds, at most ``FAILED_HELLO_DELAY_MAX_S`` (the server waits on a timer, the loop goes
+on).  A row ends after ``FAILED_HELLO_WINDOW_S`` without a failure.  Past
+``max_failed_hellos`` failures in a row, a failed HELLO also closes its connection.  A
+source is never refused: a valid token is checked and answered at once whatever its source
+did before, so guessing costs the guesser time and cannot lock anybody out.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import time
-from collections import deque
+from collections import OrderedDict
 from typing import Callable, Iterable, Optional
 
 from quillcache.errors import InvalidArgument, PermissionDenied
 
-__all__ = ["Authenticator", "FAILED_HELLO_WINDOW_S", "MAX_TRACKED_PEERS", "OPEN_TENANT"]
+__all__ = ["Authenticator", "FAILED_HELLO_WINDOW_S", "FAILED_HELLO_DELAY_S", "FAILED_HELLO_DELAY_MAX_S",
+           "MAX_TRACKED_PEERS", "OPEN_TENANT"]
 
-FAILED_HELLO_WINDOW_S = 60.0     # seconds: the window of [auth] max_failed_hellos
-MAX_TRACKED_PEERS = 65_536       # peers with failures remembered at once (oldest dropped)
+FAILED_HELLO_WINDOW_S = 60.0     # seconds without a failure that end a source's row of failures
+FAILED_HELLO_DELAY_S = 0.05      # seconds before the answer to a source's first failed HELLO
+FAILED_HELLO_DELAY_MAX_S = 5.0   # seconds: the delay doubles per failure in a row, up to this
+MAX_TRACKED_PEERS = 65_536       # sources with failures remembered at once (least recent dropped)
 OPEN_TENANT = ""                 # the tenant name a connection has in open mode
 
 _HASH_PREFIX = "sha256:"
@@ -35,14 +42,15 @@ def _digest(token: bytes) -> str:
 
 
 class Authenticator:
-    """Checks HELLO tokens and rate-limits failed HELLOs per peer address."""
+    """Checks HELLO tokens and slows failed HELLOs down per source."""
 
     def __init__(self, tenants: Iterable[tuple[str, str]] = (), max_failed_hellos: int = 10, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._failures: dict[str, deque] = {}
+        self._failures: OrderedDict[str, list] = OrderedDict()   # source -> [failures in a row, last]
         self.failed_hellos = 0          # total failed HELLOs since start
-        self.refused_peers = 0          # connections closed because the peer was over the limit
+        self.delayed_s = 0.0            # seconds of delay handed out to failed HELLOs
+        self.closed_after_failures = 0  # failed HELLOs whose connection was closed (past the limit)
         self.configure(tenants, max_failed_hellos)
 
     def configure(self, tenants: Iterable[tuple[str, str]], max_failed_hellos: int) -> None:
@@ -106,40 +114,39 @@ class Authenticator:
             raise PermissionDenied("HELLO refused: the token matches no tenant")
         return found
 
-    # ------------------------------------------------------------------ rate limit
+    # ------------------------------------------------------------------ slow-down
 
-    def _window(self, peer: str, now: float) -> Optional[deque]:
-        q = self._failures.get(peer)
-        if q is None:
-            return None
-        cutoff = now - FAILED_HELLO_WINDOW_S
-        while q and q[0] <= cutoff:
-            q.popleft()
-        if not q:
-            del self._failures[peer]
-            return None
-        return q
+    def failures(self, source: str) -> int:
+        """Failed HELLOs in a row from ``source`` (0 once its row ended)."""
+        entry = self._failures.get(source)
+        if entry is None or self._clock() - entry[1] >= FAILED_HELLO_WINDOW_S:
+            return 0
+        return entry[0]
 
-    def blocked(self, peer: str) -> bool:
-        """True when ``peer`` already failed ``max_failed_hellos`` HELLOs in the window."""
-        q = self._window(peer, self._clock())
-        return q is not None and len(q) >= self.max_failed_hellos
-
-    def record_failure(self, peer: str) -> bool:
-        """Count a failed HELLO; returns True when the peer is now over the limit."""
+    def record_failure(self, source: str) -> tuple[float, bool]:
+        """Count a failed HELLO from ``source``; returns ``(delay_s, close)``: how long to wait
+        before answering it, and whether its connection is to be closed after the answer."""
         now = self._clock()
         self.failed_hellos += 1
-        q = self._window(peer, now)
-        if q is None:
+        entry = self._failures.pop(source, None)
+        if entry is None or now - entry[1] >= FAILED_HELLO_WINDOW_S:
+            entry = [0, now]
             if len(self._failures) >= MAX_TRACKED_PEERS:
-                self._failures.pop(next(iter(self._failures)))     # forget the oldest peer
-            q = self._failures[peer] = deque()
-        q.append(now)
-        if len(q) > self.max_failed_hellos:
-            q.popleft()         # memory per peer is bounded by the limit
-        return len(q) >= self.max_failed_hellos
+                self._failures.popitem(last=False)      # forget the least recent source
+        entry[0] = min(entry[0] + 1, 1 << 16)
+        entry[1] = now
+        self._failures[source] = entry                  # most recent last
+        n = entry[0]
+        delay = FAILED_HELLO_DELAY_MAX_S if n > 16 else min(FAILED_HELLO_DELAY_S * (1 << (n - 1)),
+                                                            FAILED_HELLO_DELAY_MAX_S)
+        self.delayed_s += delay
+        close = n >= self.max_failed_hellos
+        if close:
+            self.closed_after_failures += 1
+        return delay, close
 
     def stats(self) -> dict:
         return {"mode": "open" if self.open_mode else "auth", "tenants": len(self._tenants),
-                "failed_hellos": self.failed_hellos, "refused_peers": self.refused_peers,
+                "failed_hellos": self.failed_hellos, "failed_hello_delay_s": round(self.delayed_s, 3),
+                "failing_sources": len(self._failures), "closed_after_failures": self.closed_after_failures,
                 "max_failed_hellos": self.max_failed_hellos}

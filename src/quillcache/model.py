@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 __all__ = [
@@ -74,8 +74,23 @@ class KvBlockKey:
     block_hash: str
     block_index: int = 0
     token_count: int = DEFAULT_TOKENS_PER_BLOCK
+    # the hash, computed once: a key is looked up in several dicts per request on the node
+    # (key cache, entries, slots, eviction order, index) and the client (encoded keys)
+    _hash: int = field(init=False, repr=False, compare=False, hash=False, default=0)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # rebuilt through __init__: a str's hash differs between processes, so a pickled
+        # _hash would be wrong in the process that loads it
+        return (KvBlockKey, (self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id,
+                             self.prefix_hash, self.block_hash, self.block_index, self.token_count))
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id,
+                                                self.prefix_hash, self.block_hash, self.block_index,
+                                                self.token_count)))
         for name in ("model_id", "tokenizer_id", "tenant_id", "prefix_hash", "block_hash"):
             _check_id(name, getattr(self, name))
         if self.adapter_id is not None:

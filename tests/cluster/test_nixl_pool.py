@@ -16,11 +16,13 @@ from quillcache import Client
 from quillcache._native.crc import crc32c
 from quillcache.errors import NotFound, PermissionDenied
 from quillcache.model import encode_key
+from quillcache.cluster.hrw import Ring, key_hash
+from quillcache.protocol import cluster as wire
 from quillcache.protocol import grants as gw
 from quillcache.protocol.opcodes import Opcode
 from quillcache.settings.convert import hash_token
 from quillcache.transfer.nixl import nixl_missing
-from tests._support.cluster import CREDENTIAL, Load, Pool, content, get_retry, key, member_ids, unix_addr
+from tests._support.cluster import Load, Pool, content, get_retry, key, member, member_ids, unix_addr
 from tests._support.etcd import etcd_binary
 
 pytestmark = [
@@ -188,7 +190,7 @@ def test_the_holder_keeps_a_granted_slot_until_the_grant_is_released_or_ends(tmp
               transport="nixl", grant_ttl="600ms") as pool:
         pool.wait_members(1)
         mb = 1 << 20
-        with Client(unix_addr(pool["a"])) as c, Client(pool["a"].addr, token=CREDENTIAL) as peer:
+        with Client(unix_addr(pool["a"])) as c, member(pool["a"].addr, "node-z", peer_id="node-a") as peer:
             arena = c.arena.view
 
             def grant(i):
@@ -229,6 +231,7 @@ def test_a_tenants_key_through_another_node_is_exactly_a_miss(tmp_path, etcd, mo
     pool = Pool(tmp_path, etcd.endpoint, 2, lease_ttl=f"{TTL_S}s", transport=kind)
     for d in pool.nodes.values():
         d.config.write_text(d.config.read_text() + tenants)
+    pool.token = "tok-one"                      # the views and INFO, as a tenant of these nodes
     with pool:
         pool.wait_members(2)
         with Client(pool["a"].addr, token="tok-one") as a:
@@ -250,9 +253,18 @@ def test_a_tenants_key_through_another_node_is_exactly_a_miss(tmp_path, etcd, mo
         with pytest.raises(PermissionDenied):               # nor is a client without a token
             with Client(pool["a"].addr) as anon:
                 anon.call(Opcode.NIXL_META)
+        with Client(pool["a"].addr, token=wire.NODE_HELLO_TOKEN) as marker:    # nor the node HELLO alone
+            for op, body in ((Opcode.NIXL_META, b""), (Opcode.GRANT_RELEASE, gw.encode_release([1], marker.limits)),
+                             (Opcode.GRANT, gw.encode_grant("t1", [encode_key(key(1, "t1"))], marker.limits))):
+                with pytest.raises(PermissionDenied, match="log in with NODE_AUTH"):
+                    marker.call(op, body)
+        if kind == "tcp":
+            with member(pool["a"].addr, "node-b", peer_id="node-a") as peer:   # a member, on a node without NIXL
+                with pytest.raises(PermissionDenied, match="does not use NIXL"):
+                    peer.call(Opcode.NIXL_META)
         if kind == "nixl":
             # a node asking on behalf of t2 is told exactly what an absent key gets, and nothing is held
-            with Client(pool["a"].addr, token=CREDENTIAL) as peer:
+            with member(pool["a"].addr, "node-b", peer_id="node-a") as peer:
                 def grant(tenant, k):
                     r = peer.call(Opcode.GRANT, gw.encode_grant(tenant, [encode_key(k)], peer.limits))
                     return gw.decode_grant_reply(r.header, peer.limits)
@@ -261,6 +273,49 @@ def test_a_tenants_key_through_another_node_is_exactly_a_miss(tmp_path, etcd, mo
                 assert probe.grant_id == absent.grant_id == 0
                 assert grant("t1", key(1, "t1")).items[0].status == 0
             assert _cluster(pool.info("b"))["transport_nixl_reads"] >= 1
+
+
+def test_a_holder_granting_other_bytes_than_its_writer_stored_is_a_miss(tmp_path, etcd, monkeypatch):
+    """A holder whose arena holds other bytes than its writer stored (a member gone bad, or its
+    memory) grants them with their own CRC, so the READ passes the grant's check; the reader
+    checks them against the CRC the writer recorded (LOCATE's) and drops them: a miss, never
+    the substituted bytes."""
+    _tls(monkeypatch, "default")
+    with Pool(tmp_path, etcd.endpoint, 2, lease_ttl=f"{TTL_S}s", transport="nixl") as pool:
+        pool.wait_members(2)
+        ring = Ring(["node-a", "node-b"])
+        i = next(i for i in range(1000) if ring.home(key_hash(encode_key(key(i)))) == "node-b")
+        k, ek, size = key(i), encode_key(key(i)), 256 << 10
+        real, fake = content(i, size), content(i + 1, size)
+        with Client(unix_addr(pool["a"])) as a:
+            a.put(key(5000), b"warm")
+            a.put(k, real)
+            _warm(pool, "b", key(5000))
+            with member(pool["b"].addr, "node-z", peer_id="node-b") as home:
+                deadline = time.monotonic() + 5
+                while True:                 # node-a announced it, with its writer's CRC, to its home
+                    found = wire.decode_locate_reply(
+                        home.call(Opcode.LOCATE, wire.encode_locate([ek], home.limits)).header, home.limits)[0]
+                    if found:
+                        break
+                    assert time.monotonic() < deadline, "node-a never announced the block"
+                    time.sleep(0.05)
+                assert found[0].node_id == "node-a" and found[0].crc == crc32c(real)
+            with member(pool["a"].addr, "node-z", peer_id="node-a") as peer:     # where it lies in the arena
+                g = gw.decode_grant_reply(
+                    peer.call(Opcode.GRANT, gw.encode_grant("", [ek], peer.limits)).header, peer.limits)
+                (item,) = g.items
+                peer.call(Opcode.GRANT_RELEASE, gw.encode_release([g.grant_id], peer.limits))
+            assert item.status == 0 and item.size == size
+            a.arena.view[item.offset:item.offset + size] = fake        # the holder's bytes are not the writer's
+        before = _cluster(pool.info("b"))
+        with Client(pool["b"].addr) as b:
+            with pytest.raises(NotFound):
+                b.get(k)
+        after = _cluster(pool.info("b"))
+        assert after["transport_nixl_reads"] > before["transport_nixl_reads"], "the block was not read with NIXL"
+        assert after["transport_nixl_crc_mismatches"] == 0, "the grant's CRC (the holder's word) matched"
+        assert after["crc_mismatches"] >= before["crc_mismatches"] + 1, "the writer's CRC caught it"
 
 
 BROKEN_NIXL = "raise ImportError('libucp.so.0: cannot open shared object file (a broken NIXL install)')\n"

@@ -14,7 +14,9 @@ from quillcache.errors import (
 )
 from quillcache.model import KvBlockKey, encode_key
 from quillcache.protocol import messages as m
-from quillcache.protocol.connection import DEFER, ClientProtocolConnection, ProtocolConnection
+from quillcache.protocol.connection import (
+    DEFER, PREAUTH_HEADER_BYTES, PREAUTH_READ_CHUNK, ClientProtocolConnection, ProtocolConnection,
+)
 from quillcache.protocol.opcodes import Opcode, ProtocolLimits, Status
 
 TOKEN = b"s3cret"
@@ -165,18 +167,37 @@ def test_hello_adopts_the_servers_limits_and_tenant():
     assert client.tenant_id == "tenant-a"
 
 
-def test_bad_token_is_refused_and_requests_before_hello_get_permission_denied():
+def test_bad_token_is_refused_and_a_good_one_then_logs_in_on_the_same_connection():
     client, server = Client(), StoreServer()
     bad = client.send_request(Opcode.HELLO, m.encode_hello_request(b"wrong"))
-    put = client.send_request(Opcode.PUT, m.encode_put_request(key(1), 5), [b"hello"])
-    ping = client.send_request(Opcode.PING)
     pump(client, server)
     assert isinstance(client.replies[bad].error, PermissionDenied)
-    assert isinstance(client.replies[put].error, PermissionDenied) and key(1) not in server.store
-    assert client.replies[ping].ok and not server.hello_done and server.failed is None
+    assert not server.hello_done and server.failed is None
+    assert server.parser.limits == (PREAUTH_HEADER_BYTES, 0, PREAUTH_READ_CHUNK)
     good = client.send_request(Opcode.HELLO, m.encode_hello_request(TOKEN))
     pump(client, server)
     assert client.replies[good].ok and server.hello_done
+    limits = server.limits                  # logged in: the connection's own limits
+    assert server.parser.limits[:2] == (limits.max_header_bytes, limits.max_payload_bytes)
+
+
+@pytest.mark.parametrize("what", ["ping", "put", "get", "big_header"])
+def test_before_hello_anything_but_a_small_hello_fails_the_connection_before_allocating(what):
+    client, server = Client(), StoreServer()
+    if what == "ping":
+        client.send_request(Opcode.PING)
+    elif what == "put":                     # a payload: the parser refuses its length (limit 0)
+        client.send_request(Opcode.PUT, m.encode_put_request(key(1), 5), [b"hello"])
+    elif what == "get":
+        client.send_request(Opcode.GET, m.encode_get_request(key(1)))
+    else:                                   # a header past the pre-login limit, claimed, never sent
+        server.data_received(encode_frame_header(Opcode.HELLO, 1, header=bytes(PREAUTH_HEADER_BYTES + 1))[:28])
+    pump(client, server)
+    assert server.failed is not None and server.close_requested and not server.hello_done
+    assert key(1) not in server.store
+    assert server.parser.buffer_capacity <= 2 * PREAUTH_READ_CHUNK       # nothing grew for a claim
+    if what != "big_header":
+        assert client.failed is not None and client.failed.status in (PermissionDenied.status, ProtocolError.status)
 
 
 def test_pipelined_replies_out_of_order_are_matched_by_request_id():

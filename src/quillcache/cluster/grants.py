@@ -1,4 +1,4 @@
-"""``GrantTable``: the holder's side of the NIXL transport (docs/cluster.md, "Bytes on NIXL").
+"""``GrantTable``: the holder's side of the NIXL transport (docs/nixl.md).
 
 A peer that reads blocks of this node with NIXL first asks for a grant (GRANT, on the member
 link): the same checks as FETCH (the requesting tenant, as the holder's own server would decide;
@@ -14,6 +14,8 @@ complete by the ttl it was told (counted from before it sent GRANT) treats the b
 The CRC is computed here, in C off the GIL-holding path for large blocks (``_native.crc``), from
 the bytes held in place: the reader checks it after the READ.  A slot that changed under a READ
 (it cannot while the grant holds, but a peer that reads late reads whatever is there) fails it.
+It is this holder's word only: the reader then checks the block against the CRC32C its writer
+recorded (LOCATE's, cluster/reads.py), as it does for bytes that came by FETCH.
 
 Limits: at most ``MAX_GRANTED_BLOCKS`` blocks held by grants at once (past it: Busy, which the
 reader turns into a FETCH), and a ttl of at most the store's lease (a store lease is reaped at
@@ -27,13 +29,14 @@ import logging
 from typing import Callable, Optional
 
 from quillcache._native.crc import crc32c
-from quillcache.errors import Busy, NotFound, UnsafeReuse
+from quillcache.errors import Busy, NotFound, PermissionDenied, UnsafeReuse
 from quillcache.protocol import grants as wire
 from quillcache.protocol.opcodes import Opcode, ProtocolLimits
+from quillcache.store.leases import release_leases as _release
 
 log = logging.getLogger("quillcache.cluster")
 
-__all__ = ["GrantTable", "MAX_GRANTED_BLOCKS", "GRANT_OPCODES"]
+__all__ = ["GrantTable", "MAX_GRANTED_BLOCKS", "GRANT_OPCODES", "serve", "use_transport"]
 
 MAX_GRANTED_BLOCKS = 65536      # blocks held by grants at once, over every peer
 GRANT_OPCODES = frozenset({Opcode.NIXL_META, Opcode.GRANT, Opcode.GRANT_RELEASE})
@@ -204,9 +207,12 @@ class GrantTable:
                 "grant_ttl_ms": round(self.ttl_s * 1000, 3)}
 
 
-def _release(leases) -> None:
-    for lease in leases:
-        lease.release()
+def serve(table: Optional[GrantTable], conn, frame) -> None:
+    """NIXL_META, GRANT or GRANT_RELEASE from a member connection (the hook refused them to any
+    other): ``table``'s, or refused where this node does not use NIXL (the reader then uses FETCH)."""
+    if table is None:
+        raise PermissionDenied(f"{Opcode(frame.opcode).name}: this node does not use NIXL ([cluster] transport)")
+    table.on_request(conn, frame)
 
 
 def use_transport(hook, store) -> Optional[GrantTable]:
@@ -231,7 +237,7 @@ def use_transport(hook, store) -> Optional[GrantTable]:
     arena = np.frombuffer(mmap.mmap(store.arena_fd, store.arena_bytes, flags=mmap.MAP_SHARED), dtype=np.uint8)
     table = GrantTable(store=store, endpoint=None, limits=hook.limits, ttl_s=s.grant_ttl,
                        epoch=lambda: hook.epoch,
-                       may_read=hook._may_read)    # FETCH's own tenant rule, one place for it
+                       may_read=hook.may_read)    # FETCH's own tenant rule, one place for it
 
     def made(endpoint) -> Optional[GrantTable]:
         if endpoint is None:
@@ -246,10 +252,10 @@ def use_transport(hook, store) -> Optional[GrantTable]:
     if s.transport == "nixl":
         return made(make())
 
-    async def background() -> None:
+    async def settle() -> None:
         endpoint = await asyncio.get_running_loop().run_in_executor(None, make)
         if made(endpoint) is None:
             hook.grants = None          # holders' GRANT/NIXL_META now refused: peers read it over TCP
 
-    hook._background(background())
+    hook.background(settle())
     return table

@@ -24,6 +24,7 @@ from quillcache._native.codec import encode_frame_header
 from quillcache.errors import Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse
 from quillcache.protocol import located, messages
 from quillcache.protocol.opcodes import FLAG_DURABLE, FLAG_REPLY, Opcode
+from quillcache.store.leases import release_leases
 
 __all__ = ["LocatedMixin", "NS"]
 
@@ -31,12 +32,6 @@ log = logging.getLogger("quillcache.server")
 
 NS = 1_000_000_000               # nanoseconds per second (lease and reserve expiries are monotonic ns)
 _MISS = (NotFound, UnsafeReuse, Busy)
-
-
-def _release_all(got: list) -> None:
-    for lease in got:
-        if lease is not None and not isinstance(lease, int):
-            lease.release()
 
 
 class LocatedMixin:
@@ -124,7 +119,7 @@ class LocatedMixin:
                 except _MISS as exc:
                     got.append(exc.status)
         except BaseException:
-            _release_all(got)
+            release_leases(got)
             raise
         if None in got or (NotFound.status in got and self.node.cluster is not None and not self.peer_node):
             self._spawn(self._located_later(frame.request_id, keys, got))
@@ -149,11 +144,11 @@ class LocatedMixin:
                     if lease is not None:
                         got[i] = lease
         except Exception as exc:
-            _release_all(got)
+            release_leases(got)
             self._err(rid, Opcode.GET_LOCATED, exc)
             return
         if self.closed or self.failed is not None:
-            _release_all(got)                  # the connection went meanwhile: nobody to hold them
+            release_leases(got)                  # the connection went meanwhile: nobody to hold them
             return
         self._reply_located(rid, got)
 

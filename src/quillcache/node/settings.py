@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from quillcache.cluster.settings import CLUSTER_SETTINGS, CLUSTER_SUMMARY
+from quillcache.cluster.settings import CLUSTER_SETTINGS, CLUSTER_SUMMARY, CREDENTIAL_MIN_CHARS
 from quillcache.errors import ConfigError
 from quillcache.exitcodes import CONFIG as EX_CONFIG  # the exit code of a bad config
 from quillcache.net import DEFAULT_ADDRESS, ConversionError, format_hostport, parse_hostport
 from quillcache.settings import registry as _registry
 from quillcache.settings.convert import (
     boolean, choice, format_byte_size, fraction, int_range,
-    nonneg_float, parse_duration, size_range, string, tenants,
+    nonneg_float, parse_duration, positive_float, size_range, string, tenants,
 )
 from quillcache.settings.registry import Config, Registry, Setting
 
@@ -71,6 +71,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Lowest level of the log lines written to stderr."),
     Setting("node", "drain_timeout", parse_duration, "10s", True,
             "How long SIGTERM waits for in-flight requests before closing connections."),
+    Setting("node", "hello_timeout", parse_duration, "5s", True,
+            "How long a new connection may take to log in (HELLO) when the node has tenants; then it "
+            "is closed. Until then it may send nothing but HELLO, with a header of at most 8 KiB and no "
+            "payload."),
+    Setting("node", "idle_timeout", parse_duration, "300s", True,
+            "Close a connection after this long without a byte from its client, when it holds nothing "
+            "(no request in flight, no lease, no reserve) and did not map the arena; 0s: never."),
     Setting("store", "dram", size_range(1 << 20, 1 << 50), "1GiB", False,
             "Capacity of the DRAM arena (one anonymous mapping)."),
     Setting("store", "max_block", size_range(1, 1 << 36), "64MiB", False,
@@ -135,6 +142,15 @@ SETTINGS: tuple[Setting, ...] = (
             "Most requests in flight on one connection."),
     Setting("limits", "max_connections", int_range(1, 1 << 20), 4096, False,
             "Most client connections at once."),
+    Setting("limits", "max_unauthenticated", int_range(1, 1 << 20), 1024, False,
+            "Most connections that have not logged in yet (HELLO), from all sources together, and at "
+            "most half of max_connections: logged-in clients keep the other slots. A newer connection "
+            "pushes the oldest one still waiting out, so bare connections cannot keep a client with a "
+            "valid token from logging in."),
+    Setting("limits", "max_unauthenticated_per_source", int_range(1, 1 << 20), 32, False,
+            "Most connections waiting to log in from one source (an IP address; on the Unix socket a "
+            "process, by SO_PEERCRED uid and pid); a newer one from it pushes out its own oldest, "
+            "never another source's."),
     Setting("metrics", "enabled", boolean, True, False,
             "Serve Prometheus metrics."),
     Setting("metrics", "listen", parse_hostport, "127.0.0.1:7471", False,
@@ -143,9 +159,14 @@ SETTINGS: tuple[Setting, ...] = (
             "Tenants as [[auth.tenants]] tables with name and token (a hash: quillctl auth hash-token), "
             "and shm = true where that tenant's Unix-socket clients may map the DRAM arena; "
             "may_act_for = [\"*\"] (or a list of names) lets that principal (an engine) name those tenants "
-            "in its keys."),
+            "in its keys; pin_bytes (e.g. \"1GiB\") is the most its keys' hard pins may hold, and a tenant "
+            "without it gets an even share of the hard-pin budget that the others' pin_bytes leave "
+            "(docs/tiering.md)."),
     Setting("auth", "max_failed_hellos", int_range(1, 1 << 20), 10, True,
-            "Failed HELLOs per peer address per minute before that peer is refused."),
+            "Failed HELLOs in a row from one source (an IP address; on the Unix socket a uid and pid) "
+            "after which each further failed HELLO also closes its connection. Every failed HELLO is "
+            "answered late, 50 ms doubled per failure in a row up to 5 s (a minute without a failure "
+            "ends the row); a valid token is never refused or delayed."),
     Setting("router", "module", router_module, "none", False,
             "Routing module hosted by this node: none (a plain store node), dynamo (Dynamo's cost "
             "function as shipped, identity-blind) or quillcache (identity-scoped credit plus pool credit)."),
@@ -171,6 +192,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Predict residency from routing decisions, for engines that publish no KV events."),
     Setting("router", "approx_ttl", parse_duration, "120s", False,
             "How long a predicted block is believed in approximate mode."),
+    Setting("router", "admission", choice("off", "predict"), "off", False,
+            "predict: policy quillcache refuses a request whose predicted time to first token exceeds "
+            "admission_k times its TTFT SLO (the gateway answers 429 with Retry-After); off: admit all."),
+    Setting("router", "admission_k", positive_float, 1.0, False,
+            "With admission = \"predict\": refuse above this multiple of the TTFT SLO."),
     Setting("events", "publish", boolean, False, False,
             "Publish this node's residency changes (block stored, block removed)."),
     Setting("events", "endpoint", string, "tcp://127.0.0.1:7480", False,
@@ -196,11 +222,14 @@ def _check_node(cfg: "Config") -> None:
         raise ConfigError(
             f"{cfg.source}: [store] max_block = \"{format_byte_size(store.max_block)}\": larger "
             f"than [store] dram = \"{format_byte_size(store.dram)}\" (e.g. \"64MiB\")")
+    if cfg.node.hello_timeout <= 0:
+        raise ConfigError(f'{cfg.source}: [node] hello_timeout = "{cfg.node.hello_timeout:g}s": must be above 0 '
+                          '(e.g. "5s")')
     cluster = cfg.cluster
-    if cluster.enabled and len(cluster.credential) < 16:
+    if cluster.enabled and len(cluster.credential) < CREDENTIAL_MIN_CHARS:
         raise ConfigError(
-            f"{cfg.source}: [cluster] credential: needs at least 16 characters when [cluster] "
-            "enabled = true (nodes present it to each other)")
+            f"{cfg.source}: [cluster] credential: needs at least {CREDENTIAL_MIN_CHARS} characters when "
+            "[cluster] enabled = true (the pool's keys are derived from it)")
     if cluster.enabled:
         for section, name in (("cluster", "node_id"), ("node", "id")):
             value = getattr(getattr(cfg, section), name)

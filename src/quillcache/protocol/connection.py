@@ -30,10 +30,12 @@ from quillcache.protocol.opcodes import (
     PAYLOAD_REQUEST_OPCODES, REQUEST_OPCODES, Opcode, ProtocolLimits, Status,
 )
 
-__all__ = ["ProtocolConnection", "ClientProtocolConnection", "Reply", "Destination", "DEFER"]
+__all__ = ["ProtocolConnection", "ClientProtocolConnection", "Reply", "Destination", "DEFER", "AS_BYTES",
+           "PREAUTH_OPCODES", "PREAUTH_HEADER_BYTES", "PREAUTH_READ_CHUNK", "PREAUTH_MAX_IN_FLIGHT"]
 
 # What a hook may hand back for a payload: one writable buffer, a list of them
-# (filled in order), or None (the parser collects the payload into a bytearray).
+# (filled in order), AS_BYTES (a new ``bytes`` received into, client side), or None (the
+# parser collects the payload into a bytearray).
 Destination = Any
 
 
@@ -49,7 +51,30 @@ class _Deferred:
 # ``refuse_put(exc)``; the owner stops feeding it meanwhile (``transport.pause_reading()``).
 DEFER = _Deferred()
 
+
+class _AsBytes:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "AS_BYTES"
+
+
+# A reply's ``into`` (or what its callable returns) may be AS_BYTES: the payload is received
+# straight into a new ``bytes`` of its size (``FrameParser.receive_bytes``) and
+# ``Reply.payload`` is that ``bytes``: one allocation, no copy.
+AS_BYTES = _AsBytes()
+
 _SCRATCH = 65536    # bytes: get_buffer() target once the connection has failed (input is dropped)
+_READ_CHUNK = 65536  # bytes: what the parser offers a read between payloads once logged in
+
+# Before a client logged in (a server that requires HELLO), only these opcodes are taken;
+# any other frame fails the connection (a connection-level PermissionDenied, then close).
+PREAUTH_OPCODES = frozenset({Opcode.HELLO})
+# Limits before login, enforced by the parser before anything is allocated: a HELLO's header
+# (a token of max_token_bytes, a client name) fits; no payload at all; a small read buffer.
+PREAUTH_HEADER_BYTES = 8192         # bytes of variable header
+PREAUTH_READ_CHUNK = 4096           # bytes offered to a read (the codec's minimum)
+PREAUTH_MAX_IN_FLIGHT = 1           # HELLOs at once (a refused one may be answered late)
 
 
 def _nbytes(views: Sequence[Any]) -> int:
@@ -62,12 +87,18 @@ class _Base:
     _replies = False
     put_deferred = False       # input is held: a PUT waits for its destination (server side, DEFER)
 
-    def __init__(self, limits: ProtocolLimits | None = None) -> None:
+    def __init__(self, limits: ProtocolLimits | None = None, *, preauth: bool = False) -> None:
         self.limits = limits or ProtocolLimits()
-        self._parser = FrameParser(
-            REQUEST_OPCODES, max_header_bytes=self.limits.max_header_bytes,
-            max_payload_bytes=self.limits.max_payload_bytes, replies=self._replies,
-            allowed_flags=KNOWN_FLAGS)
+        if preauth:         # the small limits of a client that has not logged in yet
+            self._parser = FrameParser(
+                REQUEST_OPCODES, max_header_bytes=min(self.limits.max_header_bytes, PREAUTH_HEADER_BYTES),
+                max_payload_bytes=0, replies=self._replies, allowed_flags=KNOWN_FLAGS,
+                read_chunk=PREAUTH_READ_CHUNK)
+        else:
+            self._parser = FrameParser(
+                REQUEST_OPCODES, max_header_bytes=self.limits.max_header_bytes,
+                max_payload_bytes=self.limits.max_payload_bytes, replies=self._replies,
+                allowed_flags=KNOWN_FLAGS, read_chunk=_READ_CHUNK)
         self.failed: Optional[BaseException] = None   # the error that ended the connection
         self.close_requested = False                  # the owner should close the transport
         self.closed = False                           # connection_lost() was called
@@ -210,7 +241,7 @@ class ProtocolConnection(_Base):
     _replies = False
 
     def __init__(self, limits: ProtocolLimits | None = None, *, require_hello: bool = True) -> None:
-        super().__init__(limits)
+        super().__init__(limits, preauth=require_hello)
         self.require_hello = require_hello
         self.hello_done = False
         self.negotiated_version: Optional[int] = None
@@ -249,6 +280,10 @@ class ProtocolConnection(_Base):
         if opcode != expected:
             raise InvalidArgument(f"reply opcode {opcode:#04x} for a request with opcode {expected:#04x}")
         if opcode == Opcode.HELLO and header_body:
+            if not self.hello_done and self.require_hello:
+                # logged in: the connection's own limits from the next frame on
+                self._parser.set_limits(max_header_bytes=self.limits.max_header_bytes,
+                                        max_payload_bytes=self.limits.max_payload_bytes, read_chunk=_READ_CHUNK)
             self.hello_done = True
             self.negotiated_version = header_body[0]
         if self.failed is None and not self.closed:
@@ -287,8 +322,8 @@ class ProtocolConnection(_Base):
         if len(self._in_flight) >= self.limits.max_in_flight:
             return Busy(f"{len(self._in_flight)} requests in flight on this connection, "
                         f"at most {self.limits.max_in_flight}")
-        if self.require_hello and not self.hello_done and frame.opcode not in (Opcode.HELLO, Opcode.PING):
-            return PermissionDenied(f"{Opcode(frame.opcode).name} before HELLO")
+        if self.require_hello and not self.hello_done and len(self._in_flight) >= PREAUTH_MAX_IN_FLIGHT:
+            return Busy("one HELLO at a time before login")
         return None
 
     def _event(self, ev: int, frame: Frame) -> None:
@@ -303,6 +338,10 @@ class ProtocolConnection(_Base):
         if ev == EV_PAYLOAD_CHUNK:      # never asked for; keep the stream moving
             return
         rid = frame.request_id
+        if self.require_hello and not self.hello_done and frame.opcode not in PREAUTH_OPCODES:
+            self._fail(PermissionDenied(f"{Opcode(frame.opcode).name} before HELLO: this node has tenants, "
+                                        "log in first; closing"))
+            return
         if rid in self._in_flight:
             self._fail(ProtocolError(f"request id {rid} is already in flight"))
             return
@@ -474,8 +513,8 @@ class ClientProtocolConnection(_Base):
                      flags: int = 0, payload_crc: bool = False,
                      into: Destination | Callable[[Frame], Destination] = None) -> int:
         """Send one request; returns its request id.  ``into``: where a reply payload goes
-        (a writable buffer, a list of them, or a callable(frame) returning one or None);
-        without it the payload is collected into a bytearray."""
+        (a writable buffer, a list of them, AS_BYTES, or a callable(frame) returning one of
+        those or None); without it the payload is collected into a bytearray."""
         if self.failed is not None or self.closed:
             raise ConnectionLost(f"connection is closed ({self.failed})")
         if opcode not in REQUEST_OPCODES:
@@ -562,7 +601,9 @@ class ClientProtocolConnection(_Base):
             return
         try:
             dest = into(frame) if callable(into) else into
-            if dest is not None:
+            if dest is AS_BYTES:
+                self._parser.receive_bytes()
+            elif dest is not None:
                 self._parser.set_destination(dest)
         except QuillCacheError as exc:
             self._parser.discard_payload()

@@ -1,5 +1,5 @@
 """The node-to-node messages of the NIXL transport (opcodes 0x49-0x4B), encoded and decoded with
-the checks of ``protocol.messages``.  docs/cluster.md ("Bytes on NIXL") is the spec.
+the checks of ``protocol.messages``.  docs/nixl.md is the spec.
 
 Integers are little-endian; ``text8`` and ``keys`` as in protocol/cluster.py.
 

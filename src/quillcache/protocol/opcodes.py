@@ -56,7 +56,8 @@ class Opcode(enum.IntEnum):
     ABORT = 0x35        # reserve id, reply: empty
     ROUTE = 0x50        # tokens or block hashes + identity, reply: worker + per-block plan
     ROUTE_UPDATE = 0x51  # a routed request's first token or end (the router's load feedback)
-    # node-to-node (cluster/, docs/cluster.md); the caller HELLOs with the cluster credential
+    # node-to-node (cluster/, docs/cluster.md, docs/security.md): a connection logs in as a
+    # node by NODE_AUTH + NODE_PROOF (challenge and response on the cluster credential)
     ANNOUNCE = 0x40     # holder -> home: these keys are held by (node, epoch)
     WITHDRAW = 0x41     # holder -> home: these keys are no longer held by (node, epoch)
     LOCATE = 0x42       # -> home: the holders of n keys
@@ -64,6 +65,9 @@ class Opcode(enum.IntEnum):
     # operator ops (any client; keys are checked against the connection's tenant)
     CLUSTER_LOCATE = 0x44   # n keys -> JSON: each key's home and holders
     CLUSTER_VIEW = 0x45     # -> JSON: the members this node sees, their epochs and state
+    NODE_AUTH = 0x46    # node login, step 1: the initiator's nonce; reply: the responder's nonce + MAC
+    NODE_PROOF = 0x47   # node login, step 2: the initiator's MAC
+    REPLICATE = 0x48    # holder -> replica: keep a copy of these blocks (the replica fetches them)
     # node-to-node, the NIXL transport (protocol/grants.py, cluster/grants.py)
     NIXL_META = 0x49        # -> holder: its NIXL agent metadata and where its arena is registered
     GRANT = 0x4A            # -> holder: n keys for a tenant, reply: per-key arena offset, size, CRC, held

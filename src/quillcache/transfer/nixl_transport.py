@@ -1,4 +1,4 @@
-"""``NixlTransport``: the reader's side of bytes on NIXL (docs/cluster.md, "Bytes on NIXL").
+"""``NixlTransport``: the reader's side of bytes on NIXL (docs/nixl.md).
 
 Control messages (ANNOUNCE, WITHDRAW, LOCATE, GRANT, ...) stay on the TCP member link
 (``TcpTransport``); ``fetch`` becomes:
@@ -7,9 +7,15 @@ Control messages (ANNOUNCE, WITHDRAW, LOCATE, GRANT, ...) stay on the TCP member
    size and CRC32C, held in place for the grant's ttl;
 2. one NIXL READ for the batch, holder arena -> this node's registered staging area
    (``NixlEndpoint``), on the endpoint's progress thread (the loop only awaits);
-3. each block copied out of staging and checked against the CRC the holder sent; the grant is
-   released by the next GRANT to that holder, or by GRANT_RELEASE after ``RELEASE_DELAY_S``
-   (and ends at its ttl anyway).
+3. each block copied out of staging and checked against the CRC the holder sent with the grant
+   (a READ that raced a slot moving there: ``nixl_crc_mismatches``); the grant is released by
+   the next GRANT to that holder, or by GRANT_RELEASE after ``RELEASE_DELAY_S`` (and ends at
+   its ttl anyway).
+
+That check is the holder's word only: like every transport (transfer/base.py), this one hands
+the blocks to the reader (cluster/reads.py), which checks each against the CRC32C its writer
+recorded (ANNOUNCE, kept by the home, returned by LOCATE): a holder that puts other bytes in
+its arena, and grants them with their own CRC, is a miss there (``crc_mismatches``).
 
 The holder's agent is learnt over the member link (NIXL_META: its metadata, where its arena is
 registered) the first time a (node, epoch) is read, and forgotten when it leaves the view or
@@ -17,7 +23,7 @@ changes epoch.  A holder that has no NIXL (META refused) is read over FETCH from
 epoch; so are the blocks it holds outside its arena (``STATUS_FETCH``).  A READ that fails (the
 agent errs, staging is full) is sent again as one FETCH of the same keys (``nixl_fallbacks``).
 A READ not done by the grant's ttl, counted from before GRANT was sent, is a miss: the holder may
-have let the slot go.  No byte that failed its CRC is ever returned.
+have let the slot go.  No byte that failed the grant's CRC is ever returned.
 """
 from __future__ import annotations
 
@@ -67,9 +73,6 @@ class NixlTransport:
 
     async def request(self, peer: Peer, opcode: int, body: bytes, deadline: float) -> bytes:
         return await self.tcp.request(peer, opcode, body, deadline)
-
-    async def push(self, peer: Peer, key, data, deadline: float) -> None:
-        await self.tcp.push(peer, key, data, deadline)
 
     def forget(self, peer_node_id: str) -> None:
         self.tcp.forget(peer_node_id)

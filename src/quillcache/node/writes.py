@@ -1,0 +1,132 @@
+"""The PUT path of a connection: PUT and PUT_MANY, received straight into DRAM arena slots.
+
+The PUT header starts the put (``store.reserve_nowait``) and its slot view becomes the
+parser's destination, so ``get_buffer`` hands the socket the remaining part of the slot;
+``put_end`` runs when the payload is complete and ``put_abort`` on an error or a
+disconnect.  When DRAM is full of blocks that must be demoted first, the connection reads
+nothing more until the store has the slots (``DEFER``): back-pressure, not an error.
+A PUT is acknowledged (and visible) when ``put_end`` returns.
+
+``WritesMixin`` is mixed into ``connection.ServerProtocol``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from quillcache._native.codec import decode_put_body
+from quillcache.errors import InvalidArgument, QuillCacheError
+from quillcache.protocol import messages
+from quillcache.protocol.connection import DEFER
+from quillcache.protocol.opcodes import FLAG_DURABLE, Opcode
+
+__all__ = ["WritesMixin"]
+
+log = logging.getLogger("quillcache.server")
+
+
+class WritesMixin:
+    """PUT / PUT_MANY: the ``ProtocolConnection`` hooks ``_on_put_start/_end/_abort``."""
+
+    def _on_put_start(self, frame):
+        rid = frame.request_id
+        self._started[rid] = time.perf_counter()
+        try:
+            self._check_access()
+            durable = bool(frame.flags & FLAG_DURABLE)
+            if frame.opcode == Opcode.PUT:
+                raw, nbytes = decode_put_body(frame.header, frame.payload_length, self.limits.max_key_bytes)
+                items = [(self._key(raw), nbytes)]
+            else:
+                decoded = messages.decode_put_many_request(frame.header, frame.payload_length, self.limits)
+                items = [(self._key(i.key), i.nbytes) for i in decoded]
+            handles = self.store.reserve_nowait(items, durable)     # all or nothing
+        except QuillCacheError as exc:
+            self._done(rid, frame.opcode, exc.status)
+            raise                           # the connection replies it and skips the payload
+        if handles is None:                 # DRAM is full of blocks that must be demoted first
+            self._defer_put(frame, items, durable)
+            return DEFER
+        return self._put_destination(frame, handles)
+
+    def _put_destination(self, frame, handles: list):
+        self._puts[frame.request_id] = handles
+        views = [h.view for h in handles if h.size]
+        if frame.opcode == Opcode.PUT:
+            return views[0] if views else None
+        return views
+
+    def _defer_put(self, frame, items: list, durable: bool) -> None:
+        """Back-pressure: read nothing more from this client until the store has the slots."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        # a task, not _spawn: the connection must see DEFER before the slots can arrive
+        task = asyncio.get_running_loop().create_task(self._reserve_deferred(frame, items, durable))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._deferred_task = task
+
+    async def _reserve_deferred(self, frame, items: list, durable: bool) -> None:
+        rid = frame.request_id
+        try:
+            handles = await self.store.reserve(items, durable)
+        except Exception as exc:
+            if not isinstance(exc, QuillCacheError):
+                log.exception("internal error reserving a PUT from %s", self.peer)
+                exc = InvalidArgument(f"internal error: {exc!r}")
+            self._done(rid, frame.opcode, exc.status)
+            self.refuse_put(exc)
+        else:
+            if self.closed or self.failed is not None:
+                for h in handles:
+                    self.store.put_abort(h)
+                return
+            self.resume_put(self._put_destination(frame, handles))
+        if self._deferred_task is asyncio.current_task():
+            self._deferred_task = None
+        if self.close_requested and self.transport is not None:
+            self.transport.close()
+        elif not self.put_deferred and not self._reading_paused and self.transport is not None \
+                and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def _on_put_end(self, frame) -> None:
+        handles = self._puts.pop(frame.request_id, None)
+        if handles is None:
+            return
+        self._spawn(self._finish_put(frame.request_id, frame.opcode, handles))
+
+    def _on_put_abort(self, frame, exc) -> None:
+        for h in self._puts.pop(frame.request_id, ()):
+            self.store.put_abort(h)
+
+    async def _finish_put(self, rid: int, opcode: int, handles: list) -> None:
+        if opcode == Opcode.PUT:
+            try:
+                await self.store.put_end(handles[0])
+            except Exception as exc:
+                self._err(rid, opcode, exc)
+            else:
+                self._ok(rid, opcode)
+                if self.node.cluster is not None and not self.peer_node:
+                    self.node.cluster.after_put([handles[0].key])
+            return
+        statuses = []
+        for h in handles:
+            try:
+                await self.store.put_end(h)
+                statuses.append(0)
+            except QuillCacheError as exc:
+                statuses.append(exc.status)
+            except Exception:
+                log.exception("internal error in PUT_MANY item from %s", self.peer)
+                statuses.append(1)
+        self._ok(rid, opcode, messages.encode_status_list(statuses, self.limits))
+        if self.node.cluster is not None and not self.peer_node:
+            self.node.cluster.after_put([h.key for h, st in zip(handles, statuses) if st == 0])
+
+    def _put_empty(self, frame) -> None:
+        """A PUT/PUT_MANY whose payload is empty arrives as a complete frame."""
+        self._on_put_start(frame)           # raises QuillCacheError: replied by the caller
+        self._on_put_end(frame)
