@@ -29,12 +29,12 @@ CREDENTIAL = "test-cluster-credential-0123456789"
 
 def cluster_section(etcd_endpoint: str, node_id: str, *, lease_ttl: str = "2s", replicas: int = 1,
                     placement: str = "local", cache_remote: bool = False, hop_timeout: str = "500ms",
-                    cluster_id: str = "test", reannounce_rate: int = 20000) -> str:
+                    cluster_id: str = "test", reannounce_rate: int = 20000, **more: str) -> str:
     return (f'enabled = true\netcd = ["{etcd_endpoint}"]\ncluster_id = "{cluster_id}"\n'
             f'node_id = "{node_id}"\nlease_ttl = "{lease_ttl}"\nreplicas = {replicas}\n'
             f'placement = "{placement}"\ncache_remote = {"true" if cache_remote else "false"}\n'
             f'hop_timeout = "{hop_timeout}"\ncredential = "{CREDENTIAL}"\n'
-            f'reannounce_rate = {reannounce_rate}\n')
+            f'reannounce_rate = {reannounce_rate}\n' + "".join(f'{k} = "{v}"\n' for k, v in more.items()))
 
 
 def etcd_call(endpoint: str, path: str, body: dict) -> dict:

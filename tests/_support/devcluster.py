@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from quillcache import Client
 from tests._support.cluster import CREDENTIAL, Pool
 from tests._support.etcd import EtcdServer
 
@@ -34,6 +35,19 @@ def _how(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def _transport(pool: Pool, d, timeout: float = 10.0) -> str:
+    """The node's [cluster] transport once ``auto`` settled (NIXL's agent is made in the background)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with Client(d.addr, token=pool.token) as c:        # INFO is a tenant's request, not a node's
+            info = c.info("cluster")["Cluster"]
+        if info["transport_transport"] == "nixl" or "transport auto -> tcp" in d.log() \
+                or time.monotonic() > deadline:
+            extra = f" (UCX_TLS {info['transport_ucx_tls']})" if info["transport_transport"] == "nixl" else ""
+            return info["transport_transport"] + extra
+        time.sleep(0.05)
 
 
 def main(argv: list[str]) -> int:
@@ -68,7 +82,8 @@ def main(argv: list[str]) -> int:
 def _banner(etcd: EtcdServer, pool: Pool) -> None:
     print(f"etcd      {etcd.endpoint}   pid {etcd.proc.pid}")
     for node_id, d in pool.nodes.items():
-        print(f"{node_id:9} {d.addr}   pid {d.proc.pid}   config {d.config}   log {d.log_path}")
+        print(f"{node_id:9} {d.addr}   pid {d.proc.pid}   transport {_transport(pool, d)}   config {d.config}   "
+              f"log {d.log_path}")
     nodes = list(pool.nodes.values())
     a = nodes[0].addr
     print(f"\ntry:  {QUILLCTL} cluster --addr {a}")

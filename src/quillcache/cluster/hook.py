@@ -11,7 +11,8 @@ The server calls it in four places and nowhere else:
   ``serve_get_many`` or ``serve_located`` (cluster/reads.py: locate at the key's home,
   fetch from a holder, check, serve; a miss otherwise);
 * a client PUT that landed is handed to ``after_put`` (replicas, hashed placement);
-* opcodes 0x40-0x48 go to ``on_request``.
+* opcodes 0x40-0x4B go to ``on_request`` (NIXL_META, GRANT, GRANT_RELEASE on to the
+  ``GrantTable`` of cluster/grants.py where the node reads and serves with NIXL).
 
 The store tells it what it holds (``set_residency_listener``): every block that appears
 is announced to its home, every block that goes is withdrawn, in batches sent by one
@@ -44,6 +45,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 from quillcache.protocol import cluster as wire
 from quillcache._native.crc import crc32c
+from quillcache.cluster.grants import GRANT_OPCODES, serve as serve_grants
 from quillcache.cluster.hrw import Ring, key_hash
 from quillcache.cluster.keys import ClusterKeys
 from quillcache.cluster.membership import Member, Membership
@@ -70,7 +72,8 @@ DEATH_PROBES = 3            # refused connects, PROBE_GAP_S apart, that make a c
 PROBE_GAP_S = 0.05          # seconds
 CRC_INLINE_BYTES = 1 << 20  # blocks up to this are checksummed on the loop, bigger ones in a thread
 
-_PEER_OPS = frozenset({Opcode.ANNOUNCE, Opcode.WITHDRAW, Opcode.LOCATE, Opcode.FETCH, Opcode.REPLICATE})
+_PEER_OPS = frozenset({Opcode.ANNOUNCE, Opcode.WITHDRAW, Opcode.LOCATE, Opcode.FETCH, Opcode.REPLICATE,
+                       *GRANT_OPCODES})
 _MISS = (NotFound, UnsafeReuse, Busy)
 
 
@@ -142,6 +145,7 @@ class ClusterHook(PoolReads):
         self._unseen_grace = 2.0 * float(settings.lease_ttl)
         self._reads_init()
         self._sentinels: dict[str, tuple[int, asyncio.Task]] = {}   # node -> (epoch, its watch task)
+        self.grants = None              # GrantTable: the NIXL transport's holder side (cluster/grants.py)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -187,6 +191,8 @@ class ClusterHook(PoolReads):
         self.store.set_residency_listener(None, None)
         if self.membership is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.membership.stop)
+        if self.grants is not None:
+            self.grants.close()
         await self.transport.close()
 
     def is_node_hello(self, token: bytes) -> bool:
@@ -497,7 +503,7 @@ class ClusterHook(PoolReads):
         for node, ekeys in by_node.items():
             peer = self.peer(node)
             if peer is not None:
-                self._background(self._replicate(peer, ekeys))
+                self.background(self._replicate(peer, ekeys))
 
     async def _replicate(self, peer: Peer, ekeys: list[bytes]) -> None:
         async with self._push_slots:
@@ -548,7 +554,7 @@ class ClusterHook(PoolReads):
     # ------------------------------------------------------------------ requests from peers
 
     def on_request(self, conn, frame) -> None:
-        """Opcodes 0x40-0x48.  The server's tenant check does not run for the node opcodes
+        """Opcodes 0x40-0x4B.  The server's tenant check does not run for the node opcodes
         (``wire.NODE_OPCODES``): they are decided here, by the connection's node login."""
         op = frame.opcode
         rid = frame.request_id
@@ -560,7 +566,9 @@ class ClusterHook(PoolReads):
             return
         if op in _PEER_OPS and not conn.peer_node:
             raise PermissionDenied(f"{Opcode(op).name} is for nodes of the pool (log in with NODE_AUTH)")
-        if op == Opcode.ANNOUNCE:
+        if op in GRANT_OPCODES:         # the NIXL transport's holder side
+            serve_grants(self.grants, conn, frame)
+        elif op == Opcode.ANNOUNCE:
             node, epoch, items = wire.decode_announce(frame.header, self.limits)
             self._own_records(conn, op, node, epoch)
             if node != self.node_id:            # this node's blocks are the store's own records
@@ -580,7 +588,7 @@ class ClusterHook(PoolReads):
             items = wire.decode_replicate(frame.header, self.limits)
             for ekey, _size, _crc in items:
                 conn.key_of(ekey)               # well formed, or the request is refused
-            self._background(self._take_replicas(conn.peer_node, conn.peer_epoch, items))
+            self.background(self._take_replicas(conn.peer_node, conn.peer_epoch, items))
             conn.finish(rid, op)
         elif op == Opcode.LOCATE:
             self.counters["locates_served"] += 1
@@ -647,7 +655,7 @@ class ClusterHook(PoolReads):
         m = self.view.get(node_id)
         return m is not None and m.epoch == epoch
 
-    def _may_read(self, tenant: str, key: KvBlockKey) -> bool:
+    def may_read(self, tenant: str, key: KvBlockKey) -> bool:
         """Whether the requesting tenant may read ``key``, as the holder's own server would
         decide on a local GET (its tenants, may_act_for); the store's identity guard runs after."""
         auth = self.auth
@@ -664,7 +672,7 @@ class ClusterHook(PoolReads):
         try:
             for i, key in enumerate(keys):
                 # Another tenant's key is a miss, the same as an absent one.
-                if not self._may_read(tenant, key):
+                if not self.may_read(tenant, key):
                     items.append((NotFound.status, 0))
                     continue
                 try:
@@ -686,7 +694,7 @@ class ClusterHook(PoolReads):
                                  flags: int) -> None:
         try:
             for key in keys:
-                if not self._may_read(tenant, key):
+                if not self.may_read(tenant, key):
                     items.append((NotFound.status, 0))
                     continue
                 try:
@@ -771,6 +779,8 @@ class ClusterHook(PoolReads):
                 out[f"membership_{k}"] = v
         for k, v in self.transport.stats().items():
             out[f"transport_{k}"] = v
+        if self.grants is not None:
+            out.update(self.grants.stats())
         return out
 
 

@@ -148,7 +148,7 @@ class PoolReads:
         self.counters["remote_hits"] += hits
         self.counters["remote_misses"] += len(keys) - hits
         if (self.cache_remote if keep is None else keep) and hits:
-            self._background(self._keep_copies([(k, b) for k, b in zip(keys, result) if b is not None]))
+            self.background(self._keep_copies([(k, b) for k, b in zip(keys, result) if b is not None]))
         return result
 
     async def _fetch_rounds(self, tenant: str, ekeys: Sequence[bytes], candidates: list[list[Holder]],
@@ -207,7 +207,8 @@ class PoolReads:
             except QuillCacheError:
                 pass                    # no room: it stays remote
 
-    def _background(self, coro) -> None:
+    def background(self, coro) -> None:
+        """Run ``coro`` as a task of this hook's (kept until it ends; not awaited by the caller)."""
         t = asyncio.get_running_loop().create_task(coro)
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
@@ -243,7 +244,7 @@ class PoolReads:
                     else:
                         self.counters["remote_hits"] += 1
                         if self.cache_remote:
-                            self._background(self._keep_copies([(key, block)]))
+                            self.background(self._keep_copies([(key, block)]))
             if block is None:
                 block = (await self.fetch_many(tenant, (key,), (ekey,), skip=failed))[0]
         except Exception:               # never a hang or a wrong byte: a miss

@@ -3,7 +3,9 @@ engines' registrants (``quillctl engine register``, ``quillcache-sim-engine``), 
 means the same thing everywhere."""
 from __future__ import annotations
 
-from quillcache.settings.convert import advertise, boolean, choice, duration_range, endpoints, ident, int_range, string
+from quillcache.settings.convert import (
+    advertise, boolean, choice, duration_range, endpoints, ident, int_range, size_range, string,
+)
 from quillcache.settings.registry import Setting
 
 __all__ = ["CLUSTER_SETTINGS", "CLUSTER_SUMMARY", "CLUSTER_BY_NAME", "CREDENTIAL_MIN_CHARS", "CREDENTIAL_ENV"]
@@ -43,6 +45,15 @@ CLUSTER_SETTINGS: tuple[Setting, ...] = (
             "engine records in etcd (a gateway refuses an engine record it does not sign)."),
     Setting("cluster", "reannounce_rate", int_range(1, 1 << 24), 20000, False,
             "Records per second a node re-announces to their new homes after a membership change."),
+    # the NIXL transport (transfer/nixl_transport.py, cluster/grants.py, docs/nixl.md)
+    Setting("cluster", "transport", choice("auto", "tcp", "nixl"), "auto", False,
+            "How blocks cross between nodes: nixl (one-sided reads from the holder's arena; exits 78 "
+            "if NIXL cannot load), tcp (FETCH), auto (nixl where it loads and the holder has it, else tcp)."),
+    Setting("cluster", "grant_ttl", duration_range(0.001, 30.0), "1s", False,
+            "How long a holder keeps a block granted to a NIXL reader in place (at most [store] lease); "
+            "a read not done by then is a miss."),
+    Setting("cluster", "nixl_staging", size_range(1 << 20, 1 << 40), "64MiB", False,
+            "Registered memory that this node's NIXL reads land in before they are checked."),
 )
 
 CLUSTER_BY_NAME = {s.name: s for s in CLUSTER_SETTINGS}

@@ -155,11 +155,11 @@ class Node:
         self.address = self._listener.sockets[0].getsockname()[:2]
         self.server.listen = format_hostport(self.address)
         await self._listen_unix(data_dir)
-        if cfg.cluster.enabled:
-            await self._join_cluster(limits, auth)
-        if self.metrics is not None:
+        if self.metrics is not None:    # before the pool: NIXL's UCX binds ephemeral ports of its own
             self.metrics_address = self.metrics.serve(*cfg.metrics.listen)
             self.metrics.update_store(self._snapshot())
+        if cfg.cluster.enabled:
+            await self._join_cluster(limits, auth)
         self._maint = loop.create_task(self._maintenance())
         log.info("quillcached %s node %s listening on %s%s", __version__, self.node_id, self.server.listen,
                  f", metrics on http://{format_hostport(self.metrics_address)}/metrics"
@@ -223,6 +223,8 @@ class Node:
         advertise = format_hostport(cfg.cluster.advertise) if cfg.cluster.advertise else self.server.listen
         self.cluster = ClusterHook(cfg.cluster, store=self.store, node_id=node_id, address=advertise,
                                    limits=limits, version=__version__, auth=auth)
+        from quillcache.cluster.grants import use_transport     # [cluster] transport: NIXL or TCP
+        self.cluster.grants = use_transport(self.cluster, self.store)
         self.server.cluster = self.cluster
         await self.cluster.start()
         log.info("cluster %s: node %s (epoch %x) advertised at %s, etcd %s", cfg.cluster.cluster_id, node_id,
@@ -536,4 +538,6 @@ def run(cfg: Config, *, config_path: Optional[str] = None, overrides: Optional[M
     setup_logging(cfg.node.log_level)
     log.info("quillcached %s starting (pid %d, configuration %s)", __version__, os.getpid(), cfg.source)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_main(cfg, config_path, dict(overrides or {})))
+        code = runner.run(_main(cfg, config_path, dict(overrides or {})))
+    from quillcache.transfer.nixl import exit_past_nixl
+    return exit_past_nixl(code)         # NIXL 1.5.1 crashes in an ELF destructor at exit (transfer/nixl.py)

@@ -52,7 +52,8 @@ MAC_BYTES = 32
 # What a node sends another: the node login decides who may (cluster/hook.py), not the
 # server's tenant check; a connection logged in as a node may send nothing else.
 NODE_OPCODES = frozenset({Opcode.ANNOUNCE, Opcode.WITHDRAW, Opcode.LOCATE, Opcode.FETCH, Opcode.REPLICATE,
-                          Opcode.NODE_AUTH, Opcode.NODE_PROOF})
+                          Opcode.NODE_AUTH, Opcode.NODE_PROOF,
+                          Opcode.NIXL_META, Opcode.GRANT, Opcode.GRANT_RELEASE})   # the last 3: protocol/grants.py
 
 MAX_HOLDERS = 255           # holders named per key in a LOCATE reply (u8)
 MAX_JSON_BYTES = 16 << 20   # a CLUSTER_* reply body

@@ -68,6 +68,10 @@ class Opcode(enum.IntEnum):
     NODE_AUTH = 0x46    # node login, step 1: the initiator's nonce; reply: the responder's nonce + MAC
     NODE_PROOF = 0x47   # node login, step 2: the initiator's MAC
     REPLICATE = 0x48    # holder -> replica: keep a copy of these blocks (the replica fetches them)
+    # node-to-node, the NIXL transport (protocol/grants.py, cluster/grants.py)
+    NIXL_META = 0x49        # -> holder: its NIXL agent metadata and where its arena is registered
+    GRANT = 0x4A            # -> holder: n keys for a tenant, reply: per-key arena offset, size, CRC, held
+    GRANT_RELEASE = 0x4B    # -> holder: grants read, their blocks may move again
     ERROR = OP_ERROR    # reply only: status in the fixed header, message in the body
 
     INFO = 0x20         # alias of STATS

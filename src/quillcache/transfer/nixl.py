@@ -34,8 +34,8 @@ import numpy as np
 
 from quillcache.errors import CapacityError, InvalidArgument, QuillCacheError, Timeout
 
-__all__ = ["NixlEndpoint", "StagedRead", "TransferFailed", "nixl_missing", "NIXL_INSTALL_HINT",
-           "NIXL_MODULE", "DEFAULT_STAGING_BYTES"]
+__all__ = ["NixlEndpoint", "StagedRead", "TransferFailed", "nixl_missing", "agents_made", "exit_past_nixl",
+           "NIXL_INSTALL_HINT", "NIXL_MODULE", "DEFAULT_STAGING_BYTES"]
 
 NIXL_MODULE = "nixl_cu12._api"          # the CUDA 12 variant's Python API (host memory needs no GPU)
 NIXL_INSTALL_HINT = ("pip install --no-deps 'nixl-cu12==1.5.1' (the [nixl] extra; --no-deps keeps pip "
@@ -43,6 +43,7 @@ NIXL_INSTALL_HINT = ("pip install --no-deps 'nixl-cu12==1.5.1' (the [nixl] extra
 DEFAULT_STAGING_BYTES = 64 << 20        # bytes: registered memory reads land in before they are used
 STAGING_UNIT = 4096                     # bytes: staging extents are whole pages
 POLL_SLEEP_S = 20e-6                    # seconds between state polls of a transfer in flight
+PROGRESS_DELAY_US = 100                 # microseconds: the NIXL progress thread's sleep between rounds
 
 
 class TransferFailed(QuillCacheError):
@@ -54,6 +55,26 @@ def _api():
     return importlib.import_module(NIXL_MODULE)
 
 
+_AGENTS_MADE = False
+
+
+def agents_made() -> bool:
+    """Whether this process made a NIXL agent: NIXL 1.5.1's wheel then crashes in an ELF destructor
+    at exit (its bundled libnl-route, after ``main`` returned), so such a process ends with
+    ``os._exit`` once its own work is done."""
+    return _AGENTS_MADE
+
+
+def exit_past_nixl(code: int) -> int:
+    """``code``, for a process to exit with; a process that made an agent ends here instead, with
+    its logs flushed, past the destructors that would crash (``agents_made``)."""
+    if _AGENTS_MADE:
+        import logging
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
 def nixl_missing() -> Optional[str]:
     """None when NIXL can be loaded here; otherwise one line saying why and how to install it."""
     try:
@@ -63,6 +84,37 @@ def nixl_missing() -> Optional[str]:
     except Exception as exc:   # a broken install (a missing shared library, ...): the same answer
         return f"NIXL failed to load ({type(exc).__name__}: {exc}): {NIXL_INSTALL_HINT}"
     return None
+
+
+def _make_agent(api, name: str):
+    """A NIXL agent with the UCX backend whose progress thread sleeps ``PROGRESS_DELAY_US`` between
+    rounds.  NIXL 1.5.1's Python ``nixl_agent`` fixes that delay at 0: its progress thread then
+    spins a core while the node is idle (measured: 70-78% of a core per agent, every node of a
+    pool on one host).  Without a progress thread a holder's agent never answers a peer (reads
+    of it hang), so the thread stays and only its delay is set: through a subclass of the config
+    type, in place for the time the agent is made (the wrapper sets ``pthrDelay`` there)."""
+    bind = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    if base is None:                    # another layout of the wrapper: its defaults
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], sync_mode=_strict(api)))
+
+    class _Config(base):
+        def __setattr__(self, field, value):
+            if field == "pthrDelay":
+                value = PROGRESS_DELAY_US
+            super().__setattr__(field, value)
+
+    bind.nixlAgentConfig = _Config
+    try:
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], sync_mode=_strict(api)))
+    finally:
+        bind.nixlAgentConfig = base
+
+
+def _strict(api):
+    """The thread-safe agent mode: READs are posted from the event loop, the rest runs on the
+    endpoint's progress thread."""
+    return api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
 
 
 class StagedRead:
@@ -97,8 +149,10 @@ class NixlEndpoint:
             raise InvalidArgument(f"staging_bytes {staging_bytes}: must be {STAGING_UNIT}..{1 << 40}")
         api = _api()
         from quillcache._native.alloc import OffsetAllocator
+        global _AGENTS_MADE
+        _AGENTS_MADE = True
         self.name = name
-        self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        self._agent = _make_agent(api, name)
         self.arena_address = int(arena.ctypes.data)
         self.arena_bytes = int(arena.nbytes)
         self._arena = arena                                    # keeps the mapping alive while registered
@@ -113,9 +167,11 @@ class NixlEndpoint:
         self._peers: dict[str, tuple[int, str, int, int]] = {}  # node id -> (epoch, agent, arena addr, bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-progress")
         self._notif = itertools.count(1)
-        self.counters = {"reads": 0, "read_bytes": 0, "read_errors": 0, "read_timeouts": 0,
+        self.counters = {"reads": 0, "reads_inline": 0, "read_bytes": 0, "read_errors": 0, "read_timeouts": 0,
                          "peers_added": 0, "peers_removed": 0, "staging_full": 0}
         self.closed = False
+        self._slow_calls = 0            # agent adds/removes on the thread now (the loop's count)
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # ------------------------------------------------------------------ peers
 
@@ -133,14 +189,26 @@ class NixlEndpoint:
             raise InvalidArgument(f"NIXL arena of {node_id}: address and size must be positive integers")
         if self.knows(node_id, epoch):
             return
-        await self._run(self._add_peer, node_id, epoch, bytes(metadata), arena_address, arena_bytes)
+        self._slow_calls += 1
+        try:
+            await self._run(self._add_peer, node_id, epoch, bytes(metadata), arena_address, arena_bytes)
+        finally:
+            self._slow_calls -= 1
 
     def _add_peer(self, node_id: str, epoch: int, metadata: bytes, arena_address: int, arena_bytes: int) -> None:
+        if self.knows(node_id, epoch):
+            return              # added meanwhile: replacing it would cut reads in flight to it
         old = self._peers.pop(node_id, None)
         if old is not None:
             self._remove_agent(old[1])
         name = self._agent.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
+        try:
+            # Wire up now, on this thread: UCX's first transfer to a peer otherwise pays for it
+            # (hundreds of ms under UCX_TLS=tcp), past the deadline of the read that needed it.
+            self._agent.make_connection(name)
+        except Exception:       # optional: the first READ connects then
+            pass
         self._peers[node_id] = (epoch, name, arena_address, arena_bytes)
         self.counters["peers_added"] += 1
 
@@ -148,7 +216,20 @@ class NixlEndpoint:
         """The peer left the view (or changed epoch): drop its agent (on the progress thread)."""
         old = self._peers.pop(node_id, None)
         if old is not None and not self.closed:
-            self._pool.submit(self._remove_agent, old[1])
+            self._slow_calls += 1
+            self._pool.submit(self._remove_agent, old[1]).add_done_callback(self._slow_done)
+
+    def _slow_done(self, _fut) -> None:
+        if self._loop is None:  # no loop ever posted a read: nothing to keep in step
+            self._slow_calls -= 1
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._slow_dec)
+        except RuntimeError:    # the loop is closed: nothing posts reads any more
+            pass
+
+    def _slow_dec(self) -> None:
+        self._slow_calls -= 1
 
     def _remove_agent(self, name: str) -> None:
         try:
@@ -181,7 +262,20 @@ class NixlEndpoint:
             raise InvalidArgument(f"NIXL read: {total} bytes do not fit the free staging area now") from None
         base = int(alloc[0])
         try:
-            await self._run(self._read, peer[1], peer[2], extents, sizes, base, deadline)
+            # Posted from the loop (posting does not wait: the agent is thread-safe); a READ that
+            # UCX finished at once (shared memory / CMA usually does) ends here, without a hop
+            # to the progress thread; any other is polled there until done or its deadline.
+            # Not while the thread adds or removes an agent: that holds the agent's lock for as
+            # long as UCX takes to wire up, and the loop must not wait for it.
+            if self._slow_calls:
+                await self._run(self._read_on_thread, peer[1], peer[2], extents, sizes, base, deadline)
+            else:
+                handle, state = self._post(peer[1], peer[2], extents, sizes, base)
+                if state in ("DONE", "ERR"):
+                    self.counters["reads_inline"] += 1
+                    self._end(handle, state, peer[1])
+                else:
+                    await self._run(self._wait, handle, state, peer[1], deadline)
         except BaseException:
             self.free_staging(alloc)
             raise
@@ -193,7 +287,9 @@ class NixlEndpoint:
         self.counters["read_bytes"] += total
         return StagedRead(self, alloc, views)
 
-    def _read(self, agent_name: str, arena: int, extents, sizes: list[int], base: int, deadline: float) -> None:
+    def _post(self, agent_name: str, arena: int, extents, sizes: list[int], base: int) -> tuple[Any, str]:
+        if self.closed:
+            raise TransferFailed("NIXL endpoint is closed")
         local, off = [], self._staging_address + base
         for n in sizes:
             local.append((off, n, 0))
@@ -204,18 +300,34 @@ class NixlEndpoint:
         handle = self._agent.initialize_xfer("READ", ldesc, rdesc, agent_name,
                                              str(next(self._notif)).encode())
         try:
-            state = self._agent.transfer(handle)
+            return handle, self._agent.transfer(handle)
+        except BaseException:
+            self._agent.release_xfer_handle(handle)
+            raise
+
+    def _read_on_thread(self, agent_name: str, arena: int, extents, sizes: list[int], base: int,
+                        deadline: float) -> None:
+        handle, state = self._post(agent_name, arena, extents, sizes, base)
+        self._wait(handle, state, agent_name, deadline)
+
+    def _wait(self, handle, state: str, agent_name: str, deadline: float) -> None:
+        try:
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
                     self.counters["read_timeouts"] += 1
                     raise Timeout(f"NIXL read from {agent_name}: not done by its deadline")
                 time.sleep(POLL_SLEEP_S)
                 state = self._agent.check_xfer_state(handle)
-            if state == "ERR":
-                self.counters["read_errors"] += 1
-                raise TransferFailed(f"NIXL read from {agent_name} failed")
-        finally:
+        except BaseException:
             self._agent.release_xfer_handle(handle)
+            raise
+        self._end(handle, state, agent_name)
+
+    def _end(self, handle, state: str, agent_name: str) -> None:
+        self._agent.release_xfer_handle(handle)
+        if state == "ERR":
+            self.counters["read_errors"] += 1
+            raise TransferFailed(f"NIXL read from {agent_name} failed")
 
     def free_staging(self, alloc) -> None:
         """Give a read's staging extent back (``StagedRead.release`` calls it)."""
@@ -224,7 +336,8 @@ class NixlEndpoint:
     async def _run(self, fn, *args) -> Any:
         if self.closed:
             raise TransferFailed("NIXL endpoint is closed")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        self._loop = asyncio.get_running_loop()
+        return await self._loop.run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------------ life
 
