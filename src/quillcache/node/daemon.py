@@ -263,11 +263,13 @@ class Node:
 
     # ------------------------------------------------------------------ signals
 
-    def install_signals(self) -> None:
+    def install_signals(self, *, reload: bool = True) -> None:
+        """TERM and INT request a stop; HUP reloads (only once the node has started)."""
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self.request_stop, "SIGINT")
-        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
+        if reload:
+            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
 
     def request_stop(self, why: str = "") -> None:
         if not self._stop.is_set():
@@ -513,6 +515,10 @@ def _start_failure_code(exc: QuillCacheError) -> int:
 
 async def _main(cfg: Config, config_path: Optional[str], overrides: Mapping[str, Any]) -> int:
     node = Node(cfg, config_path=config_path, overrides=overrides)
+    # Before start: a SIGINT/SIGTERM that lands while the node starts (its sockets already
+    # listening) is a stop request kept for after start, not asyncio.Runner's own SIGINT
+    # handler cancelling the start half way (which surfaced as click's "Aborted!", exit 1).
+    node.install_signals(reload=False)
     try:
         await node.start()
     except QuillCacheError as exc:
