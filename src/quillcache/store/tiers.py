@@ -42,6 +42,7 @@ from quillcache.model import (
     MAX_PIN_TTL_S, CacheTier, IdentityScope, KvBlockKey, decode_key, encode_key, encode_scope,
     encode_scope_prefix,
 )
+from quillcache.store.batchlease import BatchLeases
 from quillcache.store.dram import ARENA_UNIT, DEFAULT_PUT_TIMEOUT_S, DramTier, PendingPut, Slot
 from quillcache.store.guard import LOCAL_HOLDER, IdentityGuard, miss_error
 from quillcache.store.policy import make_policy
@@ -154,7 +155,7 @@ class Lease:
         self.release()
 
 
-class LocalKvStore:
+class LocalKvStore(BatchLeases):
     """DRAM arena + optional SSD tier + identity guard + leases, pins and eviction."""
 
     def __init__(self, dram_capacity: int, *, ssd=None, policy: str = "write_back",
