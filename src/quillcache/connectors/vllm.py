@@ -34,6 +34,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from quillcache.connectors.core import (
     ConnectorCore, Identity, chain_keys, model_scope, tenant_from_args, tenant_from_salt,
 )
+from quillcache.connectors.kvquant import KV_DTYPES
 from quillcache.connectors.paged import PagedKVWorker, Transfer
 from quillcache.model import KvBlockKey
 
@@ -131,6 +132,13 @@ class QuillCacheConnector(KVConnectorBase_V1):
         dtype = extra.get("dtype") or (cc and cc.cache_dtype != "auto" and cc.cache_dtype) or \
             (mc and str(mc.dtype).replace("torch.", "")) or "auto"
         self.dtype = str(dtype)
+        # what the pool stores (kvquant.py): "auto" (the cache dtype) or "fp8_e4m3"; the stored
+        # dtype is what the keys' scope names, so an FP8 value is never served to a bf16 reader
+        self.kv_dtype = str(extra.get("kv_dtype") or "auto")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_connector_extra_config kv_dtype {self.kv_dtype!r}: one of {', '.join(KV_DTYPES)}")
+        if self.kv_dtype != "auto":
+            self.dtype = self.kv_dtype
         self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         self.pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
         # the scheduler builds every key in rank 0's scope; each worker moves its own shard under
@@ -146,7 +154,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self._saving: set[str] = set()
         self._events: Optional[QuillCacheKVEvents] = None
         # worker side
-        self.worker = PagedKVWorker(self.core)
+        self.worker = PagedKVWorker(self.core, kv_dtype=self.kv_dtype)
 
     # ------------------------------------------------------------------ identity
 
