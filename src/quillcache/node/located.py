@@ -113,7 +113,7 @@ class LocatedMixin:
 
     def _get_located(self, frame) -> None:
         self._need_mapped()
-        keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_LOCATED")]
+        keys = self._keys_of(messages.decode_keys_request(frame.header, self.limits, "GET_LOCATED"))
         # per key: a held Slot, a miss status, or None (read the SSD first); one lease for the batch
         batch, got = self.store.located_batch(keys)
         if None in got or (NotFound.status in got and self.node.cluster is not None and not self.peer_node):
@@ -193,8 +193,8 @@ class LocatedMixin:
     def _reserve(self, frame) -> None:
         self._need_mapped()
         durable = bool(frame.flags & FLAG_DURABLE)
-        items = [(self._key(i.key), i.nbytes)
-                 for i in messages.decode_put_many_request(frame.header, None, self.limits)]
+        reqs = messages.decode_put_many_request(frame.header, None, self.limits)
+        items = list(zip(self._keys_of([i.key for i in reqs]), [i.nbytes for i in reqs]))
         handles = self.store.reserve_nowait(items, durable)        # all or nothing
         if handles is None:              # room needs demotions (SSD writes): wait for them
             self._spawn(self._reserve_waiting(frame.request_id, items, durable))

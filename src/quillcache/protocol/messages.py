@@ -19,7 +19,7 @@ import sys
 from typing import NamedTuple, Sequence
 
 from quillcache._native.codec import (
-    decode_key_body, decode_key_field, decode_put_body, encode_key_body, encode_put_body,
+    decode_key_body, decode_key_field, decode_key_list, decode_put_body, encode_key_body, encode_put_body,
 )
 from quillcache.protocol.route import POLICIES
 from quillcache.errors import (
@@ -330,10 +330,17 @@ def decode_put_many_request(body: BytesLike, payload_length: int | None = None,
                             limits: ProtocolLimits = DEFAULT_LIMITS) -> list[PutItem]:
     r = _Reader(body, "PUT_MANY")
     n = r.count(limits, 8 + 3)
+    buf, pos, end, max_key = r.buf, r.pos, len(r.buf), limits.max_key_bytes
+    unpack = _U64.unpack_from
     items = []
-    for _ in range(n):
-        nbytes = r.u64("nbytes")
-        items.append(PutItem(r.key(limits), nbytes))
+    for _ in range(n):                  # _Reader's u64 and key, inline (a RESERVE of 256 keys)
+        if end - pos < 8:
+            r.pos = pos
+            r.u64("nbytes")             # raises: body truncated
+        nbytes = unpack(buf, pos)[0]
+        key, pos = decode_key_field(buf, pos + 8, max_key, "PUT_MANY")
+        items.append(PutItem(key, nbytes))
+    r.pos = pos
     r.end()
     _check_payload(sum(i.nbytes for i in items), payload_length, "PUT_MANY")
     return items
@@ -374,10 +381,7 @@ def encode_keys_request(keys: Sequence[BytesLike], limits: ProtocolLimits = DEFA
 
 def decode_keys_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS,
                         what: str = "request") -> list[bytes]:
-    r = _Reader(body, what)
-    keys = r.keys(limits)
-    r.end()
-    return keys
+    return decode_key_list(body, 0, limits.max_batch, limits.max_key_bytes, what)
 
 
 def encode_get_many_reply(items: Sequence[tuple[int, int]], limits: ProtocolLimits = DEFAULT_LIMITS) -> bytes:
