@@ -351,18 +351,19 @@ def encode_status_list(statuses: Sequence[int], limits: ProtocolLimits = DEFAULT
     out = bytearray()
     _count(out, len(statuses), limits, "status list")
     for s in statuses:
-        if not isinstance(s, int) or not 0 <= s <= 0xFFFF:
-            raise InvalidArgument(f"status list: status {s!r} is not a u16")
-        out += _U16.pack(s)
+        if type(s) is not int or not 0 <= s <= 0xFFFF:
+            if not isinstance(s, int) or not 0 <= s <= 0xFFFF:
+                raise InvalidArgument(f"status list: status {s!r} is not a u16")
+    out += struct.pack(f"<{len(statuses)}H", *statuses)
     return bytes(out)
 
 
 def decode_status_list(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> list[int]:
     r = _Reader(body, "status list")
     n = r.count(limits, 2)
-    out = [r.u16("status") for _ in range(n)]
+    raw = r.take(2 * n, "status")
     r.end()
-    return out
+    return list(struct.unpack(f"<{n}H", raw))
 
 
 # --------------------------------------------------------------------------- key-list requests
