@@ -152,6 +152,13 @@ class LocatedMixin:
         self._reply_located(rid, batch, got)
 
     def _reply_located(self, rid: int, batch, got: list) -> None:
+        if batch is not None and len(batch) == len(got):          # every key found, all under the batch
+            lease_id = next(self._ids)
+            self._located[lease_id] = [batch]
+            body = located.encode_located_hits(lease_id, int(batch.expires_at * NS), [s.offset for s in got],
+                                               [s.size for s in got])
+            self._ok(rid, Opcode.GET_LOCATED, body)
+            return
         held = []
         items = []
         expires = math.inf
