@@ -4,6 +4,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from quillcache.errors import Busy, CapacityError, NotFound, UnsafeReuse
 from quillcache.model import KvBlockKey
@@ -135,3 +136,69 @@ def test_close_releases_batch_leases():
     lease, _ = store.located_batch([key(1)])
     asyncio.run(store.close())
     assert lease.released
+
+
+# ---------------------------------------------------------------- against per-key leases (the simple path)
+
+OPS = st.lists(st.tuples(st.sampled_from(["put", "locate", "release", "remove", "expire"]),
+                         st.lists(st.integers(0, 5), min_size=1, max_size=4)), max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(OPS)
+def test_a_batch_lease_holds_exactly_what_per_key_leases_would(ops):
+    """Two stores driven alike, one taking a BatchLease per located batch, the other a Lease per
+    key (``located_nowait``): the same answers per key, the same bytes at every held offset, and
+    the same residency, space used and evictions after every step."""
+    clocks = Clock(), Clock()
+    batch_store = make(blocks=4, clock=clocks[0], lease_s=5.0)
+    key_store = make(blocks=4, clock=clocks[1], lease_s=5.0)
+    held_b: list = []                    # (lease, slots)
+    held_k: list = []                    # [Lease or None per key]
+    version = 0
+    for op, ids in ops:
+        if op == "put":
+            version += 1
+            outcomes = []
+            for store in (batch_store, key_store):
+                try:
+                    asyncio.run(store.put(key(ids[0]), data(ids[0] * 1000 + version)))
+                    outcomes.append("stored")
+                except CapacityError:
+                    outcomes.append("full")        # every slot held: the same in both
+            assert outcomes[0] == outcomes[1]
+        elif op == "locate":
+            ks = [key(i) for i in ids]
+            lease, got = batch_store.located_batch(ks)
+            singles = []
+            for k in ks:
+                try:
+                    singles.append(key_store.located_nowait(k))
+                except (NotFound, UnsafeReuse) as exc:
+                    singles.append(exc.status)
+            assert [type(g) is Slot for g in got] == [not isinstance(s, int) and s is not None for s in singles]
+            for g, s in zip(got, singles):
+                if type(g) is Slot:
+                    assert arena_bytes(batch_store, g) == arena_bytes(key_store, s._slot)
+                else:
+                    assert g == s
+            held_b.append(lease)
+            held_k.append([s for s in singles if not isinstance(s, int) and s is not None])
+        elif op == "release" and held_b:
+            i = ids[0] % len(held_b)
+            lease = held_b.pop(i)
+            if lease is not None:
+                lease.release()
+            for s in held_k.pop(i):
+                s.release()
+        elif op == "remove":
+            for store in (batch_store, key_store):
+                asyncio.run(store.remove(key(ids[0])))
+        elif op == "expire":
+            for clock in clocks:
+                clock.t += 5
+            for store in (batch_store, key_store):
+                asyncio.run(store.maintenance())
+        b, k = batch_store.stats(), key_store.stats()
+        assert b["dram"]["used"] == k["dram"]["used"] and b["dram"]["evictions"] == k["dram"]["evictions"]
+        assert [batch_store.exists(key(i)) for i in range(6)] == [key_store.exists(key(i)) for i in range(6)]
