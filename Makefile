@@ -11,7 +11,7 @@ DEB_PKGS := liburing-dev pkg-config redis-server etcd-server
 N        ?= 500
 PYTEST_ARGS ?=
 
-.PHONY: all build deps bench-deps _debs run gateway lint test bench crash man clean distclean engines engines-clean cluster nixl
+.PHONY: all help build deps bench-deps _debs run gateway lint test bench crash man clean distclean engines engines-clean cluster nixl
 
 # The engines' own venv (vLLM, SGLang, LMCache on the CPU torch wheel), for the tests marked
 # `engines`. Every pin is in requirements/engines.txt and installed with --no-deps, torch first.
@@ -26,6 +26,23 @@ QUILLCACHE_NO_ENGINES ?=
 ENGINE_TESTS  = $(shell grep -rl --include='test_*.py' 'mark.engines' tests)
 
 all: build
+
+# `make help`: every target a newcomer runs, one line each (tests/cli/test_makefile.py holds it to the .PHONY list).
+help:
+	@echo "QuillCache make targets (the README's two commands are make run and make test):"
+	@echo "  make run       build, then one node in the foreground on 127.0.0.1:7470 (data in ./var); Ctrl-C stops it"
+	@echo "  make test      build, ruff, the suite, then the engine tests in .venv-engines"
+	@echo "  make cluster   etcd and three nodes on loopback; kill -9 one to watch failure detection; Ctrl-C stops all"
+	@echo "  make gateway   one node, two simulated engines sharing it as their pool, the gateway on 127.0.0.1:8088"
+	@echo "  make build     .venv, the Debian packages (as root), the package editable, the Cython extensions"
+	@echo "  make engines   .venv-engines: CPU torch, vLLM, SGLang, LMCache (for the engine tests)"
+	@echo "  make lint      ruff check on the tree"
+	@echo "  make bench     asv on this commit, then bench/native_core.py"
+	@echo "  make crash     the long crash-injection campaign (N=500 cycles)"
+	@echo "  make man       regenerate man/ from the command-line help"
+	@echo "  make clean     remove build output; make distclean also the venvs and var/"
+	@echo "  make nixl      NIXL (transfer/nixl.py) into .venv, --no-deps (make test does it)"
+	@echo "  make engines-clean  remove .venv-engines"
 
 # Debian packages: installed only when running as root and something is missing.
 deps:
@@ -75,7 +92,7 @@ build: deps $(STAMP)
 run: build
 	$(VENV)/bin/quillcached
 
-# etcd and three nodes on loopback (tests/_support/devcluster.py); Ctrl-C stops them.
+# etcd and three nodes on loopback (tests/_support/devcluster.py): kill -9 one, the others serve; Ctrl-C stops all.
 cluster: build
 	$(PY) -m tests._support.devcluster
 
@@ -83,7 +100,7 @@ cluster: build
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# A gateway in front of two simulated engines and one node (conf/gateway.toml); Ctrl-C stops all.
+# A gateway in front of two simulated engines sharing one node as their pool (conf/gateway.toml); Ctrl-C stops all.
 gateway: build
 	$(PY) -m tests._support.gateway_demo
 

@@ -45,7 +45,7 @@ from quillcache.protocol import cluster as wire
 from quillcache.cluster.hrw import Ring, key_hash
 from quillcache.model import KvBlockKey, encode_key
 from quillcache.protocol.opcodes import Opcode
-from tests._support.cluster import CREDENTIAL, Pool, cluster_view, unix_addr
+from tests._support.cluster import Pool, cluster_view, member, unix_addr
 from tests._support.etcd import EtcdServer
 
 
@@ -278,7 +278,7 @@ def bench_locate(pool: Pool, samples: int) -> tuple[float, float, float]:
         b.put_many([(k, b"x" * 64) for k in keys])
     time.sleep(0.2)
     lat, ping = [], []
-    with Client(pool["a"].addr, token=CREDENTIAL) as peer:
+    with member(pool["a"].addr, "bench", peer_id="node-a") as peer:
         body = wire.encode_locate([encode_key(k) for k in keys], peer.limits)
         found = wire.decode_locate_reply(peer.call(Opcode.LOCATE, body).header, peer.limits)
         if sum(1 for holders in found if holders) != 64:

@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._local_node import LocalNode
 from quillcache import Client
 from quillcache.connectors.core import (
-    ConnectorCore, batch_len, Identity, chain_keys, model_scope,
+    ConnectorCore, batch_len, chain_keys, model_scope,
 )
+from quillcache.model import IdentityScope
 
 BLOCK_BYTES = 32 * 2 * 16 * 8 * 128 * 2          # bytes: one 16-token block of an 8B model, bf16
 
@@ -45,7 +46,7 @@ def main() -> int:
     n = a.blocks
     gib = n * BLOCK_BYTES / 2**30
     scope = model_scope("llama-3-8b", dtype="bfloat16", block_size=16, num_layers=32, layout="vllm-2nbhd")
-    keys = chain_keys(Identity(scope, "llama-3-tok", None, ""), [i.to_bytes(32, "big") for i in range(n)],
+    keys = chain_keys(IdentityScope(scope, "llama-3-tok", None, ""), [i.to_bytes(32, "big") for i in range(n)],
                       block_size=16)
     src = [np.full(BLOCK_BYTES, i % 251, np.uint8) for i in range(n)]
     dst = [np.empty(BLOCK_BYTES, np.uint8) for _ in range(n)]

@@ -119,7 +119,7 @@ async def main_async(args) -> dict:
             await wait_http(url + "/health")
         gport = free_port()
         cfg = Path(tmp) / "gateway.toml"
-        cfg.write_text(f'[gateway]\nlisten = "127.0.0.1:{gport}"\nqueue_limit = {10 * args.clients}\n' + "".join(
+        cfg.write_text(f'[gateway]\nlisten = "127.0.0.1:{gport}"\nadmin_listen = "127.0.0.1:{free_port()}"\nqueue_limit = {10 * args.clients}\n' + "".join(
             f'[[gateway.engines]]\nid = "e{i}"\nurl = "{u}"\nmodel = "sim-model"\n'
             f'kv_events = "tcp://127.0.0.1:{ev}"\nkv_replay = "tcp://127.0.0.1:{rp}"\n'
             for i, (u, ev, rp) in enumerate(engines)))

@@ -141,8 +141,8 @@ class Run:
                              "--time-scale", repr(a.time_scale), "--kv-events", f"tcp://127.0.0.1:{ev}",
                              "--kv-events-replay", f"tcp://127.0.0.1:{rp}"], f"engine-{i}")
             engines.append((f"engine-{i}", f"http://127.0.0.1:{port}", ev, rp, p))
-        gport = free_port()
-        text = (f'[gateway]\nlisten = "127.0.0.1:{gport}"\nqueue_limit = 100000\nmax_body = "64MiB"\n'
+        gport, self.admin_port = free_port(), free_port()
+        text = (f'[gateway]\nlisten = "127.0.0.1:{gport}"\nadmin_listen = "127.0.0.1:{self.admin_port}"\nqueue_limit = 100000\nmax_body = "64MiB"\n'
                 'first_byte_timeout = "3600s"\nidle_timeout = "3600s"\n'
                 f'[router]\npolicy = "{self.policy}"\n')
         if len(self.tenants) > 1:
@@ -210,7 +210,7 @@ class Run:
             for url in self.engine_urls:
                 async with s.get(url + "/sim/stats") as r:
                     stats.append(await r.json())
-            async with s.get(base + "/metrics") as r:
+            async with s.get(f"http://127.0.0.1:{self.admin_port}/metrics") as r:      # the operator's
                 metrics = await r.text()
         scale = a.time_scale
         res = PolicyResult(self.policy)
@@ -222,12 +222,15 @@ class Run:
             _, sent, first, last, n, dec = o
             res.ttft_ms.append((first - sent) * 1e3 / scale)
             res.tpot_ms.append((last - first) * 1e3 / scale / (n - 1) if n > 1 else 0.0)
-            res.decision_us.append(float(dec.get("decision-us", 0)))
             decision_hits += int(dec.get("local-hits", 0))
             prompt_blocks += int(dec.get("prompt-blocks", 0))
         res.prompt_tokens = sum(st["prompt_tokens"] for st in stats)
         res.hit_tokens = sum(st["hit_tokens"] for st in stats)
         res.cross_identity_served_blocks = sum(st["cross_identity_hits"] for st in stats)
+        # The decision time is the operator's (no client header carries it): its mean, from the histogram.
+        n_decisions = scrape(metrics, "quillcache_gateway_decision_seconds_count")
+        if n_decisions:
+            res.decision_us.append(1e6 * scrape(metrics, "quillcache_gateway_decision_seconds_sum") / n_decisions)
         res.cross_identity_credited_blocks = int(scrape(metrics, "quillcache_gateway_cross_identity_credited_blocks_total"))
         res.refused_blocks = int(scrape(metrics, "quillcache_gateway_reuse_refused_blocks_total"))
         res.makespan_us = int(span_s * 1e6 / scale)

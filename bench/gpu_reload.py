@@ -324,7 +324,8 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int) -> dict:
     vLLM adapter delegates to) on paged caches in vLLM's layout, in vLLM's call order: the
     prefix's blocks saved once (wait_for_save, then get_finished until done); per request
     start_load_kv, then wait_for_layer_load before each layer of the suffix reads its cache."""
-    from quillcache.connectors.core import Identity, chain_keys, model_scope
+    from quillcache.connectors.core import chain_keys, model_scope
+    from quillcache.model import IdentityScope
     from quillcache.connectors.paged import PagedKVWorker, Transfer
     S, dev = model.s, model.dev
     nb, ns = P // BLOCK_TOKENS, SUFFIX // BLOCK_TOKENS
@@ -338,7 +339,7 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int) -> dict:
     worker.register_kv_caches(caches)
     scope = model_scope("bench", dtype=str(model.dtype).replace("torch.", ""), block_size=BLOCK_TOKENS,
                         num_layers=S.layers, layout="vllm-2nbhd")
-    keys = chain_keys(Identity(scope, "tok", None, ""), [(P << 32 | i).to_bytes(32, "big") for i in range(nb)],
+    keys = chain_keys(IdentityScope(scope, "tok", None, ""), [(P << 32 | i).to_bytes(32, "big") for i in range(nb)],
                       block_size=BLOCK_TOKENS)
     ids = torch.randint(0, S.vocab, (P + SUFFIX,), device=dev)
     with torch.inference_mode():

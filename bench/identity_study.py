@@ -87,9 +87,9 @@ def realistic(n_requests: int, rng: random.Random):
 
 async def run_workload(requests, mode: str) -> dict:
     from quillcache.errors import NotFound, UnsafeReuse
-    from quillcache.store.tiers import LocalKvStore
+    from quillcache.store.tiers import LocalKvStore, StoreOptions
     total_blocks = sum(len(r) for r in requests)
-    store = LocalKvStore((total_blocks + 64) * BLOCK_BYTES, max_block_bytes=BLOCK_BYTES, guard_mode=mode)
+    store = LocalKvStore(StoreOptions((total_blocks + 64) * BLOCK_BYTES, max_block_bytes=BLOCK_BYTES, guard_mode=mode))
     perf = time.perf_counter_ns
     get_ns = 0
     res = {"lookups": 0, "hits": 0, "safe": 0, "unsafe": 0, "unsafe_wrong_kv": 0, "unsafe_tenant_leak": 0,
@@ -129,9 +129,9 @@ async def run_workload(requests, mode: str) -> dict:
 
 async def build_store(requests, mode: str):
     """A store holding every identity's blocks (the state a strict run ends in)."""
-    from quillcache.store.tiers import LocalKvStore
+    from quillcache.store.tiers import LocalKvStore, StoreOptions
     total_blocks = sum(len(r) for r in requests)
-    store = LocalKvStore((total_blocks + 64) * BLOCK_BYTES, max_block_bytes=BLOCK_BYTES, guard_mode=mode)
+    store = LocalKvStore(StoreOptions((total_blocks + 64) * BLOCK_BYTES, max_block_bytes=BLOCK_BYTES, guard_mode=mode))
     for keys in requests:
         for key in keys:
             if not store.exists(key) or not key.scope.matches(store.get(key).key):
@@ -180,12 +180,12 @@ def oracle_timing(repeats: int) -> dict:
     """A cross-tenant probe vs a true miss: median time of a refused get over a missed get."""
     from quillcache.errors import NotFound
     from quillcache.model import KvBlockKey
-    from quillcache.store.tiers import LocalKvStore
+    from quillcache.store.tiers import LocalKvStore, StoreOptions
 
     async def build(block_hash):
         # Both stores hold 20 other tenants' blocks; only the block hash differs, so the one
         # thing that differs between the two probes is whether the content is resident.
-        s = LocalKvStore(1 << 20, max_block_bytes=BLOCK_BYTES)
+        s = LocalKvStore(StoreOptions(1 << 20, max_block_bytes=BLOCK_BYTES))
         for i in range(20):
             await s.put(KvBlockKey("m", "tok", None, f"victim{i}", "root", block_hash), b"x" * 256)
         return s

@@ -60,9 +60,9 @@ def pct(xs, q):
 
 def bench_list(n: int, queries: int) -> dict:
     from quillcache.model import IdentityScope, encode_key, encode_scope, encode_scope_prefix
-    from quillcache.store.tiers import LocalKvStore
+    from quillcache.store.tiers import LocalKvStore, StoreOptions
     keys = keys_for(n)
-    store = LocalKvStore(n * BLOCK + (64 << 20), max_block_bytes=BLOCK)
+    store = LocalKvStore(StoreOptions(n * BLOCK + (64 << 20), max_block_bytes=BLOCK))
     payload = bytes(BLOCK)
     t0 = time.perf_counter()
 
@@ -140,11 +140,11 @@ def bench_list(n: int, queries: int) -> dict:
 THROUGHPUT_CHILD = r'''
 import asyncio, json, sys, time
 from quillcache.model import KvBlockKey
-from quillcache.store.tiers import LocalKvStore
+from quillcache.store.tiers import LocalKvStore, StoreOptions
 n = int(sys.argv[1]); BLOCK = 256
 keys = [KvBlockKey("llama-3-8b", "tok-a", None, "acme", "p%07d" % (i // 100), "b%09d" % i, i % 100)
         for i in range(n)]
-store = LocalKvStore(n * BLOCK + (64 << 20), max_block_bytes=BLOCK)
+store = LocalKvStore(StoreOptions(n * BLOCK + (64 << 20), max_block_bytes=BLOCK))
 payload = bytes(BLOCK)
 async def puts():
     for k in keys:
@@ -245,7 +245,7 @@ def bench_recovery(n: int) -> dict:
     from quillcache.index.persistent import PersistentArtIndex
     from quillcache.model import CacheTier, decode_key, encode_key
     from quillcache.store.ssd import SsdTier
-    from quillcache.store.tiers import LocalKvStore
+    from quillcache.store.tiers import LocalKvStore, StoreOptions
     node = "node-a"
     tmp = tempfile.mkdtemp(prefix="qc-restart-")
     out: dict = {"records": n}
@@ -278,7 +278,7 @@ def bench_recovery(n: int) -> dict:
             c1 = time.process_time()
             again = open_index()
             c2 = time.process_time()
-            store = LocalKvStore(64 << 20, ssd=ssd, index=again, holder=node, max_block_bytes=BLOCK)
+            store = LocalKvStore(StoreOptions(64 << 20, holder=node, max_block_bytes=BLOCK), ssd=ssd, index=again)
             c3 = time.process_time()
             assert store.reconciled["index_agreed"] == n, store.reconciled
             st = store.stats()["store"]

@@ -30,7 +30,8 @@ from lmcache.v1.storage_backend.connector import CreateConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from bench._local_node import LocalNode
-from quillcache.connectors.core import ConnectorCore, Identity, chain_keys, model_scope
+from quillcache.connectors.core import ConnectorCore, chain_keys, model_scope
+from quillcache.model import IdentityScope
 
 LAYERS, TOKENS, HIDDEN = 32, 16, 8 * 128          # 8 KV heads x 128
 SHAPE = torch.Size([2, LAYERS, TOKENS, HIDDEN])
@@ -81,7 +82,7 @@ def main() -> int:
         core = ConnectorCore(node.unix, timeout=120)
         assert core.shm, "the Unix-socket core did not map the arena"
         scope = model_scope("llama-3-8b", dtype="bfloat16", block_size=TOKENS, num_layers=LAYERS, layout="raw")
-        ckeys = chain_keys(Identity(scope, "tok", None, ""), [i.to_bytes(32, "big") for i in range(n)],
+        ckeys = chain_keys(IdentityScope(scope, "tok", None, ""), [i.to_bytes(32, "big") for i in range(n)],
                            block_size=TOKENS)
         src = [np.asarray(memoryview(o.byte_array).cast("B")) for o in objs]
         dst = [np.empty(CHUNK_BYTES, np.uint8) for _ in range(n)]

@@ -12,6 +12,13 @@ batched tokens per iteration, 256 sequences) and a KV cache of ``--kv-gib`` GiB 
 the trace's 512 tokens.  Their caches are keyed by identity: a block cached for one tenant
 is recomputed for another, whatever the router credited.
 
+With ``--pool GIB`` the engines share a pool (``LruPool``: LRU, that many GiB): every engine
+offers it the blocks it computes and evicts, and loads from it any prefix it holds, whatever the
+policy; it loads at the measured host-to-HBM rate (55 GB/s, ``--pool-link host``) or over TCP
+(4.5 GB/s, ``--pool-link tcp``).  Only the routing differs between policies.  ``--kv-gib`` small
+(a few GiB) gives the regime where a pool matters: the run prints the engines' combined cache
+against the trace's working set (its distinct blocks).
+
 ``load`` is the share of time the engines had prefill work running or queued (the chance an
 arrival waits behind another prefill); pick ``--speedup`` for the load you want.
 """
@@ -24,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from quillcache.control.model import SloTarget
+from quillcache.control.model import HOST_TO_HBM_BYTES_PER_S, TCP_BYTES_PER_S, SloTarget, us_per_mib
 from quillcache.protocol.route import POLICIES
-from quillcache.control.sim.engine import H200_LLAMA3_8B, KV_BYTES_PER_TOKEN_LLAMA3_8B, EngineConfig
+from quillcache.control.sim.engine import H200_LLAMA3_8B, KV_BYTES_PER_TOKEN_LLAMA3_8B, EngineConfig, cost_with
 from quillcache.control.sim.replay import build_requests, run_policy
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, assign_tenants, load_trace
 
@@ -37,11 +44,27 @@ VLLM_MAX_NUM_SEQS = 256
 BASELINE = "round_robin"
 
 
-def engine_config(kv_gib: float) -> EngineConfig:
-    capacity = int(kv_gib * GiB) // (TRACE_BLOCK_TOKENS * KV_BYTES_PER_TOKEN_LLAMA3_8B)
+BLOCK_BYTES = TRACE_BLOCK_TOKENS * KV_BYTES_PER_TOKEN_LLAMA3_8B
+POOL_LINKS = {"host": HOST_TO_HBM_BYTES_PER_S, "tcp": TCP_BYTES_PER_S}
+
+
+def engine_config(kv_gib: float, pool_link: str = "host") -> EngineConfig:
+    """One engine; the pool (and a block moved from another engine) loads at ``pool_link``'s
+    measured rate, and instance-to-instance moves (mooncake) go over TCP."""
+    capacity = int(kv_gib * GiB) // BLOCK_BYTES
+    cost = cost_with(H200_LLAMA3_8B, cpu_dram_us_per_mb=us_per_mib(POOL_LINKS[pool_link]))
     return EngineConfig(block_size=TRACE_BLOCK_TOKENS, capacity_blocks=capacity,
                         max_num_seqs=VLLM_MAX_NUM_SEQS, max_batched_tokens=VLLM_MAX_BATCHED_TOKENS,
-                        cost=H200_LLAMA3_8B, kv_bytes_per_token=KV_BYTES_PER_TOKEN_LLAMA3_8B)
+                        cost=cost, kv_bytes_per_token=KV_BYTES_PER_TOKEN_LLAMA3_8B,
+                        remote_us_per_mb=us_per_mib(TCP_BYTES_PER_S))
+
+
+def pool_blocks(pool_gib: float) -> int:
+    return int(pool_gib * GiB) // BLOCK_BYTES
+
+
+def working_set_blocks(trace) -> int:
+    return len({h for t in trace for h in t.hash_ids[:t.input_length // TRACE_BLOCK_TOKENS]})
 
 
 _WORK: dict = {}
@@ -50,12 +73,14 @@ _WORK: dict = {}
 def _init(trace_path, limit, tenants, seed, speedup):
     trace = assign_tenants(load_trace(trace_path, limit), tenants, seed)
     _WORK["requests"] = build_requests(trace, speedup)
+    _WORK["working_set_blocks"] = working_set_blocks(trace)
 
 
 def _one(args):
-    policy, engines, kv_gib, seed = args
+    policy, engines, kv_gib, seed, pool_gib, pool_link, admission = args
     t0 = time.perf_counter()
-    res = run_policy(_WORK["requests"], policy, engines, engine_config(kv_gib), seed=seed)
+    res = run_policy(_WORK["requests"], policy, engines, engine_config(kv_gib, pool_link), seed=seed,
+                     pool_blocks=pool_blocks(pool_gib), admission=admission)
     slo = SloTarget()
     out = res.summary(slo.ttft_ms, slo.tpot_ms)
     out["wall_s"] = time.perf_counter() - t0
@@ -67,7 +92,8 @@ def run(args) -> dict:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise SystemExit(f"router_replay: unknown policies {unknown} (known: {', '.join(POLICIES)})")
-    work = [(p, args.engines, args.kv_gib, args.seed) for p in policies]
+    work = [(p, args.engines, args.kv_gib, args.seed, args.pool, args.pool_link, args.admission)
+            for p in policies]
     init = (args.trace, args.limit, args.tenants, args.seed, args.speedup)
     if args.jobs > 1:
         ctx = multiprocessing.get_context("fork")
@@ -76,6 +102,8 @@ def run(args) -> dict:
     else:
         _init(*init)
         results = dict(_one(w) for w in work)
+    if args.jobs > 1:
+        _init(*init)
     return {"policies": {p: results[p] for p in policies},
             "config": {"trace": args.trace, "engines": args.engines, "speedup": args.speedup,
                        "tenants": args.tenants, "seed": args.seed, "kv_gib": args.kv_gib,
@@ -85,19 +113,25 @@ def run(args) -> dict:
                                       "decode_us_per_token": H200_LLAMA3_8B.decode_us_per_token,
                                       "running_decode_penalty_us":
                                           H200_LLAMA3_8B.running_decode_penalty_us},
-                       "capacity_blocks_per_engine": engine_config(args.kv_gib).capacity_blocks}}
+                       "capacity_blocks_per_engine": engine_config(args.kv_gib).capacity_blocks,
+                       "pool_gib": args.pool, "pool_link": args.pool_link, "admission": args.admission,
+                       "pool_blocks": pool_blocks(args.pool),
+                       "working_set_blocks": _WORK["working_set_blocks"],
+                       "cache_share_of_working_set":
+                           args.engines * engine_config(args.kv_gib).capacity_blocks
+                           / max(_WORK["working_set_blocks"], 1)}}
 
 
 def table(doc: dict) -> str:
     pols = doc["policies"]
     base = pols.get(BASELINE)
     head = (f"{'policy':<13} {'TTFT p50':>9} {'p50/rr':>7} {'TTFT p99':>9} {'hit rate':>8} "
-            f"{'goodput':>8} {'x-id credited':>13} {'x-id served':>11} {'load':>5}")
+            f"{'goodput':>8} {'pool':>5} {'x-id credited':>13} {'x-id served':>11} {'load':>5}")
     lines = [head, "-" * len(head)]
     for name, r in pols.items():
         ratio = f"{r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x" if base and base["ttft_p50_ms"] else "-"
         lines.append(f"{name:<13} {r['ttft_p50_ms']:>7.0f}ms {ratio:>7} {r['ttft_p99_ms']:>7.0f}ms "
-                     f"{r['hit_rate']:>8.3f} {r['goodput']:>8.3f} "
+                     f"{r['hit_rate']:>8.3f} {r['goodput']:>8.3f} {r['pool_rate']:>5.2f} "
                      f"{r['cross_identity_credited_blocks']:>13} {r['cross_identity_served_blocks']:>11} "
                      f"{r['load']:>5.2f}")
     if "quillcache" in pols and "dynamo" in pols:
@@ -148,14 +182,22 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-gib", type=float, default=H200_KV_GIB, help="KV cache per engine")
     ap.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     ap.add_argument("--jobs", type=int, default=2, help="policies replayed in parallel processes")
+    ap.add_argument("--pool", type=float, default=0.0, metavar="GIB", help="a shared pool of GIB GiB (0: none)")
+    ap.add_argument("--pool-link", choices=sorted(POOL_LINKS), default="host",
+                    help="how engines load from the pool: host (55 GB/s) or tcp (4.5 GB/s)")
+    ap.add_argument("--admission", choices=("off", "predict"), default="off",
+                    help="quillcache refuses what it predicts will miss the TTFT SLO (a miss)")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--png-out", default=None, help="default: the JSON path with .png")
     args = ap.parse_args(argv)
-    if args.engines < 1 or args.tenants < 1 or not args.speedup > 0:
-        ap.error("--engines and --tenants must be >= 1 and --speedup > 0")
+    if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or args.pool < 0:
+        ap.error("--engines and --tenants must be >= 1, --speedup > 0 and --pool >= 0")
     t0 = time.perf_counter()
     doc = run(args)
     print(table(doc))
+    c = doc["config"]
+    print(f"engine caches: {c['cache_share_of_working_set']:.2f} of the working set "
+          f"({c['working_set_blocks']} blocks); pool: {c['pool_blocks']} blocks over {c['pool_link']}")
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")

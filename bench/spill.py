@@ -55,11 +55,11 @@ def raw_write(path: str, total: int, block: int) -> float:
 async def store_spill(directory: str, total: int, block: int, dram: int, writers: int) -> tuple[float, dict]:
     """Seconds for ``total`` bytes of puts into a full DRAM (every put demotes first), and stats."""
     from quillcache.store.ssd import SsdTier
-    from quillcache.store.tiers import LocalKvStore
+    from quillcache.store.tiers import LocalKvStore, StoreOptions
     ssd = await SsdTier.open(directory, _round(2 * total + 2 * dram, 4096), direct_io=True)
     if not ssd.direct_io:
         raise SystemExit(f"{directory}: O_DIRECT is refused here (tmpfs?): use --dir on a real disk")
-    store = LocalKvStore(dram, ssd=ssd, max_block_bytes=block)
+    store = LocalKvStore(StoreOptions(dram, max_block_bytes=block), ssd=ssd)
     payload = memoryview(os.urandom(block))
     n_fill = dram // block
     for i in range(n_fill):                     # DRAM full of dirty blocks: nothing to evict for free

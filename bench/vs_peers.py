@@ -1,30 +1,49 @@
-"""QuillCache against Redis 7 and Mooncake Store: one client, one server process, loopback TCP.
+"""QuillCache against Redis 7 and Mooncake Store, API class against API class: one client, one
+server process, loopback.
 
-The same workload for each system, run in turn in one invocation: PUT then GET of 256 KiB and
-4 MiB values, one value per request (single) and 16 per request (batch), reporting MB/s and
-the p50/p99 latency of one request.  Every GET is checked byte for byte, outside the timed call.
+Two API classes, each system compared only within its class:
 
-    .venv/bin/python bench/vs_peers.py [--systems quillcache,redis,mooncake,mooncake-zc]
-        [--rounds 6] [--json-out results.json] [--plot docs/benchmarks.png]
+* **bytes API**: the call hands back a new value (``bytes``, or a view of a buffer the call
+  allocated) and takes any buffer to store.  QuillCache ``get``/``put``/``get_many``/``put_many``;
+  Redis ``GET``/``SET`` and non-transactional pipelines of them (redis-py with hiredis);
+  Mooncake ``get``/``put``/``get_batch``/``put_batch``.
+* **zero-copy API**: the value lands in a buffer the caller allocated once (and a PUT reads one).
+  QuillCache ``get_into``/``get_many_into``/``put``/``put_many`` of a preallocated buffer over TCP
+  (``quillcache-zc``), the same calls over the node's Unix socket with the arena mapped, where
+  they copy out of and into the located extents (``quillcache-shm``); Mooncake ``get_into``/
+  ``batch_get_into``/``put_from``/``batch_put_from`` on registered buffers (``mooncake-zc``).
+  Redis has no zero-copy API: it has no row in this class.
+
+Sizes 1 KiB, 16 KiB, 64 KiB, 256 KiB and 4 MiB; single (one value per request) and batch
+(``batch_for(size)`` values per request: 500 of 1 KiB, 256 of 16 KiB, 64 of 64 KiB, 16 of
+256 KiB and of 4 MiB, about 4 MiB a request); PUT then GET.  Every GET is checked byte for
+byte outside the timed call.
+
+* **warm**: the benchmark's long-lived client, one untimed pass over the working set, then
+  ``--rounds`` timed passes, the systems taking turns pass by pass: the best pass (MB/s =
+  bytes / time inside the request calls).  Also "p50 MB/s" = one request's bytes / the
+  median request latency over the timed passes: on a machine shared with busy neighbours
+  the sum of latencies is mostly their preemptions, the median much less so.
+* **cold**: a fresh client process per (system, size, mode, op) connects (untimed) and makes one
+  timed pass: what a short-lived worker pays (its allocator's first touch of fresh pages,
+  its first encoding of each key).  ``--cold-runs`` such processes one after another, the best.
+
+    python bench/vs_peers.py [--systems quillcache,redis,mooncake,quillcache-zc,quillcache-shm,mooncake-zc]
+        [--sizes 1K,16K,64K,256K,4M] [--rounds 5] [--no-cold] [--floor] [--json-out results.json]
 
 Servers, each started here on free loopback ports and stopped at the end:
-  quillcache   quillcached (the real daemon, DRAM tier) + quillcache.client.Client;
-               single GET lands in a preallocated buffer (get_into); batch GET in slices of
-               one preallocated buffer (get_many_into)
-  redis        redis-server --save '' --appendonly no; redis-py with hiredis (pipelines for batch)
+  quillcache   quillcached (the real daemon, DRAM tier only) + quillcache.client.Client
+  redis        redis-server --save '' --appendonly no; redis-py with hiredis
   mooncake     mooncake_master (with its HTTP metadata server) + a separate process lending a
-               segment, MC_TCP_BIND_ADDRESS=127.0.0.1, protocol tcp; put/get_batch (bytes API)
-  mooncake-zc  the same servers, zero-copy API: put_from/batch_put_from and get_into/
-               batch_get_into on registered buffers
-A system that cannot start is skipped with a message.
+               segment, MC_TCP_BIND_ADDRESS=127.0.0.1, protocol tcp
+A system that cannot start is skipped with a message.  The versions of redis-server, redis-py,
+hiredis and Mooncake are printed first.
 
 CPU placement: with two or more CPUs, every server process (and its threads) runs on the first
-half of the CPUs this process may use and the client on the other half (``--no-pin`` leaves it
-to the scheduler).  Without it, the kernel's wake-affine placement on a small machine often
-moves the client onto the server's CPU after a reply, and the two then take turns on one core:
-on the 2-CPU development machine this alone swings a 256 KiB GET between 1200 and 2500 MB/s from
-run to run, for every system alike.  The same placement applies to each system.  MB/s = bytes moved / time inside the
-request calls (MiB = 2^20 bytes; "MB/s" here is MiB/s).
+half of the CPUs this process may use and the clients on the other half (``--no-pin`` leaves it
+to the scheduler): without it the kernel's wake-affine placement on a small machine often moves
+the client onto the server's CPU after a reply and the two take turns on one core.  MiB = 2^20
+bytes; "MB/s" here is MiB/s.
 
 All work happens in main() (asv imports only bench/suites/).
 """
@@ -43,15 +62,30 @@ from pathlib import Path
 
 KiB = 1 << 10
 MiB = 1 << 20
-SIZES = (256 * KiB, 4 * MiB)
-BATCH = 16                     # values per request in the batch runs
-WORKING_SET = 64 * MiB         # bytes: distinct values per size (keys = WORKING_SET // size, >= BATCH)
-FLOOR_SIZE = 64               # bytes: the value of the round-trip floor measurement
+SIZES = (1 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 4 * MiB)
+BATCH_BYTES = 4 * MiB          # bytes a batch request aims at (values per request: batch_for)
+BATCH_MIN, BATCH_MAX = 16, 500  # values per batch request
+WORKING_SET = 64 * MiB         # bytes of distinct values per size ...
+MAX_KEYS = 1024                # ... at most this many keys, at least two batches
+FLOOR_SIZE = 64                # bytes: the value of the round-trip floor measurement
 FLOOR_REQUESTS = 3000          # timed single GETs of it per system
 START_TIMEOUT = 30.0           # seconds: a server that does not answer by then is skipped
+COLD_TIMEOUT = 300.0           # seconds: one cold worker process
 HERE = Path(__file__).resolve().parent
 VENV_BIN = Path(sys.executable).parent
 SERVER_CPUS = None             # set by main(): the CPUs server processes are started on (None: any)
+CLASSES = {"bytes": ("quillcache", "redis", "mooncake"),
+           "zero-copy": ("quillcache-zc", "quillcache-shm", "mooncake-zc")}
+SYSTEMS = CLASSES["bytes"] + CLASSES["zero-copy"]
+CASES = [(mode, op) for mode in ("single", "batch") for op in ("put", "get")]
+
+
+def batch_for(size):
+    return max(BATCH_MIN, min(BATCH_MAX, BATCH_BYTES // size))
+
+
+def keys_for(size):
+    return max(2 * batch_for(size), min(WORKING_SET // size, MAX_KEYS))
 
 
 def _free_port():
@@ -124,9 +158,9 @@ def _cpu_seconds(pids):
     return total / os.sysconf("SC_CLK_TCK")
 
 
-class Recorder:
-    """Latency of each request, bytes moved, and the CPU both sides spent meanwhile: the CPU
-    split says where the time goes on a machine too busy for wall-clock figures."""
+class Pass:
+    """One pass over the working set: the time inside the request calls, the bytes moved,
+    each request's latency, and the CPU both sides spent meanwhile."""
 
     def __init__(self, server_pids=()):
         self.lat = []
@@ -136,8 +170,8 @@ class Recorder:
         self.server_cpu = 0.0
 
     def timed(self, fn, nbytes):
-        c0 = time.process_time()          # the client's CPU inside the call only (not staging
-        t0 = time.perf_counter()          # or checking)
+        c0 = time.process_time()          # the client's CPU inside the call only
+        t0 = time.perf_counter()
         result = fn()
         self.lat.append(time.perf_counter() - t0)
         self.client_cpu += time.process_time() - c0
@@ -150,204 +184,266 @@ class Recorder:
         yield
         self.server_cpu += _cpu_seconds(self.server_pids) - s0
 
+    @property
+    def mb_s(self):
+        t = sum(self.lat)
+        return self.nbytes / MiB / t if t else 0.0
+
     def summary(self):
-        import numpy as np
-        lat = np.array(self.lat)
-        total = float(lat.sum())
-        n = len(lat)
-        return {"mb_s": self.nbytes / MiB / total if total else 0.0,
-                "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
-                "requests": n, "bytes": self.nbytes,
+        n = max(1, len(self.lat))
+        return {"mb_s": self.mb_s, "items_s": 0.0, "requests": len(self.lat), "bytes": self.nbytes,
                 "client_cpu_us": self.client_cpu / n * 1e6, "server_cpu_us": self.server_cpu / n * 1e6}
 
 
-def run_case(adapter, keys, values, size, mode, op, rounds):
-    """``rounds`` timed passes (after one untimed) of one (size, mode, op) over the working set."""
-    step = 1 if mode == "single" else BATCH
-    groups = [list(range(i, i + step)) for i in range(0, len(keys) - step + 1, step)]
-    rec = Recorder(adapter.server_pids)
-    for r in range(rounds + 1):          # round 0 warms up and is not recorded
-        target = rec if r else Recorder()
-        if op == "put":
-            # every PUT stores a new key (Mooncake objects are immutable: a put of an existing
-            # key is refused without moving the bytes); untimed
-            adapter.clear(keys)
-        with target.cpu():
-            _pass(adapter, target, groups, keys, values, size, step, op)
-    return rec.summary()
-
-
-def _pass(adapter, target, groups, keys, values, size, step, op):
-    for g in groups:
-        ks = [keys[i] for i in g]
-        if op == "put":
-            vs = [values[i] for i in g]
-            adapter.stage(vs)       # untimed (only zero-copy APIs need it)
-            if step == 1:
-                target.timed(lambda: adapter.put(ks[0], vs[0]), size)
-            else:
-                target.timed(lambda: adapter.put_many(ks, vs), size * step)
-        elif step == 1:
-            got = target.timed(lambda: adapter.get(ks[0]), size)
-            _check(got, values[g[0]], adapter.name, ks[0])
-        else:
-            got = target.timed(lambda: adapter.get_many(ks), size * step)
-            for i, v in zip(g, got):
-                _check(v, values[i], adapter.name, keys[i])
-
-
-def run_workload(adapters, rounds, log):
-    """Every case on every system, the systems interleaved case by case (so that machine noise
-    spreads over all of them); returns {name: {(size, mode, op): summary}}."""
-    results = {a.name: {} for a in adapters}
-    for size in SIZES:
-        count = max(BATCH, WORKING_SET // size)
-        values = _values(size, count)
-        keys = [f"bench:{size}:{i}" for i in range(count)]
-        for a in adapters:
-            a.prepare(size, count)
-        for mode in ("single", "batch"):
-            for op in ("put", "get"):
-                for a in adapters:
-                    s = results[a.name][(size, mode, op)] = run_case(a, keys, values, size, mode, op, rounds)
-                    log(f"  {a.name:12s} {op.upper():3s} {size // KiB:5d} KiB {mode:6s} "
-                        f"{s['mb_s']:8.0f} MB/s  p50 {s['p50_ms']:7.3f} ms  p99 {s['p99_ms']:7.3f} ms  "
-                        f"cpu/req client {s['client_cpu_us']:6.0f} us server {s['server_cpu_us']:6.0f} us")
-        for a in adapters:
-            a.clear(keys)
-    return results
-
-
-def run_floor(adapters, log):
-    """The round-trip floor: single GETs of a 64-byte value, where the bytes cost nothing and
-    what is left is the request's trip through both processes and the kernel (on a VM, mostly
-    the wake-up of an idle CPU).  It says how much of a 256 KiB GET's latency any system here
-    could win back.  Returns {name: summary}."""
-    out = {}
-    count = BATCH
-    values = _values(FLOOR_SIZE, count)
-    keys = [f"floor:{i}" for i in range(count)]
-    for a in adapters:
-        a.prepare(FLOOR_SIZE, count)
-        a.clear(keys)
-        for k, v in zip(keys, values):
-            a.stage([v])
-            a.put(k, v)
-        rec = Recorder(a.server_pids)
-        for r in range(2):                       # the first pass warms up
-            target = rec if r else Recorder()
-            with target.cpu():
-                for i in range(FLOOR_REQUESTS):
-                    got = target.timed(lambda: a.get(keys[i % count]), FLOOR_SIZE)
-                    _check(got, values[i % count], a.name, keys[i % count])
-        a.clear(keys)
-        s = out[a.name] = rec.summary()
-        log(f"  {a.name:12s} GET  {FLOOR_SIZE:4d} B  single  p50 {s['p50_ms']:7.3f} ms  p99 {s['p99_ms']:7.3f} ms  "
-            f"cpu/req client {s['client_cpu_us']:6.0f} us server {s['server_cpu_us']:6.0f} us")
+def _summary(passes, size):
+    """The best pass (warm), with p50/p99 over all the timed passes."""
+    import numpy as np
+    best = max(passes, key=lambda p: p.mb_s)
+    lat = np.array([x for p in passes for x in p.lat])
+    out = best.summary()
+    out.update(items_s=out["mb_s"] * MiB / size, p50_ms=float(np.percentile(lat, 50) * 1e3),
+               p50_mb_s=best.nbytes / len(best.lat) / MiB / float(np.percentile(lat, 50)),
+               p99_ms=float(np.percentile(lat, 99) * 1e3), passes=[p.mb_s for p in passes])
     return out
 
 
+def one_pass(adapter, keys, values, size, mode, op, server_pids=()):
+    """One timed pass of (mode, op) over the working set; for a PUT every key is new
+    (removed before, untimed: Mooncake objects are immutable, a put of an existing key moves
+    no bytes)."""
+    step = 1 if mode == "single" else batch_for(size)
+    if op == "put":
+        adapter.clear(keys)
+    p = Pass(server_pids)
+    with p.cpu():
+        for start in range(0, len(keys) - step + 1, step):
+            ks = keys[start:start + step]
+            if op == "put":
+                vs = values[start:start + step]
+                adapter.stage(vs)       # untimed (only zero-copy APIs need it)
+                if step == 1:
+                    p.timed(lambda: adapter.put(ks[0], vs[0]), size)
+                else:
+                    p.timed(lambda: adapter.put_many(ks, vs), size * step)
+            elif step == 1:
+                got = p.timed(lambda: adapter.get(ks[0]), size)
+                _check(got, values[start], adapter.name, ks[0])
+            else:
+                got = p.timed(lambda: adapter.get_many(ks), size * step)
+                for i, v in enumerate(got):
+                    _check(v, values[start + i], adapter.name, ks[i])
+    return p
+
+
+def run_cases(adapters, keys, values, size, mode, op, rounds):
+    """One untimed pass per system, then ``rounds`` timed ones, the systems taking turns pass
+    by pass (a burst of the machine's neighbours falls on all of them): {name: warm summary}."""
+    for a in adapters:
+        one_pass(a, keys, values, size, mode, op)
+    passes = {a.name: [] for a in adapters}
+    for _ in range(rounds):
+        for a in adapters:
+            passes[a.name].append(one_pass(a, keys, values, size, mode, op, a.server_pids))
+    return {name: _summary(ps, size) for name, ps in passes.items()}
+
+
 def _check(got, want, name, key):
-    # One vectorised compare for every system: ``memoryview == bytes`` compares item by item
-    # (~1 GB/s, 0.3 ms a 256 KiB value) while ``bytes == bytes`` is a memcmp, so the plain
-    # compare gave the systems that return views (quillcache, mooncake-zc) a long idle gap
-    # before each next request, which a VM's CPU pays for in wake-up latency.
+    # One vectorised compare for every system (``memoryview == bytes`` compares item by item).
     import numpy as np
-    if len(got) != len(want) or not np.array_equal(np.frombuffer(got, np.uint8), np.frombuffer(want, np.uint8)):
-        raise AssertionError(f"{name}: {key}: read back {len(got)} bytes that differ from what was put")
+    if got is None or len(got) != len(want) or \
+            not np.array_equal(np.frombuffer(got, np.uint8), np.frombuffer(want, np.uint8)):
+        raise AssertionError(f"{name}: {key}: read back something that differs from what was put")
+
+
+def cold_case(name, info, size, mode, op, runs=1):
+    """The first pass in a fresh client process (this file with --cold-worker), in ``runs``
+    such processes one after another: the best one's summary (one sample on a busy machine
+    is mostly its neighbours), with every run's MB/s."""
+    spec = json.dumps({"name": name, "info": info, "size": size, "mode": mode, "op": op})
+    got = []
+    for _ in range(runs):
+        r = subprocess.run([sys.executable, __file__, "--cold-worker", spec], capture_output=True, text=True,
+                           timeout=COLD_TIMEOUT, env=dict(os.environ))
+        lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+        if r.returncode != 0 or not lines:
+            raise RuntimeError(f"cold worker {name} {size} {mode} {op} failed ({r.returncode}): "
+                               f"{r.stderr.strip()[-2000:]}")
+        got.append(json.loads(lines[-1]))
+    best = max(got, key=lambda s: s["mb_s"])
+    best["runs"] = [s["mb_s"] for s in got]
+    return best
+
+
+def _cold_worker(spec):
+    spec = json.loads(spec)
+    size = spec["size"]
+    count = keys_for(size)
+    values = _values(size, count)
+    keys = [f"bench:{size}:{i}" for i in range(count)]
+    adapter = ADAPTERS[spec["name"]](spec["info"])     # connecting is not timed
+    try:
+        adapter.prepare(size)
+        p = one_pass(adapter, keys, values, size, spec["mode"], spec["op"])
+    finally:
+        adapter.close()
+    out = p.summary()
+    out["items_s"] = out["mb_s"] * MiB / size
+    print(json.dumps(out), flush=True)
 
 
 # --------------------------------------------------------------------------- QuillCache
 
-class QuillCacheAdapter:
-    name = "quillcache"
+class QuillCacheServer:
+    """quillcached, DRAM tier only (like the peers)."""
 
     def __init__(self, workdir):
         port, mport = _free_port(), _free_port()
         cfg = Path(workdir) / "quillcache.toml"
         cfg.write_text(f'[node]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{workdir}/qc"\n'
-                       f'[store]\ndram = "2GiB"\n[metrics]\nlisten = "127.0.0.1:{mport}"\n'
-                       f'[ssd]\nenabled = false\n')   # DRAM only, like the peers
+                       f'[store]\ndram = "3GiB"\n[metrics]\nlisten = "127.0.0.1:{mport}"\n'
+                       f'[ssd]\nenabled = false\n')
         self.proc = _server_popen([str(VENV_BIN / "quillcached"), "--config", str(cfg)],
-                                     stdout=subprocess.DEVNULL, stderr=open(Path(workdir) / "qc.log", "wb"))
+                                  stdout=subprocess.DEVNULL, stderr=open(Path(workdir) / "qc.log", "wb"))
         if not _wait_port(port, self.proc):
             _stop(self.proc)
             raise RuntimeError(f"quillcached did not start (see {workdir}/qc.log)")
+        self.info = {"tcp": f"127.0.0.1:{port}", "unix": f"unix:{workdir}/qc/quillcached.sock",
+                     "pids": [self.proc.pid]}
+
+    def close(self):
+        _stop(self.proc)
+
+
+class QuillCacheAdapter:
+    """The bytes API: ``get`` returns ``bytes``, ``get_many`` a view per value of buffers it
+    allocated; ``put``/``put_many`` take the caller's bytes."""
+
+    name = "quillcache"
+    address_key = "tcp"
+
+    def __init__(self, info):
         from quillcache.client import Client
         from quillcache.model import KvBlockKey
         self._Key = KvBlockKey
-        self.client = Client(f"127.0.0.1:{port}", timeout=60.0, client_name="vs_peers")
+        self.client = Client(info[self.address_key], timeout=120.0, client_name="vs_peers")
         self._keys = {}
-        self.server_pids = [self.proc.pid]
+        self.server_pids = info["pids"]
+        self.size = 0
 
-    def _key(self, name):
+    def key(self, name):
         k = self._keys.get(name)
         if k is None:
             k = self._keys[name] = self._Key("bench-model", "bench-tok", None, self.client.tenant or "default",
                                              "root", name, 0, 64)
         return k
 
+    def prepare(self, size):
+        self.size = size
+
     def stage(self, vs):
         pass
 
-    def prepare(self, size, count):
-        self.buf = bytearray(size * BATCH)
-        self.mv = memoryview(self.buf)
-        self.size = size
-
     def put(self, k, v):
-        self.client.put(self._key(k), v)
+        self.client.put(self.key(k), v)
 
     def put_many(self, ks, vs):
-        self.client.put_many([(self._key(k), v) for k, v in zip(ks, vs)])
+        self.client.put_many([(self.key(k), v) for k, v in zip(ks, vs)])
 
     def get(self, k):
-        n = self.client.get_into(self._key(k), self.mv[:self.size])
-        return self.mv[:n]
+        return self.client.get(self.key(k))
 
     def get_many(self, ks):
-        # GET_MANY straight into slices of one preallocated buffer, as Mooncake's batch_get_into
-        size = self.size
-        views = [self.mv[i * size:(i + 1) * size] for i in range(len(ks))]
-        ns = self.client.get_many_into([self._key(k) for k in ks], views)
-        return [v[:n] for v, n in zip(views, ns)]
+        return self.client.get_many([self.key(k) for k in ks])
 
     def clear(self, keys):
-        for k in keys:
-            self.client.remove(self._key(k))
+        self.client.remove_many([self.key(k) for k in keys])
 
     def close(self):
         with contextlib.suppress(Exception):
             self.client.close()
-        _stop(self.proc)
+
+
+class QuillCacheZeroCopyAdapter(QuillCacheAdapter):
+    """The zero-copy API over TCP: a PUT reads a preallocated buffer, a GET lands in one
+    (``get_into``, ``get_many_into`` slices of one buffer, as Mooncake's batch_get_into)."""
+
+    name = "quillcache-zc"
+
+    def prepare(self, size):
+        import numpy as np
+        self.size = size
+        n = batch_for(size)
+        self.src = np.empty(size * n, dtype=np.uint8)
+        self.dst = np.empty(size * n, dtype=np.uint8)
+        self.src_mv = memoryview(self.src)
+        self.dst_mv = memoryview(self.dst)
+        self.src_views = [self.src_mv[i * size:(i + 1) * size] for i in range(n)]
+        self.dst_views = [self.dst_mv[i * size:(i + 1) * size] for i in range(n)]
+
+    def stage(self, vs):
+        for view, v in zip(self.src_views, vs):
+            view[:] = v
+
+    def put(self, k, v):
+        self.client.put(self.key(k), self.src_views[0])
+
+    def put_many(self, ks, vs):
+        self.client.put_many([(self.key(k), v) for k, v in zip(ks, self.src_views)])
+
+    def get(self, k):
+        n = self.client.get_into(self.key(k), self.dst_views[0])
+        return self.dst_views[0][:n]
+
+    def get_many(self, ks):
+        ns = self.client.get_many_into([self.key(k) for k in ks], self.dst_views[:len(ks)])
+        return [v[:n] for v, n in zip(self.dst_views, ns)]
+
+
+class QuillCacheShmAdapter(QuillCacheZeroCopyAdapter):
+    """The zero-copy API over the node's Unix socket with its arena mapped: GETs copy out of
+    the located extents, PUTs into reserved slots (one memcpy each, no socket payload)."""
+
+    name = "quillcache-shm"
+    address_key = "unix"
+
+    def __init__(self, info):
+        super().__init__(info)
+        if not self.client.shm:
+            raise RuntimeError(f"the arena is not mapped: {self.client.shm_refused or 'MAP not offered'}")
 
 
 # --------------------------------------------------------------------------- Redis
 
-class RedisAdapter:
-    name = "redis"
-
+class RedisServer:
     def __init__(self, workdir):
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        import redis
         port = _free_port()
         self.proc = _server_popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", workdir, "--protected-mode", "yes"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                   "--appendonly", "no", "--dir", workdir, "--protected-mode", "yes"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if not _wait_port(port, self.proc):
             _stop(self.proc)
             raise RuntimeError("redis-server did not start")
-        self.server_pids = [self.proc.pid]
-        self.r = redis.Redis(host="127.0.0.1", port=port)
-        self.r.ping()
-        from redis.utils import HIREDIS_AVAILABLE
-        if not HIREDIS_AVAILABLE:
-            print("redis: hiredis is not installed: the pure-Python parser is slower "
-                  "(pip install hiredis)", flush=True)
+        self.info = {"port": port, "pids": [self.proc.pid]}
 
-    def prepare(self, size, count):
+    def close(self):
+        _stop(self.proc)
+
+
+class RedisAdapter:
+    """The bytes API: GET/SET; a batch is a non-transactional pipeline of GETs or SETs."""
+
+    name = "redis"
+
+    def __init__(self, info):
+        import redis
+        self.r = redis.Redis(host="127.0.0.1", port=info["port"])
+        self.r.ping()
+        self.server_pids = info["pids"]
+
+    def prepare(self, size):
         pass
 
     def stage(self, vs):
@@ -366,15 +462,18 @@ class RedisAdapter:
         return self.r.get(k)
 
     def get_many(self, ks):
-        return self.r.mget(ks)
+        p = self.r.pipeline(transaction=False)
+        for k in ks:
+            p.get(k)
+        return p.execute()
 
     def clear(self, keys):
-        self.r.delete(*keys)
+        for i in range(0, len(keys), 1000):
+            self.r.delete(*keys[i:i + 1000])
 
     def close(self):
         with contextlib.suppress(Exception):
             self.r.close()
-        _stop(self.proc)
 
 
 # --------------------------------------------------------------------------- Mooncake
@@ -415,10 +514,14 @@ class MooncakeCluster:
             self.close()
             raise RuntimeError(f"the mooncake segment process did not start (see {workdir}/mooncake.log)")
 
-    def client(self):
+        self.info = {"metadata": self.metadata, "master": self.master_addr,
+                     "pids": [self.master.pid, self.lender.pid]}
+
+    @classmethod
+    def client_for(cls, info):
         from mooncake.store import MooncakeDistributedStore
         store = MooncakeDistributedStore()
-        rc = store.setup("127.0.0.1", self.metadata, 0, self.LOCAL_BUFFER, "tcp", "", self.master_addr)
+        rc = store.setup("127.0.0.1", info["metadata"], 0, cls.LOCAL_BUFFER, "tcp", "", info["master"])
         if rc != 0:
             raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
         return store
@@ -446,17 +549,19 @@ def _mc_check(rc, what):
         raise RuntimeError(f"mooncake {what} returned {rc}")
 
 
+
 class MooncakeAdapter:
     """The bytes API: put / put_batch / get / get_batch."""
 
     name = "mooncake"
 
-    def __init__(self, cluster):
-        self.s = cluster.client()
-        self.server_pids = [cluster.master.pid, cluster.lender.pid]
+    def __init__(self, info):
+        os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+        self.s = MooncakeCluster.client_for(info)
+        self.server_pids = info["pids"]
 
-    def prepare(self, size, count):
-        pass
+    def prepare(self, size):
+        self.size = size
 
     def stage(self, vs):
         pass
@@ -486,19 +591,20 @@ class MooncakeZeroCopyAdapter(MooncakeAdapter):
 
     name = "mooncake-zc"
 
-    def __init__(self, cluster):
-        super().__init__(cluster)
+    def __init__(self, info):
+        super().__init__(info)
         self.src = None
         self.dst = None
 
-    def prepare(self, size, count):
+    def prepare(self, size):
         import numpy as np
         for arr in (self.src, self.dst):
             if arr is not None:
                 self.s.unregister_buffer(arr.ctypes.data)
         self.size = size
-        self.src = np.empty(size * BATCH, dtype=np.uint8)
-        self.dst = np.empty(size * BATCH, dtype=np.uint8)
+        n = batch_for(size)
+        self.src = np.empty(size * n, dtype=np.uint8)
+        self.dst = np.empty(size * n, dtype=np.uint8)
         _mc_check(self.s.register_buffer(self.src.ctypes.data, self.src.nbytes), "register_buffer")
         _mc_check(self.s.register_buffer(self.dst.ctypes.data, self.dst.nbytes), "register_buffer")
         self.src_mv = memoryview(self.src)
@@ -542,101 +648,209 @@ class MooncakeZeroCopyAdapter(MooncakeAdapter):
         super().close()
 
 
+ADAPTERS = {"quillcache": QuillCacheAdapter, "quillcache-zc": QuillCacheZeroCopyAdapter,
+            "quillcache-shm": QuillCacheShmAdapter, "redis": RedisAdapter,
+            "mooncake": MooncakeAdapter, "mooncake-zc": MooncakeZeroCopyAdapter}
+SERVER_OF = {"quillcache": "quillcache", "quillcache-zc": "quillcache", "quillcache-shm": "quillcache",
+             "redis": "redis", "mooncake": "mooncake", "mooncake-zc": "mooncake"}
+
+
+# --------------------------------------------------------------------------- the run
+
+def run_workload(adapters, sizes, rounds, cold, log, cold_runs=1):
+    """Every case on every system, interleaved case by case (so that machine noise spreads over
+    all of them); returns {name: {(size, mode, op): {"warm": summary, "cold": summary}}}."""
+    results = {a.name: {} for a in adapters}
+    for size in sizes:
+        count = keys_for(size)
+        values = _values(size, count)
+        keys = [f"bench:{size}:{i}" for i in range(count)]
+        for a in adapters:
+            a.prepare(size)
+        for mode, op in CASES:
+            warm = run_cases(adapters, keys, values, size, mode, op, rounds)
+            for a in adapters:
+                s = warm[a.name]
+                results[a.name][(size, mode, op)] = {"warm": s}
+                log(f"  {a.name:14s} {op.upper():3s} {_size(size):>7s} {mode:6s} warm {s['mb_s']:8.0f} MB/s "
+                    f"{s['items_s']:9.0f} values/s  p50 {s['p50_ms']:7.3f} ms  cpu/req client "
+                    f"{s['client_cpu_us']:6.0f} us server {s['server_cpu_us']:6.0f} us")
+            if not cold:
+                continue
+            for a in adapters:
+                try:
+                    c = cold_case(a.name, a.info, size, mode, op, cold_runs)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    log(f"  {a.name:14s} cold: {exc}")
+                    continue
+                results[a.name][(size, mode, op)]["cold"] = c
+                log(f"  {a.name:14s} {op.upper():3s} {_size(size):>7s} {mode:6s} cold {c['mb_s']:8.0f} MB/s "
+                    f"{c['items_s']:9.0f} values/s")
+        for a in adapters:
+            a.clear(keys)
+    return results
+
+
+def run_floor(adapters, log):
+    """The round-trip floor: single GETs of a 64-byte value (what is left is the trip through
+    both processes and the kernel).  Returns {name: summary}."""
+    out = {}
+    count = BATCH_MIN
+    values = _values(FLOOR_SIZE, count)
+    keys = [f"floor:{i}" for i in range(count)]
+    for a in adapters:
+        a.prepare(FLOOR_SIZE)
+        a.clear(keys)
+        for k, v in zip(keys, values):
+            a.stage([v])
+            a.put(k, v)
+        passes = []
+        for _ in range(2):                       # the first pass warms up
+            p = Pass(a.server_pids)
+            with p.cpu():
+                for i in range(FLOOR_REQUESTS):
+                    got = p.timed(lambda: a.get(keys[i % count]), FLOOR_SIZE)
+                    _check(got, values[i % count], a.name, keys[i % count])
+            passes.append(p)
+        a.clear(keys)
+        s = out[a.name] = _summary(passes[1:], FLOOR_SIZE)
+        log(f"  {a.name:14s} GET  {FLOOR_SIZE:4d} B  single  p50 {s['p50_ms']:7.3f} ms  p99 {s['p99_ms']:7.3f} ms")
+    return out
+
+
 # --------------------------------------------------------------------------- report
 
-def render_markdown(results, order):
-    lines = ["| system | op | size | mode | MB/s | p50 ms | p99 ms | client CPU us/req | server CPU us/req |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
-    for size in SIZES:
-        for mode in ("single", "batch"):
-            for op in ("get", "put"):
-                for name in order:
-                    s = results.get(name, {}).get((size, mode, op))
-                    if s is None:
-                        continue
-                    lines.append(f"| {name} | {op.upper()} | {_size(size)} | {mode} | {s['mb_s']:.0f} | "
-                                 f"{s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {s['client_cpu_us']:.0f} | "
-                                 f"{s['server_cpu_us']:.0f} |")
-    return "\n".join(lines)
-
-
-def render_floor(floor, order):
-    lines = [f"| system | round-trip floor: {FLOOR_SIZE} B GET p50 ms | p99 ms | client CPU us/req | "
-             "server CPU us/req |", "|---|---:|---:|---:|---:|"]
-    for name in order:
-        s = floor.get(name)
-        if s is not None:
-            lines.append(f"| {name} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {s['client_cpu_us']:.0f} | "
-                         f"{s['server_cpu_us']:.0f} |")
-    return "\n".join(lines)
-
-
-def render_ratios(results):
-    qc = results.get("quillcache")
-    if not qc:
-        return ""
-    peers = [n for n in results if n != "quillcache"]
-    lines = ["| op | size | mode | " + " | ".join(f"vs {p} (MB/s ratio)" for p in peers) + " |",
-             "|---|---:|---|" + "---:|" * len(peers)]
-    for size in SIZES:
-        for mode in ("single", "batch"):
-            for op in ("get", "put"):
-                mine = qc.get((size, mode, op))
-                if mine is None:
-                    continue
-                cells = []
-                for p in peers:
-                    other = results[p].get((size, mode, op))
-                    cells.append(f"{mine['mb_s'] / other['mb_s']:.2f}x" if other and other["mb_s"] else "-")
-                lines.append(f"| {op.upper()} | {_size(size)} | {mode} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def versions():
+    """What ran: redis-server, redis-py, hiredis, Mooncake, Python, numpy."""
+    from importlib import metadata
+    out = {"python": sys.version.split()[0]}
+    for dist in ("redis", "hiredis", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "numpy"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[dist] = metadata.version(dist)
+    exe = shutil.which("redis-server")
+    if exe:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out["redis-server"] = subprocess.run([exe, "--version"], capture_output=True, text=True,
+                                                 timeout=10).stdout.split()[2].removeprefix("v=")
+    with contextlib.suppress(ImportError):
+        from redis.utils import HIREDIS_AVAILABLE
+        out["redis-py parser"] = "hiredis" if HIREDIS_AVAILABLE else "pure Python (pip install hiredis)"
+    return out
 
 
 def _size(n):
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
-def plot(results, order, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-    cases = [(size, mode, op) for size in SIZES for op in ("get", "put") for mode in ("single", "batch")]
-    labels = [f"{op.upper()} {_size(size)}\n{mode}" for size, mode, op in cases]
-    names = [n for n in order if n in results]
-    fig, ax = plt.subplots(figsize=(12, 5))
-    width = 0.8 / max(1, len(names))
-    x = np.arange(len(cases))
-    for j, name in enumerate(names):
-        vals = [results[name].get(c, {}).get("mb_s", 0.0) for c in cases]
-        ax.bar(x + (j - (len(names) - 1) / 2) * width, vals, width, label=name)
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylabel("MB/s (higher is better)")
-    ax.set_title("One client, one server process, loopback TCP (bench/vs_peers.py)")
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _fmt(s, key="mb_s"):
+    return "-" if s is None else f"{s[key]:.0f}"
+
+
+def render_table(results, names, sizes):
+    lines = ["| system | op | size | mode | warm MB/s | warm values/s | p50 MB/s | cold MB/s | cold values/s | "
+             "p50 ms | p99 ms | client CPU us/req | server CPU us/req |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size in sizes:
+        for mode, op in CASES:
+            for name in names:
+                r = results.get(name, {}).get((size, mode, op))
+                if r is None:
+                    continue
+                w, c = r["warm"], r.get("cold")
+                lines.append(f"| {name} | {op.upper()} | {_size(size)} | {mode} | {_fmt(w)} | {_fmt(w, 'items_s')} | "
+                             f"{_fmt(w, 'p50_mb_s')} | "
+                             f"{_fmt(c)} | {_fmt(c, 'items_s')} | {w['p50_ms']:.3f} | {w['p99_ms']:.3f} | "
+                             f"{w['client_cpu_us']:.0f} | {w['server_cpu_us']:.0f} |")
+    return "\n".join(lines)
+
+
+def _ratio(mine, other, key="mb_s"):
+    if mine is None or other is None or not other.get(key):
+        return "-"
+    return f"{mine[key] / other[key]:.2f}x"
+
+
+def render_ratios(results, ours, peers, sizes):
+    """Each of ``ours`` against each of ``peers`` (one API class), warm and cold."""
+    ours = [n for n in ours if n in results]
+    peers = [n for n in peers if n in results]
+    pairs = [(o, p) for o in ours for p in peers]
+    if not pairs:
+        return ""
+    lines = ["| op | size | mode | " + " | ".join(f"{o} vs {p} warm | p50 | cold" for o, p in pairs) + " |",
+             "|---|---:|---|" + "---:|---:|---:|" * len(pairs)]
+    for size in sizes:
+        for mode, op in CASES:
+            cells = []
+            for o, p in pairs:
+                a, b = results[o].get((size, mode, op)), results[p].get((size, mode, op))
+                cells.append(_ratio(a and a["warm"], b and b["warm"]))
+                cells.append(_ratio(a and a["warm"], b and b["warm"], "p50_mb_s"))
+                cells.append(_ratio(a and a.get("cold"), b and b.get("cold")))
+            lines.append(f"| {op.upper()} | {_size(size)} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_get_vs_get_into(results, sizes):
+    """QuillCache's bytes ``get`` against its ``get_into`` (single GET, warm, same run)."""
+    a, b = results.get("quillcache"), results.get("quillcache-zc")
+    if not a or not b:
+        return ""
+    lines = ["| size | get() MB/s | get_into MB/s | get() / get_into | p50: get() / get_into |",
+             "|---:|---:|---:|---:|---:|"]
+    for size in sizes:
+        x, y = a.get((size, "single", "get")), b.get((size, "single", "get"))
+        if x and y:
+            x, y = x["warm"], y["warm"]
+            lines.append(f"| {_size(size)} | {x['mb_s']:.0f} | {y['mb_s']:.0f} | {x['mb_s'] / y['mb_s']:.2f} | "
+                         f"{x['p50_mb_s'] / y['p50_mb_s']:.2f} |")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- main
 
-SYSTEMS = ("quillcache", "redis", "mooncake", "mooncake-zc")
+def _start(kind, workdir, log, tries=3):
+    """Start a server; on a loaded machine a start can miss its deadline: try again."""
+    cls = {"quillcache": QuillCacheServer, "redis": RedisServer, "mooncake": MooncakeCluster}[kind]
+    for attempt in range(1, tries + 1):
+        try:
+            return cls(workdir)
+        except RuntimeError as exc:
+            if attempt == tries:
+                raise
+            log(f"{kind}: {exc}; trying again")
+    raise AssertionError("unreachable")
+
+
+def _parse_sizes(text):
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        mult = MiB if part.endswith("M") else KiB if part.endswith("K") else 1
+        out.append(int(part.rstrip("MK")) * mult)
+    return tuple(out)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help=f"comma-separated, from {', '.join(SYSTEMS)}")
-    ap.add_argument("--rounds", type=int, default=6, help="timed passes over the working set per case")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    ap.add_argument("--sizes", default="1K,16K,64K,256K,4M", help="value sizes (K = KiB, M = MiB)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed warm passes per case (the best is reported)")
+    ap.add_argument("--no-cold", dest="cold", action="store_false", help="skip the fresh-process passes")
+    ap.add_argument("--cold-runs", type=int, default=3,
+                    help="fresh client processes per cold case, one after another (the best is reported)")
+    ap.add_argument("--floor", action="store_true", help="also measure the 64-byte GET round-trip floor")
     ap.add_argument("--json-out", help="write the results as JSON here")
-    ap.add_argument("--plot", help="write a PNG bar chart here (matplotlib)")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="let the scheduler place server and client (default: separate CPUs)")
     ap.add_argument("--mooncake-lend", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--cold-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.mooncake_lend:
         _mooncake_lend(*args.mooncake_lend)
+        return 0
+    if args.cold_worker:
+        _cold_worker(args.cold_worker)
         return 0
     if not 1 <= args.rounds <= 1000:
         ap.error("--rounds must be in 1..1000")
@@ -644,6 +858,7 @@ def main(argv=None):
     unknown = [s for s in wanted if s not in SYSTEMS]
     if unknown:
         ap.error(f"unknown system(s): {', '.join(unknown)}")
+    sizes = _parse_sizes(args.sizes)
 
     def log(msg):
         print(msg, flush=True)
@@ -652,54 +867,70 @@ def main(argv=None):
     SERVER_CPUS, client_cpus = _placement(args.pin)
     if client_cpus is not None:
         os.sched_setaffinity(0, client_cpus)
-        log(f"placement: servers on CPUs {sorted(SERVER_CPUS)}, client on CPUs {sorted(client_cpus)}")
+        log(f"placement: servers on CPUs {sorted(SERVER_CPUS)}, clients on CPUs {sorted(client_cpus)}")
     else:
         log("placement: left to the scheduler")
+    vers = versions()
+    log("versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()))
 
     workdir = tempfile.mkdtemp(prefix="qc-vs-peers-")
-    cluster = None
+    servers = {}
     adapters = []
+    floor = {}
     try:
         for name in wanted:
+            kind = SERVER_OF[name]
             try:
-                if name == "quillcache":
-                    adapters.append(QuillCacheAdapter(workdir))
-                elif name == "redis":
-                    adapters.append(RedisAdapter(workdir))
-                else:
-                    if cluster is None:
-                        cluster = MooncakeCluster(workdir)
-                    adapters.append((MooncakeAdapter if name == "mooncake" else MooncakeZeroCopyAdapter)(cluster))
+                if kind not in servers:
+                    servers[kind] = _start(kind, workdir, log)
+                a = ADAPTERS[name](servers[kind].info)
+                a.info = servers[kind].info
+                adapters.append(a)
             except Exception as exc:  # a peer that cannot start is skipped, not fatal
                 log(f"skipping {name}: {exc}")
         log(f"running: {', '.join(a.name for a in adapters)}; load average {os.getloadavg()[0]:.2f} "
             f"on {os.cpu_count()} CPUs")
-        floor = run_floor(adapters, log)
-        results = run_workload(adapters, args.rounds, log)
+        if args.floor:
+            floor = run_floor(adapters, log)
+        results = run_workload(adapters, sizes, args.rounds, args.cold, log, args.cold_runs)
         log(f"load average at the end: {os.getloadavg()[0]:.2f}")
     finally:
         for a in adapters:
             with contextlib.suppress(Exception):
                 a.close()
-        if cluster is not None:
-            cluster.close()
+        for srv in servers.values():
+            with contextlib.suppress(Exception):
+                srv.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    log("")
-    log(render_floor(floor, wanted))
-    log("")
-    log(render_markdown(results, wanted))
-    ratios = render_ratios(results)
-    if ratios:
+    ran = [a.name for a in adapters]
+    for cls, names in CLASSES.items():
+        names = [n for n in names if n in ran]
+        if not names:
+            continue
         log("")
-        log(ratios)
+        log(f"## {cls} API" + ("" if cls == "bytes" else " (Redis has no zero-copy API: no row)"))
+        log("")
+        log(render_table(results, names, sizes))
+        ours = [n for n in names if n.startswith("quillcache")]
+        ratios = render_ratios(results, ours, [n for n in names if n not in ours], sizes)
+        if ratios:
+            log("")
+            log(ratios)
+    g = render_get_vs_get_into(results, sizes)
+    if g:
+        log("")
+        log("## QuillCache get() (bytes) against get_into (a preallocated buffer), single GET, warm")
+        log("")
+        log(g)
+    if floor:
+        log("")
+        log("round-trip floor: " + ", ".join(f"{n} p50 {s['p50_ms']:.3f} ms" for n, s in floor.items()))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
-            {name: [{"size": k[0], "mode": k[1], "op": k[2], **v} for k, v in r.items()]
-             + ([{"size": FLOOR_SIZE, "mode": "floor", "op": "get", **floor[name]}] if name in floor else [])
-             for name, r in results.items()}, indent=2))
-    if args.plot and results:
-        plot(results, wanted, args.plot)
+            {"versions": vers, "floor": floor,
+             "results": {name: [{"size": k[0], "mode": k[1], "op": k[2], **v} for k, v in r.items()]
+                         for name, r in results.items()}}, indent=2))
     return 0
 
 

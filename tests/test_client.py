@@ -11,7 +11,7 @@ import pytest
 
 from quillcache import AsyncClient, Client
 from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout
-from quillcache.store.tiers import LocalKvStore
+from quillcache.store.tiers import LocalKvStore, StoreOptions
 from tests._support.daemon import Daemon
 from tests._support.data import content, key
 from tests._support.net import free_port
@@ -41,7 +41,7 @@ def test_put_get_round_trip_is_byte_exact(client, size):
 
 def test_empty_block_gets_the_same_answer_as_the_local_store(client):
     """A 0-byte put over the wire behaves exactly like LocalKvStore.put of 0 bytes."""
-    local = LocalKvStore(1 << 20)
+    local = LocalKvStore(StoreOptions(1 << 20))
     try:
         asyncio.run(local.put(key(0), b""))
         local_error = None
@@ -446,3 +446,11 @@ def test_get_into_of_a_broken_reply_raises_and_ends_the_connection(daemon, behav
         srv.close()
         for s in held:
             s.close()
+
+
+def test_remove_many_removes_every_key_across_requests_and_says_which_were_there(client):
+    keys = [key(i, prefix="rm-many") for i in range(client.limits.max_batch + 10)]
+    client.put_many([(k, b"x" * 10) for k in keys[::2]])
+    assert client.remove_many(keys) == [i % 2 == 0 for i in range(len(keys))]
+    assert client.exists_many(keys)[1] == [False] * len(keys)
+    assert client.remove_many([]) == []

@@ -164,6 +164,31 @@ def test_async_client_maps_and_round_trips(node):
     assert server_info(node)["located_leases"] == 0
 
 
+def test_async_located_and_reserved_abort_and_fall_back_as_the_sync_client_does(node):
+    """The steps of both context managers exist once (shm.LocatedRead, shm.ReservedWrite):
+    the async client aborts on an exception and falls back to copies over TCP like Client."""
+    async def main():
+        async with AsyncClient(unix_addr(node)) as u, AsyncClient(node.addr) as t:
+            with pytest.raises(RuntimeError):
+                async with u.put_many_reserved([(key(20), BLOCK), (key(21), BLOCK)]) as views:
+                    views[0][:] = content(20)
+                    raise RuntimeError("the writer fails half way")
+            assert server_info(node)["located_reserves"] == 0
+            for k in (key(20), key(21)):
+                with pytest.raises(NotFound):
+                    await t.get(k)
+            async with t.put_many_reserved([(key(22), 100)]) as views:    # TCP: plain buffers
+                assert not t.shm
+                views[0][:] = content(22, 100)
+            async with t.get_many_located([key(22), key(23)]) as views:
+                assert bytes(views[0]) == content(22, 100) and views[0].readonly and views[1] is None
+            async with u.get_many_located([key(22), key(23)]) as views:
+                assert bytes(views[0]) == content(22, 100) and views[1] is None
+                assert server_info(node)["located_leases"] == 1
+    asyncio.run(main())
+    assert server_info(node)["located_leases"] == 0
+
+
 _HOLDER = textwrap.dedent("""
     import sys, time
     from quillcache import Client, KvBlockKey

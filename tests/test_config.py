@@ -78,7 +78,16 @@ def test_invalid_configs_are_refused_with_specific_messages(tmp_path, text, frag
 def test_tenants_with_hashed_tokens_are_accepted(tmp_path):
     token = hash_token("s3cret")
     cfg = load_config(write(tmp_path, f'[[auth.tenants]]\nname = "acme"\ntoken = "{token}"\n'))
-    assert cfg.auth.tenants == (("acme", token),)
+    assert cfg.auth.tenants == (("acme", token, False, (), None),)
+    assert cfg.auth.tenants[0].pin_bytes is None
+
+
+def test_a_tenant_pin_quota_is_a_byte_size(tmp_path):
+    token = hash_token("s3cret")
+    cfg = load_config(write(tmp_path, f'[[auth.tenants]]\nname = "acme"\ntoken = "{token}"\npin_bytes = "1MiB"\n'))
+    assert cfg.auth.tenants[0].pin_bytes == 1 << 20
+    with pytest.raises(ConfigError, match="pin_bytes"):
+        load_config(write(tmp_path, f'[[auth.tenants]]\nname = "acme"\ntoken = "{token}"\npin_bytes = "lots"\n'))
 
 
 def test_sample_loads_and_equals_every_default():

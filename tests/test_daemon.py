@@ -20,7 +20,7 @@ from quillcache.protocol import messages
 from quillcache.protocol.opcodes import Opcode
 from tests._support.daemon import QUILLCACHED, Daemon
 from tests._support.data import content, key
-from tests._support.metrics import metric_value, scrape
+from tests._support.metrics import has_metric, metric_value, scrape
 from tests._support.net import raw_connect, read_frames
 
 
@@ -218,6 +218,23 @@ def test_metrics_endpoint_counts_requests_by_opcode_and_status(tmp_path):
         assert metric_value(text, "quillcache_tier_capacity_bytes", 'tier="dram"') == 64 << 20
         assert metric_value(text, "quillcache_tier_used_bytes", 'tier="dram"') >= 300
         assert metric_value(text, "quillcache_tier_misses_total", 'tier="dram"') >= 1
+
+
+def test_every_store_counter_is_exported_in_metrics(tmp_path):
+    """The store defines its counters once (store/values.py); /metrics exports every one of
+    them, each tier's and the store's: a counter added to the store cannot be left out."""
+    from quillcache.store.values import SSD_COUNTERS, STORE_COUNTERS, TIER_COUNTERS
+    with Daemon(tmp_path, ssd=True) as d, Client(d.addr) as c:
+        c.put(key(1), b"abc" * 100)
+        time.sleep(1.3)            # the store snapshot refreshes once a second
+        text = scrape(d.metrics_port)
+    missing = [f"{name} ({tier})" for tier in ("dram", "ssd") for name in TIER_COUNTERS
+               if not has_metric(text, f"quillcache_tier_{name}_total", f'tier="{tier}"')]
+    missing += [f"{name} (ssd)" for name in SSD_COUNTERS
+                if not has_metric(text, f"quillcache_tier_{name}_total", 'tier="ssd"')]
+    missing += [name for name in STORE_COUNTERS if not has_metric(text, f"quillcache_store_{name}_total")]
+    assert not missing, f"store counters missing from /metrics: {missing}"
+    assert "lease_waits" in TIER_COUNTERS
 
 
 # --------------------------------------------------------------------------- durability (SSD tier)

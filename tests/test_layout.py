@@ -1,6 +1,6 @@
 """The shape of the source tree, read from the code's own imports (``ast``, nothing imported):
 no import circle between modules, none between packages (an arrow running back up the layers
-closes one), the library never imports its front ends."""
+closes one), the library never imports its front ends, and no file past reading size."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
+MAX_LINES = 800       # STYLE.md: keep modules under ~800 lines, one concern each (Cython aside)
 
 
 def _modules() -> dict[str, Path]:
@@ -129,3 +130,8 @@ def test_the_wire_layer_and_the_library_import_no_front_end():
         if module.startswith("quillcache.") or module == "quillcache":
             assert not [t for t in targets if t.startswith("quillcache_cli")], module
 
+
+def test_no_source_file_is_past_reading_size():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
+    long = {path: n for path, n in sizes.items() if n > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines (split them along their seams): {long}"

@@ -104,3 +104,21 @@ def test_key_limits_are_enforced_with_a_clear_error():
 def test_decode_rejects_malformed_bytes(mutate, msg):
     with pytest.raises(KeyError_, match=msg):
         decode_key(mutate(encode_key(key())))
+
+
+def test_a_key_pickled_in_one_process_is_found_by_its_equal_in_another():
+    """KvBlockKey keeps its hash (computed once): a pickle must not carry it to a process
+    whose str hashes differ."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    k = KvBlockKey("m", "tok", None, "t", "p", "b", 3, 16)
+    code = ("import pickle, sys; from quillcache.model import KvBlockKey; "
+            "d = pickle.loads(sys.stdin.buffer.read()); "
+            "print(d[KvBlockKey('m', 'tok', None, 't', 'p', 'b', 3, 16)])")
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps({k: 7}), capture_output=True,
+                             env=dict(os.environ, PYTHONHASHSEED=seed), check=True)
+        assert out.stdout.strip() == b"7"
+    assert hash(pickle.loads(pickle.dumps(k))) == hash(k) and {k: 1}[KvBlockKey("m", "tok", None, "t", "p", "b", 3, 16)]

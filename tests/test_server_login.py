@@ -98,11 +98,12 @@ def test_the_bad_input_log_lets_a_burst_through_then_counts_what_it_drops(caplog
 
 def test_release_leases_releases_the_leases_and_skips_every_kind_of_miss():
     from quillcache.errors import NotFound
+    from quillcache.store.options import StoreOptions
     from quillcache.store.tiers import LocalKvStore
     from tests._support.data import key
 
     async def run() -> None:
-        store = LocalKvStore(1 << 20)
+        store = LocalKvStore(StoreOptions(dram_bytes=1 << 20))
         try:
             await store.put(key(1), b"a")
             await store.put(key(2), b"b")

@@ -2,7 +2,8 @@
 without torch: ``save`` then ``load`` of one request's chain of blocks, over TCP and over the
 Unix socket with the arena mapped.  bench/connector.py runs 1,000 blocks of an 8B model's
 2 MiB and sets the core against the raw client calls."""
-from quillcache.connectors.core import ConnectorCore, Identity, chain_keys, model_scope
+from quillcache.connectors.core import ConnectorCore, chain_keys, model_scope
+from quillcache.model import IdentityScope
 
 from ._node import ADDRESSES, OnNode
 
@@ -18,7 +19,7 @@ class ConnectorCoreIO(OnNode):
     def prepare(self, address):
         self.core = ConnectorCore(self.node.unix if address == "unix" else self.node.tcp)
         self.closing.append(self.core)
-        ident = Identity(model_scope("bench-model", dtype="bfloat16", block_size=16, num_layers=32,
+        ident = IdentityScope(model_scope("bench-model", dtype="bfloat16", block_size=16, num_layers=32,
                                      layout="vllm"), "tok", None, "tenant-a")
         self.keys = chain_keys(ident, [0x1000 + i for i in range(BLOCKS)], block_size=16)
         self.src = [bytes([i]) * BLOCK_BYTES for i in range(BLOCKS)]

@@ -23,8 +23,8 @@ class StoreGet:
     param_names = ["guard"]
 
     def setup(self, guard):
-        from quillcache.store.tiers import LocalKvStore
-        self.store = LocalKvStore(ARENA, max_block_bytes=BLOCK, guard_mode=guard)
+        from quillcache.store.tiers import LocalKvStore, StoreOptions
+        self.store = LocalKvStore(StoreOptions(ARENA, max_block_bytes=BLOCK, guard_mode=guard))
         self.keys = _keys(N_BLOCKS)
         payload = bytes(BLOCK)
         for k in self.keys:
@@ -50,8 +50,8 @@ class StorePut:
     """Two-phase put of 64 KiB blocks into a full arena (every put evicts the LRU block)."""
 
     def setup(self):
-        from quillcache.store.tiers import LocalKvStore
-        self.store = LocalKvStore(ARENA, max_block_bytes=BLOCK)
+        from quillcache.store.tiers import LocalKvStore, StoreOptions
+        self.store = LocalKvStore(StoreOptions(ARENA, max_block_bytes=BLOCK))
         self.payload = bytes(BLOCK)
         self.loop = asyncio.new_event_loop()
         for k in _keys(N_BLOCKS + 16):

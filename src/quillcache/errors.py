@@ -9,7 +9,7 @@ from __future__ import annotations
 __all__ = [
     "QuillCacheError", "NotFound", "UnsafeReuse", "PermissionDenied", "CapacityError",
     "ProtocolError", "ConnectionLost", "ConfigError", "ReadOnlyError", "InvalidArgument",
-    "Timeout", "Busy", "STATUS_CLASSES", "error_for_status",
+    "Timeout", "Busy", "CorruptCheckpoint", "STATUS_CLASSES", "error_for_status",
 ]
 
 
@@ -93,6 +93,19 @@ class ConfigError(QuillCacheError):
     """A configuration file or value is invalid; the message names file, section, key, value."""
 
     status = 12
+
+
+class CorruptCheckpoint(QuillCacheError):
+    """A checkpoint file (the SSD tier's block map, store/blockmap.py, or the residency
+    index's, index/checkpoint.py) fails its checksum or structure checks: refused, never
+    half-loaded.  ``problem`` says why in a few words; ``hint`` what the operator can do.
+    Raised at start, never sent on the wire (the generic status)."""
+
+    def __init__(self, path: str, problem: str,
+                 hint: str = "move it away to recover from the WAL alone") -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"checkpoint {path} is corrupt ({problem}): refusing to start; {hint}")
 
 
 STATUS_CLASSES = {cls.status: cls for cls in (

@@ -74,11 +74,23 @@ class KvBlockKey:
     block_hash: str
     block_index: int = 0
     token_count: int = DEFAULT_TOKENS_PER_BLOCK
-    # the hash of the fields above, taken once: a key is hashed ~10 times per block stored
-    # (store maps, LRU, index) and a tuple hash of 8 fields costs ~0.15 us each time
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
+    # the hash, computed once: a key is looked up in several dicts per request on the node
+    # (key cache, entries, slots, eviction order, index) and the client (encoded keys)
+    _hash: int = field(init=False, repr=False, compare=False, hash=False, default=0)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # rebuilt through __init__: a str's hash differs between processes, so a pickled
+        # _hash would be wrong in the process that loads it
+        return (KvBlockKey, (self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id,
+                             self.prefix_hash, self.block_hash, self.block_index, self.token_count))
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id,
+                                                self.prefix_hash, self.block_hash, self.block_index,
+                                                self.token_count)))
         for name in ("model_id", "tokenizer_id", "tenant_id", "prefix_hash", "block_hash"):
             _check_id(name, getattr(self, name))
         if self.adapter_id is not None:
@@ -87,17 +99,6 @@ class KvBlockKey:
             raise KeyError_(f"block_index {self.block_index!r}: must be an integer in 0..{MAX_BLOCK_INDEX}")
         if not isinstance(self.token_count, int) or not 0 <= self.token_count <= MAX_TOKEN_COUNT:
             raise KeyError_(f"token_count {self.token_count!r}: must be an integer in 0..{MAX_TOKEN_COUNT}")
-        object.__setattr__(self, "_hash", hash((self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id,
-                                                self.prefix_hash, self.block_hash, self.block_index,
-                                                self.token_count)))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __reduce__(self):
-        # rebuilt by the constructor: str hashes differ between processes, so _hash is never carried
-        return (KvBlockKey, (self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id, self.prefix_hash,
-                             self.block_hash, self.block_index, self.token_count))
 
     @property
     def scope(self) -> IdentityScope:

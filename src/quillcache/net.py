@@ -9,9 +9,13 @@ import ipaddress
 import re
 from typing import Any
 
-__all__ = ["DEFAULT_ADDRESS", "ConversionError", "parse_hostport", "format_hostport"]
+__all__ = ["DEFAULT_ADDRESS", "DEFAULT_UNIX_SOCKET", "ConversionError", "parse_hostport", "format_hostport"]
 
 DEFAULT_ADDRESS = "127.0.0.1:7470"   # [node] listen's default, and where clients connect by default
+# [node] unix_socket of the shipped config and systemd unit (RuntimeDirectory=quillcache, group
+# quillcache, 0750: docs/shm.md); an engine's connector with no address tries it before TCP.
+# The embedded default (`make run`) is <data_dir>/quillcached.sock instead: no /run as a user.
+DEFAULT_UNIX_SOCKET = "/run/quillcache/quillcached.sock"
 
 
 class ConversionError(ValueError):

@@ -3,7 +3,8 @@
 ``cluster``: the members (node id, address, epoch, free space, state) and this node's
 cluster counters (state ok/degraded, records, re-announcement progress).
 ``locate KEYFIELDS``: the key's home node, its rendezvous order and the nodes that hold it.
-One request each (CLUSTER_VIEW, CLUSTER_LOCATE).
+One request each (CLUSTER_VIEW, CLUSTER_LOCATE), built and read by protocol/cluster.py's
+encoders and decoders (the CLI holds no copy of a wire format).
 """
 import json
 
@@ -30,7 +31,7 @@ def cluster_cmd(ctx, as_json):
     from quillcache.protocol.opcodes import Opcode
 
     with node(ctx) as client:
-        view = wire.decode_json(client.call(Opcode.CLUSTER_VIEW).header)
+        view = wire.decode_json(client.call(Opcode.CLUSTER_VIEW, wire.encode_cluster_view()).header)
     if _want_json(ctx, as_json):
         click.echo(json.dumps(view, indent=2, sort_keys=True))
         return
@@ -59,7 +60,7 @@ def locate_cmd(ctx, as_json, **kw):
 
     with node(ctx) as client:
         key = build_key(client, kw)
-        body = wire.encode_locate([encode_key(key)], client.limits)
+        body = wire.encode_cluster_locate([encode_key(key)], client.limits)
         found = wire.decode_json(client.call(Opcode.CLUSTER_LOCATE, body).header)[0]
     if _want_json(ctx, as_json):
         click.echo(json.dumps(found, indent=2, sort_keys=True))

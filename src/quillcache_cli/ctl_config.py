@@ -1,5 +1,6 @@
 """`quillctl config ...` and `quillctl auth ...`: offline commands on configuration."""
 import sys
+import tomllib
 
 import click
 
@@ -23,16 +24,35 @@ def config_sample():
 @config_group.command("check")
 @click.argument("file", type=click.Path(allow_dash=True, dir_okay=False))
 def config_check(file):
-    """Validate FILE (- for standard input); exit 0 if valid, 78 if not."""
+    """Validate FILE (- for standard input), a node configuration or, when it has a [gateway]
+    section, a gateway one (quillcache-gateway's); exit 0 if valid, 78 if not."""
+    from quillcache.gateway.settings import GATEWAY_REGISTRY
+
+    source = "<stdin>" if file == "-" else file
     try:
         if file == "-":
-            load_config(text=sys.stdin.read(), source="<stdin>")
+            text = sys.stdin.read()
         else:
-            load_config(file)
+            with open(file, encoding="utf-8") as f:
+                text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        click.echo(f"{file}: cannot read: {getattr(exc, 'strerror', None) or exc}", err=True)
+        sys.exit(exitcodes.CONFIG)
+    gateway = _is_gateway(text)
+    try:
+        load_config(text=text, source=source, **({"registry": GATEWAY_REGISTRY} if gateway else {}))
     except ConfigError as exc:
         click.echo(str(exc), err=True)
         sys.exit(exitcodes.CONFIG)
-    click.echo(f"{'<stdin>' if file == '-' else file}: ok")
+    click.echo(f"{source}: ok ({'gateway' if gateway else 'node'} configuration)")
+
+
+def _is_gateway(text: str) -> bool:
+    """A gateway file names [gateway] (or [[gateway.engines]]); a node's never does."""
+    try:
+        return "gateway" in tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False                 # the node's loader reports the syntax error with its line
 
 
 @click.group("auth")

@@ -196,9 +196,16 @@ def build_key(client, kw) -> KvBlockKey:
         if named:
             raise click.UsageError(f"--key names the whole key: drop {', '.join(named)}")
         try:
-            return decode_key(bytes.fromhex(key_hex))
+            raw = bytes.fromhex(key_hex)
+        except ValueError:
+            raise click.UsageError(f"--key {key_hex!r}: not hex; give the \"key\" field that `quillctl ls --json` "
+                                   "prints (an even number of 0-9 a-f digits)") from None
+        try:
+            return decode_key(raw)
         except ValueError as exc:
-            raise click.UsageError(f"--key: {exc}") from None
+            raise click.UsageError(f"--key {key_hex[:32]!r}{'...' if len(key_hex) > 32 else ''}: not an "
+                                   f"encoded key ({exc}); give the \"key\" field that `quillctl ls --json` "
+                                   "prints") from None
     missing = [f"--{n.replace('_', '-')}" for n in ("prefix_hash", "block_hash") if fields[n] is None]
     if missing:
         raise click.UsageError(f"name the block: {' and '.join(missing)} (or --key HEX)")
@@ -315,6 +322,10 @@ def _read_input(file: str, limit: int) -> bytes:
             if stat.S_ISREG(st.st_mode) and st.st_size > limit:
                 fail(exitcodes.USAGE, f"{file} is {st.st_size} bytes: more than {limit} (the largest block)")
             data = f.read(limit + 1)
+    except FileNotFoundError:
+        fail(exitcodes.IOERR, f"cannot read {file}: no such file; put stores the bytes of an existing "
+                              f"file: create it first (e.g. `head -c 1M /dev/urandom > {file}`) or give - "
+                              "and pipe the bytes in")
     except OSError as exc:
         fail(exitcodes.IOERR, f"cannot read {file}: {exc.strerror or exc}")
     if len(data) > limit:
@@ -449,28 +460,76 @@ def _report_flag(ctx, as_json, what, ok, key, **extra):
 @scope_options
 @click.option("--prefix-hash", "-p", required=True, metavar="HASH",
               help="The prefix hash whose blocks are listed.")
+@click.option("--pool", is_flag=True,
+              help="List what the whole pool holds (every member of this node's cluster view), with "
+                   "the nodes holding each block; without it, this node's own blocks only.")
 @json_option
 @click.pass_context
-def ls_cmd(ctx, model, tokenizer, adapter, tenant, prefix_hash, as_json):
+def ls_cmd(ctx, model, tokenizer, adapter, tenant, prefix_hash, pool, as_json):
     """List the blocks of one identity scope (--model, --tokenizer, --adapter, --tenant, with
     the same environment defaults as KEYFIELDS) and one --prefix-hash, in key order: a prefix
-    scan on the node.  --json prints each key's fields and its hex form (for --key)."""
+    scan on the node (--pool: on every member of its pool).  --json prints each key's fields
+    and its hex form (for --key)."""
+    holders: dict = {}
+    note = ""
     with node(ctx) as client:
         scope = build_scope(client, model, tokenizer, adapter, tenant)
         try:
             encode_scope_prefix(scope, prefix_hash)
         except KeyError_ as exc:
             raise click.UsageError(str(exc)) from None
-        keys = client.ls(scope, prefix_hash)
+        if pool:
+            keys, holders, note = _pool_ls(ctx, client, scope, prefix_hash)
+        else:
+            keys = client.ls(scope, prefix_hash)
     if _want_json(ctx, as_json):
-        click.echo(json.dumps({"keys": [key_json(k) for k in keys]}, indent=2))
+        doc = [{**key_json(k), **({"holders": holders[k]} if pool else {})} for k in keys]
+        click.echo(json.dumps({"keys": doc, **({"note": note} if note else {})}, indent=2))
         return
     adapter_text = scope.adapter_id if scope.adapter_id is not None else "(none)"
+    where = " in the pool" if pool else ""
     click.echo(f"# tenant={scope.tenant_id} model={scope.model_id} tokenizer={scope.tokenizer_id} "
-               f"adapter={adapter_text} prefix={prefix_hash}: {len(keys)} key(s)")
+               f"adapter={adapter_text} prefix={prefix_hash}: {len(keys)} key(s){where}")
+    if note:
+        click.echo(f"# {note}")
     if keys:
-        click.echo(table([[k.block_index, k.block_hash, k.token_count] for k in keys],
-                         ["INDEX", "BLOCK_HASH", "TOKENS"]))
+        rows = [[k.block_index, k.block_hash, k.token_count] + ([",".join(holders[k])] if pool else [])
+                for k in keys]
+        click.echo(table(rows, ["INDEX", "BLOCK_HASH", "TOKENS"] + (["HOLDERS"] if pool else [])))
+
+
+def _pool_ls(ctx, client, scope, prefix_hash):
+    """(keys in key order, key -> the ids of the nodes holding it, a note): a LIST on every
+    member that this node's cluster view shows up (one connection each, the same token)."""
+    from quillcache.client import Client
+    from quillcache.protocol import cluster as wire
+    from quillcache.protocol.opcodes import Opcode
+
+    try:
+        view = wire.decode_json(client.call(Opcode.CLUSTER_VIEW).header)
+    except QuillCacheError as exc:
+        here = client.ls(scope, prefix_hash)
+        return here, {k: ["(this node)"] for k in here}, f"this node is not in a pool ({exc}): its own blocks"
+    obj = ctx.find_root().obj or {}
+    holders: dict = {}
+    missed = []
+    for m in view["members"]:
+        if m["state"] != "up":
+            continue
+        try:
+            if m["self"]:
+                found = client.ls(scope, prefix_hash)
+            else:
+                with Client(m["address"], token=obj.get("token"), timeout=obj.get("timeout", 10.0),
+                            client_name="quillctl") as other:
+                    found = other.ls(scope, prefix_hash)
+        except (QuillCacheError, OSError) as exc:
+            missed.append(f"{m['node_id']} ({_reason(exc)})")
+            continue
+        for k in found:
+            holders.setdefault(k, []).append(m["node_id"])
+    keys = sorted(holders, key=encode_key)
+    return keys, holders, f"not listed: {', '.join(missed)}" if missed else ""
 
 
 DATA_COMMANDS = (info_cmd, stats_cmd, ping_cmd, put_cmd, get_cmd, rm_cmd, pin_cmd, unpin_cmd, ls_cmd)

@@ -8,6 +8,7 @@ import click
 
 from quillcache_cli import exitcodes
 from quillcache_cli.ctl_data import fail
+from quillcache_cli.params import CREDENTIAL_HELP, registrant_keys
 
 
 @click.group("engine")
@@ -38,14 +39,17 @@ def engine_group():
 @click.option("--health-interval", type=click.FloatRange(min=0.0), default=2.0, show_default=True,
               help="Seconds between GET <url>/health checks: registered once it answers 200, withdrawn "
                    "after 2 failures in a row (0: no checks, registered at once).")
+@click.option("--credential-file", type=click.Path(dir_okay=False), default=None, metavar="PATH",
+              help=CREDENTIAL_HELP)
 def register_cmd(etcd, cluster_id, engine_id, url, model, tokenizer, tokenizer_id, chat_template, adapters,
-                 role, kv_events, kv_replay, block_size, lease_ttl, health_interval):
+                 role, kv_events, kv_replay, block_size, lease_ttl, health_interval, credential_file):
     """Keep an engine registered until SIGTERM or SIGINT (then withdraw it).
 
     Run it beside the engine (a systemd unit bound to the engine's, or a sidecar container):
     the record sits on an etcd lease this process keeps alive, so it goes away by itself when
     this process dies.  The record is the gateway's [[gateway.engines]] table, checked here
-    the way the gateways check it."""
+    the way the gateways check it, and signed with the pool's credential (--credential-file
+    or QUILLCACHE_CLUSTER_CREDENTIAL; without one it refuses to start, exit 2)."""
     from quillcache import __version__
     from quillcache.cluster.engines import cluster_args, etcd_client_missing, keep_registered
     from quillcache.net import ConversionError
@@ -60,6 +64,7 @@ def register_cmd(etcd, cluster_id, engine_id, url, model, tokenizer, tokenizer_i
     try:
         engine_of_record(record, engine_id)
         endpoints, cluster_id, ttl = cluster_args(etcd, cluster_id, lease_ttl)
+        keys = registrant_keys(credential_file, cluster_id)
     except ConversionError as exc:
         fail(exitcodes.USAGE, str(exc))
     if etcd_client_missing():
@@ -68,6 +73,6 @@ def register_cmd(etcd, cluster_id, engine_id, url, model, tokenizer, tokenizer_i
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     keep_registered(endpoints=endpoints, cluster_id=cluster_id, record=record, ttl=ttl,
-                    health_interval=health_interval, stop=stop, version=__version__,
+                    health_interval=health_interval, stop=stop, version=__version__, keys=keys,
                     report=lambda line: click.echo(f"quillctl engine register: {line}", err=True))
     sys.exit(exitcodes.OK)

@@ -1,5 +1,6 @@
 """`quillctl gateway`: the gateway's workers, their load and hit rates (one HTTP request)."""
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -8,19 +9,36 @@ import click
 from quillcache_cli import exitcodes
 from quillcache_cli.ctl_data import _want_json, fail, json_option, table
 
-DEFAULT_GATEWAY = "http://127.0.0.1:8088"
+DEFAULT_GATEWAY = "http://127.0.0.1:8089"      # [gateway] admin_listen: the operator's endpoints
+
+
+def gateway_url(value: str) -> str:
+    """The gateway's base URL from --addr: ``HOST:PORT`` or ``http(s)://HOST:PORT[/]``."""
+    if not re.match(r"^https?://", value):
+        value = "http://" + value
+    m = re.match(r"^(https?)://([^/\s:]+|\[[0-9a-fA-F:.]+\]):([0-9]{1,5})/?$", value)
+    if not m or not 0 < int(m.group(3)) <= 65535:
+        raise click.BadParameter(f"{value!r}: not a gateway address (e.g. 127.0.0.1:8089 or "
+                                 "http://127.0.0.1:8089)", param_hint="--addr")
+    return f"{m.group(1)}://{m.group(2)}:{m.group(3)}"
 
 
 @click.command("gateway")
-@click.option("--url", envvar="QUILLCACHE_GATEWAY", default=DEFAULT_GATEWAY, show_default=True,
-              help="Base URL of the gateway (env QUILLCACHE_GATEWAY).")
+@click.option("--addr", "--url", "addr", envvar="QUILLCACHE_GATEWAY", default=None,
+              help=f"The gateway's admin address, [gateway] admin_listen: HOST:PORT or its base URL (env "
+                   f"QUILLCACHE_GATEWAY; default {DEFAULT_GATEWAY}, or the --addr given before the command). "
+                   "--url is the old name.")
 @json_option
 @click.pass_context
-def gateway_cmd(ctx, url, as_json):
+def gateway_cmd(ctx, addr, as_json):
     """Show the gateway's workers: model, role, where they come from (config or etcd), health,
     requests in flight, routed, hit rate, load; with [cluster] enabled, the etcd view's state and
     the engine records it does not serve, with the reason."""
-    timeout = (ctx.find_root().obj or {}).get("timeout", 10.0)
+    root = ctx.find_root()
+    if addr is None and root.get_parameter_source("addr").name == "COMMANDLINE":
+        addr = root.params["addr"]           # `quillctl --addr HOST:PORT gateway`: one option everywhere
+    url = gateway_url(addr or DEFAULT_GATEWAY)
+    timeout = (root.obj or {}).get("timeout", 10.0)
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/quillcache/workers", timeout=timeout) as r:
             doc = json.load(r)

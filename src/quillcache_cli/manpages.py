@@ -79,7 +79,8 @@ def quillcached_page() -> str:
               "READY=1 when serving and STOPPING=1 when draining (systemd Type=notify).",
               ".SH OPTIONS"] + _options(main)
     lines += [".SH SIGNALS", ".TP", "\\fBSIGTERM\\fR, \\fBSIGINT\\fR",
-              "Stop accepting, drain in-flight requests, flush the write-ahead log, exit 0.",
+              "/ready on the metrics port answers 503 draining; stop accepting, drain in-flight requests, "
+              "flush the write-ahead log, exit 0.",
               ".TP", "\\fBSIGHUP\\fR", "Reload the settings marked reloadable in quillcache.toml(5).",
               ".SH EXIT STATUS"]
     from quillcache.exitcodes import QUILLCACHED_EXIT_CODES

@@ -14,8 +14,10 @@ from quillcache_cli import exitcodes
               help="TOML configuration file (default: the embedded defaults).")
 @click.option("--listen", help="Override [node] listen, e.g. 127.0.0.1:7470.")
 @click.option("--data-dir", help="Override [node] data_dir.")
+@click.option("--unix-socket", help="Override [node] unix_socket, e.g. /run/quillcache/quillcached.sock "
+              "(the systemd unit's; \"off\": none).")
 @click.version_option(package_name="quillcache")
-def main(config_path, listen, data_dir):
+def main(config_path, listen, data_dir, unix_socket):
     """Run a QuillCache node in the foreground (systemd runs it as Type=notify).
 
     SIGTERM/SIGINT drain in-flight requests and stop; SIGHUP reloads the reloadable
@@ -33,6 +35,8 @@ def main(config_path, listen, data_dir):
         overrides["node.listen"] = listen
     if data_dir:
         overrides["node.data_dir"] = data_dir
+    if unix_socket:
+        overrides["node.unix_socket"] = unix_socket
     try:
         cfg = load_config(config_path)
         if overrides:

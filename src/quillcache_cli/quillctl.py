@@ -5,6 +5,8 @@ from quillcache.client import DEFAULT_TIMEOUT_S
 from quillcache.net import DEFAULT_ADDRESS
 from quillcache.exitcodes import QUILLCTL_EXIT_CODES
 
+from quillcache_cli.params import check_address, connection_options
+
 from quillcache_cli.ctl_bench import bench_command
 from quillcache_cli.ctl_cluster import cluster_cmd, locate_cmd
 from quillcache_cli.ctl_config import auth_group, config_group
@@ -16,7 +18,9 @@ from quillcache_cli.ctl_wal import wal_group
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--addr", envvar="QUILLCACHE_ADDR", default=DEFAULT_ADDRESS, show_default=True,
-              help="HOST:PORT of the node (env QUILLCACHE_ADDR).")
+              callback=check_address,
+              help="HOST:PORT or unix:/path of the node (env QUILLCACHE_ADDR); also accepted after "
+                   "the command.")
 @click.option("--token", envvar="QUILLCACHE_TOKEN", default=None,
               help="Tenant token sent in HELLO (env QUILLCACHE_TOKEN); none on an open node.")
 @click.option("--timeout", type=click.FloatRange(min=0.001, max=3600.0), default=DEFAULT_TIMEOUT_S,
@@ -34,6 +38,9 @@ def main(ctx, addr, token, timeout, as_json):
     token's tenant), --prefix-hash, --block-hash, --index (default 0), --tokens (default 64).
     Every field is taken verbatim, so model ids with "/" need no quoting; or --key HEX, the
     encoded key that `ls --json` prints.
+
+    --addr, --token, --timeout and --json go before or after the command
+    (`quillctl ping --addr 127.0.0.1:7470`).
 
     {exit_codes}
     """
@@ -56,11 +63,9 @@ def _exit_codes_paragraph(width: int = 88) -> str:
 main.help = main.help.replace("{exit_codes}", _exit_codes_paragraph())
 main.add_command(config_group)
 main.add_command(auth_group)
-for _cmd in DATA_COMMANDS:
-    main.add_command(_cmd)
-main.add_command(bench_command)
+# the commands that talk to a node take the connection options after their name as well
+for _cmd in (*DATA_COMMANDS, bench_command, cluster_cmd, locate_cmd):
+    main.add_command(connection_options(_cmd))
 main.add_command(wal_group)
 main.add_command(gateway_cmd)
 main.add_command(engine_group)
-main.add_command(cluster_cmd)
-main.add_command(locate_cmd)

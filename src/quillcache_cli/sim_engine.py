@@ -6,6 +6,7 @@ import click
 import zmq
 
 from quillcache_cli import exitcodes
+from quillcache_cli.params import CREDENTIAL_HELP, registrant_keys
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -47,16 +48,26 @@ from quillcache_cli import exitcodes
 @click.option("--lease-ttl", default="3s", show_default=True, help="TTL of the registration's etcd lease.")
 @click.option("--advertise-host", default="",
               help="Host the gateways reach it at, in the registration (default: the bound address).")
+@click.option("--credential-file", type=click.Path(dir_okay=False), default=None, metavar="PATH",
+              help="With --etcd: " + CREDENTIAL_HELP)
+@click.option("--pool", "pool_addr", default=None, metavar="ADDRESS",
+              help="Use a QuillCache node as the shared KV pool (unix:/path or host:port): blocks this "
+                   "engine computes are stored there, and a prefix another engine stored is loaded "
+                   "(usage.pool_tokens) instead of computed.")
+@click.option("--pool-token", envvar="QUILLCACHE_TOKEN", default=None,
+              help="Tenant token for the pool node (env QUILLCACHE_TOKEN).")
 @click.version_option(package_name="quillcache")
 def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters, block_size,
          capacity_blocks, max_num_seqs, max_batched_tokens, max_model_len, prefill_us_per_token,
          decode_us_per_token, running_decode_penalty_us, pool_us_per_mb, time_scale, etcd, cluster_id,
-         engine_id, role, lease_ttl, advertise_host):
+         engine_id, role, lease_ttl, advertise_host, pool_addr, pool_token, credential_file):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models,
     /health) from a simulated engine: a paged prefix cache keyed by identity, continuous
     batching timed by a cost model, vLLM-format KV events on ZMQ.  Prints one READY line
     with the bound addresses, then serves until SIGINT/SIGTERM.  With --etcd it registers
-    itself (cluster/engines.py) once bound, like `quillctl engine register` does for vLLM."""
+    itself (cluster/engines.py) once bound, like `quillctl engine register` does for vLLM,
+    its record signed with the pool's credential (--credential-file or
+    QUILLCACHE_CLUSTER_CREDENTIAL; without one it refuses to start, exit 2)."""
     from quillcache.net import ConversionError
     from quillcache.control.sim.engine import EngineConfig, SimEngineError, cost_with
     from quillcache.control.sim.server import SimServerConfig, serve_forever
@@ -72,10 +83,23 @@ def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters
     except SimEngineError as exc:
         click.echo(f"quillcache-sim-engine: {exc}", err=True)
         sys.exit(exitcodes.CONFIG)
+    pool = None
+    if pool_addr:
+        from quillcache.client.calls import resolve_address
+        from quillcache.connectors.sim import NodePool
+        from quillcache.errors import InvalidArgument
+        try:
+            resolve_address(pool_addr)
+        except InvalidArgument as exc:
+            raise click.BadParameter(str(exc), param_hint="--pool") from None
+        pool = NodePool(pool_addr, token=pool_token, block_size=block_size)
     cfg = SimServerConfig(model=model, adapters=tuple(adapters), max_model_len=max_model_len,
-                          engine=engine, time_scale=time_scale, engine_id=engine_id)
+                          engine=engine, time_scale=time_scale, engine_id=engine_id, pool=pool)
     if replay_endpoint and not events_endpoint:
         click.echo("quillcache-sim-engine: --kv-events-replay needs --kv-events", err=True)
+        sys.exit(exitcodes.USAGE)
+    if credential_file and not etcd:
+        click.echo("quillcache-sim-engine: --credential-file needs --etcd (it signs the registration)", err=True)
         sys.exit(exitcodes.USAGE)
     on_listening = None
     if etcd:
@@ -86,6 +110,7 @@ def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters
         from quillcache.gateway.settings import engine_of_record
         try:
             endpoints, cluster_id, ttl = cluster_args(etcd, cluster_id, lease_ttl)
+            keys = registrant_keys(credential_file, cluster_id)
             # The record as the gateways will check it (the URL and endpoints are known once bound).
             engine_of_record({"id": engine_id or "sim-0", "url": "http://127.0.0.1:1", "model": model,
                               "adapters": list(adapters), "block_size": block_size, "role": role},
@@ -94,17 +119,21 @@ def main(host, port, events_endpoint, replay_endpoint, kv_topic, model, adapters
             click.echo(f"quillcache-sim-engine: {exc}", err=True)
             sys.exit(exitcodes.USAGE)
         on_listening = _registrar(endpoints, cluster_id, ttl, engine_id, model, adapters, block_size,
-                                  role, advertise_host)
+                                  role, advertise_host, keys)
     try:
         serve_forever(cfg, host, port, events_endpoint, replay_endpoint, kv_topic,
                       announce=lambda line: click.echo(line), on_listening=on_listening)
     except (OSError, zmq.ZMQError) as exc:
         click.echo(f"quillcache-sim-engine: cannot listen: {exc}", err=True)
         sys.exit(exitcodes.UNAVAILABLE)
+    finally:
+        if pool is not None:
+            pool.close()
 
 
-def _registrar(endpoints, cluster_id, ttl, engine_id, model, adapters, block_size, role, host):
-    """What registers the engine once it is bound: its record, the gateway's engine table."""
+def _registrar(endpoints, cluster_id, ttl, engine_id, model, adapters, block_size, role, host, keys):
+    """What registers the engine once it is bound: its record, the gateway's engine table,
+    signed with ``keys`` (the pool's)."""
     from quillcache import __version__
     from quillcache.cluster.engines import EngineRegistration, advertised
 
@@ -117,7 +146,7 @@ def _registrar(endpoints, cluster_id, ttl, engine_id, model, adapters, block_siz
         if listening.replay:
             record["kv_replay"] = advertised(listening.replay, host)
         reg = EngineRegistration(endpoints=endpoints, cluster_id=cluster_id, record=record, ttl=ttl,
-                                 version=__version__)
+                                 version=__version__, keys=keys)
         reg.start()
         return reg.stop
 

@@ -22,7 +22,7 @@ from quillcache.protocol.opcodes import Opcode
 from tests._support.daemon import Daemon
 
 __all__ = ["CREDENTIAL", "Pool", "cluster_view", "cluster_section", "key", "content", "get_retry",
-           "member_ids", "Load", "unix_addr"]
+           "member_ids", "Load", "unix_addr", "member", "cluster_keys"]
 
 CREDENTIAL = "test-cluster-credential-0123456789"
 
@@ -37,8 +37,62 @@ def cluster_section(etcd_endpoint: str, node_id: str, *, lease_ttl: str = "2s", 
             f'reannounce_rate = {reannounce_rate}\n')
 
 
-def cluster_view(addr: str, timeout: float = 5.0) -> dict:
-    with Client(addr, timeout=timeout, token=CREDENTIAL) as c:     # a node's view: works with tenants too
+def etcd_call(endpoint: str, path: str, body: dict) -> dict:
+    import requests
+    r = requests.post(f"http://{endpoint}/v3{path}", json=body, timeout=5)
+    r.raise_for_status()
+    return r.json()
+
+
+def etcd_put(endpoint: str, key: str, value: bytes, lease: int = 0) -> None:
+    """Write ``value`` under ``key`` as anyone who can write to etcd can."""
+    import base64
+    body = {"key": base64.b64encode(key.encode()).decode(), "value": base64.b64encode(value).decode()}
+    if lease:
+        body["lease"] = lease
+    etcd_call(endpoint, "/kv/put", body)
+
+
+def node_record(node_id: str, address: str, epoch: int, lease: int = 0, *, signed_for: str = "",
+                cluster_id: str = "test") -> bytes:
+    """A member record as a node writes it; ``signed_for``: the etcd key to sign it for with
+    the pool's record key (only a holder of the credential can), else unsigned."""
+    d = {"node_id": node_id, "address": address, "epoch": epoch, "capacity": 1 << 30, "free": 1 << 30,
+         "version": "rogue", "started": time.time(), "lease": lease}
+    if signed_for:
+        content = json.dumps(d, sort_keys=True).encode()
+        try:
+            d["sig"] = cluster_keys(cluster_id).sign_record(signed_for, content)
+        except ImportError:
+            pass                                    # a build that signs nothing
+    return json.dumps(d, sort_keys=True).encode()
+
+
+def cluster_keys(cluster_id: str = "test"):
+    from quillcache.cluster.keys import ClusterKeys
+    return ClusterKeys(CREDENTIAL, cluster_id)
+
+
+def member(addr: str, node_id: str, epoch: int = 7, *, peer_id: str, cluster_id: str = "test",
+           timeout: float = 5.0) -> Client:
+    """A client logged in as node ``node_id`` (epoch ``epoch``) of the pool, to the node
+    ``peer_id`` at ``addr``: what another node's transport opens (transfer/tcp.py).  Against
+    a build without the node login (the security probes run on the old code too), the
+    login it had: HELLO with the credential."""
+    if not hasattr(wire, "NodeLogin"):
+        return Client(addr, timeout=timeout, token=CREDENTIAL)
+    c = Client(addr, timeout=timeout, token=wire.NODE_HELLO_TOKEN)
+    try:
+        step = wire.NodeLogin(cluster_keys(cluster_id), node_id, epoch, peer_id)
+        c.call(Opcode.NODE_PROOF, step.proof(c.call(Opcode.NODE_AUTH, step.request()).header))
+    except BaseException:
+        c.close()
+        raise
+    return c
+
+
+def cluster_view(addr: str, timeout: float = 5.0, token=None) -> dict:
+    with Client(addr, timeout=timeout, token=token) as c:     # a tenant's token where the node has tenants
         return wire.decode_json(c.call(Opcode.CLUSTER_VIEW).header)
 
 
@@ -54,6 +108,7 @@ class Pool:
         self.ssd = ssd
         self.sections = dict(sections or {})       # more config: section -> lines
         self.nodes: dict[str, Daemon] = {}
+        self.token = None                          # a tenant's token, once the nodes have tenants
         for i in range(n):
             self.add(chr(ord("a") + i), start=False)
 
@@ -84,7 +139,8 @@ class Pool:
         nodes = nodes or [d for d in self.nodes.values() if d.proc is not None and d.proc.poll() is None]
         while time.monotonic() < deadline:
             try:
-                if all(sum(m["state"] == "up" for m in cluster_view(d.addr)["members"]) == n for d in nodes):
+                if all(sum(m["state"] == "up" for m in cluster_view(d.addr, token=self.token)["members"]) == n
+                       for d in nodes):
                     return
             except Exception:
                 pass
@@ -92,13 +148,13 @@ class Pool:
         views = {}
         for d in nodes:
             try:
-                views[d.addr] = cluster_view(d.addr)
+                views[d.addr] = cluster_view(d.addr, token=self.token)
             except Exception as exc:
                 views[d.addr] = repr(exc)
         raise AssertionError(f"views did not reach {n} members within {timeout} s: {json.dumps(views, indent=1)}")
 
     def info(self, letter: str) -> dict:
-        with Client(self[letter].addr, token=CREDENTIAL) as c:
+        with Client(self[letter].addr, token=self.token) as c:
             return c.info("cluster")
 
     def close(self) -> None:

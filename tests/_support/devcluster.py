@@ -1,11 +1,15 @@
 """``make cluster``: etcd and three quillcached nodes on loopback, for a newcomer to try.
 
-    make cluster            # Ctrl-C stops everything
-    quillctl --addr 127.0.0.1:<port of node-a> cluster
-    quillctl --addr ... put -m demo -p p0 -b b0 FILE   (on one node)
-    quillctl --addr ... get -m demo -p p0 -b b0        (on another)
+    make cluster            # Ctrl-C (or SIGTERM) stops everything and exits 0
+    quillctl cluster --addr 127.0.0.1:<port of node-a>
+    quillctl put --addr ... -m demo -p p0 -b b0 FILE   (on one node)
+    quillctl get --addr ... -m demo -p p0 -b b0        (on another)
 
-State (configs, logs, the etcd data dir) lives under ./var/cluster and is removed on exit.
+Failure detection: ``kill -9`` one node's pid (printed at start).  The others keep serving;
+this prints what happened, and once the dead node's etcd lease expires (3 s here) ``quillctl
+cluster`` on a survivor shows it gone and a block it held is read again from another holder or
+recomputed by the caller.  State (configs, logs, the etcd data dir) lives under ./var/cluster
+and is removed on exit, whatever the exit.
 """
 from __future__ import annotations
 
@@ -18,38 +22,89 @@ from pathlib import Path
 from tests._support.cluster import CREDENTIAL, Pool
 from tests._support.etcd import EtcdServer
 
+LEASE_TTL = "3s"
+POLL_S = 0.5                     # seconds between looks at the processes
+QUILLCTL = ".venv/bin/quillctl"
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
 
 def main(argv: list[str]) -> int:
     n = int(argv[0]) if argv else 3
     root = Path("var/cluster").resolve()
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    with EtcdServer(root / "etcd") as etcd:
-        with Pool(root, etcd.endpoint, n, lease_ttl="3s", dram="512MiB", cluster_id="dev") as pool:
-            pool.wait_members(n, timeout=30)
-            print(f"etcd      {etcd.endpoint}")
-            for node_id, d in pool.nodes.items():
-                print(f"{node_id:9} {d.addr}   config {d.config}   log {d.log_path}")
-            a = next(iter(pool.nodes.values())).addr
-            print(f"\ntry:  .venv/bin/quillctl --addr {a} cluster")
-            print(f"      echo hello > /tmp/b; .venv/bin/quillctl --addr {a} put -m demo -p p0 -b b0 /tmp/b")
-            for d in list(pool.nodes.values())[1:]:
-                print(f"      .venv/bin/quillctl --addr {d.addr} get -m demo -p p0 -b b0")
-            print(f"      .venv/bin/quillctl --addr {a} locate -m demo -p p0 -b b0")
-            print(f"(node-to-node credential: {CREDENTIAL}; Ctrl-C stops the pool)", flush=True)
-            try:
-                while not stop:
-                    time.sleep(0.5)
-                    for node_id, d in pool.nodes.items():
-                        if d.proc.poll() is not None:
-                            print(f"{node_id} exited ({d.proc.returncode}); see {d.log_path}")
-                            return 1
-            except KeyboardInterrupt:
-                pass
-    shutil.rmtree(root, ignore_errors=True)
+    stop: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        stop.append(signum)
+
+    # Ctrl-C reaches every process of the terminal's group: the nodes drain and stop on their
+    # own, and this loop must not take their exit for a failure.
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        with EtcdServer(root / "etcd") as etcd:
+            with Pool(root, etcd.endpoint, n, lease_ttl=LEASE_TTL, dram="512MiB", cluster_id="dev") as pool:
+                pool.wait_members(n, timeout=30)
+                _banner(etcd, pool)
+                _watch(etcd, pool, stop)
+                for d in pool.nodes.values():        # a clean stop: TERM drains (the pool's close kills)
+                    if d.proc.poll() is None:
+                        d.stop(signal.SIGTERM, timeout=15)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("make cluster: stopped; var/cluster removed", flush=True)
     return 0
+
+
+def _banner(etcd: EtcdServer, pool: Pool) -> None:
+    print(f"etcd      {etcd.endpoint}   pid {etcd.proc.pid}")
+    for node_id, d in pool.nodes.items():
+        print(f"{node_id:9} {d.addr}   pid {d.proc.pid}   config {d.config}   log {d.log_path}")
+    nodes = list(pool.nodes.values())
+    a = nodes[0].addr
+    print(f"\ntry:  {QUILLCTL} cluster --addr {a}")
+    print(f"      echo hello > /tmp/b; {QUILLCTL} put --addr {a} -m demo -p p0 -b b0 /tmp/b")
+    for d in nodes[1:]:
+        print(f"      {QUILLCTL} get --addr {d.addr} -m demo -p p0 -b b0")
+    print(f"      {QUILLCTL} locate --addr {a} -m demo -p p0 -b b0")
+    if len(nodes) > 1:
+        print(f"failure detection: kill -9 {nodes[-1].proc.pid}   (then `{QUILLCTL} cluster --addr {a}` "
+              f"after {LEASE_TTL}, and read the block again)")
+    print(f"(node-to-node credential: {CREDENTIAL}; Ctrl-C stops the pool)", flush=True)
+
+
+def _watch(etcd: EtcdServer, pool: Pool, stop: list[int]) -> None:
+    """Until a stop signal: report each process that ends, keep the others serving."""
+    reported: set[str] = set()
+    while True:
+        time.sleep(POLL_S)
+        if stop:
+            return
+        procs = [("etcd", etcd.proc, etcd.log_path)] + [(k, d.proc, d.log_path) for k, d in pool.nodes.items()]
+        for name, proc, log in procs:
+            if name in reported or proc.poll() is None:
+                continue
+            reported.add(name)
+            alive = [k for k, d in pool.nodes.items() if d.proc.poll() is None]
+            print(f"make cluster: {name} (pid {proc.pid}) {_how(proc.returncode)}; see {log}", flush=True)
+            if name == "etcd":
+                print("make cluster: without etcd the nodes keep serving what they hold but see no "
+                      "membership change; Ctrl-C stops the rest", flush=True)
+            elif alive:
+                addr = pool.nodes[alive[0]].addr
+                print(f"make cluster: {', '.join(alive)} keep serving; {name}'s lease expires within "
+                      f"{LEASE_TTL}: watch `{QUILLCTL} cluster --addr {addr}`", flush=True)
+            else:
+                print("make cluster: no node is left; Ctrl-C stops etcd", flush=True)
 
 
 if __name__ == "__main__":

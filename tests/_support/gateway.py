@@ -65,10 +65,12 @@ class Harness:
         if self.auth:
             auth = "".join(f'[[auth.tenants]]\nname = "{n}"\ntoken = "{hash_token(t)}"\n'
                            for n, t in TOKENS.items())
-        text = f'[gateway]\nlisten = "127.0.0.1:0"\n{self.gateway_toml}\n' + auth + "".join(engines)
+        text = (f'[gateway]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n{self.gateway_toml}\n'
+                + auth + "".join(engines))
         self.cfg = load_gateway_config(text=text)
         self.gw, self.runner, bound = await start(self.cfg)
         self.base = f"http://{bound[0]}:{bound[1]}"
+        self.admin = "http://{}:{}".format(*self.runner.admin_address)      # the operator's endpoints
         self.session = aiohttp.ClientSession()
         await asyncio.sleep(0.3)          # ZMQ slow joiner: let the SUB sockets connect
         return self
@@ -133,15 +135,16 @@ async def harness(**kw):
 
 @contextlib.asynccontextmanager
 async def gateway(text: str):
-    """A gateway from TOML text (``[gateway] listen`` is set to a free port), in this loop;
-    yields (Gateway, base URL, an aiohttp session)."""
+    """A gateway from TOML text (``[gateway] listen`` and ``admin_listen`` are set to free
+    ports), in this loop; yields (Gateway, base URL, admin URL, an aiohttp session)."""
     from quillcache.gateway.server import start
     from quillcache.gateway.settings import load_gateway_config
-    cfg = load_gateway_config(text=text).with_overrides({"gateway.listen": "127.0.0.1:0"})
+    cfg = load_gateway_config(text=text).with_overrides({"gateway.listen": "127.0.0.1:0",
+                                                         "gateway.admin_listen": "127.0.0.1:0"})
     gw, runner, bound = await start(cfg)
     session = aiohttp.ClientSession()
     try:
-        yield gw, f"http://{bound[0]}:{bound[1]}", session
+        yield gw, f"http://{bound[0]}:{bound[1]}", "http://{}:{}".format(*runner.admin_address), session
     finally:
         await session.close()
         await runner.cleanup()

@@ -1,7 +1,10 @@
 """`make gateway`: one QuillCache node, two simulated engines and a gateway, on loopback.
 
 Every process runs on its embedded defaults except what conf/gateway.toml says (the engines'
-addresses).  Ctrl-C stops them all.  Not a production launcher: systemd runs each for real.
+addresses); the engines use the node as their KV pool (``quillcache-sim-engine --pool``, over
+the node's Unix socket).  Ctrl-C (or SIGTERM) stops them all and exits 0; a process that ends on
+its own is reported and the others keep running.  Not a production launcher: systemd runs each
+for real.
 
 ``--port-offset N`` moves every port by N (the gateway on 8088 + N, ...), so that a test can
 run the demo beside whatever already listens on the default ports.
@@ -9,6 +12,7 @@ run the demo beside whatever already listens on the default ports.
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,11 +26,20 @@ ENGINES = (("sim-0", 8001, 5571, 5572), ("sim-1", 8002, 5573, 5574))
 GATEWAY_PORT = 8088
 NODE_PORT, NODE_METRICS_PORT = 7470, 7471      # quillcached's embedded defaults
 READY_TIMEOUT_S = 30.0        # seconds each process has to come up
+# a prompt of several full blocks (the simulated tokenizer: one token per UTF-8 byte, 16 a block)
+POOL_BODY = ('{"model": "sim-model", "prompt": "The pool keeps what one engine computed, for the other one.", '
+             '"max_tokens": 1}')
 
 
-def _wait_http(url: str, proc: subprocess.Popen, what: str) -> None:
+class _Stopped(Exception):
+    """Ctrl-C while the processes were starting."""
+
+
+def _wait_http(url: str, proc: subprocess.Popen, what: str, stop: list) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
+        if stop:
+            raise _Stopped()
         if proc.poll() is not None:
             sys.exit(f"make gateway: {what} exited with code {proc.returncode} (see its log above)")
         try:
@@ -40,19 +53,28 @@ def _wait_http(url: str, proc: subprocess.Popen, what: str) -> None:
 def main(offset: int = 0) -> int:
     procs: list[tuple[str, subprocess.Popen]] = []
     data = Path("var") / ("gateway-demo" if not offset else f"gateway-demo-{offset}")
+    stop: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        stop.append(signum)
 
     def start(what: str, argv: list[str]) -> subprocess.Popen:
-        p = subprocess.Popen(argv, cwd=ROOT)
+        # its own process group: Ctrl-C reaches this script only, which stops the others in
+        # order (gateway, engines, node) and exits 0
+        p = subprocess.Popen(argv, cwd=ROOT, process_group=0)
         procs.append((what, p))
         return p
 
     def port(p: int) -> int:
         return p + offset
 
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    (ROOT / data).mkdir(parents=True, exist_ok=True)
     node_argv = [str(BIN / "quillcached"), "--data-dir", str(data)]
+    node_unix = f"unix:{ROOT / data / 'quillcached.sock'}"
     gateway_config = "conf/gateway.toml"
     if offset:
-        (ROOT / data).mkdir(parents=True, exist_ok=True)
         node_conf = ROOT / data / "node.toml"
         node_conf.write_text(f'[metrics]\nlisten = "127.0.0.1:{port(NODE_METRICS_PORT)}"\n')
         node_argv += ["--config", str(node_conf), "--listen", f"127.0.0.1:{port(NODE_PORT)}"]
@@ -63,28 +85,36 @@ def main(offset: int = 0) -> int:
     base = f"http://127.0.0.1:{port(GATEWAY_PORT)}"
     try:
         node = start("quillcached", node_argv)
-        _wait_http(f"http://127.0.0.1:{port(NODE_METRICS_PORT)}/metrics", node, "quillcached")
+        _wait_http(f"http://127.0.0.1:{port(NODE_METRICS_PORT)}/ready", node, "quillcached", stop)
         for eid, http, ev, rp in ENGINES:
             p = start(eid, [str(BIN / "quillcache-sim-engine"), "--port", str(port(http)), "--model", "sim-model",
                             "--adapter", "sim-lora", "--kv-events", f"tcp://127.0.0.1:{port(ev)}",
-                            "--kv-events-replay", f"tcp://127.0.0.1:{port(rp)}"])
-            _wait_http(f"http://127.0.0.1:{port(http)}/health", p, eid)
+                            "--kv-events-replay", f"tcp://127.0.0.1:{port(rp)}", "--pool", node_unix])
+            _wait_http(f"http://127.0.0.1:{port(http)}/health", p, eid, stop)
         gw = start("quillcache-gateway", [str(BIN / "quillcache-gateway"), "--config", gateway_config])
-        _wait_http(base + "/health", gw, "quillcache-gateway")
-        print(f"\nquillcache-gateway is ready on {base} (two simulated engines, one node). Try:\n\n"
+        _wait_http(base + "/health", gw, "quillcache-gateway", stop)
+        e0, e1 = (f"http://127.0.0.1:{port(e[1])}" for e in ENGINES)
+        print(f"\nquillcache-gateway is ready on {base} (two simulated engines sharing one node as "
+              f"their KV pool, {node_unix}). Try:\n\n"
               f"  curl -sN {base}/v1/completions -H 'Content-Type: application/json' \\\n"
               "    -d '{\"model\": \"sim-model\", \"prompt\": \"Hello from QuillCache\", \"max_tokens\": 8, "
               "\"stream\": true}' -D -\n\n"
-              "  .venv/bin/quillctl gateway          # workers, load, hit rates\n\n"
+              f"  .venv/bin/quillctl gateway --addr {base}     # workers, load, hit rates\n\n"
+              "The pool: the same prompt to one engine, then to the other; the second answer's\n"
+              "usage.prompt_tokens_details.pool_tokens is above 0 (loaded from the node, not computed):\n\n"
+              f"  curl -s {e0}/v1/completions -H 'Content-Type: application/json' -d '{POOL_BODY}'\n"
+              f"  curl -s {e1}/v1/completions -H 'Content-Type: application/json' -d '{POOL_BODY}'\n\n"
               "Ctrl-C stops everything.\n", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        while True:                                   # until Ctrl-C, or one of them stops
+        reported: set[str] = set()
+        while not stop:                               # until Ctrl-C; a process that ends is reported
             for what, p in procs:
-                if p.poll() is not None:
-                    print(f"make gateway: {what} exited with code {p.returncode}; stopping the rest")
-                    return 1
+                if what not in reported and p.poll() is not None:
+                    reported.add(what)
+                    print(f"make gateway: {what} (pid {p.pid}) exited with code {p.returncode}; the others "
+                          "keep running (Ctrl-C stops them)", flush=True)
             time.sleep(0.5)
-    except KeyboardInterrupt:
+        return 0
+    except _Stopped:
         return 0
     finally:
         for _, p in reversed(procs):
@@ -95,6 +125,10 @@ def main(offset: int = 0) -> int:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+        if offset:
+            shutil.rmtree(ROOT / data, ignore_errors=True)
+        print("make gateway: stopped", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ def test_quillctl_gateway_shows_workers_as_a_table_and_as_json():
         async with harness(n=2) as h:
             st, _, _ = await h.complete("the quick brown fox jumps over the lazy dog " * 4)
             assert st == 200
-            text = await loop.run_in_executor(None, quillctl, "gateway", "--url", h.base)
-            doc = await loop.run_in_executor(None, quillctl, "--json", "gateway", "--url", h.base)
+            text = await loop.run_in_executor(None, quillctl, "gateway", "--url", h.admin)
+            doc = await loop.run_in_executor(None, quillctl, "--json", "gateway", "--url", h.admin)
             return text, doc
     text, doc = asyncio.run(main())
     assert text.returncode == 0, text.stderr

@@ -1,7 +1,9 @@
 """`make gateway` (tests/_support/gateway_demo.py) and the README's commands against it: the curl of the
 README streams an answer with the decision headers, and `quillctl gateway` lists both engines.
 The demo runs with every port moved by an offset (the defaults may be taken on a test machine)."""
+import json
 import os
+import random
 import re
 import selectors
 import shutil
@@ -14,12 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from quillcache import Client
+
 ROOT = Path(__file__).resolve().parents[2]
-PORTS = (8088, 8001, 8002, 5571, 5572, 5573, 5574, 7470, 7471)     # every port the demo uses
+PORTS = (8088, 8089, 8001, 8002, 5571, 5572, 5573, 5574, 7470, 7471)     # every port the demo uses
 
 
 def free_offset() -> int:
-    for offset in range(20000, 40000, 97):
+    # a random start: two checkouts running this test at once must not both take the first free range
+    offsets = list(range(20000, 40000, 97))
+    random.shuffle(offsets)
+    for offset in offsets:
         try:
             for p in PORTS:
                 with socket.socket() as s:
@@ -40,9 +47,10 @@ def readme_block(after: str) -> str:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the README's command uses curl")
 def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
     offset = free_offset()
+    # its own session, so that SIGINT goes to its whole group as a terminal's Ctrl-C does
     demo = subprocess.Popen([sys.executable, "-m", "tests._support.gateway_demo", "--port-offset", str(offset)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
         out = b""
         sel = selectors.DefaultSelector()
@@ -63,16 +71,38 @@ def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
         for h in ("x-quillcache-worker: sim-", "x-quillcache-overlap-blocks: device=", "x-quillcache-plan: hit="):
             assert h in head.lower(), head
         assert body.count("data: {") == 8 and body.rstrip().endswith("data: [DONE]")
-        r = subprocess.run([str(Path(sys.executable).with_name("quillctl")), "gateway", "--url", f"http://127.0.0.1:{gw}"],
+        admin = f"127.0.0.1:{gw + 1}"                        # [gateway] admin_listen, 8089 + offset
+        r = subprocess.run([str(Path(sys.executable).with_name("quillctl")), "gateway", "--addr", admin],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert {line.split()[0] for line in r.stdout.splitlines()[1:]} == {"sim-0", "sim-1"}
+
+        # the engines share the node as their pool: the printed prompt, to one engine then to
+        # the other, is loaded from the node the second time
+        pool_curls = [line.strip() for line in out.decode().splitlines() if "/v1/completions" in line
+                      and "max_tokens\": 1" in line]
+        assert len(pool_curls) == 2
+        answers = []
+        for curl in pool_curls:
+            r = subprocess.run(["bash", "-c", curl], capture_output=True, timeout=60, cwd=ROOT)
+            assert r.returncode == 0, r.stderr
+            answers.append(json.loads(r.stdout)["usage"]["prompt_tokens_details"])
+            if len(answers) == 1:          # the first engine's save is asynchronous: wait until stored
+                with Client(f"127.0.0.1:{7470 + offset}") as c:
+                    deadline = time.monotonic() + 10
+                    while c.stats("store")["store"]["puts"] < 3 and time.monotonic() < deadline:
+                        time.sleep(0.05)
+        assert answers[0]["pool_tokens"] == 0 and answers[1]["pool_tokens"] >= 48, answers
     finally:
-        demo.send_signal(signal.SIGINT)
+        os.killpg(demo.pid, signal.SIGINT)          # Ctrl-C: the whole group
         try:
             rest = demo.communicate(timeout=30)[0]
         except subprocess.TimeoutExpired:
             demo.kill()
             rest = demo.communicate()[0]
+        leftover = (ROOT / "var" / f"gateway-demo-{offset}").exists()
         shutil.rmtree(ROOT / "var" / f"gateway-demo-{offset}", ignore_errors=True)
-    assert demo.returncode == 0, rest.decode(errors="replace")
+    text = (out + rest).decode(errors="replace")
+    assert demo.returncode == 0, text
+    assert "exited with code" not in text and "make gateway: stopped" in text
+    assert not leftover

@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from quillcache import exitcodes
 from quillcache._native import extension_names, missing_extensions
@@ -38,3 +39,36 @@ def test_a_build_without_a_native_extension_exits_69_naming_it(tmp_path):
     assert "simulated" in r.stderr and "make build" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "data").exists()          # refused before touching anything
+
+
+def test_ctrl_c_on_make_run_stops_the_node_with_exit_0_and_removes_its_socket(tmp_path):
+    """`make run` is quillcached in the foreground: Ctrl-C (SIGINT to the terminal's group)
+    drains and stops it with exit 0, and --unix-socket (the systemd unit's flag) is where it listened."""
+    import os
+    import signal
+    import socket
+    import time
+
+    from tests._support.daemon import Daemon
+
+    d = Daemon(tmp_path)
+    sock = tmp_path / "run" / "q.sock"
+    sock.parent.mkdir()
+    argv = [str(Path(sys.executable).with_name("quillcached")), "--config", str(d.config), "--unix-socket", str(sock)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+            time.sleep(0.05)
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(sock))
+        assert oct(sock.stat().st_mode & 0o777) == "0o660"
+        os.killpg(proc.pid, signal.SIGINT)
+        out = proc.communicate(timeout=30)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "stopped" in out and not sock.exists()

@@ -120,6 +120,7 @@ def test_cross_tenant_located_probe_through_b_is_a_miss(tmp_path, etcd):
             d.config.write_text(d.config.read_text() + tenants(acts_for))
             d.stop()
             d.start()
+        pool.token = "tok-one"
         pool.wait_members(2)
         with Client(pool["a"].addr, token="tok-one") as a:
             a.put(key(1, "t1"), content(1, 4096))

@@ -134,3 +134,44 @@ def test_an_engine_id_registered_by_another_engine_is_refused_and_freed_later(et
     finally:
         second.stop()
         first.stop()
+
+
+def test_signed_engine_records_are_seen_and_made_up_ones_refused(etcd):
+    # With the pool's keys, a watch sees the engines that signed their records and refuses
+    # one an etcd writer made up, or one copied under another engine's name.
+    import base64
+    import json
+
+    import requests
+
+    from quillcache.cluster.engines import EngineRegistration, EngineWatch
+    from quillcache.cluster.keys import ClusterKeys
+
+    keys = ClusterKeys("engine-test-credential-0123", "eng2")
+    ep = [(etcd.host, etcd.port)]
+
+    def put(name, value):
+        requests.post(f"http://{etcd.host}:{etcd.port}/v3/kv/put", timeout=5, json={
+            "key": base64.b64encode(f"/quillcache/eng2/engines/{name}".encode()).decode(),
+            "value": base64.b64encode(value).decode()}).raise_for_status()
+
+    loop = asyncio.new_event_loop()
+    reg = EngineRegistration(endpoints=ep, cluster_id="eng2", ttl=3.0, keys=keys,
+                             record={"id": "e0", "url": "http://127.0.0.1:8001", "model": "m"})
+    watch = EngineWatch(endpoints=ep, cluster_id="eng2", loop=loop, on_change=lambda v, s: None, keys=keys)
+    try:
+        reg.start()
+        assert reg.registered.wait(10)
+        put("evil", json.dumps({"id": "evil", "url": "http://127.0.0.1:6666", "model": "m"}).encode())
+        signed = base64.b64decode(requests.post(f"http://{etcd.host}:{etcd.port}/v3/kv/range", timeout=5, json={
+            "key": base64.b64encode(b"/quillcache/eng2/engines/e0").decode()}).json()["kvs"][0]["value"])
+        put("copy", signed)
+        watch.start()
+        assert _wait(lambda: "e0" in watch.view, 10), watch.view
+        time.sleep(0.5)
+        assert set(watch.view) == {"e0"} and watch.view["e0"]["url"] == "http://127.0.0.1:8001"
+        assert watch.stats()["records_refused"] >= 2
+    finally:
+        watch.stop()
+        reg.stop()
+        loop.close()

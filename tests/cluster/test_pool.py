@@ -17,7 +17,7 @@ from quillcache.errors import NotFound, PermissionDenied
 from quillcache.index.persistent import PersistentArtIndex
 from quillcache.model import encode_key
 from quillcache.protocol.opcodes import Opcode
-from tests._support.cluster import CREDENTIAL, Load, Pool, cluster_view, content, get_retry, key, member_ids
+from tests._support.cluster import Load, Pool, cluster_view, content, get_retry, key, member, member_ids
 from tests._support.etcd import etcd_binary
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (Debian etcd-server)")
@@ -194,6 +194,8 @@ def test_a_fourth_node_finds_blocks_after_reannouncement_with_progress_in_info(t
         assert all(i["reannounce_total"] == len(keys) // 3 for i in infos.values())
         with Client(pool["d"].addr) as d:
             got = d.get_many([key(i) for i in keys])
+        missed = [i for i, g in zip(keys, got) if g is None]
+        assert not missed, (len(missed), missed[:20], {x: pool.info(x)["Cluster"] for x in "abcd"})
         assert got == [content(i, keys[i]) for i in keys]
         assert pool.info("d")["Cluster"]["cluster_records"] > 0      # it is home for some keys now
 
@@ -217,14 +219,17 @@ def test_hashed_placement_puts_the_first_copy_at_the_home(tmp_path, etcd):
                 time.sleep(0.05)
             assert pool.info("a")["Cluster"]["replicas_pushed"] == pushes
             for letter in "bc":
-                # a node's own connection reads only that node's store (no cross-node fetch)
-                with Client(pool[letter].addr, token=CREDENTIAL) as c:
+                # each replica fetched the block from A (REPLICATE); EXISTS asks its store only
+                want = [i for i in keys if f"node-{letter}" in first[i]]
+                deadline = time.monotonic() + 5
+                while pool.info(letter)["Cluster"]["replicas_fetched"] < len(want):
+                    assert time.monotonic() < deadline, pool.info(letter)["Cluster"]
+                    time.sleep(0.05)
+                with Client(pool[letter].addr) as c:
                     for i in keys:
-                        if f"node-{letter}" in first[i]:
-                            assert c.get(key(i)) == content(i, keys[i])
-                        else:
-                            with pytest.raises(NotFound):
-                                c.get(key(i))
+                        assert c.exists(key(i)) == (f"node-{letter}" in first[i]), i
+                    for i in want:
+                        assert c.get(key(i)) == content(i, keys[i])
             pool["a"].send(signal.SIGKILL)
             with Client(pool["b"].addr) as b:
                 for i in keys:
@@ -250,7 +255,7 @@ def test_home_records_live_in_the_store_index_and_never_come_back_from_its_disk(
         deadline = time.monotonic() + 5
         while pool.info("a")["Cluster"]["cluster_records"] < len(homed) and time.monotonic() < deadline:
             time.sleep(0.05)
-        with Client(pool["a"].addr, token=CREDENTIAL) as peer:
+        with Client(pool["a"].addr) as peer:
             info = peer.info()
             assert info["Cluster"]["cluster_records"] == len(homed) > 0
             # 20 blocks of A in DRAM and on SSD: 40 records of its own, the rest are B's and C's
@@ -278,8 +283,8 @@ def test_records_announced_before_the_watch_shows_their_node_survive_a_view_chan
     records of a node never seen go after a grace of two lease TTLs."""
     with Pool(tmp_path, etcd.endpoint, 2, lease_ttl=f"{TTL_S}s") as pool:
         pool.wait_members(2)
-        with Client(pool["a"].addr, token=CREDENTIAL) as peer:
-            items = [(encode_key(key(i)), 4096) for i in range(10)]
+        with member(pool["a"].addr, "node-z", 7, peer_id="node-a") as peer:
+            items = [(encode_key(key(i)), 4096, 0) for i in range(10)]
             peer.call(Opcode.ANNOUNCE, wire.encode_announce("node-z", 7, items, peer.limits))
         assert pool.info("a")["Cluster"]["cluster_records"] == 10
         pool.add("c")
@@ -299,6 +304,7 @@ def test_tenancy_across_nodes_a_probe_of_another_tenant_looks_like_a_miss(tmp_pa
             d.config.write_text(d.config.read_text() + tenants)
             d.stop()
             d.start()
+        pool.token = "tok-one"
         pool.wait_members(2)
         with Client(pool["a"].addr, token="tok-one") as a:
             a.put(key(1, "t1"), content(1, 4096))
@@ -313,7 +319,7 @@ def test_tenancy_across_nodes_a_probe_of_another_tenant_looks_like_a_miss(tmp_pa
             with pytest.raises(PermissionDenied):           # a client is not a node
                 b2.call(Opcode.FETCH, wire.encode_fetch("t1", [encode_key(key(1, "t1"))], b2.limits))
         # a node asking for the block on behalf of t2 is told exactly what an absent key gets
-        with Client(pool["a"].addr, token=CREDENTIAL) as peer:
+        with member(pool["a"].addr, "node-b", 7, peer_id="node-a") as peer:
             def fetch(tenant, k):
                 r = peer.call(Opcode.FETCH, wire.encode_fetch(tenant, [encode_key(k)], peer.limits))
                 return wire.decode_fetch_reply(r.header, peer.limits, len(r.payload or b""))[1]
@@ -337,7 +343,7 @@ def test_a_node_given_a_taken_node_id_stays_out_of_the_pool_and_says_why(tmp_pat
         dup.start()
 
         def dup_info():
-            with Client(dup.addr, token=CREDENTIAL) as c:
+            with Client(dup.addr) as c:
                 return c.info("cluster")["Cluster"]
 
         deadline = time.monotonic() + 10
@@ -413,7 +419,7 @@ def test_a_block_the_holder_keeps_only_on_ssd_crosses_intact_and_a_corrupted_one
                 b.get(key(2))
             got = b.get_many([key(i) for i in range(6)])
             assert got[2] is None and all(got[i] == content(i, size) for i in (0, 1, 3, 4, 5))
-        with Client(pool["a"].addr, token=CREDENTIAL) as peer:
+        with Client(pool["a"].addr) as peer:
             info = peer.info()
         assert info["Cluster"]["fetches_served"] >= 5
         assert info["Store"]["entries"] == n - 1                       # the rotten block was dropped
@@ -438,7 +444,7 @@ def test_cache_remote_keeps_a_clean_copy_that_outlives_the_holder(tmp_path, etcd
             time.sleep(0.05)
         deadline = time.monotonic() + 5
         while True:                                 # B's copies reach their homes
-            with Client(pool["c"].addr, token=CREDENTIAL) as peer:
+            with Client(pool["c"].addr) as peer:
                 body = wire.encode_locate([encode_key(key(i)) for i in blocks], peer.limits)
                 found = wire.decode_json(peer.call(Opcode.CLUSTER_LOCATE, body).header)
             if all(set(f["holders"]) == {"node-a", "node-b"} for f in found):
@@ -467,7 +473,7 @@ def test_blocks_a_node_recovers_from_its_disk_are_announced_again_and_read_acros
         pool["a"].stop(signal.SIGKILL)
         pool["a"].start()
         pool.wait_members(3)
-        with Client(pool["a"].addr, token=CREDENTIAL) as peer:
+        with Client(pool["a"].addr) as peer:
             info = peer.info()
         assert info["Store"]["entries_untouched"] == len(blocks), info["Store"]
         assert info["Cluster"]["cluster_held"] == len(blocks)

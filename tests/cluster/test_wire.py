@@ -21,15 +21,32 @@ def _verdict(decode, *args):
 
 
 def test_round_trips():
-    items = [(b"k1", 5), (b"key-two", 1 << 33)]
+    items = [(b"k1", 5, 0xFFFFFFFF), (b"key-two", 1 << 33, 7)]
     assert wire.decode_announce(wire.encode_announce("node-a", 2**63 - 1, items, L), L) == ("node-a", 2**63 - 1, items)
     assert wire.decode_withdraw(wire.encode_withdraw("n", 3, [b"a", b"b"], L), L) == ("n", 3, [b"a", b"b"])
-    per = [[Holder("a", 1, 10), Holder("b", 2, 10)], []]
+    per = [[Holder("a", 1, 10, 0xDEADBEEF), Holder("b", 2, 10, 0)], []]
     assert wire.decode_locate_reply(wire.encode_locate_reply(per, L), L) == per
     assert wire.decode_fetch(wire.encode_fetch("tenant", [b"x"], L), L) == ("tenant", [b"x"])
     body = wire.encode_fetch_reply(9, [(0, 4), (3, 0), (0, 6)], L)
     assert wire.decode_fetch_reply(body, L, 10) == (9, [(0, 4), (3, 0), (0, 6)])
     assert wire.decode_json(wire.encode_json({"a": [1]})) == {"a": [1]}
+    assert wire.decode_replicate(wire.encode_replicate(items, L), L) == items
+    nonce, mac = bytes(range(32)), bytes(range(32, 64))
+    assert wire.decode_node_auth(wire.encode_node_auth("a", 3, "b", nonce)) == ("a", 3, "b", nonce)
+    assert wire.decode_node_auth_reply(wire.encode_node_auth_reply("b", 4, nonce, mac)) == ("b", 4, nonce, mac)
+    assert wire.decode_node_proof(wire.encode_node_proof(mac)) == mac
+
+
+@pytest.mark.parametrize("decode, body", [
+    (wire.decode_node_auth, wire.encode_node_auth("a", 3, "b", bytes(32))[:-1]),
+    (wire.decode_node_auth, wire.encode_node_auth("a", 3, "b", bytes(32)) + b"x"),
+    (wire.decode_node_auth_reply, wire.encode_node_auth_reply("b", 4, bytes(32), bytes(32))[:-1]),
+    (wire.decode_node_proof, bytes(31)),
+    (wire.decode_node_proof, bytes(33)),
+])
+def test_node_login_bodies_of_the_wrong_length_are_refused(decode, body):
+    with pytest.raises(InvalidArgument):
+        decode(body)
 
 
 def test_fetch_reply_whose_sizes_do_not_add_up_to_the_payload_is_refused():
@@ -50,8 +67,8 @@ def test_truncated_long_or_huge_count_bodies_are_refused(body):
 
 def test_batch_over_the_limit_is_refused_both_ways():
     with pytest.raises(InvalidArgument, match="batch"):
-        wire.encode_announce("n", 1, [(b"k", 1)] * 17, L)
-    big = wire.encode_announce("n", 1, [(b"k", 1)] * 17, ProtocolLimits(max_batch=64))
+        wire.encode_announce("n", 1, [(b"k", 1, 0)] * 17, L)
+    big = wire.encode_announce("n", 1, [(b"k", 1, 0)] * 17, ProtocolLimits(max_batch=64))
     with pytest.raises(InvalidArgument, match="batch"):
         wire.decode_announce(big, L)
 
@@ -79,14 +96,14 @@ def _locate_reply_by_reader(body, limits):
         holders = []
         for _ in range(r.u8("holder count")):
             node = r.take(r.u8("node id length"), "node id").decode("utf-8")
-            holders.append(Holder(node, r.u64("epoch"), r.u64("size")))
+            holders.append(Holder(node, r.u64("epoch"), r.u64("size"), r.u32("crc")))
         out.append(holders)
     r.end()
     return out
 
 
-_holders = st.lists(st.lists(st.tuples(st.text(max_size=6), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
-                             max_size=3), max_size=5)
+_holders = st.lists(st.lists(st.tuples(st.text(max_size=6), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+                                       st.integers(0, 2**32 - 1)), max_size=3), max_size=5)
 
 
 @settings(max_examples=300, deadline=None)

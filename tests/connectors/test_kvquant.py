@@ -20,7 +20,8 @@ pytestmark = pytest.mark.engines
 torch = engines.require("torch")
 
 from quillcache.client import Client  # noqa: E402
-from quillcache.connectors.core import ConnectorCore, Identity, chain_keys, model_scope  # noqa: E402
+from quillcache.connectors.core import ConnectorCore, chain_keys, model_scope  # noqa: E402
+from quillcache.model import IdentityScope  # noqa: E402
 from quillcache.connectors.kvquant import FP8_E4M3_MAX, make_codec  # noqa: E402
 from quillcache.connectors.paged import PagedKVWorker, Transfer  # noqa: E402
 from quillcache.errors import NotFound, UnsafeReuse  # noqa: E402
@@ -113,7 +114,7 @@ def _reload_figures(node, kv_dtype, tenant: str) -> tuple[float, float, float]:
         writer.register_kv_caches(kv_a)
         with torch.no_grad():
             model(prefix, 0, list(kv_a.values()), table)
-        keys = chain_keys(Identity(scope(writer.codec.scope_dtype), "tiny-tok", None, tenant),
+        keys = chain_keys(IdentityScope(scope(writer.codec.scope_dtype), "tiny-tok", None, tenant),
                           block_hashes(prefix, PREFIX_BLOCKS), block_size=BLOCK_TOKENS)
         saved(writer, Transfer("A", keys, table[:PREFIX_BLOCKS]))
 
@@ -151,7 +152,7 @@ def test_a_bf16_reader_never_gets_an_fp8_block(node, tmp_path):
         for c in kv_w.values():
             c.normal_()
         writer.register_kv_caches(kv_w)
-        fp8_keys = chain_keys(Identity(scope(writer.codec.scope_dtype), "tok", None, "guard"), hashes,
+        fp8_keys = chain_keys(IdentityScope(scope(writer.codec.scope_dtype), "tok", None, "guard"), hashes,
                               block_size=BLOCK_TOKENS)
         saved(writer, Transfer("W", fp8_keys, [0, 1, 2, 3]))
         assert core.lookup(fp8_keys) == 4
@@ -160,7 +161,7 @@ def test_a_bf16_reader_never_gets_an_fp8_block(node, tmp_path):
         kv_r = paged(torch.bfloat16, blocks=8)
         reader.register_kv_caches(kv_r)
         assert reader.codec.scope_dtype == "bfloat16"
-        bf16_keys = chain_keys(Identity(scope(reader.codec.scope_dtype), "tok", None, "guard"), hashes,
+        bf16_keys = chain_keys(IdentityScope(scope(reader.codec.scope_dtype), "tok", None, "guard"), hashes,
                                block_size=BLOCK_TOKENS)
         assert core.lookup(bf16_keys) == 0                # the scheduler sees a miss
         before = [c.clone() for c in kv_r.values()]

@@ -6,12 +6,14 @@ LMCache's ``RemoteBackend`` runs them, against a real quillcached.  Tested again
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import pytest
 
-from tests._support import engines
+from tests._support import engines, engines_doc
 from tests._support.daemon import Daemon
+from tests._support.engine_node import EngineNode
 
 pytestmark = pytest.mark.engines
 torch = engines.require("torch")
@@ -201,3 +203,72 @@ def test_lmcache_plugin_value_that_does_not_decode_is_a_counted_miss(node, loop)
         a.ref_count_down()
     finally:
         run(loop, conn.close())
+
+
+# ---------------------------------------------------------------------- docs/engines.md, auth on
+
+@pytest.fixture
+def auth_node(tmp_path):
+    with EngineNode(tmp_path) as d:
+        yield d
+
+
+def doc_plugin(node, loop, via, token_file, tmp_path):
+    """The plugin exactly as docs/engines.md configures it: its YAML (this node's address and
+    token file) written to a file and loaded by LMCache's own config loader, as
+    LMCACHE_CONFIG_FILE makes vLLM's LMCache connector do; only the local CPU size is this
+    machine's.  Built by LMCache's CreateConnector, as its RemoteBackend builds it."""
+    text = engines_doc.lmcache_yaml().replace(engines_doc.DOC_ADDRESS, node.addresses[via])
+    text = text.replace(engines_doc.DOC_TOKEN_FILE, str(token_file))
+    path = tmp_path / f"lmcache-{via}.yaml"
+    path.write_text(text)
+    cfg = LMCacheEngineConfig.from_file(str(path))
+    assert cfg.remote_url == "plugin://quillcache" and cfg.remote_storage_plugins == ["quillcache"]
+    cfg.max_local_cpu_size = 0.05
+    md = LMCacheMetadata("m", 1, 1, 0, 0, torch.bfloat16, (LAYERS, 2, CHUNK, KVH, HD), chunk_size=CHUNK)
+    cpu = LocalCPUBackend(cfg, md)
+    return CreateConnector(cfg.remote_url, loop, cpu, cfg, None, plugin_name="quillcache"), cpu, md
+
+
+@pytest.mark.parametrize("via", ["unix", "tcp"])
+def test_following_the_doc_with_auth_on_the_second_request_hits(auth_node, loop, via, tmp_path):
+    conn, cpu, md = doc_plugin(auth_node, loop, via, auth_node.token_file, tmp_path)
+    key = CacheEngineKey("m", 1, 0, 98765, torch.bfloat16, {"lmcache.tag.quillcache_tenant": "acme"})
+    a = chunk(cpu, md, 4)
+    try:
+        assert not run(loop, conn.exists(key))                  # the first request: a miss, then saved
+        put(loop, conn, key, a)
+    finally:
+        run(loop, conn.close())
+    again, cpu2, _ = doc_plugin(auth_node, loop, via, auth_node.token_file, tmp_path)   # another vLLM process
+    try:
+        assert again.batched_contains([key]) == 1
+        got = run(loop, again.get(key))
+        assert got is not None and bytes(got.byte_array) == bytes(a.byte_array)
+        got.ref_count_down()
+        st = again._connector.stats()
+        assert st["hit_blocks"] == 1 and st["loaded_blocks"] == 1 and st["connect_errors"] == 0
+        assert again._connector.core.connected_to == auth_node.addresses[via]
+    finally:
+        a.ref_count_down()
+        run(loop, again.close())
+
+
+@pytest.mark.parametrize("via", ["unix", "tcp"])
+def test_a_wrong_token_is_one_logged_error_and_every_chunk_misses(auth_node, loop, via, tmp_path, caplog):
+    with caplog.at_level(logging.ERROR, logger="quillcache.connectors"):
+        conn, cpu, md = doc_plugin(auth_node, loop, via, auth_node.wrong_token_file, tmp_path)
+        key = CacheEngineKey("m", 1, 0, 5555, torch.bfloat16)
+        a = chunk(cpu, md, 5)
+        try:
+            put(loop, conn, key, a)                                # stores nothing, raises nothing
+            assert not run(loop, conn.exists(key)) and run(loop, conn.get(key)) is None
+            st = conn._connector.stats()
+            assert st["connect_errors"] >= 3 and st["save_errors"] == 1 and st["hit_blocks"] == 0
+        finally:
+            a.ref_count_down()
+            run(loop, conn.close())
+    errors = [r.getMessage() for r in caplog.records if r.name == "quillcache.connectors"]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("LMCache plugin quillcache connector: cannot use the node")
+    assert auth_node.addresses[via] in errors[0] and "token matches no tenant" in errors[0]

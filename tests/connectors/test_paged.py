@@ -17,7 +17,8 @@ from tests._support.daemon import Daemon
 pytestmark = pytest.mark.engines
 torch = engines.require("torch")
 
-from quillcache.connectors.core import ConnectorCore, Identity, chain_keys, model_scope  # noqa: E402
+from quillcache.connectors.core import ConnectorCore, chain_keys, model_scope  # noqa: E402
+from quillcache.model import IdentityScope  # noqa: E402
 from quillcache.connectors.paged import PagedKVWorker, Transfer  # noqa: E402
 
 LAYERS, BLOCKS, BS, KVH, HD = 3, 16, 16, 2, 8
@@ -38,7 +39,7 @@ def caches(seed: int) -> dict:
 
 def keys(n: int, tenant: str = "acme"):
     scope = model_scope("tiny", dtype="bfloat16", block_size=BS, num_layers=LAYERS, layout="vllm-2nbhd")
-    return chain_keys(Identity(scope, "tok", None, tenant), [bytes([i + 1]) * 32 for i in range(n)], block_size=BS)
+    return chain_keys(IdentityScope(scope, "tok", None, tenant), [bytes([i + 1]) * 32 for i in range(n)], block_size=BS)
 
 
 def saved(worker: PagedKVWorker, t: Transfer) -> None:

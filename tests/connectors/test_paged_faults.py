@@ -16,7 +16,8 @@ from tests._support.daemon import Daemon
 pytestmark = pytest.mark.engines
 torch = engines.require("torch")
 
-from quillcache.connectors.core import ConnectorCore, Identity, chain_keys, model_scope  # noqa: E402
+from quillcache.connectors.core import ConnectorCore, chain_keys, model_scope  # noqa: E402
+from quillcache.model import IdentityScope  # noqa: E402
 from quillcache.connectors.paged import PagedKVWorker, Transfer  # noqa: E402
 
 LAYERS, BS, KVH, HD = 2, 16, 2, 8
@@ -36,7 +37,7 @@ def caches(fill=None, blocks=BLOCKS, seed=1) -> dict:
 
 def keys(n: int, tenant: str):
     scope = model_scope("tiny", dtype="bfloat16", block_size=BS, num_layers=LAYERS, layout="vllm-2nbhd")
-    return chain_keys(Identity(scope, "tok", None, tenant), [i.to_bytes(4, "big") * 8 for i in range(n)],
+    return chain_keys(IdentityScope(scope, "tok", None, tenant), [i.to_bytes(4, "big") * 8 for i in range(n)],
                       block_size=BS)
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from quillcache.connectors.core import ConnectorCore, Identity, chain_keys, model_scope
+from quillcache.connectors.core import ConnectorCore, chain_keys, model_scope
+from quillcache.model import IdentityScope
 from tests._support import engines
 from tests._support.daemon import Daemon
 
@@ -44,7 +45,7 @@ def test_reloaded_prefix_gives_full_prefill_logits_and_wrong_adapter_misses_or_d
     suffix = torch.randint(0, VOCAB, (11,))
     prompt_b = torch.cat([prefix, suffix])
     hashes = block_hashes(prefix, prefix_blocks)
-    ident_a = Identity(SCOPE, "tiny-tok", "lora-a", "acme")
+    ident_a = IdentityScope(SCOPE, "tiny-tok", "lora-a", "acme")
 
     # request A (adapter lora-a): prefill the prefix, save its full blocks through the connector
     cache_a, table_a = new_cache(), list(range(0, 8))
@@ -69,9 +70,9 @@ def test_reloaded_prefix_gives_full_prefill_logits_and_wrong_adapter_misses_or_d
     same = (got - ref[len(prefix):]).abs().max().item()
 
     # another adapter or tenant: the same engine hashes map to other keys: a miss
-    assert core.lookup(chain_keys(Identity(SCOPE, "tiny-tok", "lora-b", "acme"), hashes,
+    assert core.lookup(chain_keys(IdentityScope(SCOPE, "tiny-tok", "lora-b", "acme"), hashes,
                                   block_size=BLOCK_TOKENS)) == 0
-    assert core.lookup(chain_keys(Identity(SCOPE, "tiny-tok", "lora-a", "other"), hashes,
+    assert core.lookup(chain_keys(IdentityScope(SCOPE, "tiny-tok", "lora-a", "other"), hashes,
                                   block_size=BLOCK_TOKENS)) == 0
 
     # forced reuse: adapter A's blocks under a request of adapter B (what a key without the

@@ -5,10 +5,14 @@ SGLang's pool assembler builds it) with SGLang's real page hashes, in the HiCach
 call order.  Tested against sglang 0.5.23."""
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
 
-from tests._support import engines
+from tests._support import engines, engines_doc
 from tests._support.daemon import Daemon
+from tests._support.engine_node import EngineNode
 
 pytestmark = pytest.mark.engines
 torch = engines.require("torch")
@@ -169,3 +173,90 @@ def test_sglang_v1_moves_host_pages_byte_for_byte_in_the_controllers_order(node,
             s.batch_get_v1(keys[:2], dst[:PS], none)
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------------- docs/engines.md, auth on
+
+@pytest.fixture
+def auth_node(tmp_path):
+    with EngineNode(tmp_path) as d:
+        yield d
+
+
+def doc_backend(node, via, token_file, pool):
+    """The backend exactly as docs/engines.md's command line configures it (its JSON, with this
+    node's address and token file), built by SGLang's factory, then attached to the host pool."""
+    (j, *_) = engines_doc.doc_json("quillcache.connectors.sglang")
+    cfg = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny",
+        extra_config=engines_doc.for_node(j, node.addresses[via], str(token_file)))
+    s = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    s.register_mem_pool_host(pool)
+    s.on_host_pools_registered()
+    return s
+
+
+@pytest.mark.parametrize("via", ["unix", "tcp"])
+def test_following_the_doc_with_auth_on_the_second_request_hits(auth_node, via):
+    pool = host_pool("page_first")
+    first = doc_backend(auth_node, via, auth_node.token_file, pool)
+    g = torch.Generator().manual_seed(9)
+    keys = page_hashes(range(3000, 3000 + 3 * PS), None)
+    src = pool.alloc(3 * PS)
+    for i in range(3):
+        pool.set_from_flat_data_page(int(src[i * PS]), torch.randn(2 * LAYERS * PS * KVH * HD, generator=g)
+                                     .to(torch.bfloat16))
+    none = HiCacheStorageExtraInfo(prefix_keys=None)
+    try:
+        assert first.batch_exists(keys, none) == 0                      # the first request: nothing yet
+        assert all(first.batch_set_v1(keys, src, none))                 # its pages backed up
+        assert first.stats()["connect_errors"] == 0 and first.core.shm == (via == "unix")
+    finally:
+        first.close()
+    second = doc_backend(auth_node, via, auth_node.token_file, pool)  # the engine restarted: host tier empty
+    try:
+        assert second.batch_exists(keys, none) == 3
+        dst = pool.alloc(3 * PS)
+        assert second.batch_get_v1(keys, dst, none) == [True] * 3
+        for i in range(3):
+            assert torch.equal(page_bytes(pool, dst[i * PS]), page_bytes(pool, src[i * PS])), f"page {i}"
+        st = second.stats()
+        assert st["hit_blocks"] == 3 and st["loaded_blocks"] == 3 and st["connect_errors"] == 0
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize("via", ["unix", "tcp"])
+def test_a_wrong_token_is_one_logged_error_and_every_page_misses(auth_node, via, caplog):
+    pool = host_pool("page_first")
+    keys = page_hashes(range(4000, 4000 + 2 * PS), None)
+    none = HiCacheStorageExtraInfo(prefix_keys=None)
+    with caplog.at_level(logging.ERROR, logger="quillcache.connectors"):
+        s = doc_backend(auth_node, via, auth_node.wrong_token_file, pool)
+        try:
+            src = pool.alloc(2 * PS)
+            assert s.batch_set_v1(keys, src, none) == [False, False]
+            assert s.batch_exists(keys, none) == 0
+            assert s.batch_get_v1(keys, pool.alloc(2 * PS), none) == [False, False]
+            st = s.stats()
+            assert st["connect_errors"] >= 3 and st["save_errors"] == 1 and st["lookup_errors"] == 1
+        finally:
+            s.close()
+    errors = [r.getMessage() for r in caplog.records if r.name == "quillcache.connectors"]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("SGLang tp0 connector: cannot use the node")
+    assert auth_node.addresses[via] in errors[0] and "token matches no tenant" in errors[0]
+
+
+def test_the_docs_launch_line_parses_with_sglangs_own_server_args():
+    import argparse
+    (server_args,) = engines.import_sglang("sglang.srt.server_args")
+    argv = engines_doc.engine_command("sglang")
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv[3:])
+    assert ns.enable_hierarchical_cache is True and ns.hicache_storage_backend == "dynamic"
+    (doc, *_) = engines_doc.doc_json("quillcache.connectors.sglang")
+    assert json.loads(ns.hicache_storage_backend_extra_config) == doc

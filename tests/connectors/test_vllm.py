@@ -6,12 +6,14 @@ real block hashes, against a real quillcached.  Tested against vllm 0.33.0."""
 from __future__ import annotations
 
 import copy
+import logging
 import time
 
 import pytest
 
-from tests._support import engines
+from tests._support import engines, engines_doc
 from tests._support.daemon import Daemon
+from tests._support.engine_node import EngineNode
 
 pytestmark = pytest.mark.engines
 torch = engines.require("torch")
@@ -205,3 +207,102 @@ def test_vllm_tp_ranks_keep_their_own_shards_and_stored_blocks_become_events_onc
     finally:
         for c in (sched, w0, w1):
             c.shutdown()
+
+
+# ---------------------------------------------------------------------- docs/engines.md, auth on
+
+@pytest.fixture
+def auth_node(tmp_path):
+    with EngineNode(tmp_path) as d:
+        yield d
+
+
+def doc_connector(node, role, via: str, token_file):
+    """The connector exactly as docs/engines.md's command line configures it (its JSON, with
+    this node's address and token file), built by vLLM's factory from a real VllmConfig."""
+    (j, *_) = engines_doc.doc_json("quillcache.connectors.vllm")
+    j = engines_doc.for_node(j, node.addresses[via], str(token_file))
+    return KVConnectorFactory.create_connector(VllmConfig(kv_transfer_config=KVTransferConfig(**j)), role, None)
+
+
+@pytest.mark.parametrize("via", ["unix", "tcp"])
+def test_following_the_doc_with_auth_on_the_second_request_hits(auth_node, via):
+    sched = doc_connector(auth_node, KVConnectorRole.SCHEDULER, via, auth_node.token_file)
+    worker = doc_connector(auth_node, KVConnectorRole.WORKER, via, auth_node.token_file)
+    try:
+        g = torch.Generator().manual_seed(21)
+        caches = {f"model.layers.{i}.attn": torch.randn(2, NBLOCKS, BS, KVH, HD, generator=g) for i in range(LAYERS)}
+        worker.register_kv_caches(caches)
+        layers = list(caches.values())
+        prompt = list(range(7000, 7000 + 3 * BS + 1))
+        first = request("A", prompt, None, "tenant=acme")       # the engine acts for tenant acme
+        assert sched.get_num_new_matched_tokens(first, 0) == (0, False)
+        step(sched, worker, layers, first, [0, 1, 2, 3], 0)
+        assert finish(sched, worker, first, [0, 1, 2, 3]) == (True, {"A"})
+        second = request("B", prompt, None, "tenant=acme")
+        assert sched.get_num_new_matched_tokens(second, 0) == (3 * BS, False)
+        step(sched, worker, layers, second, [8, 9, 10, 11], 3 * BS)
+        for i, c in enumerate(layers):
+            assert torch.equal(c[:, 8:11], c[:, 0:3]), f"layer {i}: the hit loaded other bytes"
+        assert worker.get_block_ids_with_load_errors() == set()
+        s, w = sched.stats(), worker.stats()
+        assert s["hit_blocks"] == 3 and s["connect_errors"] == 0 and w["loaded_blocks"] == 3
+        assert sched.core.connected_to == auth_node.addresses[via]
+        assert auth_node.token not in repr(sched.core)
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("via", ["unix", "tcp"])
+def test_a_wrong_token_is_one_logged_error_and_every_lookup_misses(auth_node, via, caplog):
+    with caplog.at_level(logging.ERROR, logger="quillcache.connectors"):
+        sched = doc_connector(auth_node, KVConnectorRole.SCHEDULER, via, auth_node.wrong_token_file)
+        try:
+            prompt = list(range(8000, 8000 + 3 * BS + 1))
+            assert sched.get_num_new_matched_tokens(request("A", prompt), 0) == (0, False)
+            assert sched.get_num_new_matched_tokens(request("B", prompt), 0) == (0, False)
+            s = sched.stats()
+            assert s["connect_errors"] >= 2 and s["lookup_errors"] == 2 and s["hit_blocks"] == 0
+        finally:
+            sched.shutdown()
+    errors = [r.getMessage() for r in caplog.records if r.name == "quillcache.connectors"]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("vLLM scheduler connector: cannot use the node")
+    assert auth_node.addresses[via] in errors[0] and "token matches no tenant" in errors[0]
+    assert "not-the-token" not in errors[0]
+
+
+def test_a_typo_in_the_settings_is_a_warning_and_a_bad_value_stops_the_connector_with_its_name(auth_node, caplog):
+    from quillcache.connectors.settings import SettingError
+    with caplog.at_level(logging.WARNING, logger="quillcache.connectors.vllm"):
+        c = connector(auth_node, KVConnectorRole.SCHEDULER, adress="127.0.0.1:1", token_file=str(auth_node.token_file))
+        c.shutdown()
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "quillcache.connectors.vllm"]
+    assert "kv_connector_extra_config: unknown QuillCache setting(s) adress ignored" in warning
+    with pytest.raises(SettingError, match="kv_connector_extra_config: timeout_s = 'soon': not a number of seconds"):
+        connector(auth_node, KVConnectorRole.SCHEDULER, timeout_s="soon")
+    with pytest.raises(SettingError, match="token_file '/nonexistent/token': No such file"):
+        connector(auth_node, KVConnectorRole.SCHEDULER, token_file="/nonexistent/token")
+
+
+@pytest.mark.parametrize("program", ["vllm", "lmcache"])
+def test_the_docs_command_line_parses_with_vllm_serves_own_parser(program):
+    """docs/engines.md's `vllm serve ...` lines (QuillCache's connector, and LMCache's with
+    LMCACHE_CONFIG_FILE) through vLLM's own `serve` argument parser."""
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    argv = engines_doc.engine_command(program)
+    if program == "lmcache":
+        env, argv = argv[0], argv[1:]
+        assert env == "LMCACHE_CONFIG_FILE=/etc/quillcache/lmcache.yaml"
+    assert argv[:2] == ["vllm", "serve"]
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
+    kv = ns.kv_transfer_config
+    assert isinstance(kv, KVTransferConfig) and kv.kv_role == "kv_both"
+    if program == "vllm":
+        assert (kv.kv_connector, kv.kv_connector_module_path) == ("QuillCacheConnector", "quillcache.connectors.vllm")
+        assert kv.kv_connector_extra_config == {"address": "unix:/run/quillcache/quillcached.sock",
+                                                "token_file": "/etc/quillcache/engine.token"}
+    else:
+        assert kv.kv_connector == "LMCacheConnectorV1"

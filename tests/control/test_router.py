@@ -74,9 +74,10 @@ place_st = st.tuples(st.integers(0, 4), st.integers(0, 1), st.integers(0, 3), st
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(place_st, max_size=25), st.lists(st.integers(0, 400), min_size=4, max_size=4),
-       st.integers(1, 8), st.sampled_from(["dynamo", "quillcache"]),
+       st.integers(1, 8), st.just("dynamo"),
        st.floats(0.5, 2.0), st.floats(0, 3))
 def test_logits_match_a_brute_force_scorer(places, loads, qlen, policy, scale, w_active):
+    # Dynamo's cost as shipped; quillcache's predictor has its own oracle in test_policies.py
     cfg = RouterConfig(policy=policy, block_size=BS, prefill_load_scale=scale,
                        active_request_weight=w_active, seed=1)
     router = Router(cfg, DictIndexer(), W)
@@ -131,7 +132,7 @@ def test_zero_temperature_breaks_ties_at_random():
 
 
 def test_positive_temperature_samples_the_softmax_of_the_costs():
-    router = Router(RouterConfig(block_size=BS, temperature=0.5, seed=11), workers=W)
+    router = Router(RouterConfig(policy="dynamo", block_size=BS, temperature=0.5, seed=11), workers=W)
     for name, extra in zip(W, (0, 40, 80, 160)):
         router.load(name).decode_blocks = extra
     d = router.route(A, tokens(2), track=False)

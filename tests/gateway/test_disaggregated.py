@@ -47,8 +47,7 @@ def test_two_hops_prefill_cache_aware_then_decode_streams_with_the_transferred_b
             assert st == 200 and d["prefill-worker"] == first and d["local-hits"] == "33"
             # Another tenant is refused the credit, on the prefill hop too.
             st, hd, _ = await h.complete(PROMPT + "other", "globex", max_tokens=2)
-            assert st == 200 and decision(hd)["local-hits"] == "0"
-            assert decision(hd)["reuse-refused"] == "33"
+            assert st == 200 and decision(hd)["local-hits"] == "0" and "reuse-refused" not in decision(hd)
             await h.wait_idle()
     run(main())
 

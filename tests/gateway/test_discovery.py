@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from quillcache.cluster.engines import EngineRegistration
+from quillcache.cluster.keys import ClusterKeys
 from tests._support.etcd import EtcdServer, etcd_binary
 from tests._support.gateway import gateway, wait_until
 from tests._support.sim import SimEngine
@@ -24,6 +25,8 @@ CID = "gwtest"
 TTL_S = 2                       # the engines' lease TTL (etcd's shortest is about 2 s)
 PROMPT = "the quick brown fox jumps over the lazy dog " * 4
 QUILLCTL = str(Path(sys.executable).with_name("quillctl"))
+CREDENTIAL = "discovery-test-credential-0123"      # the pool's [cluster] credential
+KEYS = ClusterKeys(CREDENTIAL, CID)
 
 
 @pytest.fixture
@@ -32,14 +35,23 @@ def etcd(tmp_path):
         yield server
 
 
+@pytest.fixture
+def credential_file(tmp_path):
+    path = tmp_path / "credential"
+    path.write_text(CREDENTIAL + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
 def cluster_toml(etcd, engines: str = "", policy: str = "round_robin") -> str:
     return (f'[gateway]\nunhealthy_after = "30s"\n{engines}\n[router]\npolicy = "{policy}"\n'
-            f'[cluster]\nenabled = true\netcd = ["{etcd.endpoint}"]\ncluster_id = "{CID}"\n')
+            f'[cluster]\nenabled = true\netcd = ["{etcd.endpoint}"]\ncluster_id = "{CID}"\n'
+            f'credential = "{CREDENTIAL}"\n')
 
 
-def registered(etcd, engine_id: str, **flags) -> SimEngine:
+def registered(etcd, engine_id: str, credential_file: str, **flags) -> SimEngine:
     return SimEngine(model="m", etcd=etcd.endpoint, cluster_id=CID, engine_id=engine_id,
-                     lease_ttl=f"{TTL_S}s", **flags)
+                     lease_ttl=f"{TTL_S}s", credential_file=credential_file, **flags)
 
 
 def run(coro):
@@ -53,27 +65,27 @@ async def ask(session, base, prompt=PROMPT, model="m"):
         return r.status, r.headers.get("x-quillcache-worker"), data
 
 
-async def workers(session, base) -> dict:
-    async with session.get(base + "/quillcache/workers") as r:
+async def workers(session, admin) -> dict:
+    async with session.get(admin + "/quillcache/workers") as r:
         return await r.json()
 
 
-def test_an_engine_registered_after_start_gets_traffic_and_one_whose_lease_expires_stops(etcd):
+def test_an_engine_registered_after_start_gets_traffic_and_one_whose_lease_expires_stops(etcd, credential_file):
     async def main():
         loop = asyncio.get_running_loop()
-        async with gateway(cluster_toml(etcd)) as (gw, base, s):
+        async with gateway(cluster_toml(etcd)) as (gw, base, admin, s):
             assert gw.discovery.state == "ok" and not gw.engines
             async with s.get(base + "/health") as r:
                 assert r.status == 503                        # nothing to route to yet
             assert (await ask(s, base))[0] == 404
-            a = await loop.run_in_executor(None, registered(etcd, "late-a").start)
-            b = await loop.run_in_executor(None, registered(etcd, "late-b").start)
+            a = await loop.run_in_executor(None, registered(etcd, "late-a", credential_file).start)
+            b = await loop.run_in_executor(None, registered(etcd, "late-b", credential_file).start)
             try:
                 await wait_until(lambda: {"late-a", "late-b"} <= set(gw.engines), 10, "both engines joined")
                 seen = [await ask(s, base, f"{i} {PROMPT}") for i in range(4)]
                 assert {st for st, _, _ in seen} == {200}
                 assert {w for _, w, _ in seen} == {"late-a", "late-b"}      # round robin: both serve
-                doc = await workers(s, base)
+                doc = await workers(s, admin)
                 assert {w["id"]: w["source"] for w in doc["workers"]} == {"late-a": "etcd", "late-b": "etcd"}
                 assert doc["cluster"]["state"] == "ok" and doc["cluster"]["rejected"] == {}
                 # late-a stops dead (SIGSTOP): it can no longer keep its lease alive.
@@ -95,12 +107,12 @@ def test_an_engine_registered_after_start_gets_traffic_and_one_whose_lease_expir
     run(main())
 
 
-def test_etcd_down_keeps_the_last_view_and_serving(etcd):
+def test_etcd_down_keeps_the_last_view_and_serving(etcd, credential_file):
     async def main():
         loop = asyncio.get_running_loop()
-        eng = await loop.run_in_executor(None, registered(etcd, "steady").start)
+        eng = await loop.run_in_executor(None, registered(etcd, "steady", credential_file).start)
         try:
-            async with gateway(cluster_toml(etcd)) as (gw, base, s):
+            async with gateway(cluster_toml(etcd)) as (gw, base, admin, s):
                 await wait_until(lambda: "steady" in gw.engines, 10, "steady joined")
                 assert (await ask(s, base))[:2] == (200, "steady")
                 await loop.run_in_executor(None, etcd.stop, signal.SIGKILL)
@@ -108,7 +120,7 @@ def test_etcd_down_keeps_the_last_view_and_serving(etcd):
                 await asyncio.sleep(TTL_S + 1)                 # past the engine's lease TTL
                 for i in range(5):
                     assert (await ask(s, base, f"{i} {PROMPT}"))[:2] == (200, "steady")
-                metrics = await (await s.get(base + "/metrics")).text()
+                metrics = await (await s.get(admin + "/metrics")).text()
                 assert 'quillcache_gateway_etcd_state{state="degraded"} 1.0' in metrics
                 await loop.run_in_executor(None, etcd.start)
                 await wait_until(lambda: gw.discovery.state == "ok", 15, "etcd back")
@@ -129,15 +141,15 @@ def test_records_the_gateway_cannot_serve_are_refused_with_a_reason_and_the_conf
             {"id": "bad-url", "url": "ftp://x", "model": "m"},
             {"id": "other-blocks", "url": "http://127.0.0.1:2", "model": "m", "block_size": 32},
         ]
-        regs = [EngineRegistration(endpoints=[(etcd.host, etcd.port)], cluster_id=CID, record=r, ttl=TTL_S)
-                for r in records]
+        regs = [EngineRegistration(endpoints=[(etcd.host, etcd.port)], cluster_id=CID, record=r, ttl=TTL_S,
+                                   keys=KEYS) for r in records]
         try:
             for reg in regs:
                 reg.start()
             engines = f'[[gateway.engines]]\nid = "e-static"\nurl = "{static.url}"\nmodel = "m"\n'
-            async with gateway(cluster_toml(etcd, engines)) as (gw, base, s):
+            async with gateway(cluster_toml(etcd, engines)) as (gw, base, admin, s):
                 await wait_until(lambda: len(gw.discovery.rejected) == 3, 10, "three refusals")
-                why = (await workers(s, base))["cluster"]["rejected"]
+                why = (await workers(s, admin))["cluster"]["rejected"]
                 assert "config's entry is served" in why["e-static"]
                 assert "must be http" in why["bad-url"]
                 assert "block_size 32 differs from engine e-static's 16" in why["other-blocks"]
@@ -160,9 +172,11 @@ def test_quillctl_engine_register_keeps_a_plain_engine_registered_while_it_is_he
         argv = [QUILLCTL, "engine", "register", "--etcd", etcd.endpoint, "--cluster-id", CID,
                 "--id", "vllm-0", "--url", eng.url, "--model", "m", "--kv-events", eng.events,
                 "--kv-replay", eng.replay, "--lease-ttl", f"{TTL_S}s", "--health-interval", "0.2"]
-        sidecar = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+        # The credential from the environment this time (the other registrants read a file).
+        sidecar = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "QUILLCACHE_CLUSTER_CREDENTIAL": CREDENTIAL})
         try:
-            async with gateway(cluster_toml(etcd)) as (gw, base, s):
+            async with gateway(cluster_toml(etcd)) as (gw, base, admin, s):
                 await wait_until(lambda: "vllm-0" in gw.engines, 10, "vllm-0 joined")
                 assert gw.engines["vllm-0"].spec.kv_events == eng.events
                 assert (await ask(s, base))[:2] == (200, "vllm-0")
@@ -183,8 +197,40 @@ def test_a_bad_registration_is_a_usage_error_before_anything_is_written(etcd):
     r = subprocess.run([QUILLCTL, "engine", "register", "--etcd", etcd.endpoint, "--id", "x y",
                         "--url", "http://127.0.0.1:1", "--model", "m"], capture_output=True, text=True,
                        timeout=30)
-    assert r.returncode == 2 and "id 'x y' must be 1-64" in r.stderr
+    assert r.returncode == 2 and "id 'x y' must be 1-128" in r.stderr
     every_key = {"key": base64.b64encode(b"\0").decode(), "range_end": base64.b64encode(b"\0").decode()}
     req = urllib.request.Request(f"http://{etcd.endpoint}/v3/kv/range", data=json.dumps(every_key).encode())
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert "kvs" not in json.load(resp)                  # nothing was written
+
+
+def _etcd_is_empty(etcd) -> bool:
+    every_key = {"key": base64.b64encode(b"\0").decode(), "range_end": base64.b64encode(b"\0").decode()}
+    req = urllib.request.Request(f"http://{etcd.endpoint}/v3/kv/range", data=json.dumps(every_key).encode())
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return "kvs" not in json.load(resp)
+
+
+def test_a_registrant_without_the_credential_refuses_to_register(etcd, tmp_path):
+    # An unsigned record would be refused by every gateway: both registrants say so and exit 2
+    # before anything is written, and a credential too short is refused the same way.
+    env = {k: v for k, v in os.environ.items() if k != "QUILLCACHE_CLUSTER_CREDENTIAL"}
+    short = tmp_path / "short"
+    short.write_text("too-short\n")
+    ctl = [QUILLCTL, "engine", "register", "--etcd", etcd.endpoint, "--cluster-id", CID, "--id", "e0",
+           "--url", "http://127.0.0.1:1", "--model", "m", "--health-interval", "0"]
+    sim = [str(Path(sys.executable).with_name("quillcache-sim-engine")), "--port", "0", "--etcd", etcd.endpoint,
+           "--cluster-id", CID]
+    for argv in (ctl, sim):
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env)
+        assert r.returncode == 2, r.stderr
+        assert "no cluster credential: give --credential-file PATH" in r.stderr
+        assert "QUILLCACHE_CLUSTER_CREDENTIAL" in r.stderr
+        r = subprocess.run(argv + ["--credential-file", str(short)], capture_output=True, text=True, timeout=30,
+                           env=env)
+        assert r.returncode == 2 and "needs at least 16 characters" in r.stderr, r.stderr
+        assert "too-short" not in r.stderr                   # the credential is never echoed
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30,
+                           env={**env, "QUILLCACHE_CLUSTER_CREDENTIAL": "short"})
+        assert r.returncode == 2 and "QUILLCACHE_CLUSTER_CREDENTIAL: the cluster credential needs" in r.stderr
+    assert _etcd_is_empty(etcd)

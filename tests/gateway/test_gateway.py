@@ -28,6 +28,13 @@ def decision(headers):
     return {k[len("x-quillcache-"):]: v for k, v in headers.items() if k.lower().startswith("x-quillcache-")}
 
 
+async def refused_blocks(h) -> float:
+    """The operator's count of prefix blocks refused credit (the admin address's /metrics)."""
+    text = await (await h.session.get(h.admin + "/metrics")).text()
+    return float(next(line.split()[1] for line in text.splitlines()
+                      if line.startswith("quillcache_gateway_reuse_refused_blocks_total ")))
+
+
 def test_stream_passes_through_with_decision_headers_before_the_first_chunk():
     async def main():
         async with harness(time_scale=20.0) as h:       # a slow engine: prefill takes a while
@@ -40,8 +47,8 @@ def test_stream_passes_through_with_decision_headers_before_the_first_chunk():
                 t_first = time.perf_counter()
                 rest = await r.read()
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-            assert set(d) >= {"worker", "overlap-blocks", "local-hits", "reuse-refused", "plan",
-                              "decision-us", "prompt-blocks", "tokenizer"}
+            assert set(d) >= {"worker", "overlap-blocks", "local-hits", "plan", "prompt-blocks", "tokenizer"}
+            assert not set(d) & {"reuse-refused", "decision-us"}      # another identity's, the operator's
             assert d["worker"] in ("e0", "e1") and d["tokenizer"] == "approximate"
             assert d["prompt-blocks"] == str(len(PROMPT) // 16)
             assert d["overlap-blocks"] == "device=0, host=0, disk=0, pool=0"
@@ -70,19 +77,20 @@ def test_same_tenant_reuses_another_tenant_is_refused_credit():
             st, hd, _ = await h.complete(PROMPT + "again", "acme")
             d = decision(hd)
             assert d["worker"] == first and int(d["local-hits"]) == len(PROMPT) // 16
-            assert d["reuse-refused"] == "0"
+            assert await refused_blocks(h) == 0
             st, hd, _ = await h.complete(PROMPT + "other", "globex")
             d = decision(hd)
-            assert d["local-hits"] == "0"
-            assert int(d["reuse-refused"]) == len(PROMPT) // 16
+            assert d["local-hits"] == "0" and "reuse-refused" not in d
+            assert await refused_blocks(h) == len(PROMPT) // 16          # counted for the operator only
             # an adapter is another identity too, however the request names it: vLLM's model
             # name, SGLang's "base:adapter" or its lora_path field
             for i, how in enumerate(({"model": "lora-x"}, {"model": "m:lora-x"}, {"lora_path": "lora-x"})):
                 prompt = f"{i} {PROMPT}"
                 assert (await h.complete(prompt, "acme"))[0] == 200         # the base model caches it
+                before = await refused_blocks(h)
                 st, hd, _ = await h.complete(prompt + "lora", "acme", **how)
                 assert st == 200 and decision(hd)["local-hits"] == "0", how
-                assert int(decision(hd)["reuse-refused"]) == len(prompt) // 16, how
+                assert await refused_blocks(h) - before == len(prompt) // 16, how
             st, _, data = await h.complete(PROMPT, "acme", lora_path="nope")
             assert st == 404 and b"adapter 'nope' is not served" in data
             st, _, data = await h.complete(PROMPT, "acme", model="lora-x", lora_path="other")
@@ -138,7 +146,7 @@ def test_a_dead_engine_before_the_first_byte_is_retried_once_elsewhere():
                 seen.add(d.get("retried"))
             assert "1" in seen                 # at least one request first went to the dead engine
             assert h.gw.engines["dead0"].errors >= 1
-            metrics = (await (await h.session.get(h.base + "/metrics")).read()).decode()
+            metrics = (await (await h.session.get(h.admin + "/metrics")).read()).decode()
             assert "quillcache_gateway_retries_total 1" in metrics or "quillcache_gateway_retries_total 2" in metrics
             await h.wait_idle()
     run(main())
@@ -162,7 +170,7 @@ def test_client_disconnect_cancels_upstream_and_frees_router_state():
                     break
                 await asyncio.sleep(0.02)
             assert stats["aborted"] == 1 and stats["running"] == 0
-            metrics = (await (await h.session.get(h.base + "/metrics")).read()).decode()
+            metrics = (await (await h.session.get(h.admin + "/metrics")).read()).decode()
             assert "quillcache_gateway_client_disconnects_total 1.0" in metrics
     run(main())
 
@@ -206,17 +214,17 @@ def test_models_health_metrics_and_workers():
     async def main():
         async with harness(n=2) as h:
             await h.complete(PROMPT, stream=True)
-            async with h.session.get(h.base + "/v1/models") as r:
+            async with h.session.get(h.base + "/v1/models", headers=h.headers()) as r:
                 ids = [m["id"] for m in (await r.json())["data"]]
             assert ids == ["m", "lora-x"]
             async with h.session.get(h.base + "/health") as r:
                 assert r.status == 200 and sorted((await r.json())["healthy"]) == ["e0", "e1"]
-            async with h.session.get(h.base + "/quillcache/workers") as r:
+            async with h.session.get(h.admin + "/quillcache/workers") as r:
                 workers = {w["id"]: w for w in (await r.json())["workers"]}
             assert sum(w["routed"] for w in workers.values()) == 1
-            async with h.session.get(h.base + "/quillcache/hot?n=3") as r:
+            async with h.session.get(h.admin + "/quillcache/hot?n=3") as r:
                 assert len((await r.json())["hot"]) == 1
-            text = (await (await h.session.get(h.base + "/metrics")).read()).decode()
+            text = (await (await h.session.get(h.admin + "/metrics")).read()).decode()
             for name in ("quillcache_gateway_ttft_seconds_bucket", "quillcache_gateway_inter_token_seconds_count",
                          "quillcache_gateway_hit_blocks_total", "quillcache_gateway_decisions_total",
                          "quillcache_gateway_reuse_refused_blocks_total", "quillcache_gateway_slo_requests_total",
@@ -233,14 +241,14 @@ def test_an_engine_silent_on_events_while_serving_is_marked_unhealthy():
     async def main():
         # e0 is real; "mute" has a live HTTP server (e0's) but an event endpoint nobody publishes on.
         async with harness(n=1, gateway_toml='unhealthy_after = "0.5s"\n[router]\npolicy = "round_robin"') as h:
-            h.gw.add_engine(EngineSpec("mute", h.urls[0], "m", adapters=("lora-x",),
+            h.gw.add_engine(EngineSpec("mute", "m", h.urls[0], adapters=("lora-x",),
                                        kv_events=f"tcp://127.0.0.1:{free_port()}"))
             workers = [decision((await h.complete(f"{i} {PROMPT}", max_tokens=1))[1])["worker"] for i in range(2)]
             assert "mute" in workers
             await asyncio.sleep(0.8)
             workers = [decision((await h.complete(f"x{i} {PROMPT}", max_tokens=1))[1])["worker"] for i in range(4)]
             assert workers == ["e0"] * 4
-            async with h.session.get(h.base + "/quillcache/workers") as r:
+            async with h.session.get(h.admin + "/quillcache/workers") as r:
                 w = {x["id"]: x for x in (await r.json())["workers"]}
             assert not w["mute"]["healthy"] and "no KV events" in w["mute"]["reason"]
     run(main())
@@ -252,7 +260,7 @@ def test_an_event_gap_is_replayed_and_the_blocks_it_carried_are_credited():
         try:
             async with harness(n=1, auth=False) as h:
                 # "ext" serves through e0's HTTP server; its events come from this test's publisher.
-                h.gw.add_engine(EngineSpec("ext", h.urls[0], "m", adapters=("lora-x",),
+                h.gw.add_engine(EngineSpec("ext", "m", h.urls[0], adapters=("lora-x",),
                                            kv_events=pub.endpoint, kv_replay=pub.replay_endpoint))
                 while not h.gw.router.event_stats("ext")["batches"]:       # the SUB socket joined
                     pub.publish([AllBlocksCleared()])
@@ -268,7 +276,7 @@ def test_an_event_gap_is_replayed_and_the_blocks_it_carried_are_credited():
                 st, hd, _ = await h.complete(PROMPT + "after the gap", tenant="")
                 d = decision(hd)
                 assert st == 200 and d["worker"] == "ext" and d["local-hits"] == str(n)
-                async with h.session.get(h.base + "/quillcache/workers") as r:
+                async with h.session.get(h.admin + "/quillcache/workers") as r:
                     ev = {x["id"]: x["events"] for x in (await r.json())["workers"]}["ext"]
                 assert ev["gaps"] == 1 and ev["replayed"] >= 1 and ev["lost"] == 0
                 await h.wait_idle()
@@ -326,7 +334,8 @@ def test_engine_killed_or_silent_mid_stream_ends_with_an_error_event(tmp_path, h
         async def main():
             from quillcache.gateway.server import start
             from quillcache.gateway.settings import load_gateway_config
-            cfg = load_gateway_config(text=f'[gateway]\nlisten = "127.0.0.1:0"\nidle_timeout = "0.5s"\n'
+            cfg = load_gateway_config(text='[gateway]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
+                                           f'idle_timeout = "0.5s"\n'
                                            f'[[gateway.engines]]\nid = "e0"\nurl = "http://127.0.0.1:{port}"\n'
                                            'model = "m"\n')
             gw, runner, (host, gport) = await start(cfg)

@@ -80,3 +80,34 @@ def test_cli_bad_config_exits_78(tmp_path):
     r = subprocess.run([sys.executable, "-m", "quillcache_cli.quillcache_gateway", "--config", str(empty)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 78 and "engines is empty" in r.stderr
+
+
+def test_the_node_and_the_gateway_share_one_engine_spec_and_one_validator():
+    from quillcache.control.modules import EngineSpec as NodeSpec
+    from quillcache.gateway.settings import EngineSpec as GatewaySpec
+    from quillcache.node.settings import load_config
+    assert NodeSpec is GatewaySpec
+    node = ('[router]\nmodule = "quillcache"\n[[router.engines]]\nid = "e0"\nmodel = "m"\ntokenizer = "t"\n'
+            'tenant = "a"\n')
+    errors = []
+    for load, text in ((load_config, node + 'endpoint = "tcp://h"\n'),
+                       (load_gateway_config, ENGINE + 'kv_events = "tcp://h"\n'),
+                       (load_config, node.replace('"e0"', '"e 0"') + 'endpoint = "tcp://h:1"\n'),
+                       (load_gateway_config, ENGINE.replace('"e0"', '"e 0"'))):
+        with pytest.raises(ConfigError) as exc:
+            load(text=text)
+        errors.append(str(exc.value).split("entry 0: ", 1)[1])
+    assert errors[0] == errors[1].replace("kv_events", "endpoint") and "is not a ZMQ endpoint" in errors[0]
+    assert errors[2] == errors[3] == "id 'e 0' must be 1-128 of A-Z a-z 0-9 _ . : -"
+
+
+def test_cluster_enabled_needs_the_pools_credential_and_never_echoes_it():
+    cluster = '[cluster]\nenabled = true\netcd = ["127.0.0.1:2379"]\n'
+    with pytest.raises(ConfigError, match=r"\[cluster\] credential: needs at least 16 characters"):
+        load_gateway_config(text=cluster)
+    with pytest.raises(ConfigError) as exc:
+        load_gateway_config(text=cluster + 'credential = "sekrit-15-chars"\n')
+    assert "sekrit" not in str(exc.value)
+    cfg = load_gateway_config(text=cluster + 'credential = "sixteen-chars-ok"\n')
+    assert cfg.cluster.credential == "sixteen-chars-ok"
+    assert load_gateway_config(text='[cluster]\nenabled = false\n').cluster.credential == ""

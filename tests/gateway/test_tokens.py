@@ -1,4 +1,5 @@
 import asyncio
+import json
 
 import pytest
 
@@ -68,3 +69,42 @@ def test_prompt_forms():
     for bad in (None, 5, [1, "a"], [-1], ["a", "b"]):
         with pytest.raises(InvalidArgument):
             tok.prompt_of({"prompt": bad}, chat=False)
+
+
+@pytest.mark.parametrize("role", ["narrator", "function", "User"])
+def test_an_unknown_role_is_refused_by_the_gateway_and_the_engine_alike(role):
+    from quillcache.control.sim.engine import SimEngineError
+    from quillcache.control.sim.server import render_chat as engine_render
+    messages = [{"role": role, "content": "once upon a time"}]
+    with pytest.raises(InvalidArgument, match="is not one of"):
+        PromptTokenizer().prompt_of({"messages": messages}, chat=True)
+    with pytest.raises(SimEngineError, match="is not one of"):
+        engine_render(messages)
+
+
+def test_the_gateway_and_the_simulated_engine_hash_a_chat_to_the_same_blocks():
+    """End to end: the gateway's blocks of a chat (predicted on its engine) are kept past the
+    sweep only as far as the engine's own KV events show the same block chain; a second
+    request then has every full block credited, and the engine itself reports them cached."""
+    from quillcache.gateway.routing import CONFIRM_AFTER_S
+    from tests._support.gateway import harness
+
+    messages = [{"role": "system", "content": "You answer in French. " * 8},
+                {"role": "user", "content": [{"type": "text", "text": "Bonjour, "},
+                                             {"type": "text", "text": "ca va ?"}]},
+                {"role": "assistant", "content": None},
+                {"role": "tool", "content": "42 " * 30}]
+    # The engine's tokens are UTF-8 bytes, the gateway's (approximate mode) code points: ASCII.
+    blocks = len(render_chat(messages).encode()) // 16
+
+    async def main():
+        async with harness(n=1) as h:             # a tenant: its predictions are checked
+            st, _, _ = await h.complete(messages, path="/v1/chat/completions", stream=False)
+            assert st == 200
+            await asyncio.sleep(CONFIRM_AFTER_S + 1.5)    # the sweep has checked the engine's events
+            st, hd, body = await h.complete(messages, path="/v1/chat/completions", stream=False)
+            assert st == 200
+            return hd, body
+    hd, body = asyncio.run(main())
+    assert hd["x-quillcache-local-hits"] == str(blocks)
+    assert json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"] >= (blocks - 1) * 16

@@ -517,3 +517,119 @@ def test_set_limits_applies_to_the_next_frames_keeps_buffered_bytes_and_refuses_
     with pytest.raises(MalformedFrame) as ei:      # the claim is refused on the fixed prefix
         small.next_event()
     assert ei.value.reason == "payload_too_large" and small.buffer_capacity <= 4096
+
+
+# --------------------------------------------------------------------------- receive_bytes
+
+
+@pytest.mark.parametrize("flags", [0, FLAG_PAYLOAD_CRC])
+@pytest.mark.parametrize("recv_sizes", [[1 << 30], [32, 4096, 65536], [7, 1000]])
+def test_receive_bytes_hands_out_a_new_bytes_with_exactly_the_payload(flags, recv_sizes):
+    payloads = [os.urandom(n) for n in (0, 1, 4095, 200_000)]
+    stream = b"".join(frame_bytes(Opcode.GET, i + 1, b"", pl, flags=flags | FLAG_REPLY)
+                      for i, pl in enumerate(payloads))
+    out = []
+    recv_via_buffers(make_parser(replies=True), stream, recv_sizes, out,
+                     lambda parser, frame: parser.receive_bytes())
+    assert [body for *_, body in out] == payloads
+    p2 = make_parser(replies=True)
+    frames = []
+    p2.feed(stream)
+    while (ev := p2.next_event()) != EV_NEED_DATA:
+        if ev == EV_PAYLOAD_START:
+            p2.receive_bytes()
+        elif ev == EV_PAYLOAD_END:
+            frames.append(p2.frame.payload)
+    assert all(type(x) is bytes for x in frames)
+    assert frames == [pl for pl in payloads if pl or flags]     # 0 bytes without a CRC: EV_FRAME
+
+
+def test_receive_bytes_allocates_the_payload_once():
+    payload = os.urandom(4 << 20)
+    stream = frame_bytes(Opcode.GET, 1, b"", payload, flags=FLAG_REPLY | FLAG_PAYLOAD_CRC)
+    p = make_parser(replies=True, max_payload=8 << 20)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        out = []
+        recv_via_buffers(p, memoryview(stream), [1 << 20], out, lambda parser, frame: parser.receive_bytes())
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert out[0][-1] == payload
+    assert peak < len(payload) + (256 << 10)      # one payload-sized allocation (a copy would be two)
+
+
+def test_receive_bytes_with_a_bad_payload_crc_never_hands_the_bytes_out():
+    payload = os.urandom(10_000)
+    stream = bytearray(frame_bytes(Opcode.GET, 1, b"", payload, flags=FLAG_REPLY | FLAG_PAYLOAD_CRC))
+    stream[-1] ^= 0xFF
+    p = make_parser(replies=True)
+    p.feed(bytes(stream))
+    assert p.next_event() == EV_PAYLOAD_START
+    p.receive_bytes()
+    with pytest.raises(MalformedFrame) as info:
+        p.next_event()
+    assert info.value.reason == "bad_payload_crc" and p.frame.payload is None
+
+
+def test_receive_bytes_outside_a_payload_start_is_an_error():
+    p = make_parser(replies=True)
+    with pytest.raises(RuntimeError):
+        p.receive_bytes()
+    p.feed(frame_bytes(Opcode.GET, 1, b"", b"abc", flags=FLAG_REPLY))
+    assert p.next_event() == EV_PAYLOAD_START
+    p.set_destination(bytearray(3))
+    with pytest.raises(RuntimeError):
+        p.receive_bytes()
+
+
+def test_uninitialised_bytearray_has_the_size_asked_and_refuses_a_negative_one():
+    assert len(codec.uninitialised_bytearray(12345)) == 12345
+    assert codec.uninitialised_bytearray(0) == bytearray()
+    with pytest.raises(InvalidArgument):
+        codec.uninitialised_bytearray(-1)
+
+
+def _count_reads(parser, data, on_start):
+    """Feed ``data`` as a socket with plenty of bytes ready would (every read fills the view
+    offered); returns the number of reads."""
+    reads, pos, out = 0, 0, []
+    while pos < len(data):
+        view = parser.get_buffer(-1)
+        n = min(len(view), len(data) - pos)
+        view[:n] = data[pos:pos + n]
+        parser.buffer_updated(n)
+        pos += n
+        reads += 1
+        drain(parser, out, on_start)
+    return reads, out
+
+
+def test_a_scatter_of_small_values_is_received_in_buffer_sized_reads_not_one_per_value():
+    blobs = [os.urandom(1024) for _ in range(500)]
+    slots = [bytearray(1024) for _ in blobs]
+    stream = memoryview(frame_bytes(Opcode.PUT_MANY, 3, b"hdr", b"".join(blobs), flags=FLAG_PAYLOAD_CRC))
+    reads, out = _count_reads(make_parser(), stream, lambda p, f: p.set_destination(slots))
+    assert [bytes(s) for s in slots] == blobs and out[0][-1] == b"".join(blobs)
+    assert reads <= len(stream) // 65536 + 3          # 64 KiB reads, not 500 of 1 KiB
+
+
+def test_large_scatter_segments_are_still_received_in_place():
+    blobs = [os.urandom(256 << 10) for _ in range(4)]
+    slots = [bytearray(256 << 10) for _ in blobs]
+    stream = memoryview(frame_bytes(Opcode.PUT_MANY, 3, b"hdr", b"".join(blobs)))
+    p = make_parser()
+    direct, pos = 0, 0
+    while pos < len(stream):
+        view = p.get_buffer(-1)
+        n = min(len(view), len(stream) - pos)
+        view[:n] = stream[pos:pos + n]
+        if any(view.obj is s for s in slots):
+            direct += n
+        p.buffer_updated(n)
+        pos += n
+        drain(p, [], lambda parser, f: parser.set_destination(slots))
+    assert [bytes(s) for s in slots] == blobs
+    assert direct >= sum(map(len, blobs)) - 65536     # all but the first read went straight into the slots

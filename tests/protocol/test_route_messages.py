@@ -23,10 +23,12 @@ def test_route_request_round_trip(kind, items):
 
 
 def test_route_reply_round_trip():
-    body = m.encode_route_reply("e1", "r9", 16, 2.75, (2, 1, 0, 3), 4, 5, bytes([0, 0, 1, 3, 3, 3, 4]),
-                                {"e0": 12.5, "e1": 3.0})
-    assert m.decode_route_reply(body) == m.RouteReply("e1", "r9", 16, 2.75, 2, 1, 0, 3, 4, 5,
-                                                      bytes([0, 0, 1, 3, 3, 3, 4]), {"e0": 12.5, "e1": 3.0})
+    reply = m.RouteReply("e1", "r9", 16, 2.75, 2, 1, 0, 3, bytes([0, 0, 1, 3, 3, 3, 4]), {"e0": 12.5, "e1": 3.0})
+    assert m.decode_route_reply(m.encode_route_reply(reply)) == reply
+
+
+def test_route_reply_carries_no_figure_of_another_identity():
+    assert not [f for f in m.RouteReply._fields if "refused" in f or "cross" in f]
 
 
 def test_route_update_round_trip_and_bad_event():

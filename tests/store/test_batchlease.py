@@ -10,7 +10,7 @@ from quillcache.errors import Busy, CapacityError, NotFound, UnsafeReuse
 from quillcache.model import KvBlockKey
 from quillcache.store.batchlease import BatchLease
 from quillcache.store.dram import Slot
-from quillcache.store.tiers import LocalKvStore
+from quillcache.store.tiers import LocalKvStore, StoreOptions
 
 BLOCK = 1024
 
@@ -31,10 +31,8 @@ def data(i):
     return np.random.default_rng(i).integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
 
 
-def make(blocks=4, **kw):
-    kw.setdefault("clock", Clock())
-    store = LocalKvStore(blocks * BLOCK, max_block_bytes=BLOCK, **kw)
-    return store
+def make(blocks=4, clock=None, **options):
+    return LocalKvStore(StoreOptions(blocks * BLOCK, max_block_bytes=BLOCK, **options), clock=clock or Clock())
 
 
 def fill(store, ids, model="m"):

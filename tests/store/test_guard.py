@@ -8,7 +8,7 @@ import pytest
 from quillcache.errors import InvalidArgument, NotFound, UnsafeReuse
 from quillcache.model import CacheResidency, CacheTier, IdentityScope, KvBlockKey
 from quillcache.store.guard import IdentityGuard, Refusal, audit_reuse, violation_of
-from quillcache.store.tiers import LocalKvStore
+from quillcache.store.tiers import LocalKvStore, StoreOptions
 
 BASE = {"model_id": "llama", "tokenizer_id": "tok", "adapter_id": None, "tenant_id": "acme",
             "prefix_hash": "p0", "block_hash": "b0"}
@@ -21,7 +21,7 @@ def k(**changes):
 
 
 def store_with(*keys, mode="strict"):
-    store = LocalKvStore(1 << 20, guard_mode=mode)
+    store = LocalKvStore(StoreOptions(1 << 20, guard_mode=mode))
     for i, key in enumerate(keys):
         asyncio.run(store.put(key, bytes([i + 1]) * 512))
     return store

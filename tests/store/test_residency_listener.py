@@ -4,7 +4,7 @@ is returned (encoded key -> size)."""
 import asyncio
 
 from quillcache.model import KvBlockKey, encode_key
-from quillcache.store.tiers import LocalKvStore
+from quillcache.store.tiers import LocalKvStore, StoreOptions
 
 
 def k(i: int) -> KvBlockKey:
@@ -13,7 +13,7 @@ def k(i: int) -> KvBlockKey:
 
 def test_listener_sees_puts_removes_and_evictions():
     async def run():
-        store = LocalKvStore(1 << 20, max_block_bytes=256 << 10)
+        store = LocalKvStore(StoreOptions(1 << 20, max_block_bytes=256 << 10))
         await store.put(k(0), b"x" * 1000)
         added, dropped = [], []
         now = store.set_residency_listener(lambda ek, size: added.append((ek, size)), dropped.append)

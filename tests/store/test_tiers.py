@@ -9,7 +9,7 @@ import pytest
 
 from quillcache.errors import Busy, CapacityError, InvalidArgument, NotFound
 from quillcache.model import IdentityScope, KvBlockKey
-from quillcache.store.tiers import LocalKvStore
+from quillcache.store.tiers import LocalKvStore, StoreOptions
 
 BLOCK = 1024
 SCOPE = IdentityScope("m", "tok", None, "t")
@@ -35,9 +35,8 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def make(blocks=4, **kw):
-    kw.setdefault("clock", Clock())
-    return LocalKvStore(blocks * BLOCK, max_block_bytes=BLOCK, **kw)
+def make(blocks=4, clock=None, **options):
+    return LocalKvStore(StoreOptions(blocks * BLOCK, max_block_bytes=BLOCK, **options), clock=clock or Clock())
 
 
 def fill(store, ids):
@@ -121,9 +120,9 @@ def test_bad_put_arguments_change_nothing():
 
 def test_write_through_without_ssd_is_refused():
     with pytest.raises(InvalidArgument):
-        LocalKvStore(1 << 20, policy="write_through")
+        LocalKvStore(StoreOptions(1 << 20, policy="write_through"))
     with pytest.raises(InvalidArgument):
-        LocalKvStore(1 << 20, high_watermark=0.5, low_watermark=0.6)
+        LocalKvStore(StoreOptions(1 << 20, high_watermark=0.5, low_watermark=0.6))
 
 
 def test_inflight_put_limit_gives_busy():
@@ -175,7 +174,7 @@ def test_capacity_error_when_nothing_is_evictable_changes_nothing():
 
 
 def test_a_put_that_cannot_fit_even_after_eviction_evicts_nothing():
-    store = LocalKvStore(4 * BLOCK, max_block_bytes=2 * BLOCK, clock=Clock())
+    store = LocalKvStore(StoreOptions(4 * BLOCK, max_block_bytes=2 * BLOCK), clock=Clock())
     fill(store, [1, 2, 3, 4])
     leases = [store.get(key(i)) for i in (1, 2, 3)]
     with pytest.raises(CapacityError):
@@ -352,7 +351,8 @@ def ssd_mod():
 def test_demotion_under_pressure_then_promotion_keeps_the_bytes(ssd_mod, tmp_path):
     async def scenario():
         ssd = await _open_ssd(tmp_path, 64 * BLOCK)
-        store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, high_watermark=0.7, low_watermark=0.4)
+        store = LocalKvStore(StoreOptions(8 * BLOCK, max_block_bytes=BLOCK, high_watermark=0.7, low_watermark=0.4),
+                             ssd=ssd)
         for i in range(8):
             await store.put(key(i), data(i))
         await store.maintenance()
@@ -371,7 +371,7 @@ def test_demotion_under_pressure_then_promotion_keeps_the_bytes(ssd_mod, tmp_pat
 def test_write_through_put_is_on_ssd_when_put_end_returns(ssd_mod, tmp_path):
     async def scenario():
         ssd = await _open_ssd(tmp_path, 64 * BLOCK)
-        store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through")
+        store = LocalKvStore(StoreOptions(8 * BLOCK, max_block_bytes=BLOCK, policy="write_through"), ssd=ssd)
         await store.put(key(1), data(1))
         assert ssd.contains(key(1))
         buf = bytearray(BLOCK)
@@ -383,7 +383,7 @@ def test_write_through_put_is_on_ssd_when_put_end_returns(ssd_mod, tmp_path):
 def test_ssd_only_block_is_read_into_a_buffer_when_dram_has_no_room(ssd_mod, tmp_path):
     async def scenario():
         ssd = await _open_ssd(tmp_path, 64 * BLOCK)
-        store = LocalKvStore(2 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through")
+        store = LocalKvStore(StoreOptions(2 * BLOCK, max_block_bytes=BLOCK, policy="write_through"), ssd=ssd)
         await store.put(key(1), data(1))
         await store.put(key(2), data(2))
         await store.put(key(3), data(3))                    # evicts clean 1 from DRAM, still on SSD
@@ -399,7 +399,7 @@ def test_ssd_only_block_is_read_into_a_buffer_when_dram_has_no_room(ssd_mod, tmp
 def test_corrupt_ssd_block_is_a_miss_not_bad_bytes(ssd_mod, tmp_path):
     async def scenario():
         ssd = await _open_ssd(tmp_path, 64 * BLOCK)
-        store = LocalKvStore(2 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through")
+        store = LocalKvStore(StoreOptions(2 * BLOCK, max_block_bytes=BLOCK, policy="write_through"), ssd=ssd)
         await store.put(key(1), data(1))
         await store.put(key(2), data(2))
         await store.put(key(3), data(3))                    # 1 now lives only on SSD
@@ -443,8 +443,9 @@ def test_ssd_only_block_comes_as_a_verified_extent_only_when_asked_and_not_promo
         if not ssd.direct_io:
             await ssd.close()
             pytest.skip("this filesystem refuses O_DIRECT (tmpfs?): no sendfile extents")
-        store = LocalKvStore(2 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through",
-                             promote_on_get=False)
+        store = LocalKvStore(StoreOptions(2 * BLOCK, max_block_bytes=BLOCK,
+                                          policy="write_through", promote_on_get=False),
+                             ssd=ssd)
         for i in (1, 2, 3):
             await store.put(key(i), data(i))            # 3 evicts clean 1 from DRAM: SSD only
         with store.get(key(1), extent_ok=True) as lease:
@@ -468,14 +469,14 @@ def test_ssd_only_block_comes_as_a_verified_extent_only_when_asked_and_not_promo
 def test_unverified_ssd_block_is_read_and_checked_before_it_is_offered_as_an_extent(ssd_mod, tmp_path):
     async def scenario():
         ssd = await _open_ssd(tmp_path, 64 * BLOCK)
-        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through")
+        store = LocalKvStore(StoreOptions(4 * BLOCK, max_block_bytes=BLOCK, policy="write_through"), ssd=ssd)
         await store.put(key(1), data(1))
         await store.close()
         ssd = ssd_mod.SsdTier(str(tmp_path / "ssd"), 64 * BLOCK, verify="lazy")   # recovered: unverified
         if not ssd.direct_io:
             ssd.close_sync()
             pytest.skip("this filesystem refuses O_DIRECT (tmpfs?): no sendfile extents")
-        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, promote_on_get=False)
+        store = LocalKvStore(StoreOptions(4 * BLOCK, max_block_bytes=BLOCK, promote_on_get=False), ssd=ssd)
         with store.get(key(1), extent_ok=True) as lease:
             assert lease.extent is None and bytes(lease.view) == data(1)     # read + CRC checked
         with store.get(key(1), extent_ok=True) as lease:
@@ -489,7 +490,7 @@ def test_unverified_ssd_block_is_read_and_checked_before_it_is_offered_as_an_ext
 def test_puts_far_beyond_dram_wait_for_demotion_and_lose_nothing(ssd_mod, tmp_path):
     async def scenario():
         ssd = await _open_ssd(tmp_path, 256 * 4096)
-        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK)
+        store = LocalKvStore(StoreOptions(4 * BLOCK, max_block_bytes=BLOCK), ssd=ssd)
         await asyncio.gather(*(store.put(key(i), data(i)) for i in range(40)))   # 10x the DRAM
         for i in range(40):
             with store.get(key(i)) as lease:
@@ -505,7 +506,7 @@ def test_puts_far_beyond_dram_wait_for_demotion_and_lose_nothing(ssd_mod, tmp_pa
 def test_a_put_that_could_only_wait_is_refused_by_the_sync_put_start(ssd_mod, tmp_path):
     async def scenario():
         ssd = await _open_ssd(tmp_path, 64 * 4096)
-        store = LocalKvStore(2 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, high_watermark=1.0)
+        store = LocalKvStore(StoreOptions(2 * BLOCK, max_block_bytes=BLOCK, high_watermark=1.0), ssd=ssd)
         await store.put(key(1), data(1))
         await store.put(key(2), data(2))                    # DRAM full of dirty blocks
         assert store.reserve_nowait([(key(3), BLOCK)]) is None
@@ -523,7 +524,8 @@ def test_a_reserve_waits_at_most_put_timeout_then_busy(ssd_mod, tmp_path):
     async def scenario():
         from quillcache.store.ssd import SsdTier
         ssd = SsdTier(str(tmp_path / "ssd"), 64 * 4096, commit_window_s=0.5)   # each SSD write: 0.5 s
-        store = LocalKvStore(2 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, put_timeout_s=0.1, high_watermark=1.0)
+        store = LocalKvStore(StoreOptions(2 * BLOCK, max_block_bytes=BLOCK, put_timeout_s=0.1, high_watermark=1.0),
+                             ssd=ssd)
         await store.put(key(1), data(1))
         await store.put(key(2), data(2))
         t0 = time.monotonic()
@@ -540,8 +542,9 @@ def test_a_reserve_waits_at_most_put_timeout_then_busy(ssd_mod, tmp_path):
 def test_dirty_block_is_dropped_and_logged_only_when_the_ssd_cannot_take_it(ssd_mod, tmp_path, caplog):
     async def scenario():
         ssd = await _open_ssd(tmp_path, 4 * 4096)           # room for 4 blocks
-        store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, max_hard_pin_fraction=1.0,
-                             high_watermark=1.0)
+        store = LocalKvStore(StoreOptions(8 * BLOCK, max_block_bytes=BLOCK,
+                                          max_hard_pin_fraction=1.0, high_watermark=1.0),
+                             ssd=ssd)
         for i in range(4):                                  # the SSD full of hard-pinned blocks
             await store.put(key(i), data(i), durable=True)
             store.pin(key(i), 600, hard=True)
@@ -561,7 +564,7 @@ def test_dirty_block_is_dropped_and_logged_only_when_the_ssd_cannot_take_it(ssd_
 def test_concurrent_gets_of_an_ssd_only_block_share_one_read(ssd_mod, tmp_path, room):
     async def scenario():
         ssd = await _open_ssd(tmp_path, 64 * 4096)
-        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through")
+        store = LocalKvStore(StoreOptions(4 * BLOCK, max_block_bytes=BLOCK, policy="write_through"), ssd=ssd)
         for i in range(6):
             await store.put(key(i), data(i))                # 0 and 1 are on SSD only now
         if room:
@@ -582,7 +585,7 @@ def test_concurrent_gets_of_an_ssd_only_block_share_one_read(ssd_mod, tmp_path, 
 def test_ssd_only_block_removed_while_it_is_read_is_a_miss(ssd_mod, tmp_path):
     async def scenario():
         ssd = await _open_ssd(tmp_path, 64 * 4096)
-        store = LocalKvStore(2 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, policy="write_through")
+        store = LocalKvStore(StoreOptions(2 * BLOCK, max_block_bytes=BLOCK, policy="write_through"), ssd=ssd)
         for i in range(3):
             await store.put(key(i), data(i))                # 0 is on SSD only
         task = asyncio.ensure_future(store.get_async(key(0)))

@@ -15,7 +15,7 @@ from quillcache.index.art import ArtIndex
 from quillcache.index.persistent import PersistentArtIndex
 from quillcache.model import CacheResidency, CacheTier, KvBlockKey, encode_key, encode_scope, encode_scope_prefix
 from quillcache.store.ssd import SsdTier
-from quillcache.store.tiers import LocalKvStore
+from quillcache.store.tiers import LocalKvStore, StoreOptions
 
 BLOCK = 1024
 NODE = "node-a"
@@ -40,8 +40,9 @@ def tiers_of(store, k):
 def test_records_follow_a_block_through_demotion_promotion_eviction_and_remove(tmp_path):
     async def scenario():
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
-        store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, high_watermark=0.7,
-                             low_watermark=0.4, holder=NODE)
+        store = LocalKvStore(StoreOptions(8 * BLOCK, max_block_bytes=BLOCK,
+                                          high_watermark=0.7, low_watermark=0.4, holder=NODE),
+                             ssd=ssd)
         for i in range(8):
             await store.put(key(i), data(i))
         assert tiers_of(store, key(0)) == (BLOCK, (CacheTier.CPU_DRAM,))
@@ -70,7 +71,7 @@ def test_records_follow_a_block_through_demotion_promotion_eviction_and_remove(t
 
 
 def test_eviction_without_ssd_removes_the_record():
-    store = LocalKvStore(4 * BLOCK, max_block_bytes=BLOCK, holder=NODE)
+    store = LocalKvStore(StoreOptions(4 * BLOCK, max_block_bytes=BLOCK, holder=NODE))
     for i in range(6):                                     # two evictions
         run(store.put(key(i), data(i)))
     store.check_residency()
@@ -79,7 +80,7 @@ def test_eviction_without_ssd_removes_the_record():
 
 
 def test_list_page_walks_the_scope_in_key_order_from_the_cursor():
-    store = LocalKvStore(1 << 20, max_block_bytes=BLOCK)
+    store = LocalKvStore(StoreOptions(1 << 20, max_block_bytes=BLOCK))
     keys = [key(i, prefix=f"p{i % 3}") for i in range(40)]
     for k in keys:
         run(store.put(k, data(k.block_index, 256)))
@@ -111,7 +112,7 @@ def test_list_page_walks_the_scope_in_key_order_from_the_cursor():
 def test_records_of_other_holders_are_neither_listed_nor_served_by_the_guard():
     # the cluster (issue 14) keeps other nodes' records in the same index
     index = ArtIndex()
-    store = LocalKvStore(1 << 20, max_block_bytes=BLOCK, index=index, holder=NODE)
+    store = LocalKvStore(StoreOptions(1 << 20, max_block_bytes=BLOCK, holder=NODE), index=index)
     mine, theirs = key(1), key(2)
     run(store.put(mine, data(1, 256)))
     index.put(CacheResidency(theirs, "node-b", CacheTier.CPU_DRAM, 256))
@@ -132,8 +133,8 @@ def _persistent(tmp_path):
 def test_persistent_index_recovers_the_ssd_blocks_and_agrees_with_the_ssd_tier(tmp_path):
     async def first():
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
-        store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=_persistent(tmp_path),
-                             holder=NODE)
+        store = LocalKvStore(StoreOptions(8 * BLOCK, max_block_bytes=BLOCK, holder=NODE),
+                             ssd=ssd, index=_persistent(tmp_path))
         for i in range(6):
             await store.put(key(i), data(i), durable=True)  # on SSD and in DRAM
         await store.put(key(50), data(50))                  # DRAM only: gone at restart
@@ -144,7 +145,7 @@ def test_persistent_index_recovers_the_ssd_blocks_and_agrees_with_the_ssd_tier(t
         index = _persistent(tmp_path)
         assert index.recovery.checkpoint_records == 6      # DRAM records were never persisted
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
-        store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=index, holder=NODE)
+        store = LocalKvStore(StoreOptions(8 * BLOCK, max_block_bytes=BLOCK, holder=NODE), ssd=ssd, index=index)
         assert store.reconciled == {"index_added": 0, "index_dropped": 0, "index_resized": 0,
                                    "index_agreed": 6}
         store.check_residency()
@@ -160,8 +161,8 @@ def test_persistent_index_recovers_the_ssd_blocks_and_agrees_with_the_ssd_tier(t
 def test_on_disagreement_the_ssd_tier_wins_and_each_mismatch_is_counted_and_logged(tmp_path, caplog):
     async def first():
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
-        store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=_persistent(tmp_path),
-                             holder=NODE)
+        store = LocalKvStore(StoreOptions(8 * BLOCK, max_block_bytes=BLOCK, holder=NODE),
+                             ssd=ssd, index=_persistent(tmp_path))
         for i in range(4):
             await store.put(key(i), data(i), durable=True)
         await store.close()
@@ -184,7 +185,7 @@ def test_on_disagreement_the_ssd_tier_wins_and_each_mismatch_is_counted_and_logg
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
         index = _persistent(tmp_path)
         with caplog.at_level(logging.WARNING, logger="quillcache.store"):
-            store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=index, holder=NODE)
+            store = LocalKvStore(StoreOptions(8 * BLOCK, max_block_bytes=BLOCK, holder=NODE), ssd=ssd, index=index)
         assert store.reconciled == {"index_added": 1, "index_dropped": 2, "index_resized": 1,
                                     "index_agreed": 2}
         text = caplog.text
@@ -199,8 +200,8 @@ def test_on_disagreement_the_ssd_tier_wins_and_each_mismatch_is_counted_and_logg
         await store.close()
         # the corrected records were persisted: the next start agrees everywhere
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
-        store = LocalKvStore(8 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=_persistent(tmp_path),
-                             holder=NODE)
+        store = LocalKvStore(StoreOptions(8 * BLOCK, max_block_bytes=BLOCK, holder=NODE),
+                             ssd=ssd, index=_persistent(tmp_path))
         assert store.reconciled == {"index_added": 0, "index_dropped": 0, "index_resized": 0,
                                     "index_agreed": 4}
         await store.close()
@@ -217,16 +218,16 @@ def test_a_restart_makes_no_entry_until_a_block_is_touched(tmp_path):
 
     async def first():
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
-        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=_persistent(tmp_path),
-                             holder=NODE)
+        store = LocalKvStore(StoreOptions(4 * BLOCK, max_block_bytes=BLOCK, holder=NODE),
+                             ssd=ssd, index=_persistent(tmp_path))
         for i in range(n):
             await store.put(key(i), data(i), durable=True)
         await store.close()
 
     async def second():
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
-        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=_persistent(tmp_path),
-                             holder=NODE)
+        store = LocalKvStore(StoreOptions(4 * BLOCK, max_block_bytes=BLOCK, holder=NODE),
+                             ssd=ssd, index=_persistent(tmp_path))
         st = store.stats()
         assert st["store"]["entries"] == 0 and st["store"]["entries_untouched"] == n
         assert ssd.untouched == n and st["ssd"]["blocks"] == n
@@ -260,8 +261,8 @@ def test_a_restart_makes_no_entry_until_a_block_is_touched(tmp_path):
 
     async def third():                                      # what the touches did survives
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 64 * BLOCK)
-        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, index=_persistent(tmp_path),
-                             holder=NODE)
+        store = LocalKvStore(StoreOptions(4 * BLOCK, max_block_bytes=BLOCK, holder=NODE),
+                             ssd=ssd, index=_persistent(tmp_path))
         assert store.reconciled["index_agreed"] == n - 2    # key 5 was DRAM only, key 6 removed
         assert [k.block_index for k in store.list_scope(key(0).scope)] == [i for i in range(n) if i not in (5, 6)]
         store.check_residency()
@@ -274,16 +275,16 @@ def test_a_restart_makes_no_entry_until_a_block_is_touched(tmp_path):
 def test_blocks_untouched_since_the_restart_are_the_first_ssd_victims(tmp_path):
     async def first():
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 8 * 4096)   # room for 8 blocks
-        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, holder=NODE,
-                             index=_persistent(tmp_path))
+        store = LocalKvStore(StoreOptions(4 * BLOCK, max_block_bytes=BLOCK, holder=NODE),
+                             ssd=ssd, index=_persistent(tmp_path))
         for i in range(8):
             await store.put(key(i), data(i), durable=True)
         await store.close()
 
     async def second():
         ssd = await SsdTier.open(str(tmp_path / "ssd"), 8 * 4096)
-        store = LocalKvStore(4 * BLOCK, ssd=ssd, max_block_bytes=BLOCK, holder=NODE,
-                             index=_persistent(tmp_path))
+        store = LocalKvStore(StoreOptions(4 * BLOCK, max_block_bytes=BLOCK, holder=NODE),
+                             ssd=ssd, index=_persistent(tmp_path))
         with store.get(key(0)) as lease:                    # touched: the LRU's now
             assert bytes(lease.view) == data(0)
         await store.put(key(20), data(20), durable=True)     # the SSD is full: one must go

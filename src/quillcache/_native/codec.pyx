@@ -20,13 +20,14 @@ The parser is fed either with ``feed(data)`` (data_received) or through
 ``get_buffer(sizehint)`` / ``buffer_updated(n)`` (asyncio.BufferedProtocol); the
 consumer then calls ``next_event()`` until it returns ``EV_NEED_DATA``.  After
 ``EV_PAYLOAD_START`` the consumer may hand the parser a destination for the
-payload (``set_destination``), ask for it in chunks (``stream_payload``), throw it
-away (``discard_payload``) or do nothing: then it is collected into a bytearray.
+payload (``set_destination``), receive it into a new ``bytes`` (``receive_bytes``), ask
+for it in chunks (``stream_payload``), throw it away (``discard_payload``) or do nothing:
+then it is collected into a bytearray.
 A malformed frame raises ``MalformedFrame`` (a ``ProtocolError``, status 7) and the
 parser stays failed: every later call raises the same error.
 """
-from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
-from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_FillInfo, PyObject_GetBuffer, PyBuffer_Release
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memmove
@@ -40,7 +41,7 @@ __all__ = [
     "EV_NEED_DATA", "EV_FRAME", "EV_PAYLOAD_START", "EV_PAYLOAD_CHUNK", "EV_PAYLOAD_END",
     "REASONS", "CRC32C_IMPL",
     "encode_key_body", "decode_key_body", "decode_key_field", "decode_key_list", "encode_put_body",
-    "decode_put_body",
+    "decode_put_body", "uninitialised_bytearray",
 ]
 
 # ----------------------------------------------------------------------------- constants
@@ -56,6 +57,9 @@ cdef enum:
     _OP_ERROR = 0xFF
     DEFAULT_READ_CHUNK = 65536      # bytes offered by get_buffer() between payloads
     MIN_READ_ROOM = 4096            # bytes: compact/grow the buffer when less is free
+    DIRECT_MIN = 32768              # bytes: a destination segment with less left than this, and
+                                    # more payload after it, is received through the internal
+                                    # buffer (one recv for many small values, then memcpy)
     _EV_NEED = 0
     _EV_FRAME = 1
     _EV_START = 2
@@ -224,6 +228,28 @@ cdef class Frame:
         return (f"Frame(opcode={self.opcode:#04x}, flags={self.flags:#06x}, status={self.status}, "
                 f"request_id={self.request_id}, header={len(self.header)}B, "
                 f"payload_length={self.payload_length})")
+
+
+def uninitialised_bytearray(Py_ssize_t n):
+    """A ``bytearray`` of ``n`` bytes whose contents are whatever the allocator returned (no
+    zero fill): for a buffer that is received into before anyone reads it."""
+    if n < 0:
+        raise InvalidArgument(f"size {n}: must be >= 0")
+    return PyByteArray_FromStringAndSize(NULL, n)
+
+
+cdef class _BytesFill:
+    """A writable buffer over a ``bytes`` object that nobody else has seen yet: the parser
+    receives a payload into it (``receive_bytes``), then hands the ``bytes`` out.  Holds the
+    ``bytes`` alive for as long as a view of it exists."""
+
+    cdef bytes _b
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        PyBuffer_FillInfo(view, self, PyBytes_AS_STRING(self._b), len(self._b), 0, flags)
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
 
 
 def _as_byte_view(obj):
@@ -492,7 +518,8 @@ cdef class FrameParser:
 
     def get_buffer(self, Py_ssize_t sizehint=-1):
         """A writable view for the next received bytes: the rest of the current payload
-        destination while a payload is received into one, else the internal buffer."""
+        destination while a payload is received into one (unless that is a small segment with
+        more payload after it), else the internal buffer."""
         cdef Py_ssize_t n, room
         self._check_alive()
         if self._in_held:
@@ -504,9 +531,13 @@ cdef class FrameParser:
             n = self._seg_len - self._seg_pos
             if <uint64_t>n > self._remaining:
                 n = <Py_ssize_t>self._remaining
-            self._gb_kind = GB_DEST
-            self._gb_len = n
-            return self._seg_obj[self._seg_pos:self._seg_pos + n]
+            # Straight into the destination, unless this is a small segment of a scatter
+            # (a PUT_MANY/GET_MANY of small values): a recv per value costs a syscall and a
+            # trip through the owner each, far more than the memcpy out of the buffer.
+            if n >= DIRECT_MIN or <uint64_t>n == self._remaining:
+                self._gb_kind = GB_DEST
+                self._gb_len = n
+                return self._seg_obj[self._seg_pos:self._seg_pos + n]
         if self._end == self._start and len(self._buf) > self._read_chunk and self._state != ST_TRAILER \
                 and not self._have_fixed:
             self._buf = bytearray(self._read_chunk)     # drop a buffer grown for a big header
@@ -573,6 +604,31 @@ cdef class FrameParser:
             self._dest_result = tuple(segs)
         else:
             self._dest_result = segs[0] if segs else views[0][:0]
+        self._mode = M_DEST
+        self._seg_idx = -1
+        self._seg_len = 0
+        self._seg_pos = 0
+        self._next_segment()
+
+    def receive_bytes(self):
+        """Receive the current payload into a new ``bytes`` object of its size, created
+        uninitialised (``PyBytes_FromStringAndSize(NULL, n)``) and written only by this
+        parser before ``EV_PAYLOAD_END`` hands it out as ``frame.payload``: one allocation,
+        no zero fill, no copy after the receive (the trailer CRC is checked as with any
+        destination).  Only right after ``EV_PAYLOAD_START``."""
+        cdef bytes out
+        cdef _BytesFill fill
+        self._check_alive()
+        if self._state != ST_PAYLOAD or self._mode != M_UNSET:
+            raise RuntimeError("receive_bytes() is only allowed right after EV_PAYLOAD_START")
+        out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>self._f_plen)   # limit-checked length
+        if self._f_plen:
+            fill = _BytesFill.__new__(_BytesFill)
+            fill._b = out
+            self._segs = [memoryview(fill)]
+        else:
+            self._segs = []             # b"" is the shared empty object: never written
+        self._dest_result = out
         self._mode = M_DEST
         self._seg_idx = -1
         self._seg_len = 0

@@ -14,13 +14,17 @@ status; a dropped connection is ``ConnectionLost``; every wait has a deadline
 (``Timeout``).  After a ``Timeout`` the sync client closes its connection (the stream may
 hold half a reply); the async one keeps it (a late reply is matched and dropped).
 
-Data handed to ``put``/``put_many`` is sent without a copy and must not change until the
-call returns.  ``get`` returns ``bytes`` (one copy out of the receive buffer);
-``get_many`` returns a ``memoryview`` per value over buffers of up to
-``GET_MANY_BUFFER_BYTES`` that consecutive values are received into (no second copy; few
-allocations: each fresh buffer costs an mmap or heap growth and its page faults, and
-buffers larger than glibc's 32 MiB mmap ceiling are never reused from the heap);
-``get_into``/``get_many_into`` receive into the caller's buffers (zero copy).
+Which calls copy (docs/protocol.md has the table): data handed to ``put``/``put_many`` is
+sent without a copy (the socket reads it in place: ``sendmsg`` of the caller's buffers) and
+must not change until the call returns; ``get`` returns a ``bytes`` created uninitialised at
+the reply's size and received into by ``recv_into`` before anyone sees it (one allocation,
+no zero fill, no copy; the payload CRC is checked on the way); ``get_many`` returns a
+``memoryview`` per value over buffers of up to ``GET_MANY_BUFFER_BYTES`` that consecutive
+values are received into (no copy, no zero fill; each fresh buffer costs an mmap or heap
+growth and its page faults, and buffers larger than glibc's 32 MiB mmap ceiling are never
+reused from the heap); ``get_into``/``get_many_into`` receive into the caller's buffers.
+Over the Unix socket with the arena mapped, ``get``/``put`` copy once out of/into the
+mapping and the located calls copy nothing.
 
 Hot-path choices: encoded keys are cached per client (``KEY_CACHE_ENTRIES``, by key); the
 sync client's socket is blocking with ``SO_RCVTIMEO``/``SO_SNDTIMEO`` (one syscall per

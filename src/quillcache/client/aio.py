@@ -159,12 +159,12 @@ class AsyncClient(Ops):
         return await self.connect()
 
     async def _drive(self, flow):
-        """Run a client_shm flow, awaiting each request it yields."""
+        """Run a client/shm.py flow, awaiting each request (``Req``) or ``Batch`` it yields."""
         try:
             req = next(flow)
             while True:
                 try:
-                    result = await self._exec(req)
+                    result = await (self._exec(req) if type(req) is Req else self._exec_many(*req))
                 except BaseException as exc:
                     req = flow.throw(exc)
                 else:
@@ -176,54 +176,27 @@ class AsyncClient(Ops):
 
     @contextlib.asynccontextmanager
     async def get_many_located(self, keys: Iterable[KvBlockKey]):
-        """``Client.get_many_located``, as an async context manager."""
-        keys = list(keys)
-        if self._arena is None:
-            yield shm.LocatedViews.copies(await self.get_many(keys))
-            return
-        loc = await self._drive(shm.located_flow(self, keys))
-        out = shm.LocatedViews.of_arena(self._arena.view, loc.extents)
+        """``Client.get_many_located``, as an async context manager (the same ``shm.LocatedRead``)."""
+        op = shm.LocatedRead(self, keys)
+        views = await self._drive(op.enter())
         ok = False
         try:
-            yield out
+            yield views
             ok = True
         finally:
-            out.release_views()
-            conn = self._conn
-            if loc.lease_ids and conn is not None and not conn.closed and conn.failed is None:
-                await self._drive(shm.release_flow(self, loc.lease_ids))
-        if ok:
-            shm.check_lease(loc.expires_ns, "get_many_located")
+            await self._drive(op.exit(ok))
 
     @contextlib.asynccontextmanager
     async def put_many_reserved(self, items: Iterable[tuple[KvBlockKey, int]], durable: bool = False):
-        """``Client.put_many_reserved``, as an async context manager."""
-        items = [(k, int(n)) for k, n in items]
-        if self._arena is None:
-            bufs = [memoryview(bytearray(n)) for _, n in items]
-            yield bufs
-            await self.put_many([(k, b) for (k, _), b in zip(items, bufs)], durable)
-            return
-        reserves = await self._drive(shm.reserve_flow(self, items, durable))
-        views = shm.slot_views(self, reserves, [n for _, n in items])
+        """``Client.put_many_reserved``, as an async context manager (the same ``shm.ReservedWrite``)."""
+        op = shm.ReservedWrite(self, items, durable)
+        views = await self._drive(op.enter())
         try:
             yield views
         except BaseException:
-            await self._drive(shm.abort_flow(self, [r.reserve_id for r in reserves]))
+            await self._drive(op.abort())
             raise
-        finally:
-            for v in views:
-                try:
-                    v.release()
-                except BufferError:
-                    pass
-        await self._drive(shm.commit_flow(self, reserves))
-
-    @property
-    def is_open(self) -> bool:
-        """Connected, and the connection has neither failed nor closed."""
-        conn = self._conn
-        return conn is not None and conn.failed is None and not conn.closed
+        await self._drive(op.commit())
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()

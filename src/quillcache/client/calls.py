@@ -8,6 +8,7 @@ from __future__ import annotations
 import struct
 from typing import Any, Callable, NamedTuple, Sequence
 
+from quillcache._native.codec import uninitialised_bytearray
 from quillcache.net import parse_hostport
 from quillcache.errors import (
     STATUS_CLASSES, InvalidArgument, QuillCacheError, error_for_status,
@@ -18,7 +19,7 @@ from quillcache.protocol.connection import Reply
 __all__ = [
     "DEFAULT_TIMEOUT_S", "LIST_PAGE", "CLIENT_NAME", "KEY_CACHE_ENTRIES", "GET_MANY_BUFFER_BYTES",
     "MIN_SOCKET_TIMEOUT_S", "UNIX_PREFIX", "Req", "resolve_address", "token_bytes", "payload_view",
-    "dest_view", "timeval", "pack_buffers", "status_error", "chunks"
+    "dest_view", "timeval", "pack_buffers", "status_error", "chunks", "Batch"
 ]
 
 DEFAULT_TIMEOUT_S = 10.0         # seconds: connect and every wait for a reply
@@ -85,13 +86,14 @@ def timeval(seconds: float) -> bytes:
 
 def pack_buffers(sizes: list[int]) -> list[tuple[bytearray, list[memoryview]]]:
     """Consecutive values packed into buffers of at most GET_MANY_BUFFER_BYTES (a larger
-    value gets its own): ``[(buffer, [view of each value in it])]``, in order."""
+    value gets its own): ``[(buffer, [view of each value in it])]``, in order.  The buffers
+    are not zero-filled: the reply is received into every byte of them."""
     out: list = []
     group: list[int] = []
     total = 0
 
     def close() -> None:
-        buf = bytearray(total)
+        buf = uninitialised_bytearray(total)
         mv = memoryview(buf)
         views, pos = [], 0
         for n in group:
@@ -123,6 +125,13 @@ class Req(NamedTuple):
     flags: int
     into: Any                               # destination or callable(frame), or None
     finish: Callable[[Reply], Any]          # OK reply -> result (errors raised before)
+
+
+class Batch(NamedTuple):
+    """Requests sent pipelined and ``combine``d into one result: what a flow yields for
+    a client's ``_exec_many`` (``Req`` for one ``_exec``)."""
+    reqs: list
+    combine: Callable[[list], Any]
 
 
 def chunks(seq: Sequence, n: int) -> list:

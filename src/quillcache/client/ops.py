@@ -15,14 +15,14 @@ from quillcache.model import (
     IdentityScope, KvBlockKey, encode_key, encode_scope, encode_scope_prefix,
 )
 from quillcache.protocol import located, messages
-from quillcache.protocol.connection import ClientProtocolConnection, Reply
+from quillcache.protocol.connection import AS_BYTES, ClientProtocolConnection, Reply
 from quillcache.protocol.info import parse_info
 from quillcache.protocol.opcodes import FLAG_DURABLE, InfoFormat, Opcode, PinMode, ProtocolLimits
 
 
 from quillcache.client import shm
 from quillcache.client.calls import (
-    LIST_PAGE, KEY_CACHE_ENTRIES, Req, payload_view, dest_view, pack_buffers, status_error, chunks,
+    LIST_PAGE, KEY_CACHE_ENTRIES, Batch, Req, payload_view, dest_view, pack_buffers, status_error, chunks,
 )
 
 __all__ = ["Ops"]
@@ -42,6 +42,12 @@ class Ops:
         """The node's DRAM arena as this client maps it (the Unix socket with shm), else None.
         The located flows and ``ArenaCopier`` read it; it changes on ``reconnect()``."""
         return self._arena
+
+    @property
+    def is_open(self) -> bool:
+        """Connected, and the connection has neither failed nor closed."""
+        conn = self._conn
+        return conn is not None and conn.failed is None and not conn.closed
 
     @property
     def limits(self) -> ProtocolLimits:
@@ -84,17 +90,12 @@ class Ops:
                                FLAG_DURABLE if durable else 0, None, lambda r: None))
 
     def get(self, key: KvBlockKey):
+        """The block's bytes: received straight into a new ``bytes`` of the reply's size (one
+        allocation, no copy), or one copy out of the mapped arena.  NotFound on a miss."""
         if self._arena is not None:
             return self._drive(shm.get_flow(self, key, None))
-        hdr = self.get_header(key)
-        holder: list = []
-
-        def into(frame):                     # one buffer of the exact size, received into by recv_into
-            holder.append(bytearray(frame.payload_length))
-            return holder[0]
-
-        return self._exec(Req(Opcode.GET, hdr, (), 0, into,
-                               lambda r: bytes(holder[0]) if holder else b""))
+        return self._exec(Req(Opcode.GET, self.get_header(key), (), 0, AS_BYTES,
+                               lambda r: b"" if r.payload is None else r.payload))
 
     def get_into(self, key: KvBlockKey, buffer):
         dst = dest_view(buffer)
@@ -138,6 +139,23 @@ class Ops:
         return self._exec(Req(Opcode.REMOVE, hdr, (), 0, None,
                                lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
 
+    def remove_many(self, keys: Iterable[KvBlockKey]):
+        """Remove every key (REMOVE requests of up to max_batch keys, pipelined); returns, per
+        key, whether it was there."""
+        keys = [self.encoded_key(k) for k in keys]
+        lim = self.limits
+
+        def request(chunk: list) -> Req:
+            def finish(r: Reply) -> list[bool]:
+                done = messages.decode_bitmap_reply(r.header, lim)
+                if len(done) != len(chunk):
+                    raise ProtocolError(f"REMOVE reply has {len(done)} items for {len(chunk)} keys")
+                return done
+            return Req(Opcode.REMOVE, messages.encode_keys_request(chunk, lim, "REMOVE"), (), 0, None, finish)
+
+        reqs = [request(c) for c in chunks(keys, lim.max_batch)]
+        return self._exec_many(reqs, lambda results: [x for res in results for x in res])
+
     def pin(self, key: KvBlockKey, ttl: float, hard: bool = False):
         if not isinstance(ttl, (int, float)) or ttl < 0:
             raise InvalidArgument(f"pin ttl {ttl!r}: seconds >= 0 (0 = until unpin)")
@@ -156,9 +174,15 @@ class Ops:
 
     def put_many(self, items: Iterable[tuple[KvBlockKey, Any]], durable: bool = False):
         """Store every (key, data); raises the first item's error (after all were tried)."""
+        views = [(k, payload_view(d)) for k, d in items]
         if self._arena is not None:
-            return self._drive(shm.put_many_flow(self, [(k, payload_view(d)) for k, d in items], durable))
-        prepared = [(self.encoded_key(k), payload_view(d)) for k, d in items]
+            return self._drive(shm.put_many_flow(self, views, durable))
+        return self._exec_many(*self.put_many_requests(views, durable))
+
+    def put_many_requests(self, items: list, durable: bool) -> Batch:
+        """The PUT_MANY requests of (key, view) over the socket, split at max_batch and
+        max_payload (what ``put_many`` sends; the shm flows send them over TCP too)."""
+        prepared = [(self.encoded_key(k), mv) for k, mv in items]
         lim = self.limits
         reqs, starts = [], []
         i = 0
@@ -185,7 +209,7 @@ class Ops:
                     if st:
                         raise status_error(st, f"put_many item {start + j}")
 
-        return self._exec_many(reqs, combine)
+        return Batch(reqs, combine)
 
     def get_many(self, keys: Iterable[KvBlockKey]):
         """``list[memoryview | None]`` in key order; None where the key is not served (not
@@ -193,7 +217,7 @@ class Ops:
         exactly its bytes, over one buffer per GET_MANY request that the reply was received
         into (no copy); it compares equal to the same ``bytes``; ``bytes(v)`` makes an
         independent copy.  The shared buffer lives as long as any of its views."""
-        return self._get_many(keys, None)
+        return self._exec_many(*self.get_many_requests(keys, None))
 
     def get_many_into(self, keys: Iterable[KvBlockKey], buffers: Sequence[Any]):
         """Receive each key's value straight into the buffer at the same position (writable,
@@ -201,17 +225,18 @@ class Ops:
         into each buffer, None where the key is not served.  Every buffer is checked before
         anything is sent; a value larger than its buffer raises InvalidArgument (the values of
         that GET_MANY request are then dropped, other requests' buffers may be filled)."""
-        return self._get_many(keys, buffers)
-
-    def _get_many(self, keys, buffers):
         keys = list(keys)
-        dsts = None
-        if buffers is not None:
-            dsts = [dest_view(b) for b in buffers]
-            if len(dsts) != len(keys):
-                raise InvalidArgument(f"get_many_into: {len(keys)} keys and {len(dsts)} buffers")
-            if self._arena is not None:
-                return self._drive(shm.get_many_into_flow(self, keys, dsts))
+        dsts = [dest_view(b) for b in buffers]
+        if len(dsts) != len(keys):
+            raise InvalidArgument(f"get_many_into: {len(keys)} keys and {len(dsts)} buffers")
+        if self._arena is not None:
+            return self._drive(shm.get_many_into_flow(self, keys, dsts))
+        return self._exec_many(*self.get_many_requests(keys, dsts))
+
+    def get_many_requests(self, keys, dsts: Optional[list]) -> Batch:
+        """The GET_MANY requests over the socket (what ``get_many``/``get_many_into`` send; the
+        shm flows send them over TCP too): values into ``dsts`` (sizes out), or into packed
+        buffers (views out, ``dsts`` None)."""
         keys = [self.encoded_key(k) for k in keys]
         lim = self.limits
         mb = lim.max_batch
@@ -260,7 +285,7 @@ class Ops:
 
             reqs.append(Req(Opcode.GET_MANY, messages.encode_keys_request(chunk, lim, "GET_MANY"),
                              (), 0, into, finish))
-        return self._exec_many(reqs, lambda results: [x for res in results for x in res])
+        return Batch(reqs, lambda results: [x for res in results for x in res])
 
     def _list_req(self, prefix: bytes, start_after: bytes) -> Req:
         lim = self.limits

@@ -1,8 +1,8 @@
 """The client's shared-memory data path (docs/shm.md): the mapped arena and the located
 operations, written once as generators that both clients drive.
 
-A flow is a generator that yields request descriptions (``calls.Req``) and is sent
-each one's result; ``Client`` drives it with blocking calls, ``AsyncClient`` with
+A flow is a generator that yields request descriptions (``calls.Req``, or a pipelined
+``calls.Batch``) and is sent each one's result; ``Client`` drives it with blocking calls, ``AsyncClient`` with
 ``await``.  So the steps of a located GET (locate, copy out of the mapping, release) or
 of a reserved PUT (reserve, copy into the mapping, commit) exist once.
 
@@ -35,7 +35,7 @@ from quillcache.protocol.opcodes import FLAG_DURABLE, Opcode
 
 __all__ = ["Arena", "Located", "LocatedViews", "recv_with_fds", "located_flow", "release_flow",
            "get_many_into_flow", "get_flow", "put_many_flow", "reserve_flow", "commit_flow", "abort_flow",
-           "check_lease"]
+           "check_lease", "LocatedRead", "ReservedWrite"]
 
 _MISS_STATUSES = (NotFound.status, UnsafeReuse.status)
 _MAX_FDS = 4                       # fds accepted in one MAP reply (one is sent; more is an error)
@@ -117,12 +117,7 @@ class LocatedViews(list):
 
     def release_views(self) -> None:
         """Invalidate every view: one used after its lease ends raises ValueError."""
-        for v in self:
-            if v is not None:
-                try:
-                    v.release()
-                except BufferError:
-                    pass          # the caller kept a derived view: its own hazard (docs/shm.md)
+        _release(v for v in self if v is not None)
 
 
 def _extents(items: np.ndarray, size: int):
@@ -308,3 +303,84 @@ def slot_views(c, reserves: list, sizes: Iterable[int]) -> list[memoryview]:
     view = c.arena.view
     offsets = [off for rep in reserves for off in rep.offsets]
     return [view[off:off + n] for off, n in zip(offsets, sizes)]
+
+
+# --------------------------------------------------------------------------- the two context managers
+
+
+def _release(views) -> None:
+    for v in views:
+        try:
+            v.release()
+        except BufferError:
+            pass          # the caller kept a derived view: its own hazard (docs/shm.md)
+
+
+class LocatedRead:
+    """The steps of ``get_many_located``, once for both clients: ``enter()`` and ``exit(ok)``
+    are flows (they yield ``Req``/``Batch``); ``Client`` drives them blocking around the
+    ``with`` body, ``AsyncClient`` awaits them around the ``async with`` body."""
+
+    def __init__(self, c, keys: Iterable) -> None:
+        self.c = c
+        self.keys = list(keys)
+        self.loc: Optional[Located] = None
+        self.views: Optional[LocatedViews] = None
+
+    def enter(self):
+        """-> LocatedViews: leased views into the mapping, or (TCP, untrusted) read-only
+        views of ``get_many``'s copies."""
+        c = self.c
+        if c.arena is None:
+            blocks = yield c.get_many_requests(self.keys, None)
+            return LocatedViews.copies(blocks)
+        self.loc = yield from located_flow(c, self.keys)
+        self.views = LocatedViews.of_arena(c.arena.view, self.loc.extents)
+        return self.views
+
+    def exit(self, ok: bool):
+        """Invalidate the views and RELEASE the leases; ``ok`` (the body ended without an
+        exception): raise Timeout if a lease ran out while the body held it."""
+        loc = self.loc
+        if loc is None:
+            return
+        self.views.release_views()
+        if loc.lease_ids and self.c.is_open:
+            yield from release_flow(self.c, loc.lease_ids)
+        if ok:
+            check_lease(loc.expires_ns, "get_many_located")
+
+
+class ReservedWrite:
+    """The steps of ``put_many_reserved``, once for both clients: ``enter()`` -> writable
+    views; then ``commit()`` after the body, or ``abort()`` when it raised.  Over TCP (or
+    untrusted) the views are plain buffers that ``commit()`` sends with PUT_MANY."""
+
+    def __init__(self, c, items: Iterable[tuple[Any, int]], durable: bool) -> None:
+        self.c = c
+        self.items = [(k, int(n)) for k, n in items]
+        self.durable = durable
+        self.reserves: Optional[list] = None
+        self.views: list = []
+
+    def enter(self):
+        c = self.c
+        if c.arena is None:
+            self.views = [memoryview(bytearray(n)) for _, n in self.items]
+            return self.views
+        self.reserves = yield from reserve_flow(c, self.items, self.durable)
+        self.views = slot_views(c, self.reserves, [n for _, n in self.items])
+        return self.views
+
+    def commit(self):
+        if self.reserves is None:
+            yield self.c.put_many_requests([(k, v) for (k, _), v in zip(self.items, self.views)], self.durable)
+            return
+        _release(self.views)
+        yield from commit_flow(self.c, self.reserves)
+
+    def abort(self):
+        if self.reserves is None:
+            return
+        _release(self.views)
+        yield from abort_flow(self.c, [r.reserve_id for r in self.reserves])

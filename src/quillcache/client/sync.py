@@ -19,7 +19,7 @@ from quillcache.model import (
     KvBlockKey, decode_key,
 )
 from quillcache.protocol import located
-from quillcache.protocol.connection import ClientProtocolConnection, Reply
+from quillcache.protocol.connection import AS_BYTES, ClientProtocolConnection, Reply
 from quillcache.protocol.opcodes import Opcode
 
 
@@ -64,6 +64,15 @@ class _SyncConnection(ClientProtocolConnection):
 
     def _on_reply(self, reply: Reply) -> None:
         self.replies[reply.request_id] = reply
+
+
+def _got(reply: Reply, dst: Optional[memoryview]):
+    """A GET's result from its reply: the ``bytes`` (``dst`` None) or the size received into ``dst``."""
+    reply.raise_for_status()
+    p = reply.payload
+    if dst is None:
+        return b"" if p is None else p
+    return 0 if p is None else memoryview(p).nbytes
 
 
 class Client(Ops):
@@ -178,12 +187,13 @@ class Client(Ops):
         self._connect()
 
     def _drive(self, flow):
-        """Run a client_shm flow: each request it yields is executed, its result sent back."""
+        """Run a client/shm.py flow: each request (``Req``) or pipelined ``Batch`` it yields
+        is executed, its result sent back."""
         try:
             req = next(flow)
             while True:
                 try:
-                    result = self._exec(req)
+                    result = self._exec(req) if type(req) is Req else self._exec_many(*req)
                 except BaseException as exc:
                     req = flow.throw(exc)
                 else:
@@ -199,50 +209,31 @@ class Client(Ops):
         the mapped arena, None for a miss) valid inside the block; leaving it releases the
         lease (and the views).  Raises Timeout on leaving if the lease ran out while held
         (the bytes read may then be another block's).  Over TCP (or untrusted): the
-        ``get_many`` copies, read-only."""
-        keys = list(keys)
-        if self._arena is None:
-            yield shm.LocatedViews.copies(self.get_many(keys))
-            return
-        loc = self._drive(shm.located_flow(self, keys))
-        out = shm.LocatedViews.of_arena(self._arena.view, loc.extents)
+        ``get_many`` copies, read-only.  The steps: ``shm.LocatedRead``."""
+        op = shm.LocatedRead(self, keys)
+        views = self._drive(op.enter())
         ok = False
         try:
-            yield out
+            yield views
             ok = True
         finally:
-            out.release_views()
-            if loc.lease_ids and not self._conn.closed and self._conn.failed is None:
-                self._drive(shm.release_flow(self, loc.lease_ids))
-        if ok:
-            shm.check_lease(loc.expires_ns, "get_many_located")
+            self._drive(op.exit(ok))
 
     @contextlib.contextmanager
     def put_many_reserved(self, items: Iterable[tuple[KvBlockKey, int]], durable: bool = False):
         """Zero-copy writes: ``items`` are (key, nbytes); yields a writable memoryview per
         key (a reserved arena slot, invisible to readers); leaving the block commits them
         all (``durable``: after the SSD fsync), an exception aborts them.  Write only inside
-        the views.  Over TCP (or untrusted): buffers sent by ``put_many`` on leaving."""
-        items = [(k, int(n)) for k, n in items]
-        if self._arena is None:
-            bufs = [memoryview(bytearray(n)) for _, n in items]
-            yield bufs
-            self.put_many([(k, b) for (k, _), b in zip(items, bufs)], durable)
-            return
-        reserves = self._drive(shm.reserve_flow(self, items, durable))
-        views = shm.slot_views(self, reserves, [n for _, n in items])
+        the views.  Over TCP (or untrusted): buffers sent by ``put_many`` on leaving.  The
+        steps: ``shm.ReservedWrite``."""
+        op = shm.ReservedWrite(self, items, durable)
+        views = self._drive(op.enter())
         try:
             yield views
         except BaseException:
-            self._drive(shm.abort_flow(self, [r.reserve_id for r in reserves]))
+            self._drive(op.abort())
             raise
-        finally:
-            for v in views:
-                try:
-                    v.release()
-                except BufferError:
-                    pass
-        self._drive(shm.commit_flow(self, reserves))
+        self._drive(op.commit())
 
     # ------------------------------------------------------------------ plumbing
 
@@ -327,26 +318,41 @@ class Client(Ops):
             self._check()
         update(n)
 
+    def get(self, key: KvBlockKey) -> bytes:
+        """The block's bytes.  Over TCP (or untrusted) the reply is received straight into a
+        new ``bytes`` of its size (one allocation, no zero fill, no copy after the receive);
+        with the arena mapped, one copy out of the mapping.  NotFound on a miss."""
+        if self._arena is not None:
+            return self._drive(shm.get_flow(self, key, None))
+        return self._get(self.get_header(key), None)
+
     def get_into(self, key: KvBlockKey, buffer) -> int:
         """Receive the block straight into ``buffer`` (writable, C-contiguous); returns its size."""
         dst = dest_view(buffer)
         if self._arena is not None:
             return self._drive(shm.get_flow(self, key, dst))
-        hdr = self.get_header(key)
-        cap = dst.nbytes
+        return self._get(self.get_header(key), dst)
 
-        def into(frame):
-            if frame.payload_length > cap:
-                raise InvalidArgument(f"get_into: buffer of {cap} bytes, block is "
-                                      f"{frame.payload_length} bytes")
-            return dst
+    def _get(self, hdr: bytes, dst: Optional[memoryview]):
+        """GET over the socket: into ``dst`` (returns the size), or into a new ``bytes`` (``dst`` None)."""
+        if dst is None:
+            into: Any = AS_BYTES
+            cap = -1
+        else:
+            cap = dst.nbytes
+
+            def into(frame):
+                if frame.payload_length > cap:
+                    raise InvalidArgument(f"get_into: buffer of {cap} bytes, block is "
+                                          f"{frame.payload_length} bytes")
+                return dst
 
         conn = self._check()
         parser = conn.parser
         deadline = time.monotonic() + self.timeout
         if conn.in_flight or parser.buffered or parser.in_payload or len(hdr) > conn.peer_limits.max_header_bytes:
             rid = conn.send_request(Opcode.GET, hdr, (), into=into)   # the general way
-            return self._got_into(self._wait(rid, deadline, FRAME_OVERHEAD))
+            return _got(self._wait(rid, deadline, FRAME_OVERHEAD), dst)
         # The hot path of a connector: nothing else in flight, so this method drives the
         # parser itself (about a third of the Python calls of the general way).  It takes
         # only its own OK reply with a payload that fits; any other event (an error reply,
@@ -363,25 +369,21 @@ class Client(Ops):
                 frame = parser.frame
                 if receiving and ev == EV_PAYLOAD_END:
                     conn.complete(rid)
-                    return frame.payload_length
+                    return frame.payload if dst is None else frame.payload_length
                 if (ev == EV_PAYLOAD_START and frame.request_id == rid and frame.opcode == _GET
-                        and frame.status == 0 and frame.payload_length <= cap):
-                    parser.set_destination(dst)
+                        and frame.status == 0 and (cap < 0 or frame.payload_length <= cap)):
+                    if dst is None:
+                        parser.receive_bytes()
+                    else:
+                        parser.set_destination(dst)
                     receiving = True
                     continue
                 conn.hand_over(ev, frame)
-                return self._got_into(self._wait(rid, deadline, FRAME_OVERHEAD))
+                return _got(self._wait(rid, deadline, FRAME_OVERHEAD), dst)
         except MalformedFrame as exc:
             conn.fail(exc)
             self._check()
             raise
-
-    @staticmethod
-    def _got_into(reply: Reply) -> int:
-        if reply.error is not None:
-            raise reply.error
-        p = reply.payload
-        return 0 if p is None else memoryview(p).nbytes
 
     def _exec(self, req: Req):
         rid = self._send(req)

@@ -14,6 +14,13 @@ etcd is unreachable (the last view is kept, the state is ``degraded``, the threa
 ``EngineRegistration``  keeps one engine's record (``quillcache-sim-engine --etcd``,
                         ``quillctl engine register``); it watches nothing.
 ``EngineWatch``         lists and watches the prefix, registers nothing (the gateway).
+
+With ``keys`` (the pool's ``cluster.keys.ClusterKeys``, from the ``[cluster] credential``) a
+registration signs its record as a node signs its own (docs/security.md) and a watch refuses
+every record that is not so signed or whose ``id`` is not its key's name: an etcd writer
+cannot then point a gateway at an engine of its own.  The gateway (``[cluster] credential``)
+and both registrants (``--credential-file`` or QUILLCACHE_CLUSTER_CREDENTIAL) always pass
+``keys``; without them records are neither signed nor checked (library use only).
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import json
 from typing import Any, Callable, Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from quillcache.cluster.membership import Membership
+from quillcache.cluster.membership import Membership, RecordRefused
 
 __all__ = ["engine_prefix", "EngineRegistration", "EngineWatch", "MAX_RECORD_BYTES", "cluster_args",
            "advertised", "keep_registered", "HEALTH_FAILURES", "etcd_client_missing"]
@@ -82,18 +89,19 @@ class EngineRegistration(Membership):
 
     OWNER_FIELD = "url"         # an engine record names its process by url (``address`` here)
 
-    def __init__(self, *, endpoints, cluster_id: str, record: dict, ttl: float, version: str = "") -> None:
+    def __init__(self, *, endpoints, cluster_id: str, record: dict, ttl: float, version: str = "",
+                 keys=None) -> None:
         raw = json.dumps(record, sort_keys=True).encode("utf-8")
         if len(raw) > MAX_RECORD_BYTES:
             raise ValueError(f"engine record of {len(raw)} bytes (at most {MAX_RECORD_BYTES})")
         super().__init__(endpoints=endpoints, cluster_id=cluster_id, node_id=str(record["id"]),
                          address=str(record.get("url", "")), ttl=ttl, version=version,
-                         space=_no_space, loop=None, on_change=None)
+                         space=_no_space, loop=None, on_change=None, keys=keys)
         self.prefix = engine_prefix(cluster_id)
         self.key = self.prefix + self.node_id
         self._raw = raw
 
-    def _record_value(self) -> bytes:
+    def _content(self) -> bytes:
         return self._raw
 
     def _relist_and_watch(self) -> None:
@@ -108,19 +116,23 @@ class EngineWatch(Membership):
     ``loop`` with ``view`` = {engine id: the record's JSON object}."""
 
     def __init__(self, *, endpoints, cluster_id: str, loop,
-                 on_change: Callable[[dict[str, Any], str], None]) -> None:
+                 on_change: Callable[[dict[str, Any], str], None], keys=None) -> None:
         super().__init__(endpoints=endpoints, cluster_id=cluster_id, node_id="", address="",
-                         ttl=WATCH_TIMEOUT_S, version="", space=_no_space, loop=loop, on_change=on_change)
+                         ttl=WATCH_TIMEOUT_S, version="", space=_no_space, loop=loop, on_change=on_change,
+                         keys=keys)
         self.prefix = engine_prefix(cluster_id)
         self.key = ""
 
     def _register(self) -> None:
         self.registered.set()               # a watcher keeps no record of its own
 
-    def _parse(self, name: str, raw: bytes) -> tuple[str, Any]:
+    def _parse(self, name: str, raw: bytes, lease: int = 0) -> tuple[str, Any]:
         if len(raw) > MAX_RECORD_BYTES:
             raise ValueError(f"record of {len(raw)} bytes")
-        return name, _record_of(raw)
+        record = _record_of(raw)
+        if self.keys is not None and (record is None or str(record.get("id")) != name):
+            raise RecordRefused(f"names engine {record and record.get('id')!r} under the key of {name!r}")
+        return name, record
 
 
 def _record_of(raw: bytes) -> Optional[dict]:
@@ -148,7 +160,7 @@ def _healthy(url: str, timeout: float) -> tuple[bool, str]:
 
 
 def keep_registered(*, endpoints, cluster_id: str, record: dict, ttl: float, health_interval: float,
-                    stop, report: Callable[[str], None], version: str = "") -> None:
+                    stop, report: Callable[[str], None], version: str = "", keys=None) -> None:
     """Keep ``record`` registered until ``stop`` (a threading.Event) is set, then withdraw it.
 
     With ``health_interval`` > 0 the record is there only while ``<url>/health`` answers 200:
@@ -165,7 +177,7 @@ def keep_registered(*, endpoints, cluster_id: str, record: dict, ttl: float, hea
             failures = 0 if ok else failures + 1
             if ok and reg is None:
                 reg = EngineRegistration(endpoints=endpoints, cluster_id=cluster_id, record=record, ttl=ttl,
-                                         version=version)
+                                         version=version, keys=keys)
                 reg.start()
                 report(f"registering {record['id']} ({record['url']}) under {reg.key}, lease TTL {ttl:g}s")
             elif reg is not None and failures >= HEALTH_FAILURES:

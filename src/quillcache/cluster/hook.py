@@ -2,12 +2,16 @@
 
 The server calls it in four places and nowhere else:
 
-* a HELLO whose token is the cluster credential marks the connection as a peer node;
+* a HELLO whose token is ``NODE_HELLO_TOKEN`` (a marker, no secret) admits a connection
+  that then logs in as a node with NODE_AUTH and NODE_PROOF (challenge and response on a
+  key derived from the credential, both ways: docs/security.md); the connection is then a
+  member connection, bound to the node id and epoch it proved, and may use the node
+  opcodes only, never the tenant API;
 * a GET, GET_MANY or located GET that misses locally is handed to ``serve_get``,
   ``serve_get_many`` or ``serve_located`` (cluster/reads.py: locate at the key's home,
   fetch from a holder, check, serve; a miss otherwise);
 * a client PUT that landed is handed to ``after_put`` (replicas, hashed placement);
-* opcodes 0x40-0x45 go to ``on_request``.
+* opcodes 0x40-0x48 go to ``on_request``.
 
 The store tells it what it holds (``set_residency_listener``): every block that appears
 is announced to its home, every block that goes is withdrawn, in batches sent by one
@@ -15,10 +19,16 @@ flusher task a few milliseconds later (the put path has no network hop).  A view
 from ``Membership`` re-homes keys: homes drop the records of nodes that left or changed
 epoch, and holders re-announce the keys whose home moved, at ``reannounce_rate`` keys/s.
 
+A member connection may ANNOUNCE and WITHDRAW only records of the node id and epoch it
+logged in with.  Each announced record carries the CRC32C of the block as this node stored
+it (computed by the flusher from the store's bytes, off the put path; a PUT over a key
+already held computes it again): the home keeps it with the record, LOCATE returns it, and
+a reader drops fetched bytes that do not match it (cluster/reads.py).
+
 Faults cost misses: every hop has a deadline (``hop_timeout``); a holder that is gone,
 stale or answers wrongly is skipped for the next one; none left is a miss.  The bytes a
-fetch returns are covered by the frame's CRC32C trailer, come from the holder's store
-after its identity guard, and must have the size the record says.
+fetch returns come from the holder's store after its identity guard, and must have the
+size and the CRC32C the record says.
 """
 from __future__ import annotations
 
@@ -26,20 +36,24 @@ import asyncio
 import hmac
 import logging
 import math
+import secrets
 import socket
 import time
-from typing import Any, Optional, Sequence
+import weakref
+from typing import Any, NamedTuple, Optional, Sequence
 
 from quillcache.protocol import cluster as wire
+from quillcache._native.crc import crc32c
 from quillcache.cluster.hrw import Ring, key_hash
+from quillcache.cluster.keys import ClusterKeys
 from quillcache.cluster.membership import Member, Membership
 from quillcache.cluster.reads import MAX_HOLDER_TRIES, PoolReads
-from quillcache.cluster.records import ArtRecordStore
+from quillcache.cluster.records import ArtRecordStore, Holder
 from quillcache.errors import (
     Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse,
 )
-from quillcache.model import KvBlockKey, encode_key
-from quillcache.protocol.opcodes import Opcode, ProtocolLimits
+from quillcache.model import KvBlockKey, decode_key, encode_key
+from quillcache.protocol.opcodes import FLAG_PAYLOAD_CRC, Opcode, ProtocolLimits
 from quillcache.store.leases import release_leases as _release
 from quillcache.transfer.base import Peer
 from quillcache.transfer.tcp import TcpTransport
@@ -54,9 +68,20 @@ MAX_PUSHES = 8              # replica pushes in flight
 REANNOUNCE_CHUNK = 512      # keys per step of a re-announcement round
 DEATH_PROBES = 3            # refused connects, PROBE_GAP_S apart, that make a closed peer dead
 PROBE_GAP_S = 0.05          # seconds
+CRC_INLINE_BYTES = 1 << 20  # blocks up to this are checksummed on the loop, bigger ones in a thread
 
-_PEER_OPS = frozenset({Opcode.ANNOUNCE, Opcode.WITHDRAW, Opcode.LOCATE, Opcode.FETCH})
+_PEER_OPS = frozenset({Opcode.ANNOUNCE, Opcode.WITHDRAW, Opcode.LOCATE, Opcode.FETCH, Opcode.REPLICATE})
 _MISS = (NotFound, UnsafeReuse, Busy)
+
+
+class _Login(NamedTuple):
+    """A node login between NODE_AUTH and NODE_PROOF: the transcript both MACs cover."""
+    initiator: str
+    epoch: int
+    responder: str
+    responder_epoch: int
+    nonce_i: bytes
+    nonce_r: bytes
 
 
 class ClusterHook(PoolReads):
@@ -69,15 +94,22 @@ class ClusterHook(PoolReads):
         self.limits = limits
         self.version = version
         self.auth = auth                # the node's Authenticator (reloaded in place); None: open
-        self.credential = settings.credential.encode("utf-8")
+        # The credential stays here: only keys derived from it are used (cluster/keys.py).
+        self.keys = ClusterKeys(settings.credential, settings.cluster_id) if settings.credential else None
         self.hop_timeout = float(settings.hop_timeout)
         self.replicas = int(settings.replicas)
         self.placement = settings.placement
         self.cache_remote = bool(settings.cache_remote)
         self.reannounce_rate = int(settings.reannounce_rate)
-        self.transport = transport or TcpTransport(settings.credential, node_id=node_id, limits=limits,
-                                                   max_fetch_bytes=limits.max_payload_bytes)
-        self.records = ArtRecordStore(store.index, store.holder, lambda: (self.node_id, self.epoch))
+        self.transport = transport or TcpTransport(self.keys, node_id=node_id, epoch=lambda: self.epoch,
+                                                   limits=limits, max_fetch_bytes=limits.max_payload_bytes)
+        # The CRC32C of each held block as this node stored it (announced with its record);
+        # absent until the flusher computed it, and dropped when the block changes or goes.
+        self.crcs: dict[bytes, int] = {}
+        self._crc_pending: dict[bytes, object] = {}      # key -> token of a computation in flight
+        self._logins: "weakref.WeakKeyDictionary[Any, _Login]" = weakref.WeakKeyDictionary()
+        self.records = ArtRecordStore(store.index, store.holder, lambda: (self.node_id, self.epoch),
+                                      self.crcs.get)
         self.view: dict[str, Member] = {}
         self.state = "starting"
         self.ring = Ring([node_id])
@@ -102,7 +134,8 @@ class ClusterHook(PoolReads):
             "records_dropped", "replicas_pushed", "replica_failures", "cached_remote",
             "reannounce_rounds", "reannounce_scanned", "reannounce_queued", "fetches_served",
             "locates_served", "location_cache_hits", "peers_seen_dead", "located_remote",
-            "located_not_stored"), 0)
+            "located_not_stored", "crc_mismatches", "logins", "logins_refused", "records_refused_sender",
+            "replicas_fetched"), 0)
         self.reannounce_total = 0
         self.reannounce_active = False
         self._unseen: dict[tuple[str, int], float] = {}   # (node, epoch) announced before seen -> when
@@ -127,7 +160,7 @@ class ClusterHook(PoolReads):
             self.membership = Membership(
                 endpoints=s.etcd, cluster_id=s.cluster_id, node_id=self.node_id, address=self.address,
                 ttl=s.lease_ttl, version=self.version, space=self._space, loop=loop,
-                on_change=self._on_view)
+                on_change=self._on_view, keys=self.keys)
             self.membership.start()
         # What the store holds now is announced by the re-announcer, at reannounce_rate keys
         # a second, not here: a node restarting with millions of blocks serves at once.
@@ -156,8 +189,10 @@ class ClusterHook(PoolReads):
             await asyncio.get_running_loop().run_in_executor(None, self.membership.stop)
         await self.transport.close()
 
-    def is_credential(self, token: bytes) -> bool:
-        return bool(self.credential) and hmac.compare_digest(bytes(token), self.credential)
+    def is_node_hello(self, token: bytes) -> bool:
+        """Whether a HELLO announces a node about to log in (NODE_AUTH, NODE_PROOF): the
+        connection is admitted with no tenant and can do nothing else until it proves the key."""
+        return self.keys is not None and bytes(token) == wire.NODE_HELLO_TOKEN
 
     # ------------------------------------------------------------------ the view
 
@@ -273,30 +308,41 @@ class ClusterHook(PoolReads):
                 self.held.pop(ekey, None)       # not resident any more (defensive: drops are told)
                 return
             self.held[ekey] = size
+            # and the CRC its SSD tier recorded when the block was written (the block stays
+            # untouched: nothing is read or decoded to announce it)
+            crc = self.store.stored_crc(ekey)
+            if crc is not None and ekey not in self._crc_pending:
+                self.crcs[ekey] = crc
         home = self.home_of(ekey)
-        if home == self.node_id:                # the store's own record is the home's record
-            self.announced[ekey] = (home, self.epoch)
-            return
-        m = self.view.get(home)
-        self.announced[ekey] = (home, m.epoch if m is not None else 0)
+        if home == self.node_id:                # the store's own record is the home's record:
+            self.announced[ekey] = (home, self.epoch)   # the flusher only computes its CRC
+        else:
+            m = self.view.get(home)
+            self.announced[ekey] = (home, m.epoch if m is not None else 0)
         self._ann.setdefault(home, {})[ekey] = size
         wd = self._wd.get(home)
         if wd:
             wd.discard(ekey)
         self._wake.set()
 
+    def _changed(self, ekey: bytes) -> None:
+        """The bytes under ``ekey`` changed or went: its CRC is computed again when needed."""
+        self.crcs.pop(ekey, None)
+        self._crc_pending.pop(ekey, None)
+
     def _dropped(self, ekey: bytes) -> None:
         self.held.pop(ekey, None)
+        self._changed(ekey)
         told = self.announced.pop(ekey, None)
         if told is None:
             return
         home = told[0]
-        if home == self.node_id:
-            return                      # the store dropped its own record
         ann = self._ann.get(home)
         if ann is not None and ekey in ann:
             del ann[ekey]               # never sent: nothing to take back
             return
+        if home == self.node_id:
+            return                      # the store dropped its own record
         self._wd.setdefault(home, set()).add(ekey)
         self._wake.set()
 
@@ -309,6 +355,10 @@ class ClusterHook(PoolReads):
             sends = []
             for home in set(self._ann) | set(self._wd):
                 if self._retry_at.get(home, 0.0) > now:
+                    continue
+                if home == self.node_id:        # blocks homed here: their CRCs, for LOCATE
+                    sends.append(self._crcs_of(list(self._ann.pop(home, {}))))
+                    self._wd.pop(home, None)
                     continue
                 peer = self.peer(home)
                 ann = self._ann.pop(home, {})
@@ -328,7 +378,9 @@ class ClusterHook(PoolReads):
         batch = self.limits.max_batch
         epoch = self.epoch
         try:
-            items = list(ann.items())
+            keys = list(ann)
+            crcs = await self._crcs_of(keys)
+            items = [(k, ann[k], crc) for k, crc in zip(keys, crcs) if crc is not None]
             for i in range(0, len(items), batch):
                 body = wire.encode_announce(self.node_id, epoch, items[i:i + batch], self.limits)
                 await self.transport.request(peer, Opcode.ANNOUNCE, body, deadline)
@@ -347,6 +399,40 @@ class ClusterHook(PoolReads):
                 if k in self.held:
                     pending.setdefault(k, size)
             self._wd.setdefault(peer.node_id, set()).update(wd)
+
+    async def _crcs_of(self, ekeys: Sequence[bytes]) -> list[Optional[int]]:
+        """The CRC32C of each held block as stored here (None: not resident any more)."""
+        return [await self._crc_of(ek) for ek in ekeys]
+
+    async def _crc_of(self, ekey: bytes) -> Optional[int]:
+        crc = self.crcs.get(ekey)
+        if crc is not None:
+            return crc
+        token = object()
+        self._crc_pending[ekey] = token
+        try:
+            key = decode_key(ekey)
+            lease = self.store.get_nowait(key)
+            if lease is None:
+                lease = await self.store.get_async(key)     # SSD: read off the loop
+        except (QuillCacheError, ValueError):
+            self._crc_pending.pop(ekey, None)
+            return None
+        try:
+            view = lease.view
+            if view.nbytes <= CRC_INLINE_BYTES:
+                crc = crc32c(view)
+            else:
+                crc = await asyncio.get_running_loop().run_in_executor(None, crc32c, view)
+        finally:
+            lease.release()
+        # The bytes may have changed meanwhile (``_changed`` took the token): this CRC is
+        # still what the lease held, good for this announcement, but not kept.
+        if self._crc_pending.get(ekey) is token:
+            del self._crc_pending[ekey]
+            if ekey in self.held:
+                self.crcs[ekey] = crc
+        return crc
 
     async def _reannouncer(self) -> None:
         """After a view change: every held key whose home (or the home's epoch) is not the
@@ -387,57 +473,114 @@ class ClusterHook(PoolReads):
     # ------------------------------------------------------------------ after a client put
 
     def after_put(self, keys: Sequence[KvBlockKey]) -> None:
+        """A client PUT landed: a key held before has new bytes (a new key was told by the
+        store's listener): its CRC is computed again and its record announced again; then
+        the replicas (REPLICATE: each fetches the block from here)."""
+        for key in keys:
+            ekey = encode_key(key)
+            if ekey in self.crcs or ekey in self._crc_pending:
+                self._changed(ekey)
+                self._announce(ekey, self.held.get(ekey))
         if self.replicas <= 1 and self.placement == "local":
             return
+        by_node: dict[str, list[bytes]] = {}
         for key in keys:
-            order = [n for n in self.ring.order(key_hash(encode_key(key))) if n != self.node_id]
+            ekey = encode_key(key)
+            order = [n for n in self.ring.order(key_hash(ekey)) if n != self.node_id]
             if self.placement == "hashed":
-                first = self.ring.order(key_hash(encode_key(key)), self.replicas)
+                first = self.ring.order(key_hash(ekey), self.replicas)
                 targets = [n for n in first if n != self.node_id]
             else:
                 targets = order[:self.replicas - 1]
             for node in targets:
-                peer = self.peer(node)
-                if peer is not None:
-                    self._background(self._push(peer, key))
+                by_node.setdefault(node, []).append(ekey)
+        for node, ekeys in by_node.items():
+            peer = self.peer(node)
+            if peer is not None:
+                self._background(self._replicate(peer, ekeys))
 
-    async def _push(self, peer: Peer, key: KvBlockKey) -> None:
+    async def _replicate(self, peer: Peer, ekeys: list[bytes]) -> None:
         async with self._push_slots:
-            try:
-                lease = self.store.get_nowait(key)
-                if lease is None:
-                    lease = await self.store.get_async(key)     # SSD: read off the loop
-            except QuillCacheError:
+            items = []
+            for ek, crc in zip(ekeys, await self._crcs_of(ekeys)):
+                size = self.held.get(ek)
+                if crc is not None and size is not None:
+                    items.append((ek, size, crc))
+            if not items:
                 return                  # gone already
-            try:
-                await self.transport.push(peer, key, lease.view, time.monotonic() + self.hop_timeout)
-                self.counters["replicas_pushed"] += 1
-            except QuillCacheError as exc:
-                self.counters["replica_failures"] += 1
-                log.debug("replica of a block to %s failed: %s", peer.node_id, exc)
-            finally:
-                lease.release()
+            body = wire.encode_replicate(items, self.limits)
+            for attempt in range(2):        # one more try: the notice is small, a lost one loses a copy
+                try:
+                    await self.transport.request(peer, Opcode.REPLICATE, body, time.monotonic() + self.hop_timeout)
+                    self.counters["replicas_pushed"] += len(items)
+                    return
+                except QuillCacheError as exc:
+                    if attempt == 0:
+                        await asyncio.sleep(RETRY_HOME_S)
+                        continue
+                    self.counters["replica_failures"] += 1
+                    log.debug("replica of %d blocks to %s failed: %s", len(items), peer.node_id, exc)
+
+    async def _take_replicas(self, holder: str, epoch: int, items: list) -> None:
+        """REPLICATE from ``holder``: fetch the blocks not held here from it, check them
+        against the CRCs it recorded, keep them (the store's listener announces them)."""
+        todo = [(decode_key(ek), ek, size, crc) for ek, size, crc in items]
+        todo = [t for t in todo if not self.store.exists(t[0])]
+        by_tenant: dict[str, list[int]] = {}
+        for i, t in enumerate(todo):
+            by_tenant.setdefault(t[0].tenant_id, []).append(i)
+        deadline = time.monotonic() + self.hop_timeout
+        for tenant, idx in by_tenant.items():
+            ekeys = [todo[i][1] for i in idx]
+            got: list[Optional[memoryview]] = [None] * len(idx)
+            records = [Holder(holder, epoch, todo[i][2], todo[i][3]) for i in idx]
+            await self._fetch_from(records, range(len(idx)), tenant, ekeys, got, deadline)
+            for j, i in enumerate(idx):
+                if got[j] is None:
+                    self.counters["replica_failures"] += 1
+                    continue
+                try:
+                    await self.store.put(todo[i][0], got[j])
+                    self.counters["replicas_fetched"] += 1
+                except QuillCacheError:
+                    self.counters["replica_failures"] += 1          # no room: no replica here
 
     # ------------------------------------------------------------------ requests from peers
 
     def on_request(self, conn, frame) -> None:
+        """Opcodes 0x40-0x48.  The server's tenant check does not run for the node opcodes
+        (``wire.NODE_OPCODES``): they are decided here, by the connection's node login."""
         op = frame.opcode
-        if op in _PEER_OPS and not conn.peer_node:
-            raise PermissionDenied(f"{Opcode(op).name} is for nodes of the pool (HELLO with the cluster credential)")
         rid = frame.request_id
+        if op == Opcode.NODE_AUTH:
+            self._node_auth(conn, rid, frame)
+            return
+        if op == Opcode.NODE_PROOF:
+            self._node_proof(conn, rid, frame)
+            return
+        if op in _PEER_OPS and not conn.peer_node:
+            raise PermissionDenied(f"{Opcode(op).name} is for nodes of the pool (log in with NODE_AUTH)")
         if op == Opcode.ANNOUNCE:
             node, epoch, items = wire.decode_announce(frame.header, self.limits)
+            self._own_records(conn, op, node, epoch)
             if node != self.node_id:            # this node's blocks are the store's own records
                 m = self.view.get(node)
                 if (m is None or m.epoch != epoch) and (node, epoch) not in self._unseen:
                     self._unseen[(node, epoch)] = time.monotonic()
-                for ekey, size in items:
-                    self.records.add(conn.key_of(ekey), node, epoch, size, ekey)
+                for ekey, size, crc in items:
+                    self.records.add(conn.key_of(ekey), node, epoch, size, crc, ekey)
             conn.finish(rid, op)
         elif op == Opcode.WITHDRAW:
             node, epoch, keys = wire.decode_withdraw(frame.header, self.limits)
+            self._own_records(conn, op, node, epoch)
             for ekey in keys:
                 self.records.drop(conn.key_of(ekey), node, epoch, ekey)
+            conn.finish(rid, op)
+        elif op == Opcode.REPLICATE:
+            items = wire.decode_replicate(frame.header, self.limits)
+            for ekey, _size, _crc in items:
+                conn.key_of(ekey)               # well formed, or the request is refused
+            self._background(self._take_replicas(conn.peer_node, conn.peer_epoch, items))
             conn.finish(rid, op)
         elif op == Opcode.LOCATE:
             self.counters["locates_served"] += 1
@@ -452,6 +595,50 @@ class ClusterHook(PoolReads):
             conn.spawn(self._cluster_locate(conn, rid, keys))
         else:
             raise InvalidArgument(f"opcode {op:#04x} is not a cluster request")
+
+    def _own_records(self, conn, op: int, node: str, epoch: int) -> None:
+        """ANNOUNCE and WITHDRAW name the records of the connection's own node and epoch only."""
+        if node != conn.peer_node or epoch != conn.peer_epoch:
+            self.counters["records_refused_sender"] += 1
+            raise PermissionDenied(f"{Opcode(op).name} names node {node!r} epoch {epoch:x}; this connection "
+                                   f"logged in as {conn.peer_node!r} epoch {conn.peer_epoch:x}")
+
+    # ------------------------------------------------------------------ node login (responder side)
+
+    def _node_auth(self, conn, rid: int, frame) -> None:
+        """NODE_AUTH: the initiator's id, epoch, the id it expects here, its nonce; answer
+        this node's nonce and MAC over the transcript (it proves the key; nothing else is
+        granted until NODE_PROOF proves it back)."""
+        initiator, epoch, responder, nonce_i = wire.decode_node_auth(frame.header)
+        if self.keys is None or conn.peer_node or conn.tenant or conn in self._logins:
+            self._login_refused(conn, rid, frame.opcode, "NODE_AUTH on a connection that cannot log in as a node")
+            return
+        if responder != self.node_id:
+            self._login_refused(conn, rid, frame.opcode, f"this is node {self.node_id!r}, not {responder!r}")
+            return
+        login = _Login(initiator, epoch, self.node_id, self.epoch, nonce_i, secrets.token_bytes(wire.NONCE_BYTES))
+        self._logins[conn] = login
+        mac = self.keys.responder_mac(*login)
+        conn.finish(rid, frame.opcode, wire.encode_node_auth_reply(self.node_id, login.responder_epoch,
+                                                                   login.nonce_r, mac))
+
+    def _node_proof(self, conn, rid: int, frame) -> None:
+        mac = wire.decode_node_proof(frame.header)
+        login = self._logins.pop(conn, None)
+        if login is None or conn.peer_node or not hmac.compare_digest(mac, self.keys.initiator_mac(*login)):
+            self._login_refused(conn, rid, frame.opcode, "node login failed")
+            return
+        conn.logged_in_as_node(login.initiator, login.epoch)     # a member connection from now on
+        self.counters["logins"] += 1
+        conn.finish(rid, frame.opcode)
+
+    def _login_refused(self, conn, rid: int, op: int, why: str) -> None:
+        """Refuse and close: a login gets one try per connection."""
+        self._logins.pop(conn, None)
+        self.counters["logins_refused"] += 1
+        log.warning("cluster: node login from %s refused: %s", getattr(conn, "peer", "?"), why)
+        conn.finish_error(rid, op, PermissionDenied(why))
+        conn.close()
 
     def _is_live(self, node_id: str, epoch: int) -> bool:
         """Whether a holder is this node now, or a member of the view with that epoch."""
@@ -486,16 +673,17 @@ class ClusterHook(PoolReads):
                     items.append((exc.status, 0))
                     continue
                 if lease is None:
-                    conn.spawn(self._serve_fetch_async(conn, rid, tenant, keys[i:], leases, items))
+                    conn.spawn(self._serve_fetch_async(conn, rid, tenant, keys[i:], leases, items, frame.flags))
                     return
                 leases.append(lease)
                 items.append((0, lease.size))
         except BaseException:
             _release(leases)
             raise
-        self._reply_fetch(conn, rid, leases, items)
+        self._reply_fetch(conn, rid, leases, items, frame.flags)
 
-    async def _serve_fetch_async(self, conn, rid: int, tenant: str, keys: list, leases: list, items: list) -> None:
+    async def _serve_fetch_async(self, conn, rid: int, tenant: str, keys: list, leases: list, items: list,
+                                 flags: int) -> None:
         try:
             for key in keys:
                 if not self._may_read(tenant, key):
@@ -513,9 +701,11 @@ class ClusterHook(PoolReads):
         except BaseException as exc:
             _fetch_failed(conn, rid, leases, exc)
             return
-        self._reply_fetch(conn, rid, leases, items)
+        self._reply_fetch(conn, rid, leases, items, flags)
 
-    def _reply_fetch(self, conn, rid: int, leases: list, items: list) -> None:
+    def _reply_fetch(self, conn, rid: int, leases: list, items: list, flags: int) -> None:
+        """The FETCH reply; a frame CRC trailer only if the request asked for one (a reader
+        checks each block against its writer's CRC instead, docs/security.md)."""
         try:
             if not conn.is_in_flight(rid):
                 _release(leases)
@@ -525,7 +715,8 @@ class ClusterHook(PoolReads):
             _fetch_failed(conn, rid, leases, exc)
             return
         self.counters["fetches_served"] += 1
-        conn.finish(rid, Opcode.FETCH, body, [lease.view for lease in leases], crc=True, leases=leases)
+        conn.finish(rid, Opcode.FETCH, body, [lease.view for lease in leases], crc=bool(flags & FLAG_PAYLOAD_CRC),
+                    leases=leases)
 
     async def _cluster_locate(self, conn, rid: int, keys: list[KvBlockKey]) -> None:
         try:

@@ -14,6 +14,13 @@ view is kept, the state is ``degraded`` and the thread retries; when etcd answer
 the node keeps its lease if it is still alive, else registers with a new epoch, then
 re-lists the prefix and watches from the listed revision.
 
+A record is accepted into the view only when its node id is its etcd key's last part and,
+with the pool's keys (``keys``, cluster/keys.py: always, in a node), when it carries
+``sig``, the HMAC of its etcd key and content under the record key derived from the
+credential, and names the lease etcd shows it on.  Anything else (a record an etcd writer
+made up, one copied under another key, one claiming another node's id) is refused: counted
+(``records_refused``), logged once per name and reason, and left out of the view.
+
 A record is written only by a transaction, over nothing, over this process's own record,
 or over the record of an earlier run of the same node (the same address: a node killed
 without revoking its lease and started again takes its name back at once).  A node id that
@@ -36,7 +43,7 @@ import requests
 
 log = logging.getLogger("quillcache.cluster")
 
-__all__ = ["Member", "Membership", "node_prefix", "RECORD_REFRESH_S"]
+__all__ = ["Member", "Membership", "node_prefix", "RECORD_REFRESH_S", "RecordRefused"]
 
 RECORD_REFRESH_S = 10.0     # seconds between rewrites of this node's record (free space)
 RETRY_S = 0.25              # seconds between attempts while etcd is unreachable
@@ -54,7 +61,10 @@ class Member(NamedTuple):
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Member":
-        d = json.loads(raw)
+        return cls.from_dict(json.loads(raw))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Member":
         return cls(str(d["node_id"]), str(d["address"]), int(d["epoch"]), int(d.get("capacity", 0)),
                    int(d.get("free", 0)), str(d.get("version", "")), float(d.get("started", 0.0)),
                    int(d.get("lease", 0)))
@@ -79,6 +89,10 @@ def _range_end(prefix: str) -> str:
 
 class EtcdUnavailable(Exception):
     pass
+
+
+class RecordRefused(ValueError):
+    """A record that is not a member's: unsigned, badly signed, or under another name."""
 
 
 class NameTaken(Exception):
@@ -139,7 +153,8 @@ class Membership:
     OWNER_FIELD = "address"     # the record's field naming where its process is (``address``)
 
     def __init__(self, *, endpoints, cluster_id: str, node_id: str, address: str, ttl: float,
-                 version: str, space: Callable[[], tuple[int, int]], loop, on_change) -> None:
+                 version: str, space: Callable[[], tuple[int, int]], loop, on_change, keys=None) -> None:
+        self.keys = keys                # cluster.keys.ClusterKeys: sign this record, check the others
         self.prefix = node_prefix(cluster_id)
         self.key = self.prefix + node_id
         self.node_id = node_id
@@ -161,6 +176,8 @@ class Membership:
         self.peers_revoked = 0
         self.conflicts = 0
         self.conflict = ""                      # why the name is refused, while state is "conflict"
+        self.records_refused = 0                # records under the prefix that are not a member's
+        self._refusals: dict[str, str] = {}     # name -> the reason last logged
         self._lease_id: Optional[int] = None
         self._record_written = 0.0
         self._stop = threading.Event()
@@ -322,6 +339,8 @@ class Membership:
         one's, where it says (of two live processes claiming one address, the newer keeps it)."""
         try:
             d = json.loads(raw)
+            if self.keys is not None and self._verified(self.key, d) is None:
+                return True     # not a member's record (an etcd writer's): nobody to defer to
             return (bool(self.address) and d.get(self.OWNER_FIELD) == self.address
                     and float(d.get("started", 0.0)) <= self.started)
         except (ValueError, AttributeError, TypeError, UnicodeDecodeError):
@@ -335,15 +354,62 @@ class Membership:
 
     # The two hooks a subclass keeping other records under another prefix overrides
     # (cluster/engines.py: the engines a gateway routes to); a node's are its Member record.
-    def _record_value(self) -> bytes:
-        """The bytes of this process's own record."""
+    def _content(self) -> bytes:
+        """This process's own record, a JSON object (``sig`` is added by ``_record_value``)."""
         return self._record().to_json()
 
-    def _parse(self, name: str, raw: bytes) -> tuple[str, Any]:
-        """(name in the view, value) of the record under ``prefix + name``; raises ValueError,
-        KeyError or TypeError for a record that is not well formed (it is skipped)."""
-        m = Member.from_json(raw)
-        return m.node_id, m
+    def _record_value(self) -> bytes:
+        """The bytes of this process's own record (signed, with ``keys``)."""
+        content = self._content()
+        if self.keys is None:
+            return content
+        d = json.loads(content)
+        content = json.dumps(d, sort_keys=True).encode("utf-8")     # the form a reader re-encodes
+        d["sig"] = self.keys.sign_record(self.key, content)
+        return json.dumps(d, sort_keys=True).encode("utf-8")
+
+    def _verified(self, etcd_key: str, d: Any) -> Optional[dict]:
+        """The record's fields without ``sig`` if ``sig`` signs them under ``etcd_key``, else None."""
+        if not isinstance(d, dict):
+            return None
+        d = dict(d)
+        sig = d.pop("sig", None)
+        content = json.dumps(d, sort_keys=True).encode("utf-8")
+        return d if self.keys.record_signed(etcd_key, content, sig) else None
+
+    def _parse(self, name: str, raw: bytes, lease: int = 0) -> tuple[str, Any]:
+        """(name in the view, value) of the record under ``prefix + name`` on etcd lease
+        ``lease`` (its signature, with ``keys``, was checked and taken off); raises
+        ValueError, KeyError or TypeError for a record that is not well formed, RecordRefused
+        for one that is not a member's (either way it is skipped)."""
+        d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+        m = Member.from_dict(d)
+        if m.node_id != name:
+            raise RecordRefused(f"names node {m.node_id!r} under the key of {name!r}")
+        if self.keys is not None and m.lease != lease:
+            raise RecordRefused(f"signed for lease {m.lease:x}, stored on lease {lease:x}")
+        return name, m
+
+    def _accept(self, name: str, kv: dict) -> Optional[tuple[str, Any]]:
+        """``_parse`` of an etcd key-value, or None (counted and logged) when it is refused."""
+        try:
+            raw = base64.b64decode(kv["value"])
+            if self.keys is not None:
+                d = self._verified(self.prefix + name, json.loads(raw))
+                if d is None:
+                    raise RecordRefused("not signed with this pool's record key")
+                raw = json.dumps(d, sort_keys=True).encode("utf-8")
+            return self._parse(name, raw, int(kv.get("lease", 0)))
+        except RecordRefused as exc:
+            self.records_refused += 1
+            if self._refusals.get(name) != str(exc):
+                self._refusals[name] = str(exc)
+                log.warning("cluster: the record under %s%s is refused: %s", self.prefix, name, exc)
+            return None
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
 
     def _relist_and_watch(self) -> None:
         self._close_watch()
@@ -352,10 +418,11 @@ class Membership:
         for kv in res.get("kvs", []):
             try:
                 key = base64.b64decode(kv["key"]).decode("utf-8", "replace")
-                name, value = self._parse(key[len(self.prefix):], base64.b64decode(kv["value"]))
             except (ValueError, KeyError, TypeError):
                 continue
-            view[name] = value
+            got = self._accept(key[len(self.prefix):], kv)
+            if got is not None:
+                view[got[0]] = got[1]
         rev = int(res["header"]["revision"])
         with self._lock:
             self.view = view
@@ -422,11 +489,10 @@ class Membership:
                 if ev.get("type") == "DELETE":
                     view.pop(node, None)
                 else:
-                    try:
-                        name, value = self._parse(node, base64.b64decode(kv["value"]))
-                    except (ValueError, KeyError, TypeError):
-                        continue
-                    view[name] = value
+                    got = self._accept(node, kv)
+                    if got is None:
+                        continue            # the last member record seen under it stays
+                    view[got[0]] = got[1]
             self.view = view
         self._publish()
 
@@ -456,4 +522,4 @@ class Membership:
         return {"state": self.state, "epoch": f"{self.epoch:x}", "registrations": self.registrations,
                 "epochs_started": self.epochs_started, "degraded_events": self.degraded_events,
                 "view_changes": self.view_changes, "lease_ttl_s": self.ttl, "peers_revoked": self.peers_revoked,
-                "conflicts": self.conflicts, "conflict": self.conflict}
+                "conflicts": self.conflicts, "conflict": self.conflict, "records_refused": self.records_refused}

@@ -7,8 +7,10 @@ transport and counters).  One read is:
    before, reused while they stay in the view with the same epoch) or from the key's
    home, one LOCATE per home for the whole batch;
 2. **fetch**: one FETCH per holder for the keys it holds, each hop with the
-   ``hop_timeout`` deadline; the reply's CRC32C trailer is checked as it arrives, the
-   holder's epoch and the recorded size are checked after;
+   ``hop_timeout`` deadline; the holder's epoch, and each block's size and CRC32C against
+   the record (the CRC its writer computed when it stored the bytes, which the home keeps
+   and LOCATE returns: a holder, or anything between, cannot substitute bytes unnoticed)
+   are checked before a byte is used or kept;
 3. a holder that is gone, stale or answers wrongly is skipped for the next (up to
    ``MAX_HOLDER_TRIES``); if every holder learnt from the cache failed, the home is asked
    once more (a stale hint costs one hop, then a proper locate); none left is a miss.
@@ -26,6 +28,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
+from quillcache._native.crc import crc32c
 from quillcache.protocol import cluster as wire
 from quillcache.cluster.hrw import key_hash
 from quillcache.cluster.records import Holder
@@ -151,19 +154,22 @@ class PoolReads:
     async def _fetch_rounds(self, tenant: str, ekeys: Sequence[bytes], candidates: list[list[Holder]],
                             result: list[Optional[memoryview]]) -> None:
         for attempt in range(MAX_HOLDER_TRIES):
-            by_holder: dict[Holder, list[int]] = {}
+            by_holder: dict[tuple[str, int], list[int]] = {}     # (node, epoch): one FETCH each
             for i, hs in enumerate(candidates):
                 if result[i] is None and attempt < len(hs):
-                    by_holder.setdefault(hs[attempt], []).append(i)
+                    by_holder.setdefault(hs[attempt][:2], []).append(i)
             if not by_holder:
                 break
             deadline = time.monotonic() + self.hop_timeout
-            await _all(self._fetch_from(h, idx, tenant, ekeys, result, deadline) for h, idx in by_holder.items())
+            await _all(self._fetch_from([candidates[i][attempt] for i in idx], idx, tenant, ekeys, result, deadline)
+                       for idx in by_holder.values())
 
-    async def _fetch_from(self, holder: Holder, idx: Sequence[int], tenant: str, ekeys: Sequence[bytes],
-                          result: list[Optional[memoryview]], deadline: float) -> None:
-        """One FETCH of ``ekeys[i]`` for i in ``idx`` from ``holder``; what it returns that
-        is the copy recorded (the holder's epoch, the recorded size) lands in ``result[i]``."""
+    async def _fetch_from(self, records: Sequence[Holder], idx: Sequence[int], tenant: str,
+                          ekeys: Sequence[bytes], result: list[Optional[memoryview]], deadline: float) -> None:
+        """One FETCH of ``ekeys[i]`` for i in ``idx`` from one holder, whose record of
+        ``ekeys[idx[j]]`` is ``records[j]`` (one node and epoch); what it returns that is the
+        copy recorded (the holder's epoch, the recorded size and CRC32C) lands in ``result[i]``."""
+        holder = records[0]
         m = self.view.get(holder.node_id)
         if m is None:
             return
@@ -178,11 +184,16 @@ class PoolReads:
         if res.epoch != holder.epoch:
             counters["stale_hops"] += len(idx)              # it restarted: not the copy recorded
             return
-        for i, block in zip(idx, res.blocks):
+        for i, rec, block in zip(idx, records, res.blocks):
             if block is None:
                 counters["stale_hops"] += 1
-            elif block.nbytes != holder.size:
+            elif block.nbytes != rec.size:
                 counters["fetch_failures"] += 1             # not the block recorded: skip it
+            elif crc32c(block) != rec.crc:
+                n = counters["crc_mismatches"] = counters["crc_mismatches"] + 1    # not its writer's bytes
+                if n & (n - 1) == 0:                         # the 1st, 2nd, 4th, ...: no log flood
+                    log.warning("cluster: %s served a block whose CRC32C is not the one recorded: "
+                                "dropped (%d so far)", holder.node_id, n)
             else:
                 result[i] = block
 
@@ -224,7 +235,7 @@ class PoolReads:
                     self._loc.move_to_end(ekey)
                     self.counters["location_cache_hits"] += 1
                     got: list[Optional[memoryview]] = [None]
-                    await self._fetch_from(h, (0,), tenant, (ekey,), got, time.monotonic() + self.hop_timeout)
+                    await self._fetch_from((h,), (0,), tenant, (ekey,), got, time.monotonic() + self.hop_timeout)
                     block = got[0]
                     if block is None:
                         self._loc.pop(ekey, None)           # stale: the home is asked below

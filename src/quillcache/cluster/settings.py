@@ -6,7 +6,10 @@ from __future__ import annotations
 from quillcache.settings.convert import advertise, boolean, choice, duration_range, endpoints, ident, int_range, string
 from quillcache.settings.registry import Setting
 
-__all__ = ["CLUSTER_SETTINGS", "CLUSTER_SUMMARY", "CLUSTER_BY_NAME"]
+__all__ = ["CLUSTER_SETTINGS", "CLUSTER_SUMMARY", "CLUSTER_BY_NAME", "CREDENTIAL_MIN_CHARS", "CREDENTIAL_ENV"]
+
+CREDENTIAL_MIN_CHARS = 16       # characters of a [cluster] credential at least
+CREDENTIAL_ENV = "QUILLCACHE_CLUSTER_CREDENTIAL"   # the registrants' environment variable for it
 
 CLUSTER_SUMMARY = "A pool of nodes: membership on etcd, residency by rendezvous hashing, cross-node fetch."
 
@@ -35,8 +38,9 @@ CLUSTER_SETTINGS: tuple[Setting, ...] = (
     Setting("cluster", "cache_remote", boolean, True, False,
             "Keep a local copy of a block fetched from another node."),
     Setting("cluster", "credential", string, "", False,
-            "Shared secret that nodes present to each other (at least 16 characters; required "
-            "when enabled)."),
+            "The pool's shared secret (at least 16 characters; required when enabled), never sent "
+            "nor logged: keys derived from it log the nodes in to each other and sign member and "
+            "engine records in etcd (a gateway refuses an engine record it does not sign)."),
     Setting("cluster", "reannounce_rate", int_range(1, 1 << 24), 20000, False,
             "Records per second a node re-announces to their new homes after a membership change."),
 )

@@ -18,18 +18,21 @@ receives straight into the destination buffers and ``put_many`` sends them.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
-from quillcache.errors import QuillCacheError
-from quillcache.model import KvBlockKey
+from quillcache.errors import ConnectionLost, QuillCacheError
+from quillcache.model import IdentityScope, KvBlockKey
+from quillcache.net import DEFAULT_ADDRESS, DEFAULT_UNIX_SOCKET
 
 __all__ = ["TENANT_SALT_PREFIX", "TENANT_ARG", "model_scope", "hash_hex", "tenant_from_salt",
            "tenant_from_args", "value_nbytes", "value_parts", "blocks_per_request",
-           "batch_len", "Identity", "chain_keys", "ConnectorCore"]
+           "batch_len", "chain_keys", "default_addresses", "ConnectorCore"]
+
+log = logging.getLogger("quillcache.connectors")
 
 TENANT_SALT_PREFIX = "tenant="      # cache_salt "tenant=<id>[;anything]" names the tenant
 TENANT_ARG = "quillcache_tenant"    # or the request's extra args / kv_transfer_params carry it
@@ -38,7 +41,17 @@ TENANT_ARG = "quillcache_tenant"    # or the request's extra args / kv_transfer_
 BATCH_BLOCKS = 256
 BATCH_BYTES = 64 << 20       # bytes per load/save request (the node refuses payloads over 256 MiB)
 COUNTERS = ("lookups", "lookup_errors", "hit_blocks", "miss_blocks", "loads", "load_errors",
-            "loaded_blocks", "saves", "save_errors", "saved_blocks", "reconnects")
+            "loaded_blocks", "saves", "save_errors", "saved_blocks", "reconnects", "connect_errors")
+# what each batched operation counts: (calls, errors, blocks done)
+_OPS = {"lookup": ("lookups", "lookup_errors", "hit_blocks"),
+        "load": ("loads", "load_errors", "loaded_blocks"),
+        "save": ("saves", "save_errors", "saved_blocks")}
+
+
+def default_addresses() -> list[str]:
+    """Where a connector with no address looks for the node, in order: the node's default Unix
+    socket (the shipped config and unit: docs/shm.md), then its default TCP address."""
+    return [f"unix:{DEFAULT_UNIX_SOCKET}", DEFAULT_ADDRESS]
 
 
 def model_scope(model: str, *, dtype: str, block_size: int, num_layers: int, layout: str,
@@ -96,16 +109,7 @@ def batch_len(buffers: Sequence) -> int:
     return blocks_per_request(value_nbytes(buffers[0]) if buffers else 1)
 
 
-@dataclass(frozen=True)
-class Identity:
-    """Who a request's blocks belong to (the scope of its keys, besides the model scope)."""
-    model_id: str
-    tokenizer_id: str
-    adapter_id: Optional[str] = None
-    tenant_id: str = ""
-
-
-def chain_keys(ident: Identity, block_hashes: Sequence[Any], *, block_size: int, start: int = 0,
+def chain_keys(ident: IdentityScope, block_hashes: Sequence[Any], *, block_size: int, start: int = 0,
                parent: Any = None) -> list[KvBlockKey]:
     """Keys for a chain of engine block hashes; ``start`` is the index of the first one and
     ``parent`` the hash before it (None at the start of the prompt)."""
@@ -121,17 +125,32 @@ def chain_keys(ident: Identity, block_hashes: Sequence[Any], *, block_size: int,
 
 class ConnectorCore:
     """One node connection, owned by one I/O thread; the engine thread never waits on the
-    network unless it asks to (``wait``).  Every error is counted and becomes a miss."""
+    network unless it asks to (``wait``).  Every error is counted and becomes a miss.
 
-    def __init__(self, address: str, *, timeout: float = 5.0, client_factory=None) -> None:
+    ``address`` None tries ``default_addresses()`` in order.  ``token`` is sent at HELLO; it is
+    never logged and not in ``repr``.  The core connects at once (on its I/O thread): a node it
+    cannot reach or that refuses the token is logged once as an error naming the address and
+    the reason, and counted as ``connect_errors``; every call meanwhile is a miss and tries again.
+    """
+
+    def __init__(self, address: Optional[str] = None, *, token: Optional[str] = None, timeout: float = 5.0,
+                 client_factory: Optional[Callable[[str], Any]] = None, name: str = "quillcache") -> None:
         from quillcache.client import Client
-        self.address = address
+        self.address = address or None
+        self.candidates = [address] if address else default_addresses()
         self.timeout = float(timeout)
-        self._factory = client_factory or (lambda: Client(address, timeout=self.timeout))
+        self.name = name
+        self._factory = client_factory or (lambda where: Client(where, token=token, timeout=self.timeout))
         self._client = None
+        self.connected_to: Optional[str] = None     # the address of the live connection
+        self._failing = False                       # the last connect failed (logged once per outage)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quillcache-conn")
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self._io.submit(self._start)
+
+    def __repr__(self) -> str:
+        return f"ConnectorCore(address={self.address!r}, connected_to={self.connected_to!r}, timeout={self.timeout})"
 
     # ------------------------------------------------------------------ plumbing
 
@@ -143,14 +162,42 @@ class ConnectorCore:
         """Count an error an adapter saw itself (a deadline it enforced on its own loop)."""
         self._count(name, n)
 
+    def _start(self) -> None:
+        try:
+            self._conn()
+        except (QuillCacheError, OSError):    # counted and logged by _conn; calls retry
+            pass
+
     def _conn(self):
-        if self._client is None:
-            self._client = self._factory()
+        if self._client is not None:
+            return self._client
+        tried = []
+        for where in self.candidates:
+            try:
+                self._client = self._factory(where)
+            except ConnectionLost as exc:    # nothing listens there: the next candidate
+                tried.append(f"{where}: {exc}")
+                continue
+            except (QuillCacheError, OSError) as exc:
+                tried.append(f"{where}: {type(exc).__name__}: {exc}")
+                break
+            self.connected_to = where
             self._count("reconnects")
-        return self._client
+            if self._failing:
+                log.info("%s connector: connected to %s again", self.name, where)
+            self._failing = False
+            return self._client
+        self._count("connect_errors")
+        reason = "; ".join(tried)
+        if not self._failing:
+            log.error("%s connector: cannot use the node (%s); every lookup is a miss until it can "
+                      "(counted as connect_errors, retried on each call)", self.name, reason)
+        self._failing = True
+        raise ConnectionLost(reason)
 
     def _drop(self) -> None:
         c, self._client = self._client, None
+        self.connected_to = None
         if c is not None:
             try:
                 c.close()
@@ -160,7 +207,12 @@ class ConnectorCore:
     @property
     def shm(self) -> bool:
         """True when the node's arena is mapped (the zero-copy path)."""
-        return self._io.submit(lambda: bool(getattr(self._conn(), "shm", False))).result(self.timeout)
+        def mapped() -> bool:
+            try:
+                return bool(getattr(self._conn(), "shm", False))
+            except (QuillCacheError, OSError):
+                return False
+        return self._io.submit(mapped).result(self.timeout + 1.0)
 
     def close(self) -> None:
         self._io.submit(self._drop).result(self.timeout)
@@ -168,45 +220,42 @@ class ConnectorCore:
 
     # ------------------------------------------------------------------ operations (I/O thread)
 
-    def _lookup(self, keys: list[KvBlockKey]) -> int:
-        self._count("lookups")
-        if not keys:
+    def _batches(self, what: str, n: int, step: int, batch: Callable[[int, int], int]) -> Optional[int]:
+        """The one loop of every batched operation: counts the call, runs ``batch(i, j)`` on
+        items i..j in slices of ``step`` until a slice comes back short, and counts the blocks
+        done.  Any node error is counted, drops the connection and returns None (a miss)."""
+        calls, errors, blocks = _OPS[what]
+        self._count(calls)
+        if not n:
             return 0
+        done = 0
         try:
-            prefix = 0
-            for i in range(0, len(keys), BATCH_BLOCKS):
-                p, _ = self._conn().exists_many(keys[i:i + BATCH_BLOCKS])
-                prefix += p
-                if p < len(keys[i:i + BATCH_BLOCKS]):
+            for i in range(0, n, step):
+                j = min(i + step, n)
+                got = batch(i, j)
+                done += got
+                if got < j - i:
                     break
         except (QuillCacheError, OSError):
-            self._count("lookup_errors")
+            self._count(errors)
             self._drop()
+            return None
+        self._count(blocks, done)
+        return done
+
+    def _lookup(self, keys: list[KvBlockKey]) -> int:
+        prefix = self._batches("lookup", len(keys), BATCH_BLOCKS,
+                               lambda i, j: self._conn().exists_many(keys[i:j])[0])
+        if prefix is None:
             return 0
-        self._count("hit_blocks", prefix)
         self._count("miss_blocks", len(keys) - prefix)
         return prefix
 
     def _load(self, keys: list[KvBlockKey], buffers: list) -> int:
         """Fill buffers[i] with keys[i]'s bytes; returns the count of consecutive blocks
         loaded from the start (the rest is recomputed by the engine)."""
-        self._count("loads")
-        if not keys:
-            return 0
-        n = 0
-        try:
-            step = batch_len(buffers)
-            for i in range(0, len(keys), step):
-                got = self._load_batch(keys[i:i + step], buffers[i:i + step])
-                n += got
-                if got < len(keys[i:i + step]):
-                    break
-        except (QuillCacheError, OSError):
-            self._count("load_errors")
-            self._drop()
-            return 0
-        self._count("loaded_blocks", n)
-        return n
+        return self._batches("load", len(keys), batch_len(buffers),
+                             lambda i, j: self._load_batch(keys[i:j], buffers[i:j])) or 0
 
     def _load_batch(self, keys: list[KvBlockKey], buffers: list) -> int:
         c = self._conn()
@@ -244,58 +293,38 @@ class ConnectorCore:
         """Values of unknown size: ``take(i, view)`` gets keys[i]'s bytes (a read-only view,
         valid during the call only) and returns False to stop; returns the count of leading
         keys taken (0 after any error: the caller releases whatever it kept)."""
-        self._count("loads")
-        if not keys:
-            return 0
-        n = 0
-        try:
-            c = self._conn()
-            for i in range(0, len(keys), BATCH_BLOCKS):
-                chunk = keys[i:i + BATCH_BLOCKS]
-                with c.get_many_located(chunk) as views:
-                    got = 0
-                    for v in views:
-                        if v is None or not take(n + got, v):
-                            break
-                        got += 1
-                # counted only here: leaving the block checks the lease (a late one may have
-                # let the bytes be overwritten), so nothing counts until it returned
-                n += got
-                if got < len(chunk):
-                    break
-        except (QuillCacheError, OSError):
-            self._count("load_errors")
-            self._drop()
-            return 0
-        self._count("loaded_blocks", n)
-        return n
+
+        def batch(i: int, j: int) -> int:
+            got = 0
+            with self._conn().get_many_located(keys[i:j]) as views:
+                for v in views:
+                    if v is None or not take(i + got, v):
+                        break
+                    got += 1
+            # counted only here: leaving the block checks the lease (a late one may have
+            # let the bytes be overwritten), so nothing counts until it returned
+            return got
+
+        return self._batches("load", len(keys), BATCH_BLOCKS, batch) or 0
 
     def _save(self, keys: list[KvBlockKey], buffers: list) -> bool:
-        self._count("saves")
-        if not keys:
-            return True
-        try:
-            c = self._conn()
-            step = batch_len(buffers)
-            for i in range(0, len(keys), step):
-                ks, bs = keys[i:i + step], buffers[i:i + step]
-                if getattr(c, "shm", False):
-                    srcs = [value_parts(b) for b in bs]
-                    sizes = [sum(p.nbytes for p in s) for s in srcs]
-                    with c.put_many_reserved(list(zip(ks, sizes))) as slots:
-                        for slot, s in zip(slots, srcs):
-                            at = 0
-                            for p in s:
-                                slot[at:at + p.nbytes] = p
-                                at += p.nbytes
-                else:
-                    c.put_many([(k, b"".join(b) if isinstance(b, tuple) else b) for k, b in zip(ks, bs)])
-        except (QuillCacheError, OSError):
-            self._count("save_errors")
-            self._drop()
-            return False
-        self._count("saved_blocks", len(keys))
-        return True
+
+        def batch(i: int, j: int) -> int:
+            c, ks, bs = self._conn(), keys[i:j], buffers[i:j]
+            if getattr(c, "shm", False):
+                srcs = [value_parts(b) for b in bs]
+                sizes = [sum(p.nbytes for p in s) for s in srcs]
+                with c.put_many_reserved(list(zip(ks, sizes))) as slots:
+                    for slot, s in zip(slots, srcs):
+                        at = 0
+                        for p in s:
+                            slot[at:at + p.nbytes] = p
+                            at += p.nbytes
+            else:
+                c.put_many([(k, b"".join(b) if isinstance(b, tuple) else b) for k, b in zip(ks, bs)])
+            return j - i
+
+        return self._batches("save", len(keys), batch_len(buffers), batch) is not None
 
     # ------------------------------------------------------------------ the engine's side
 

@@ -9,6 +9,7 @@ LMCache config (YAML, or the matching ``LMCACHE_*`` variables)::
       remote_storage_plugin.quillcache.module_path: quillcache.connectors.lmcache
       remote_storage_plugin.quillcache.class_name: QuillCacheRemoteConnector
       remote_storage_plugin.quillcache.address: unix:/run/quillcache/quillcached.sock
+      remote_storage_plugin.quillcache.token_file: /etc/quillcache/engine.token
 
 LMCache builds the class as ``QuillCacheRemoteConnector(loop=, local_cpu_backend=, config=)``
 (``DynamicConnectorAdapter``), without the engine metadata that ``RemoteConnector.__init__``
@@ -34,6 +35,7 @@ memory LMCache has reused.
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 import threading
 from concurrent.futures import Future
@@ -44,14 +46,16 @@ from lmcache.utils import STR_DTYPE_TO_TORCH_DTYPE, TORCH_DTYPE_TO_STR_DTYPE, Ca
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
+from quillcache.connectors import settings
 from quillcache.connectors.core import TENANT_ARG, ConnectorCore, model_scope
 from quillcache.model import IdentityScope, KvBlockKey
+
+log = logging.getLogger("quillcache.connectors.lmcache")
 
 __all__ = ["QuillCacheRemoteConnector", "ADAPTER_TAG", "encode_header", "decode_header"]
 
 DEFAULT_PLUGIN = "quillcache"
 ADAPTER_TAG = "quillcache_adapter"     # LMCache request config "lmcache.tag.quillcache_adapter"
-DEFAULT_LAYOUT = "lmcache"
 
 # value = header + groups + payload.  Header: magic, version, MemoryFormat value, group count,
 # payload bytes.  Group: dtype name (LMCache's spelling), ndim, up to MAX_DIMS dims.
@@ -112,18 +116,21 @@ class QuillCacheRemoteConnector(RemoteConnector):
         self.config = config
         extra = dict(getattr(config, "extra_config", None) or {})
         self.plugin_name = self._plugin_name(config, extra)
-
-        def setting(name: str, default: Any = None) -> Any:
-            return extra.get(f"remote_storage_plugin.{self.plugin_name}.{name}", default)
-
+        prefix = f"remote_storage_plugin.{self.plugin_name}."
+        where = f"extra_config {prefix}*"
+        mine = {k[len(prefix):]: v for k, v in extra.items() if k.startswith(prefix)}
+        values, unknown = settings.parse(settings.LMCACHE, mine, where, settings.LMCACHE_OWN)
+        if unknown:
+            log.warning("%s: unknown QuillCache setting(s) %s ignored (known: %s)", where, ", ".join(unknown),
+                        ", ".join(s.name for s in settings.LMCACHE))
         self.chunk_size = int(getattr(config, "chunk_size", 0) or 0)
-        self.layout = str(setting("layout", DEFAULT_LAYOUT))
-        self.num_layers = int(setting("num_layers", 0))
-        self.tokenizer_id = setting("tokenizer_id")
-        self.tenant = str(setting("tenant", ""))
-        self.adapter = setting("adapter") or None
-        self.core = ConnectorCore(str(setting("address", "127.0.0.1:7600")),
-                                  timeout=float(setting("timeout_s", 5.0)))
+        self.layout = values["layout"]
+        self.num_layers = values["num_layers"]
+        self.tokenizer_id = values["tokenizer_id"]
+        self.tenant = values["tenant"]
+        self.adapter = values["adapter"]
+        self.core = ConnectorCore(values["address"], token=settings.resolve_token(values, where),
+                                  timeout=values["timeout_s"], name=f"LMCache plugin {self.plugin_name}")
         self.bad_values = 0          # values that did not decode or found no memory: misses
 
     @classmethod

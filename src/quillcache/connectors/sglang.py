@@ -3,7 +3,8 @@
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name":"quillcache",
         "module_path":"quillcache.connectors.sglang","class_name":"QuillCacheStorage",
-        "interface_v1":1,"address":"unix:/run/quillcache/quillcached.sock"}'
+        "interface_v1":1,"address":"unix:/run/quillcache/quillcached.sock",
+        "token_file":"/etc/quillcache/engine.token"}'
 
 SGLang builds it as ``QuillCacheStorage(storage_config, {})`` and registers the host pool later
 (``register_mem_pool_host``).  Keys are SGLang's page hashes: hex strings chained over the whole
@@ -29,14 +30,18 @@ on a pool without a KV buffer) raise NotImplementedError.
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from typing import Any, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
-from quillcache.connectors.core import ConnectorCore, Identity, model_scope, tenant_from_args, value_nbytes
+from quillcache.connectors import settings
+from quillcache.connectors.core import ConnectorCore, model_scope, tenant_from_args, value_nbytes
 from quillcache.model import KvBlockKey
+
+log = logging.getLogger("quillcache.connectors.sglang")
 
 __all__ = ["QuillCacheStorage"]
 
@@ -45,17 +50,21 @@ class QuillCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config, kwargs: Optional[dict] = None) -> None:
         cfg = storage_config
-        extra = dict(getattr(cfg, "extra_config", None) or {})
+        where = "--hicache-storage-backend-extra-config"
+        extra, unknown = settings.parse(settings.SGLANG, dict(getattr(cfg, "extra_config", None) or {}), where,
+                                        settings.SGLANG_OWN)
+        if unknown:
+            log.warning("%s: unknown QuillCache setting(s) %s ignored (known: %s)", where, ", ".join(unknown),
+                        ", ".join(s.name for s in settings.SGLANG))
         self.config = cfg
         self.mla = bool(getattr(cfg, "is_mla_model", False))
-        self.model = str(extra.get("model") or getattr(cfg, "model_name", None) or "model")
-        self.scope = self._scope(str(extra.get("dtype", "auto")), int(extra.get("page_size", 0)),
-                                 int(extra.get("num_layers", 0)),
+        self.model = str(extra["model"] or getattr(cfg, "model_name", None) or "model")
+        self.scope = self._scope(extra["dtype"], extra["page_size"], extra["num_layers"],
                                  "page-first" if getattr(cfg, "is_page_first_layout", False) else "layer-first")
-        self.tokenizer_id = str(extra.get("tokenizer_id", self.model))
-        self.default_tenant = str(extra.get("tenant", ""))
-        self.core = ConnectorCore(str(extra.get("address", "127.0.0.1:7600")),
-                                  timeout=float(extra.get("timeout_s", 5.0)))
+        self.tokenizer_id = str(extra["tokenizer_id"] or self.model)
+        self.default_tenant = extra["tenant"]
+        self.core = ConnectorCore(extra["address"], token=settings.resolve_token(extra, where),
+                                  timeout=extra["timeout_s"], name=f"SGLang tp{cfg.tp_rank}")
         self.mem_pool_host = None
         self._metrics: dict[str, list] = {"prefetch": [], "backup": []}
 
@@ -79,8 +88,8 @@ class QuillCacheStorage(HiCacheStorage):
 
     def _keys(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> list[KvBlockKey]:
         tenant = tenant_from_args(getattr(extra_info, "extra_info", None), self.default_tenant)
-        ident = Identity(self.scope, self.tokenizer_id, None, tenant)   # LoRA: inside SGLang's hash
-        return [KvBlockKey(ident.model_id, ident.tokenizer_id, None, ident.tenant_id, "", k, 0, 0) for k in keys]
+        # LoRA: inside SGLang's page hash, so adapter_id is None
+        return [KvBlockKey(self.scope, self.tokenizer_id, None, tenant, "", k, 0, 0) for k in keys]
 
     # ------------------------------------------------------------------ the HiCacheStorage set
 

@@ -2,9 +2,11 @@
 
     --kv-transfer-config '{"kv_connector":"QuillCacheConnector",
         "kv_connector_module_path":"quillcache.connectors.vllm","kv_role":"kv_both",
-        "kv_connector_extra_config":{"address":"unix:/run/quillcache/quillcached.sock"}}'
+        "kv_connector_extra_config":{"address":"unix:/run/quillcache/quillcached.sock",
+        "token_file":"/etc/quillcache/engine.token"}}'
 
-Extra config keys: address, timeout_s, model (default: the served model name), tokenizer_id
+Extra config keys (``settings.VLLM``): address (unset: the node's default Unix socket, then
+127.0.0.1:7470), token or token_file, timeout_s, model (default: the served model name), tokenizer_id
 (default: the model's tokenizer), tenant (the engine's default tenant), layout (default
 "vllm-2nbhd"), num_layers (default: the model's layer count), events (false: publish the pool's
 stored blocks through take_events), events_medium ("STORAGE").  docs/engines.md has the rest.
@@ -19,28 +21,29 @@ in ``wait_for_save`` and sent asynchronously; the scheduler keeps a request's bl
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
 from typing import Any, Iterable, Optional
 
 import torch
-from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored, KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_events import BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from quillcache.connectors import settings
 from quillcache.connectors.core import (
-    ConnectorCore, Identity, chain_keys, model_scope, tenant_from_args, tenant_from_salt,
+    ConnectorCore, chain_keys, model_scope, tenant_from_args, tenant_from_salt,
 )
-from quillcache.connectors.kvquant import KV_DTYPES
 from quillcache.connectors.paged import PagedKVWorker, Transfer
-from quillcache.model import KvBlockKey
+from quillcache.model import IdentityScope, KvBlockKey
+
+log = logging.getLogger("quillcache.connectors.vllm")
 
 __all__ = ["QuillCacheConnector", "QuillCacheMeta", "QuillCacheKVEvents", "worker_ranks"]
-
-DEFAULT_LAYOUT = "vllm-2nbhd"
 
 
 def worker_ranks(pc, tp_size: int, pp_size: int) -> tuple[int, int]:
@@ -117,26 +120,29 @@ class QuillCacheConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        where = "kv_connector_extra_config"
+        extra, unknown = settings.parse(settings.VLLM, dict(self._kv_transfer_config.kv_connector_extra_config or {}),
+                                        where)
+        if unknown:
+            log.warning("%s: unknown QuillCache setting(s) %s ignored (known: %s)", where, ", ".join(unknown),
+                        ", ".join(s.name for s in settings.VLLM))
         mc = getattr(vllm_config, "model_config", None)
         cc = getattr(vllm_config, "cache_config", None)
         pc = getattr(vllm_config, "parallel_config", None)
-        self.block_size = int(extra.get("block_size") or getattr(cc, "block_size", None) or 16)
-        self.model = str(extra.get("model") or (mc and (mc.served_model_name or mc.model)) or "model")
-        self.tokenizer_id = str(extra.get("tokenizer_id") or (mc and mc.tokenizer) or self.model)
-        self.default_tenant = str(extra.get("tenant", ""))
-        self.layout = str(extra.get("layout", DEFAULT_LAYOUT))
+        self.block_size = int(extra["block_size"] or getattr(cc, "block_size", None) or 16)
+        self.model = str(extra["model"] or (mc and (mc.served_model_name or mc.model)) or "model")
+        self.tokenizer_id = str(extra["tokenizer_id"] or (mc and mc.tokenizer) or self.model)
+        self.default_tenant = extra["tenant"]
+        self.layout = extra["layout"]
         # the model's layer count (not this stage's: PP stages differ by pp rank in the scope), so
         # the scheduler's lookup scope and rank 0's save scope agree without the caches
-        self.num_layers = int(extra.get("num_layers") or (mc.get_total_num_hidden_layers() if mc else 0))
-        dtype = extra.get("dtype") or (cc and cc.cache_dtype != "auto" and cc.cache_dtype) or \
+        self.num_layers = int(extra["num_layers"] or (mc.get_total_num_hidden_layers() if mc else 0))
+        dtype = extra["dtype"] or (cc and cc.cache_dtype != "auto" and cc.cache_dtype) or \
             (mc and str(mc.dtype).replace("torch.", "")) or "auto"
         self.dtype = str(dtype)
         # what the pool stores (kvquant.py): "auto" (the cache dtype) or "fp8_e4m3"; the stored
         # dtype is what the keys' scope names, so an FP8 value is never served to a bf16 reader
-        self.kv_dtype = str(extra.get("kv_dtype") or "auto")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_connector_extra_config kv_dtype {self.kv_dtype!r}: one of {', '.join(KV_DTYPES)}")
+        self.kv_dtype = extra["kv_dtype"]
         if self.kv_dtype != "auto":
             self.dtype = self.kv_dtype
         self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
@@ -145,10 +151,10 @@ class QuillCacheConnector(KVConnectorBase_V1):
         # its own TP and PP rank (register_kv_caches), so two ranks never share a key
         self.tp_rank, self.pp_rank = 0, 0
         self._pc = pc
-        self.publish_events = bool(extra.get("events", False))
-        self.events_medium = str(extra.get("events_medium", MEDIUM_STORAGE))
-        self.core = ConnectorCore(str(extra.get("address", "127.0.0.1:7600")),
-                                  timeout=float(extra.get("timeout_s", 5.0)))
+        self.publish_events = extra["events"]
+        self.events_medium = extra["events_medium"]
+        self.core = ConnectorCore(extra["address"], token=settings.resolve_token(extra, where),
+                                  timeout=extra["timeout_s"], name=f"vLLM {role.name.lower()}")
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._saving: set[str] = set()
@@ -163,12 +169,12 @@ class QuillCacheConnector(KVConnectorBase_V1):
                            num_layers=self.num_layers, layout=self.layout, tp_rank=self.tp_rank,
                            tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size)
 
-    def identity(self, request) -> Identity:
+    def identity(self, request) -> IdentityScope:
         lora = getattr(request, "lora_request", None)
         tenant = tenant_from_salt(getattr(request, "cache_salt", None), "")
         if not tenant:
             tenant = tenant_from_args(getattr(request, "kv_transfer_params", None), self.default_tenant)
-        return Identity(self._scope(), self.tokenizer_id, lora.lora_name if lora is not None else None, tenant)
+        return IdentityScope(self._scope(), self.tokenizer_id, lora.lora_name if lora is not None else None, tenant)
 
     def _keys(self, request, start: int, stop: int) -> list[KvBlockKey]:
         hashes = list(request.block_hashes)

@@ -102,6 +102,7 @@ class _Base:
         # per worker and tier: engine hash -> (scope id, router hash)
         self._engine: list[tuple[dict[BlockHash, tuple[int, int]], ...]] = []
         self._alias: dict[tuple[int, BlockHash], int] = {}
+        self._direct: list[int] = []    # per worker: blocks told by add_blocks (not deduplicated)
         self.orphans = 0          # stored blocks whose parent this indexer never saw
         self.bad_events = 0       # events with a token count that does not match
 
@@ -115,6 +116,7 @@ class _Base:
             self._worker_ids[name] = w
             self._worker_names.append(name)
             self._engine.append(tuple({} for _ in range(_N_TIERS)))
+            self._direct.append(0)
         if pool:
             self._pool_sources.add(w)
         return w
@@ -208,15 +210,26 @@ class _Base:
             n += self.removed(w, list(emap), tier)
         return n
 
+    def tree_blocks(self, names: Sequence[str]) -> list[int]:
+        """Blocks each worker caches (every tier), as its events and ``add_blocks`` told: the
+        size of its tree, O(1) per worker."""
+        out = []
+        for name in names:
+            w = self._worker_ids.get(name)
+            out.append(0 if w is None else sum(map(len, self._engine[w])) + self._direct[w])
+        return out
+
     # ---- direct use (tests, the approximate mode): router hashes, no engine hashes
     def add_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int], tier: int) -> None:
         w = self.worker(worker, tier == POOL)
+        self._direct[w] += len(hashes)
         self._add_keys(list(map(_KEY.pack, repeat(self.scope_id(scope)), hashes)), w, tier)
 
     def remove_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int], tier: int) -> None:
         w = self._worker_ids.get(worker)
         sid = self._scope_ids.get(scope)
         if w is not None and sid is not None:
+            self._direct[w] = max(self._direct[w] - len(hashes), 0)
             self._remove_keys(list(map(_KEY.pack, repeat(sid), hashes)), w, tier)
 
     def find_matches(self, scope: Optional[IdentityScope], hashes: Sequence[int]) -> Match:

@@ -14,8 +14,19 @@ from quillcache.model import DEFAULT_TOKENS_PER_BLOCK, CacheTier, GiB, KvBlockKe
 
 __all__ = [
     "WorkerState", "EngineKind", "EngineEndpoint", "BlockHint", "RequestKvHints", "SloTarget",
-    "RequestShape", "CostModel",
+    "RequestShape", "CostModel", "H200_LLAMA3_8B", "HOST_TO_HBM_BYTES_PER_S", "TCP_BYTES_PER_S", "us_per_mib",
 ]
+
+# Links measured on the GPU machine (/work/shared/notes/gpu-machine.md, 2026-11-23, 1 GiB copies,
+# best of 5): pinned or cudaHostRegister-ed host memory to HBM 55 GB/s; a QuillCache get over
+# loopback TCP into pinned memory then to the device 4.2-4.9 GB/s (one to eight client threads).
+HOST_TO_HBM_BYTES_PER_S = 55e9
+TCP_BYTES_PER_S = 4.5e9
+
+
+def us_per_mib(bytes_per_s: float) -> int:
+    """A link's cost in microseconds per MiB moved (at least 1)."""
+    return max(1, round((1 << 20) / bytes_per_s * 1e6))
 
 
 class EngineKind(enum.Enum):
@@ -172,3 +183,19 @@ class CostModel:
         if same_worker or same_locality_domain:
             return base
         return base + self.cross_domain_penalty_us
+
+
+# One H200 serving a Llama-3-8B-shaped model, from /work/shared/notes/gpu-machine.md:
+# * prefill: 8192 tokens in 238 ms measured -> 29 us per uncached token;
+# * decode: not measured there; one step streams the 16 GB of bf16 weights, 3.3 ms at the
+#   4.8 TB/s HBM peak, ~6 ms at a realistic 55 % of it -> 6000 us per step;
+# * each running decode also streams its KV: 4096 tokens x 128 KiB = 512 MiB, ~110 us at
+#   4.8 TB/s -> 100 us per running decode;
+# * pool load from pinned host memory: 8192 tokens reloaded + 128 computed in 43 ms measured,
+#   i.e. (43 - 128 x 0.029) ms / 8192 tokens = 4.8 us per token = 38 us per MiB of KV.
+H200_LLAMA3_8B = CostModel(
+    prefill_us_per_token=29,
+    decode_us_per_token=6000,
+    running_decode_penalty_us=100,
+    cpu_dram_us_per_mb=38,
+)

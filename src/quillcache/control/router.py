@@ -13,8 +13,14 @@ T > 0 samples ``p ~ exp(-(c - c_min) / ((c_max - c_min) * T))`` (uniform when al
 
 Policies (``POLICIES``): ``round_robin``, ``least_loaded`` (the logit with no credit),
 ``prefix`` (deepest overlap, then least loaded), ``dynamo`` (the cost above as Dynamo ships
-it: it credits a prefix whoever cached it, and knows no pool) and ``quillcache`` (credit only
-for blocks cached under the request's identity, plus pool credit).
+it: it credits a prefix whoever cached it, and knows no pool), the peers ``sglang``, ``llmd``
+and ``mooncake`` (``quillcache.control.policies``: identity-blind, as they ship) and
+``quillcache``: the predicted time to first token on each worker from the ``CostModel``
+(queue, own uncached tokens, tier-by-tier loads, decode interference), with credit only for
+blocks cached under the request's identity, and the pool as a tier any worker can load from.
+With ``admission = "predict"`` a request whose predicted TTFT exceeds ``admission_k`` times
+its SLO is refused (``Decision.admitted`` False, nothing tracked): the caller answers it
+early (the gateway: 429 with ``Retry-After``).
 
 The decision carries the per-block plan on the chosen worker: local hit (device, host,
 disk), fetch from the pool, or recompute.  Load feedback: ``route`` adds the request's
@@ -35,6 +41,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
+from quillcache.control.model import H200_LLAMA3_8B, TCP_BYTES_PER_S, CostModel, us_per_mib
+from quillcache.control.policies import (
+    Candidates, llmd_scores, mooncake_scores, predict_ttft, sglang_scores,
+)
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sketch import CountMinSketch
 from quillcache.model import IdentityScope
@@ -69,6 +79,16 @@ class RouterConfig:
     sketch_epsilon: float = 1e-3         # count-min: over-count <= epsilon * total ...
     sketch_delta: float = 1e-3           # ... with probability >= 1 - delta
     seed: Optional[int] = None
+    # --- the quillcache predictor and the mooncake peer: what one engine costs (the deployment's
+    # measured CostModel), its KV bytes per token and chunked-prefill budget, and the links
+    cost: CostModel = H200_LLAMA3_8B         # measured (control/model.py); a deployment sets its own
+    kv_bytes_per_token: int = 131072         # Llama-3-8B bf16: 32 layers x 8 heads x 128 x 2 x 2
+    batch_tokens: int = 8192                 # tokens per engine iteration (vLLM max_num_batched_tokens)
+    pool_us_per_mb: Optional[int] = None     # pool -> HBM; None: the cost model's CPU-DRAM cost
+    transfer_us_per_mb: int = us_per_mib(TCP_BYTES_PER_S)   # instance -> instance (mooncake)
+    admission: str = "off"                   # "predict": refuse what is predicted to miss k x SLO
+    admission_k: float = 1.0
+    slo_ttft_ms: float = 800.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -77,6 +97,12 @@ class RouterConfig:
             raise ValueError("block_size must be positive")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
+        if self.admission not in ("off", "predict"):
+            raise ValueError(f"router admission {self.admission!r}: one of off, predict")
+        if not self.admission_k > 0 or not self.slo_ttft_ms > 0:
+            raise ValueError("admission_k and slo_ttft_ms must be > 0")
+        if self.kv_bytes_per_token <= 0 or self.batch_tokens <= 0:
+            raise ValueError("kv_bytes_per_token and batch_tokens must be positive")
 
 
 @dataclass
@@ -84,6 +110,7 @@ class WorkerLoad:
     active_prefill_tokens: int = 0
     decode_blocks: int = 0
     active_requests: int = 0
+    prefill_requests: int = 0            # routed, first token not yet out
 
 
 @dataclass
@@ -105,6 +132,10 @@ class Decision:
     refused_blocks: int                  # prefix held there under another identity, not credited
     cross_identity_credited_blocks: int  # blocks credited though cached under another identity
     latency_us: float = 0.0
+    predicted_ttft_us: float = 0.0       # quillcache and mooncake: the chosen worker's estimate
+    admitted: bool = True                # False: refused by admission = "predict" (not tracked)
+    transfer_from: Optional[str] = None  # mooncake: the instance the prefix is moved from ...
+    transfer_blocks: int = 0             # ... and how many blocks (in the plan as "pool")
 
     def plan_names(self) -> list[str]:
         return [PLAN_CODES[c] for c in self.plan]
@@ -119,6 +150,8 @@ class RouterStats:
 
 
 LATENCY_WINDOW = 8192
+PEERS = ("sglang", "llmd", "mooncake")
+BLIND_POLICIES = ("dynamo",) + PEERS     # they know no identity: every scope's blocks count
 
 
 class Router:
@@ -133,6 +166,8 @@ class Router:
         self._loads: dict[str, WorkerLoad] = {}
         self._active: dict[str, _Active] = {}
         self._rr = 0
+        self._idx_key: Optional[tuple] = None
+        self._idx = np.zeros(0, dtype=np.intp)
         self._ids = itertools.count()
         self._approx: dict[tuple[str, IdentityScope, int], float] = {}
         self._approx_heap: list[tuple[float, str, IdentityScope, int]] = []
@@ -215,15 +250,17 @@ class Router:
             if not names:
                 raise NoWorkers("no worker to route to")
             scoped = self.indexer.find_matches(scope, hashes)
-            col = {name: i for i, name in enumerate(scoped.workers)}
-            idx = [col[n] for n in names]
+            key = (scoped.workers, tuple(names))
+            if self._idx_key != key:             # the columns of the candidates, kept while they hold
+                col = {name: i for i, name in enumerate(scoped.workers)}
+                self._idx_key, self._idx = key, np.array([col[n] for n in names], dtype=np.intp)
+            idx = self._idx
             dev, host, disk = scoped.device[idx], scoped.host[idx], scoped.disk[idx]
             pool, refused = scoped.pool[idx], scoped.refused[idx]
             cross = np.zeros(len(names), np.int64)
-            if policy == "dynamo":
+            if policy in BLIND_POLICIES:
                 blind = self._blind(hashes, names)
-                dev, host, disk = blind.device[[col[n] for n in names]], \
-                    blind.host[[col[n] for n in names]], blind.disk[[col[n] for n in names]]
+                dev, host, disk = blind.device[idx], blind.host[idx], blind.disk[idx]
                 pool = np.zeros(len(names), np.int64)
                 cross = np.maximum(dev + host + disk - (scoped.device[idx] + scoped.host[idx]
                                                         + scoped.disk[idx]), 0)
@@ -231,15 +268,39 @@ class Router:
             elif policy != "quillcache":
                 pool = np.zeros(len(names), np.int64)
             loads = [self._loads[n] for n in names]
-            raw = np.array([(ld.active_prefill_tokens + n_tokens) / cfg.block_size for ld in loads])
-            decode = np.array([ld.decode_blocks for ld in loads], dtype=float)
-            active = np.array([ld.active_requests for ld in loads], dtype=float)
+            lt = np.array([(ld.active_prefill_tokens, ld.prefill_requests, ld.active_requests, ld.decode_blocks)
+                           for ld in loads], dtype=np.int64).reshape(len(loads), 4)
+            raw = (lt[:, 0] + n_tokens) / cfg.block_size
+            decode = lt[:, 3].astype(float)
+            active = lt[:, 2].astype(float)
             credit = (cfg.device_weight * dev + cfg.host_weight * host + cfg.disk_weight * disk
                       + cfg.pool_weight * pool)
-            if policy in ("dynamo", "quillcache"):
+            predicted = np.zeros(len(names))
+            transfer = np.zeros(len(names), np.int64)
+            if policy in PEERS or policy == "quillcache":
+                trees = np.array(self.indexer.tree_blocks(names) if policy == "sglang" else [0] * len(names),
+                                 dtype=np.int64)
+                cand = Candidates(tuple(names), dev, host, disk, pool, lt[:, 0], lt[:, 1], lt[:, 2], trees,
+                                  n_tokens, len(hashes), cfg.block_size)
+            if policy == "dynamo":
                 logits = cfg.prefill_load_scale * np.maximum(raw - credit, 0.0) + decode \
                     + cfg.active_request_weight * active
                 choice = self._select(logits)
+            elif policy == "quillcache":
+                pred = predict_ttft(cand, cfg.cost, block_bytes=self._block_bytes,
+                                    batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb)
+                logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
+                choice = self._select(logits)
+            elif policy == "mooncake":
+                logits, transfer = mooncake_scores(cand, cfg.cost, cfg.transfer_us_per_mb, self._block_bytes)
+                predicted = logits
+                choice = self._select(logits)
+            elif policy == "llmd":
+                logits = llmd_scores(cand)
+                choice = self._select(logits)
+            elif policy == "sglang":
+                logits, eligible = sglang_scores(cand)
+                choice = self._select(np.where(eligible, 0.0, 1.0))
             elif policy == "least_loaded":
                 logits = cfg.prefill_load_scale * raw + decode + cfg.active_request_weight * active
                 choice = self._select(logits)
@@ -256,11 +317,20 @@ class Router:
                 self._rr += 1
             worker = names[choice]
             d, h, k, p = (int(dev[choice]), int(host[choice]), int(disk[choice]), int(pool[choice]))
+            moved = int(transfer[choice])
+            source = None
+            if moved:
+                local = dev + host + disk
+                source = names[int(np.argmax(local))]
+                p = moved
             plan = bytes([PLAN_DEVICE] * d + [PLAN_HOST] * h + [PLAN_DISK] * k + [PLAN_POOL] * p
                          + [PLAN_RECOMPUTE] * (len(hashes) - d - h - k - p))
+            admitted = not (cfg.admission == "predict" and policy == "quillcache"
+                            and predicted[choice] > cfg.admission_k * cfg.slo_ttft_ms * 1000.0)
+            track = track and admitted
             rid = request_id if request_id is not None else f"r{next(self._ids)}"
             if track:
-                self._start(rid, worker, n_tokens, d + h + k + p)
+                self._start(rid, worker, n_tokens, d + h + k + p, self._load_tokens(policy, h, k, p))
             if cfg.approximate:
                 self._predict(worker, scope, hashes)
             for hh in hashes[:1]:
@@ -276,9 +346,19 @@ class Router:
             if self._histogram is not None:
                 self._histogram.observe(latency / 1e6)
                 self._refused_counter.inc(int(refused[choice]))
-            return Decision(worker, rid, plan, {n: float(v) for n, v in zip(names, logits)},
+            return Decision(worker, rid, plan, dict(zip(names, logits.tolist())),
                             float(credit[choice]), (d, h, k, p), int(refused[choice]),
-                            int(cross[choice]), latency)
+                            int(cross[choice]), latency, float(predicted[choice]), admitted,
+                            source, moved)
+
+    @property
+    def _block_bytes(self) -> int:
+        return self.config.block_size * self.config.kv_bytes_per_token
+
+    @property
+    def _pool_us_per_mb(self) -> float:
+        cfg = self.config
+        return cfg.cost.cpu_dram_us_per_mb if cfg.pool_us_per_mb is None else cfg.pool_us_per_mb
 
     def _blind(self, hashes: Sequence[int], names: Sequence[str]) -> Match:
         """Identity-blind per-tier overlap: every scope's blocks, as if one."""
@@ -298,18 +378,30 @@ class Router:
         return int(min(np.searchsorted(np.cumsum(probs), u), len(logits) - 1))
 
     # ---- load feedback
-    def _start(self, rid: str, worker: str, n_tokens: int, cached_blocks: int) -> None:
+    def _load_tokens(self, policy: str, host: int, disk: int, fetched: int) -> int:
+        """The time the chosen worker will spend loading what the plan reuses, in prefill-token
+        equivalents (queued work is counted in tokens): for the policies that plan loads."""
+        if policy not in ("quillcache", "mooncake") or not (host or disk or fetched):
+            return 0
+        cfg = self.config
+        mib = self._block_bytes / (1 << 20)
+        fetch_us = self._pool_us_per_mb if policy == "quillcache" else cfg.transfer_us_per_mb
+        us = mib * (host * cfg.cost.cpu_dram_us_per_mb + disk * cfg.cost.local_ssd_us_per_mb + fetched * fetch_us)
+        return round(us / max(cfg.cost.prefill_us_per_token, 1))
+
+    def _start(self, rid: str, worker: str, n_tokens: int, cached_blocks: int, load_tokens: int = 0) -> None:
         old = self._active.pop(rid, None)
         if old is not None:
             self._release(old)
         bs = self.config.block_size
-        prefill = max(n_tokens - cached_blocks * bs, 0)
+        prefill = max(n_tokens - cached_blocks * bs, 0) + load_tokens
         blocks = math.ceil(n_tokens / bs)
         self._active[rid] = _Active(worker, prefill, blocks)
         ld = self._loads[worker]
         ld.active_prefill_tokens += prefill
         ld.decode_blocks += blocks
         ld.active_requests += 1
+        ld.prefill_requests += 1
 
     def _release(self, a: _Active) -> None:
         ld = self._loads.get(a.worker)
@@ -317,6 +409,7 @@ class Router:
             return
         if a.prefilling:
             ld.active_prefill_tokens -= a.prefill_tokens
+            ld.prefill_requests -= 1
         ld.decode_blocks -= a.blocks
         ld.active_requests -= 1
 
@@ -330,6 +423,7 @@ class Router:
             ld = self._loads.get(a.worker)
             if ld is not None:
                 ld.active_prefill_tokens -= a.prefill_tokens
+                ld.prefill_requests -= 1
             return True
 
     def free(self, request_id: str) -> bool:

@@ -2,143 +2,47 @@
 
 For each request: authenticate the API key to a tenant, tokenize the prompt, hash its
 blocks, ask the router (identity-scoped credit), bump the chosen worker's load, forward,
-and stream the engine's answer through chunk by chunk.  The ``x-quillcache-*`` decision
-headers go out with the response head, which the engine sends before its first token,
-so they cost nothing in TTFT.  docs/gateway.md describes the behaviour; the short list:
+and stream the engine's answer through chunk by chunk (``gateway.proxy``).  The
+``x-quillcache-*`` decision headers go out with the response head, which the engine sends
+before its first token, so they cost nothing in TTFT.  docs/gateway.md describes it.
 
-* a failure before the first byte (connect, engine 5xx, first-byte timeout) is retried
-  once on another worker; after the first byte an error ends the stream with an error
-  event and ``data: [DONE]``;
-* when every worker of the model is at ``queue_limit``: 429 with Retry-After;
-* a client that disconnects cancels the upstream request (the handler is cancelled and
-  the upstream connection closed) and frees the router's state;
-* the tenant comes from the API key only; with tenants configured the forwarded body's
-  ``cache_salt`` is set from the tenant, so the engine isolates its cache the same way;
-* a model served by "prefill" and "decode" engines is served in two hops, as vLLM's
-  disaggregated-serving proxy does: the prompt goes to a prefill engine (cache-aware) with
-  ``max_tokens`` 1 and ``kv_transfer_params.do_remote_decode``, then the request with the
-  ``kv_transfer_params`` it returned goes to a decode engine (least loaded), streamed through;
-* engines join and leave while it serves (``add_engine``, ``remove_engine``): those of the
-  config at start, those registered in etcd whenever they come and go (gateway/discovery.py).
+Two applications share one ``Gateway``: the tenants' (``/v1/...`` and ``/health`` on
+``[gateway] listen``) and the operator's (``gateway.admin`` on ``[gateway] admin_listen``).
+Engines join and leave while it serves (``add_engine``, ``remove_engine``): those of the
+config at start, those registered in etcd whenever they come and go (gateway/discovery.py).
+SIGHUP swaps in the reloadable settings (``reload``).
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import socket
 import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Optional
 
 import aiohttp
 from aiohttp import web
 
-from quillcache.auth import OPEN_TENANT, Authenticator
-from quillcache.connectors.core import TENANT_SALT_PREFIX
+from quillcache.auth import Authenticator
 from quillcache.errors import InvalidArgument, PermissionDenied
-from quillcache.gateway.metrics import TIERS, GatewayMetrics
-from quillcache.gateway.routing import Decision, GatewayRouter, Identity
+from quillcache.gateway.admin import admin_app
+from quillcache.gateway.engines import EngineState
+from quillcache.gateway.http import error, json_errors
+from quillcache.gateway.metrics import GatewayMetrics
+from quillcache.gateway.proxy import HEADER_PREFIX, MAX_UPSTREAM_BODY, PREFILL_KV_PARAMS, Proxy
+from quillcache.gateway.routing import GatewayRouter
 from quillcache.gateway.settings import EngineSpec, engine_conflict
-from quillcache.gateway.tokens import PromptTokenizer, TokenizerCache
+from quillcache.gateway.tokens import TokenizerCache
+from quillcache.protocol.route import IDENTITY_BLIND
+from quillcache.settings.registry import parse_config
 
 __all__ = ["Gateway", "EngineState", "HEADER_PREFIX", "MAX_UPSTREAM_BODY", "PREFILL_KV_PARAMS"]
 
 log = logging.getLogger("quillcache.gateway")
 
-HEADER_PREFIX = "x-quillcache-"
-MAX_UPSTREAM_BODY = 64 << 20        # bytes: largest non-streamed answer passed through
-UNHEALTHY_RETRY_S = 5.0              # seconds: an engine that refused a connection rests this long
-_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
-                "server", "date"}
-# What vLLM's disaggregated-serving proxy asks of a prefill engine (NixlConnector and the
-# connectors that follow its protocol): compute the prompt, keep its KV for a remote decode.
-PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-
-def _error(status: int, message: str, kind: str, headers: Optional[dict] = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return web.json_response(body, status=status, headers=headers)
-
-
-def _sse_error(message: str) -> bytes:
-    event = {"error": {"message": message, "type": "upstream_error", "code": 502}}
-    return b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
-
-
-def _role_only(chunk: bytes) -> bool:
-    """A chat stream's first chunk that only announces the role (no token yet)."""
-    return b'"role"' in chunk and b'"content":""' in chunk.replace(b'": "', b'":"') \
-        and chunk.count(b"data:") == 1
-
-
-@dataclass
-class EngineState:
-    """What the gateway knows of one engine: load, health and the event stream's liveness."""
-
-    spec: EngineSpec
-    in_flight: int = 0
-    routed: int = 0
-    errors: int = 0
-    hit_blocks: int = 0
-    prompt_blocks: int = 0
-    last_event: float = 0.0              # time.monotonic() of the last KV event batch (0: none yet)
-    pending_since: float = 0.0           # first routed request since the last event (0: none)
-    down_until: float = 0.0              # a failed connection rests the engine until then
-    unhealthy_reason: str = ""
-    tokenizer: Optional[PromptTokenizer] = field(default=None, repr=False)
-    source: str = "config"               # "config" or "etcd"
-
-    @property
-    def id(self) -> str:
-        return self.spec.id
-
-    def healthy(self, now: float, unhealthy_after: float) -> bool:
-        if now < self.down_until:
-            self.unhealthy_reason = "connection refused recently"
-            return False
-        if self.spec.kv_events and self.pending_since and now - self.pending_since > unhealthy_after:
-            # Requests went to it, yet no KV event came back for longer than the timeout.
-            self.unhealthy_reason = f"no KV events for {now - self.pending_since:.1f}s while serving"
-            return False
-        self.unhealthy_reason = ""
-        return True
-
-    def on_events(self) -> None:
-        """A KV event batch arrived (on the consumer's thread: two plain stores)."""
-        self.last_event = time.monotonic()
-        self.pending_since = 0.0
-
-
-class _Upstream(Exception):
-    """A failure before the first byte of the answer: the request may go to another worker."""
-
-    def __init__(self, stage: str, message: str) -> None:
-        super().__init__(message)
-        self.stage = stage
-
-
-@dataclass
-class _Request:
-    """One client request, parsed, tokenized and hashed: what every hop needs."""
-
-    identity: Identity
-    engines: list
-    n_tokens: int
-    hashes: list
-    forward: dict                        # the body to send upstream
-    path: str
-    stream: bool
-    approximate: bool
-    t_arrival: float
-    request_id: str                      # X-Request-Id of both hops of a disaggregated request
-
 
 class Gateway:
-    """The aiohttp application and everything it shares across requests."""
+    """The aiohttp applications and everything they share across requests."""
 
     def __init__(self, cfg, *, router: Optional[GatewayRouter] = None) -> None:
         self.cfg = cfg
@@ -159,18 +63,31 @@ class Gateway:
             self.discovery = EngineDiscovery(self)
         self._session: Optional[aiohttp.ClientSession] = None
         self._tasks: list[asyncio.Task] = []
-        self.app = web.Application(client_max_size=g.max_body)
+        self.proxy = Proxy(self)
+        self.app = web.Application(client_max_size=g.max_body, middlewares=[json_errors])
         self.app.add_routes([
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.proxy.completions),
+            web.post("/v1/chat/completions", self.proxy.chat_completions),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
-            web.get("/metrics", self.metrics_endpoint),
-            web.get("/quillcache/workers", self.workers),
-            web.get("/quillcache/hot", self.hot),
         ])
         self.app.on_startup.append(self._startup)
         self.app.on_cleanup.append(self._cleanup)
+        self.admin_app = admin_app(self)
+        self._warn_identity_blind()
+
+    def _warn_identity_blind(self) -> None:
+        if self.cfg.router.policy in IDENTITY_BLIND and not self.auth.open_mode:
+            log.warning("[router] policy = %r is identity-blind: which engine serves a tenant depends on "
+                        "what other tenants cached (a baseline to compare with, not one to serve tenants)",
+                        self.cfg.router.policy)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The HTTP client session to the engines (from startup to cleanup)."""
+        if self._session is None:
+            raise RuntimeError("the gateway is not started")
+        return self._session
 
     # ------------------------------------------------------------------ engines
 
@@ -245,390 +162,64 @@ class Gateway:
         if self._session is not None:
             await self._session.close()
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ lifecycle
 
-    def _tenant(self, request: web.Request) -> str:
-        header = request.headers.get("Authorization", "")
-        if self.auth.open_mode:
-            return OPEN_TENANT
-        if not header.startswith("Bearer ") or len(header) > 4096:
-            raise PermissionDenied("missing API key (Authorization: Bearer <key>)")
-        return self.auth.authenticate(header[7:].strip().encode())
-
-    async def _body(self, request: web.Request) -> dict:
-        if request.content_length is not None and request.content_length > self.cfg.gateway.max_body:
-            raise web.HTTPRequestEntityTooLarge(max_size=self.cfg.gateway.max_body,
-                                                actual_size=request.content_length)
-        raw = await request.read()               # bounded by client_max_size (413 past it)
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidArgument(f"the body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise InvalidArgument("the body must be a JSON object")
-        return body
-
-    def _identity(self, body: dict, tenant: str) -> tuple[Identity, list[EngineState]]:
-        name = body.get("model")
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument("model must be a non-empty string")
-        base, adapter = name, None
-        if name in self.adapters:                              # vLLM: the adapter's own name
-            base, adapter = self.adapters[name], name
-        elif name not in self.by_model and ":" in name:        # SGLang: "base:adapter"
-            b, a = name.rsplit(":", 1)
-            if self.adapters.get(a) == b:
-                base, adapter = b, a
-        engines = self.by_model.get(base)
-        if engines is None:
-            raise LookupError(f"the model {name!r} is not served here (GET /v1/models lists them)")
-        lora = body.get("lora_path")                           # SGLang's adapter field
-        if lora is not None:
-            if not isinstance(lora, str) or not lora:
-                raise InvalidArgument("lora_path must be the name of a served adapter")
-            if adapter is not None and lora != adapter:
-                raise InvalidArgument(f"model names the adapter {adapter!r} and lora_path {lora!r}")
-            if self.adapters.get(lora) != base:
-                raise LookupError(f"the adapter {lora!r} is not served for the model {base!r}")
-            adapter = lora
-        if adapter is not None:
-            engines = [e for e in engines if adapter in e.spec.adapters]
-        if self.auth.open_mode and isinstance(body.get("cache_salt"), str) and body["cache_salt"]:
-            # No API keys: the engine isolates by the client's salt, so credit must too.
-            tenant = "salt:" + body["cache_salt"]
-        spec = engines[0].spec
-        return Identity(base, spec.identity_tokenizer, adapter, tenant), engines
-
-    def _forward_body(self, body: dict, tenant: str) -> dict:
-        if not self.auth.open_mode:
-            body = dict(body)
-            # Never the client's own salt; the connectors read the tenant back from it.
-            body["cache_salt"] = TENANT_SALT_PREFIX + tenant
-        return body
-
-    def _decision_headers(self, d: Decision, worker: str, approximate: bool, retried: bool,
-                          prefill: Optional[tuple[Decision, str, bool]] = None) -> dict:
-        """The x-quillcache-* headers; for a two-hop request the cache figures are the prefill
-        hop's (where the prefix is computed) and ``worker`` is the decode engine."""
-        decision_us = d.decision_us
-        if prefill is not None:
-            decision_us += prefill[0].decision_us
-            retried = retried or prefill[2]
-            d = prefill[0]
-        o = d.overlap
-        h = {
-            HEADER_PREFIX + "worker": worker,
-            HEADER_PREFIX + "overlap-blocks": ", ".join(f"{t}={o.get(t, 0)}" for t in TIERS),
-            HEADER_PREFIX + "local-hits": str(d.local_hits),
-            HEADER_PREFIX + "reuse-refused": str(d.refused),
-            HEADER_PREFIX + "plan": f"hit={d.plan_hit}, fetch={d.plan_fetch}, recompute={d.plan_recompute}",
-            HEADER_PREFIX + "decision-us": str(int(decision_us)),
-            HEADER_PREFIX + "prompt-blocks": str(d.blocks),
-            HEADER_PREFIX + "tokenizer": "approximate" if approximate else "exact",
-        }
-        if prefill is not None:
-            h[HEADER_PREFIX + "prefill-worker"] = prefill[1]
-        if retried:
-            h[HEADER_PREFIX + "retried"] = "1"
-        return h
-
-    def _candidates(self, engines: list[EngineState], exclude: set) -> tuple[list[EngineState], bool]:
-        """Healthy engines still served and under their queue limit; the flag says whether any
-        healthy one exists."""
-        now = time.monotonic()
+    async def _startup(self, app) -> None:
         g = self.cfg.gateway
-        healthy = []
-        for e in engines:
-            if self.engines.get(e.id) is not e:
-                continue                                   # it left while this request ran
-            ok = e.healthy(now, g.unhealthy_after) and e.id not in exclude
-            self.metrics.healthy.labels(e.id).set(1 if ok else 0)
-            if ok:
-                healthy.append(e)
-        return [e for e in healthy if e.in_flight < g.queue_limit], bool(healthy)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, family=socket.AF_INET)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                              timeout=aiohttp.ClientTimeout(total=None,
+                                                                            connect=g.connect_timeout))
+        self._started = True
+        for state in self.engines.values():
+            if state.spec.kv_events:
+                self.router.start_events(state.spec, on_batch=state.on_events)
+        self._tasks.append(asyncio.create_task(self.router.run_sweeper()))
+        if self.discovery is not None:
+            await self.discovery.start()
 
-    def _pick(self, req: _Request, engines: list[EngineState], tried: set, policy: Optional[str] = None,
-              counts: bool = True):
-        """Route among ``engines``: (decision, engine) with the engine's load bumped, or the
-        error answer when none can take the request."""
-        candidates, any_healthy = self._candidates(engines, tried)
-        if not candidates:
-            if tried:
-                return _error(502, "the engine failed before answering and no other engine is "
-                                   "available", "upstream_error")
-            if not any_healthy:
-                return _error(503, "no healthy engine serves this model", "unavailable")
-            self.metrics.rejected.inc()
-            retry = max(1, math.ceil(self.cfg.gateway.retry_after))
-            return _error(429, "every engine of this model is at its queue limit",
-                          "rate_limit_error", headers={"Retry-After": str(retry)})
-        d = self.router.decide(req.identity, req.hashes, req.n_tokens, [c.id for c in candidates], policy)
-        state = self.engines[d.worker]
-        state.in_flight += 1
-        state.routed += 1
-        if counts:
-            state.prompt_blocks += d.blocks
-            state.hit_blocks += d.local_hits
-            self.metrics.on_decision(state.id, d.decision_us / 1e6, d.blocks, d.overlap, d.refused,
-                                     d.cross_credited)
-        else:
-            self.metrics.decisions.labels(state.id).inc()
-        if state.spec.kv_events and not state.pending_since:
-            state.pending_since = time.monotonic()
-        self.metrics.in_flight.labels(state.id).set(state.in_flight)
-        return d, state
+    async def _cleanup(self, app) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self.router.close()
+        if self._session is not None:
+            await self._session.close()
 
-    def _release(self, d: Decision, state: EngineState) -> None:
-        state.in_flight -= 1
-        if self.engines.get(state.id) is state:
-            self.metrics.in_flight.labels(state.id).set(state.in_flight)
-        self.router.finish(d.request_id)
+    def reload(self, new) -> tuple[list[str], list[str]]:
+        """Take the reloadable settings of ``new`` (a validated config); returns (applied,
+        kept: changed settings that need a restart).  Requests read the config at each use,
+        so the next one sees the new values; those in flight keep theirs."""
+        apply, fixed = self.cfg.reloadable_changes(new)
+        if apply:
+            # The new file's values, less the changes that need a restart (those stay as running).
+            raw = {section: dict(table) for section, table in new.raw.items()}
+            for qualname in fixed:
+                section, name = qualname.split(".", 1)
+                running = self.cfg.raw.get(section, {})
+                if name in running:
+                    raw.setdefault(section, {})[name] = running[name]
+                else:
+                    raw.get(section, {}).pop(name, None)
+            self.cfg = parse_config(raw, new.source, self.cfg.registry)
+            if "auth.tenants" in apply or "auth.max_failed_hellos" in apply:
+                self.auth.configure(self.cfg.auth.tenants, self.cfg.auth.max_failed_hellos)
+            self.router.reconfigure(self.cfg)
+            self._warn_identity_blind()
+        return sorted(apply), sorted(fixed)
 
-    def _failed(self, state: EngineState, exc: _Upstream, attempt: int) -> None:
-        state.errors += 1
-        self.metrics.upstream_errors.labels(state.id, exc.stage).inc()
-        log.warning("engine %s failed before answering (%s): %s", state.id, exc.stage, exc)
-        if attempt == 0:
-            self.metrics.retries.inc()
-
-    # ------------------------------------------------------------------ endpoints
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, chat=False, endpoint="completions")
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, chat=True, endpoint="chat")
-
-    async def _serve(self, request: web.Request, chat: bool, endpoint: str) -> web.StreamResponse:
-        status = 500
-        try:
-            resp = await self._proxy(request, chat)
-            status = resp.status
-            return resp
-        except PermissionDenied as exc:
-            status = 401
-            return _error(401, str(exc), "authentication_error")
-        except InvalidArgument as exc:
-            status = 400
-            return _error(400, str(exc), "invalid_request_error")
-        except LookupError as exc:
-            status = 404
-            return _error(404, str(exc), "model_not_found")
-        except web.HTTPRequestEntityTooLarge:
-            status = 413
-            return _error(413, f"the body is larger than [gateway] max_body = {self.cfg.gateway.max_body} "
-                               "bytes", "invalid_request_error")
-        finally:
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-
-    async def _proxy(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        t_arrival = time.monotonic()
-        tenant = self._tenant(request)
-        body = await self._body(request)
-        identity, engines = self._identity(body, tenant)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise InvalidArgument("stream must be a boolean")
-        tok = engines[0].tokenizer
-        prompt = tok.prompt_of(body, chat)
-        tokens = await tok.encode(prompt)
-        if len(tokens) > self.cfg.gateway.max_prompt_tokens:
-            raise InvalidArgument(f"the prompt has {len(tokens)} tokens: at most "
-                                  f"[gateway] max_prompt_tokens = {self.cfg.gateway.max_prompt_tokens}")
-        hashes = self.router.block_hashes(tokens, engines[0].spec.block_size)
-        forward = self._forward_body(body, tenant)
-        if not chat and not tok.approximate:
-            forward = {**forward, "prompt": tokens}    # the engine prefills exactly what was hashed
-        # Token ids given by the client are exact whatever the tokenizer: nothing was guessed.
-        req = _Request(identity, engines, len(tokens), hashes, forward,
-                       "/v1/chat/completions" if chat else "/v1/completions", stream,
-                       tok.approximate and isinstance(prompt, str), t_arrival, uuid.uuid4().hex)
-        if engines[0].spec.role != "both":
-            return await self._disaggregated(request, req)
-        return await self._route(request, req, engines, forward)
-
-    async def _route(self, request: web.Request, req: _Request, engines: list[EngineState], body: dict,
-                     prefill: Optional[tuple[Decision, str, bool]] = None) -> web.StreamResponse:
-        """Pick an engine and forward ``body`` to it; one retry elsewhere on a failure before
-        the first byte.  ``prefill``: the decode hop of a two-hop request (by load alone)."""
-        tried: set[str] = set()
-        for attempt in (0, 1):
-            picked = self._pick(req, engines, tried, "least_loaded" if prefill else None,
-                                counts=prefill is None)
-            if isinstance(picked, web.Response):
-                return picked
-            d, state = picked
-            headers = self._decision_headers(d, state.id, req.approximate, attempt > 0, prefill)
-            try:
-                return await self._forward(request, state, req, body, headers, d.request_id)
-            except _Upstream as exc:
-                tried.add(state.id)
-                self._failed(state, exc, attempt)
-            finally:
-                self._release(d, state)
-        return _error(502, "the engine failed before answering, and so did the retry", "upstream_error")
-
-    async def _disaggregated(self, request: web.Request, req: _Request) -> web.StreamResponse:
-        """Two hops: the prompt to a prefill engine (routed cache-aware) with max_tokens 1 and
-        PREFILL_KV_PARAMS; then the request with the kv_transfer_params it returned to a
-        decode engine (least loaded), whose answer is streamed through."""
-        prefill = [e for e in req.engines if e.spec.role == "prefill"]
-        decode = [e for e in req.engines if e.spec.role == "decode"]
-        if not prefill or not decode:
-            missing = "prefill" if not prefill else "decode"
-            return _error(503, f"the model {req.identity.model_id!r} is served disaggregated and has "
-                               f"no {missing} engine now", "unavailable")
-        hop = await self._prefill_hop(req, prefill)
-        if isinstance(hop, web.Response):
-            return hop
-        d, worker, retried, params = hop
-        forward = dict(req.forward)
-        if params is not None:
-            forward["kv_transfer_params"] = params
-        return await self._route(request, req, decode, forward, prefill=(d, worker, retried))
-
-    async def _prefill_hop(self, req: _Request, engines: list[EngineState]):
-        """(decision, prefill engine id, retried, kv_transfer_params or None), or the answer to give
-        the client (no engine, or the engine's own error).  The prefill engine's load is
-        released as soon as it has answered."""
-        body = {**req.forward, "stream": False, "max_tokens": 1, "kv_transfer_params": dict(PREFILL_KV_PARAMS)}
-        body.pop("stream_options", None)
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = 1
-        tried: set[str] = set()
-        for attempt in (0, 1):
-            picked = self._pick(req, engines, tried)
-            if isinstance(picked, web.Response):
-                return picked
-            d, state = picked
-            try:
-                up_cm, up = await self._open(state, req.path, body, req.request_id)
-                try:
-                    data = await self._read_all(up)
-                finally:
-                    await up_cm.__aexit__(None, None, None)
-                if up.status != 200:        # the engine refused the request itself: say so
-                    headers = self._decision_headers(d, state.id, req.approximate, attempt > 0)
-                    return web.Response(status=up.status, body=data, headers={
-                        **{k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}, **headers})
-                self.router.first_token(d.request_id)
-                self.router.predict(state.id, req.identity, req.hashes)
-                params = _kv_transfer_params(data)
-                if params is None:
-                    # Not a KV producer: the decode engine will prefill itself (vLLM's proxy does
-                    # the same); counted, so that an operator sees the misconfiguration.
-                    self.metrics.upstream_errors.labels(state.id, "kv_transfer").inc()
-                    log.warning("prefill engine %s answered without kv_transfer_params", state.id)
-                return d, state.id, attempt > 0, params
-            except _Upstream as exc:
-                tried.add(state.id)
-                self._failed(state, exc, attempt)
-            finally:
-                self._release(d, state)
-        return _error(502, "the prefill engine failed before answering, and so did the retry", "upstream_error")
-
-    async def _open(self, state: EngineState, path: str, body: dict, request_id: str):
-        """POST ``body`` to the engine; (context manager, response) once its head arrived.
-        Raises _Upstream when it cannot be reached or answers 5xx."""
-        g = self.cfg.gateway
-        try:
-            up_cm = self._session.post(state.spec.url + path, json=body, headers={"X-Request-Id": request_id},
-                                       timeout=aiohttp.ClientTimeout(total=None, connect=g.connect_timeout,
-                                                                     sock_read=g.first_byte_timeout))
-            up = await up_cm.__aenter__()
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
-            state.down_until = time.monotonic() + UNHEALTHY_RETRY_S
-            raise _Upstream("connect", f"{type(exc).__name__}: {exc}") from None
-        if up.status >= 500:
-            try:
-                text = (await up.content.read(4096)).decode("utf-8", "replace")
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                text = ""
-            finally:
-                await up_cm.__aexit__(None, None, None)
-            raise _Upstream("status", f"HTTP {up.status}: {text[:200]}")
-        return up_cm, up
-
-    async def _forward(self, request, state: EngineState, req: _Request, body: dict, headers: dict, rid: str):
-        up_cm, up = await self._open(state, req.path, body, req.request_id)
-        try:
-            passthrough = {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
-            if up.status != 200 or not req.stream:
-                data = await self._read_all(up)
-                resp = web.Response(status=up.status, body=data, headers={**passthrough, **headers})
-                if up.status == 200:
-                    self.router.first_token(rid)
-                    self.router.predict(state.id, req.identity, req.hashes)
-                return resp
-            resp = web.StreamResponse(status=200, headers={**passthrough, **headers})
-            resp.headers.setdefault("Content-Type", "text/event-stream")
-            await resp.prepare(request)            # the decision headers go out now
-            await self._pump(up, resp, state, rid, req)
-            return resp
-        finally:
-            await up_cm.__aexit__(None, None, None)
-
-    async def _read_all(self, up) -> bytes:
-        chunks, n = [], 0
-        while True:
-            try:
-                chunk = await up.content.read(1 << 16)
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                raise _Upstream("body", f"{type(exc).__name__}: {exc}") from None
-            if not chunk:
-                return b"".join(chunks)
-            n += len(chunk)
-            if n > MAX_UPSTREAM_BODY:
-                raise _Upstream("body", f"the answer is larger than {MAX_UPSTREAM_BODY} bytes")
-            chunks.append(chunk)
-
-    async def _pump(self, up, resp, state: EngineState, rid: str, req: _Request) -> None:
-        """Pass the SSE stream through chunk by chunk; end it cleanly if the engine dies."""
-        g = self.cfg.gateway
-        t_first = t_last = None
-        events = 0
-        ended = False
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(g.idle_timeout):      # a timer, not a task per chunk
-                        chunk = await up.content.readany()
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                    self.metrics.upstream_errors.labels(state.id, "stream").inc()
-                    log.warning("engine %s broke off a stream: %s", state.id, type(exc).__name__)
-                    await resp.write(_sse_error(f"the engine {state.id} stopped mid-answer "
-                                                f"({type(exc).__name__})"))
-                    return
-                if not chunk:
-                    ended = True
-                    break
-                now = time.monotonic()
-                n = chunk.count(b"data:")
-                if t_first is None and _role_only(chunk):
-                    n = 0                              # chat's opening role chunk is no token
-                elif t_first is None:
-                    t_first = now
-                    self.router.first_token(rid)
-                    # The prefill is done: the prefix is in the engine's cache from now on.
-                    self.router.predict(state.id, req.identity, req.hashes)
-                    self.metrics.ttft.observe(now - req.t_arrival)
-                elif n:
-                    self.metrics.itl.observe((now - t_last) / n)
-                if n:
-                    t_last = now
-                    events += n
-                await resp.write(chunk)
-            await resp.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
-            self.metrics.disconnects.inc()
-            raise
-        finally:
-            if ended and t_first is not None:
-                tokens = max(events - 2, 0)           # minus the role chunk and [DONE], roughly
-                tpot = (t_last - t_first) / tokens if tokens > 1 else None
-                self.metrics.on_stream_done(t_first - req.t_arrival, tpot, g.slo_ttft, g.slo_tpot)
+    # ------------------------------------------------------------------ tenants' endpoints
 
     async def models(self, request: web.Request) -> web.Response:
+        """The served models and adapters, to a client with a key (adapter names may be a
+        tenant's own: they are not for anyone who asks)."""
+        try:
+            self.proxy.tenant_of(request)
+        except PermissionDenied as exc:
+            return error(401, str(exc), "authentication_error")
         now = int(time.time())
         data = [{"id": m, "object": "model", "created": now, "owned_by": "quillcache"}
                 for m in sorted(self.by_model)]
@@ -642,41 +233,3 @@ class Gateway:
         status = 200 if healthy else 503
         return web.json_response({"status": "ok" if healthy else "no healthy engine",
                                   "healthy": healthy, "engines": len(self.engines)}, status=status)
-
-    async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
-
-    async def workers(self, request: web.Request) -> web.Response:
-        now = time.monotonic()
-        out = []
-        for e in self.engines.values():
-            healthy = e.healthy(now, self.cfg.gateway.unhealthy_after)
-            out.append({"id": e.id, "url": e.spec.url, "model": e.spec.model, "role": e.spec.role,
-                        "source": e.source, "healthy": healthy, "reason": e.unhealthy_reason,
-                        "in_flight": e.in_flight, "routed": e.routed, "errors": e.errors,
-                        "hit_rate": round(e.hit_blocks / e.prompt_blocks, 4) if e.prompt_blocks else 0.0,
-                        "last_event_s": round(now - e.last_event, 3) if e.last_event else None,
-                        "events": self.router.event_stats(e.id), **self.router.load_of(e.id)})
-        doc: dict = {"workers": out}
-        if self.discovery is not None:
-            doc["cluster"] = self.discovery.status()
-        return web.json_response(doc)
-
-    async def hot(self, request: web.Request) -> web.Response:
-        try:
-            n = int(request.query.get("n", "10"))
-        except ValueError:
-            return _error(400, "n must be an integer", "invalid_request_error")
-        if not 1 <= n <= 1000:
-            return _error(400, "n must be in 1..1000", "invalid_request_error")
-        return web.json_response({"hot": self.router.hot_prefixes(n)})
-
-
-def _kv_transfer_params(data: bytes) -> Optional[dict]:
-    """The non-empty ``kv_transfer_params`` object of a prefill engine's answer, else None."""
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    params = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
-    return params if isinstance(params, dict) and params else None

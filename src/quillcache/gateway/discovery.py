@@ -10,6 +10,11 @@ refused (the config wins), as is a record that is not a valid engine table or ca
 beside the others (another tokenizer for the same model, a role mix): each refusal is logged
 once and listed by ``GET /quillcache/workers`` (``quillctl gateway``).
 
+Only records signed with the pool's ``[cluster] credential`` are seen (docs/security.md):
+one an etcd writer made up, signed with another credential, or copied under another engine's
+key is refused by the watch (logged once per key and reason, counted in ``records_refused``),
+never connected to.
+
 While etcd cannot be reached the watch keeps its last view, so the gateway keeps routing to
 the engines it knew; the state is ``degraded`` until etcd answers and the prefix is listed
 again.
@@ -20,6 +25,7 @@ import asyncio
 import logging
 from typing import Any, Optional
 
+from quillcache.cluster.keys import ClusterKeys
 from quillcache.net import ConversionError
 from quillcache.errors import InvalidArgument
 from quillcache.gateway.settings import engine_of_record
@@ -37,6 +43,9 @@ class EngineDiscovery:
         c = gateway.cfg.cluster
         self.endpoints = c.etcd
         self.cluster_id = c.cluster_id
+        # Only keys derived from the credential are kept (cluster/keys.py): a record that they
+        # do not sign, or that names another engine than its key, is refused by the watch.
+        self._keys = ClusterKeys(c.credential, c.cluster_id)
         self.state = "starting"
         self.engines: set[str] = set()               # ids added from etcd and still served
         self.rejected: dict[str, str] = {}           # id -> why its record is not served
@@ -54,7 +63,7 @@ class EngineDiscovery:
             raise InvalidArgument(f"[cluster] enabled: {missing}")
         loop = asyncio.get_running_loop()
         self._watch = EngineWatch(endpoints=self.endpoints, cluster_id=self.cluster_id, loop=loop,
-                                  on_change=self._on_change)
+                                  on_change=self._on_change, keys=self._keys)
         self._watch.start()
         self._task = loop.create_task(self._run(), name="qc-gateway-discovery")
         try:
@@ -135,5 +144,7 @@ class EngineDiscovery:
         gw.metrics.etcd_rejected.set(len(rejected))
 
     def status(self) -> dict:
+        refused = self._watch.stats()["records_refused"] if self._watch is not None else 0
         return {"state": self.state, "cluster_id": self.cluster_id, "engines": sorted(self.engines),
-                "rejected": dict(self.rejected), "added": self.added, "removed": self.removed}
+                "rejected": dict(self.rejected), "added": self.added, "removed": self.removed,
+                "records_refused": refused}

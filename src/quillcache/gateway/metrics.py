@@ -1,4 +1,5 @@
-"""The gateway's Prometheus metrics, on a private registry served at ``/metrics``."""
+"""The gateway's Prometheus metrics, on a private registry served at ``/metrics`` on the admin
+address only: the refused and cross-identity counts are the operator's, never a tenant's."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -48,6 +49,9 @@ class GatewayMetrics:
                                "after a failure before the first byte", registry=r)
         self.rejected = Counter("quillcache_gateway_rejected", "Requests refused with 429 because "
                                 "every worker was at its queue limit", registry=r)
+        self.admission_refused = Counter("quillcache_gateway_admission_refused", "Requests refused with "
+                                         "429 by [router] admission = \"predict\": their predicted TTFT "
+                                         "was past admission_k x slo_ttft (sent to no engine)", registry=r)
         self.disconnects = Counter("quillcache_gateway_client_disconnects", "Clients that left "
                                    "before the end of their answer", registry=r)
         self.in_flight = Gauge("quillcache_gateway_in_flight", "Requests in flight, by worker",
@@ -61,6 +65,15 @@ class GatewayMetrics:
         self.etcd_state = Gauge("quillcache_gateway_etcd_state", "1 for the state of the etcd engine "
                                 "view: starting, ok, degraded (etcd unreachable: the last view is kept)",
                                 ["state"], registry=r)
+        self.connections_refused = Counter("quillcache_gateway_connections_refused", "Client connections "
+                                           "answered 503 and closed at once, by the limit they were past "
+                                           "(max_connections, max_connections_per_peer)", ["reason"],
+                                           registry=r)
+        self.client_timeouts = Counter("quillcache_gateway_client_timeouts", "Clients cut off: a body "
+                                       "not in within client_body_timeout (408), an answer not taken "
+                                       "within client_send_timeout", ["stage"], registry=r)
+        self.stripped_fields = Counter("quillcache_gateway_stripped_fields", "Engine-internal body "
+                                       "fields a client sent and the gateway removed", ["field"], registry=r)
         for tier in TIERS:
             self.hit_blocks.labels(tier)
         for met in ("true", "false"):

@@ -12,8 +12,14 @@ comes from two sources, both identity-scoped:
   (contradicted: never stored, removed, or cleared).  For an engine without events a
   prediction lives ``[gateway] predict_ttl``.
 
-So a tenant-b request never earns credit for tenant a's prefix: the decision counts those
-blocks as refused (``x-quillcache-reuse-refused``).
+So a tenant-b request never earns credit for tenant a's prefix.  The decision's figures
+(overlap, local hits, plan) are the request's own identity's whatever the policy; how many
+prefix blocks another identity holds (``refused``) and what the identity-blind ``dynamo``
+credited across identities are kept for the operator's metrics, never for the client.
+
+Admission (``[router] admission = "predict"``): the router holds each request to the gateway's
+``[gateway] slo_ttft`` (``RouterConfig.slo_ttft_ms``, updated on SIGHUP); a refused decision
+(``admitted`` False) is tracked nowhere and the proxy answers it 429.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from quillcache.control.events import EventConsumer
 from quillcache.control.indexer import DEVICE, chain_hashes
 from quillcache.control.router import PLAN_CODES, Router, RouterConfig
 from quillcache.model import IdentityScope
+from quillcache.protocol.route import IDENTITY_BLIND
 
 __all__ = ["Identity", "Decision", "GatewayRouter", "CONFIRM_AFTER_S", "SWEEP_INTERVAL_S",
            "MAX_PREDICTIONS"]
@@ -41,19 +48,22 @@ _ROUTER_FIELDS = {f.name for f in dataclasses.fields(RouterConfig)}
 
 @dataclass
 class Decision:
-    """What the gateway tells the client in the x-quillcache-* headers."""
+    """One routing decision: the request's own figures (the x-quillcache-* headers) and the
+    operator's (``refused``, ``cross_credited``, ``decision_us``: metrics only)."""
 
     worker: str
     request_id: str
     blocks: int
-    overlap: dict                # tier name -> blocks credited on the chosen worker
-    local_hits: int              # device + host + disk blocks on the chosen worker
-    refused: int                 # prefix blocks there cached under another identity
+    overlap: dict                # tier name -> blocks of the request's identity on the chosen worker
+    local_hits: int              # device + host + disk blocks of them
+    refused: int                 # metrics only: prefix blocks a candidate holds under another identity
     plan_hit: int
     plan_fetch: int
     plan_recompute: int
-    decision_us: float
-    cross_credited: int = 0      # blocks credited though another identity cached them (dynamo)
+    decision_us: float           # metrics only: it depends on what other identities cached
+    cross_credited: int = 0      # metrics only: blocks credited though another identity cached them
+    admitted: bool = True        # False: [router] admission = "predict" refused it (nothing tracked)
+    predicted_ttft_us: float = 0.0   # the chosen worker's predicted TTFT (policy quillcache)
 
 
 @dataclass
@@ -78,9 +88,13 @@ class GatewayRouter:
 
     def __init__(self, cfg, clock: Callable[[], float] = time.monotonic) -> None:
         r = cfg.router                  # the cost knobs shared with a node's [router]
-        self._knobs = {**{k: v for k, v in r.as_dict().items() if k in _ROUTER_FIELDS}, "policy": r.policy}
+        # The TTFT objective that admission ([router] admission = "predict") holds a request to
+        # is the gateway's own [gateway] slo_ttft, the one its goodput metric counts against.
+        self._knobs = {**{k: v for k, v in r.as_dict().items() if k in _ROUTER_FIELDS}, "policy": r.policy,
+                       "slo_ttft_ms": cfg.gateway.slo_ttft * 1000.0}
         self._clock = clock
         self.predict_ttl = cfg.gateway.predict_ttl
+        self.policy = r.policy
         self.models: dict[str, _ModelRouter] = {}
         self._of_worker: dict[str, _ModelRouter] = {}
         self._predictions: dict[tuple, _Prediction] = {}
@@ -129,22 +143,43 @@ class GatewayRouter:
     def decide(self, identity: IdentityScope, hashes: Sequence[int], n_tokens: int,
                candidates: Sequence[str], policy: Optional[str] = None) -> Decision:
         mr = self._of_worker[candidates[0]]
+        policy = policy or self.policy
         # The router counts the request's load from here on: first_token() and finish() release it.
         d = mr.router.route(identity, hashes=hashes, request_tokens=n_tokens, candidates=candidates,
                             policy=policy)
-        dev, host, disk, pool = d.overlap
-        self._requests[d.request_id] = mr
-        plan = d.plan
-        # Refused: the most prefix blocks any candidate holds only under another identity,
-        # whichever worker was chosen (the chosen one may hold none of them).
+        if d.admitted:
+            self._requests[d.request_id] = mr
+        # Refused (metrics only): the most prefix blocks any candidate holds only under another
+        # identity, whichever worker was chosen (the chosen one may hold none of them).
         m = mr.router.find_matches(identity, hashes)
         refused = max([int(m.refused[i]) for i, w in enumerate(m.workers) if w in candidates] or [0])
+        if policy in IDENTITY_BLIND:
+            # The operator's identity-blind policy chose; what the client is told of the choice
+            # is its own identity's overlap there (no pool: the policy knows none).
+            w = list(m.workers).index(d.worker)
+            dev, host, disk, pool = int(m.device[w]), int(m.host[w]), int(m.disk[w]), 0
+            hit, fetch = dev + host + disk, 0
+        else:
+            dev, host, disk, pool = d.overlap
+            plan = d.plan
+            hit = plan.count(0) + plan.count(1) + plan.count(2)
+            fetch = plan.count(PLAN_CODES.index("pool"))
         return Decision(d.worker, d.request_id, len(hashes),
                         {"device": dev, "host": host, "disk": disk, "pool": pool},
-                        dev + host + disk, max(refused, d.refused_blocks),
-                        plan.count(0) + plan.count(1) + plan.count(2), plan.count(PLAN_CODES.index("pool")),
-                        plan.count(PLAN_CODES.index("recompute")), d.latency_us,
-                        d.cross_identity_credited_blocks)
+                        dev + host + disk, max(refused, d.refused_blocks), hit, fetch,
+                        len(hashes) - hit - fetch, d.latency_us, d.cross_identity_credited_blocks,
+                        d.admitted, d.predicted_ttft_us)
+
+    def reconfigure(self, cfg) -> None:
+        """SIGHUP: the reloadable [router] policy, [gateway] predict_ttl and slo_ttft (the next
+        decision and the next prediction use them)."""
+        self.policy = cfg.router.policy
+        self.predict_ttl = cfg.gateway.predict_ttl
+        slo_ms = cfg.gateway.slo_ttft * 1000.0
+        if slo_ms != self._knobs["slo_ttft_ms"]:
+            self._knobs["slo_ttft_ms"] = slo_ms
+            for mr in self.models.values():
+                mr.router.config = dataclasses.replace(mr.router.config, slo_ttft_ms=slo_ms)
 
     def first_token(self, request_id: str) -> None:
         mr = self._requests.get(request_id)

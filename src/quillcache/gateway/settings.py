@@ -2,15 +2,18 @@
 
 The same registry mechanism, TOML errors and exit codes as ``quillcached``
 (quillcache.settings); ``[auth]`` and ``[router]`` are the node's own ``Setting`` objects,
-so a tenant table or a router knob means the same thing in both files.
+so a tenant table or a router knob means the same thing in both files.  An engine table is
+checked by ``control.engine_spec``, the node's ``[[router.engines]]`` validator too.
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Any, Optional
-from urllib.parse import urlsplit
 
+from quillcache.cluster.settings import CREDENTIAL_MIN_CHARS
+from quillcache.control.engine_spec import (
+    ENGINE_ROLES, GATEWAY_EXAMPLE, GATEWAY_REQUIRED, GATEWAY_TABLE, MAX_ENGINES, EngineSpec, parse_engine,
+    parse_engine_list,
+)
 from quillcache.node.settings import SETTINGS, ConfigError, load_config
 from quillcache.net import ConversionError, parse_hostport
 from quillcache.settings.registry import Registry, Setting
@@ -19,103 +22,17 @@ from quillcache.settings.convert import boolean, int_range, string, parse_byte_s
 __all__ = ["GATEWAY_REGISTRY", "EngineSpec", "ENGINE_ROLES", "load_gateway_config", "MAX_ENGINES",
            "engine_of_record", "engine_conflict", "ENGINE_KEYS"]
 
-MAX_ENGINES = 1024                    # [[gateway.engines]] entries at most
-ENGINE_ROLES = ("both", "prefill", "decode")
-_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-ENGINE_KEYS = frozenset({"id", "url", "model", "tokenizer", "tokenizer_id", "chat_template", "adapters",
-                         "role", "kv_events", "kv_replay", "block_size"})
-_ENGINE_REQUIRED = {"id", "url", "model"}
-_ZMQ_RE = re.compile(r"^(tcp://[^\s]+:[0-9]+|ipc://\S+)$")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSpec:
-    """One upstream engine (an OpenAI-compatible server: vLLM, SGLang, the simulated engine)."""
-
-    id: str
-    url: str                          # base URL, e.g. http://127.0.0.1:8000
-    model: str                        # the served (base) model name
-    tokenizer: str = ""               # path of a local tokenizer.json; "" = approximate mode
-    tokenizer_id: str = ""            # identity of the tokenizer; "" = the model name
-    chat_template: str = ""           # path of a Jinja chat template; "" = the plain fallback
-    adapters: tuple[str, ...] = ()    # LoRA adapters served under their own model names
-    role: str = "both"
-    kv_events: str = ""               # ZMQ endpoint of the engine's KV-event publisher
-    kv_replay: str = ""               # ZMQ endpoint of its replay socket
-    block_size: int = 16              # tokens per KV block (the engine's page size)
-
-    @property
-    def identity_tokenizer(self) -> str:
-        return self.tokenizer_id or self.model
-
-
-_EXAMPLE = '[[gateway.engines]] id = "e0" url = "http://127.0.0.1:8000" model = "llama-3-8b"'
-
-
-def _engine(item: Any, where: str) -> EngineSpec:
-    """One engine table (a [[gateway.engines]] entry or an etcd record) as an EngineSpec."""
-    if not isinstance(item, dict):
-        raise ConversionError(f"{where} is not a table (e.g. {_EXAMPLE})")
-    unknown = set(item) - ENGINE_KEYS
-    if unknown:
-        raise ConversionError(f"{where}: unknown key {sorted(unknown)[0]!r} "
-                              f"(known: {', '.join(sorted(ENGINE_KEYS))})")
-    missing = _ENGINE_REQUIRED - set(item)
-    if missing:
-        raise ConversionError(f"{where}: missing {', '.join(sorted(missing))} (e.g. {_EXAMPLE})")
-    for key in ENGINE_KEYS - {"adapters", "block_size"}:
-        if key in item and not isinstance(item[key], str):
-            raise ConversionError(f"{where}: {key} must be a string")
-    eid = item["id"]
-    if not _ENGINE_ID_RE.match(eid):
-        raise ConversionError(f"{where}: id {eid!r} must be 1-64 of A-Z a-z 0-9 _ . -")
-    url = item["url"].rstrip("/")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-        raise ConversionError(f"{where}: url {item['url']!r} must be http(s)://host:port")
-    if not item["model"]:
-        raise ConversionError(f"{where}: model must not be empty")
-    adapters = item.get("adapters", [])
-    if not isinstance(adapters, list) or not all(isinstance(a, str) and a for a in adapters):
-        raise ConversionError(f"{where}: adapters must be a list of names")
-    if item["model"] in adapters:
-        raise ConversionError(f"{where}: adapter {item['model']!r} is also the base model name")
-    role = item.get("role", "both")
-    if role not in ENGINE_ROLES:
-        raise ConversionError(f"{where}: role {role!r} is not one of {', '.join(ENGINE_ROLES)}")
-    for key in ("kv_events", "kv_replay"):
-        if item.get(key) and not _ZMQ_RE.match(item[key]):
-            raise ConversionError(f"{where}: {key} {item[key]!r} is not a ZMQ endpoint "
-                                  "(e.g. \"tcp://127.0.0.1:5557\")")
-    if item.get("kv_replay") and not item.get("kv_events"):
-        raise ConversionError(f"{where}: kv_replay needs kv_events")
-    block_size = item.get("block_size", 16)
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 4096:
-        raise ConversionError(f"{where}: block_size must be an integer in 1..4096")
-    return EngineSpec(eid, url, item["model"], item.get("tokenizer", ""), item.get("tokenizer_id", ""),
-                      item.get("chat_template", ""), tuple(adapters), role, item.get("kv_events", ""),
-                      item.get("kv_replay", ""), block_size)
-
+ENGINE_KEYS = frozenset(GATEWAY_TABLE)          # the keys of a [[gateway.engines]] table
 
 def _engines(value: Any) -> tuple[EngineSpec, ...]:
-    if not isinstance(value, list):
-        raise ConversionError(f"not a list of engines (e.g. {_EXAMPLE})")
-    if len(value) > MAX_ENGINES:
-        raise ConversionError(f"{len(value)} engines: at most {MAX_ENGINES}")
-    out, seen = [], set()
-    for i, item in enumerate(value):
-        spec = _engine(item, f"entry {i}")
-        if spec.id in seen:
-            raise ConversionError(f"entry {i}: engine {spec.id!r} is listed twice")
-        seen.add(spec.id)
-        out.append(spec)
-    return tuple(out)
+    return parse_engine_list(value, GATEWAY_TABLE, GATEWAY_REQUIRED, GATEWAY_EXAMPLE, ConversionError)
 
 
 def engine_of_record(record: Any, name: str) -> EngineSpec:
     """An engine registered in etcd under ``name``, validated exactly as a [[gateway.engines]]
     table; raises ConversionError naming what is wrong."""
-    spec = _engine(record, f"engine record {name!r}")
+    spec = parse_engine(record, f"engine record {name!r}", GATEWAY_TABLE, GATEWAY_REQUIRED, GATEWAY_EXAMPLE,
+                        ConversionError)
     if spec.id != name:
         raise ConversionError(f"engine record {name!r}: its id is {spec.id!r}")
     return spec
@@ -177,8 +94,27 @@ _GATEWAY_SECTIONS = {
 
 _GATEWAY_SETTINGS: tuple[Setting, ...] = (
     Setting("gateway", "listen", parse_hostport, "127.0.0.1:8088", False,
-            "Address of the HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-            "/health, /metrics)."),
+            "Address of the tenants' HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+            "/health)."),
+    Setting("gateway", "admin_listen", parse_hostport, "127.0.0.1:8089", False,
+            "Address of the operator's endpoints (/metrics, /quillcache/workers, /quillcache/hot, "
+            "/health), never served on listen: keep it where only operators reach it."),
+    Setting("gateway", "max_connections", int_range(1, 1 << 20), 1024, False,
+            "Client connections open at once on listen (the admin address has 64 of its own); past it "
+            "a new connection is answered 503 and closed. The descriptor limit is raised to fit (2 per "
+            "connection + 256), or this is lowered to fit it, with a warning."),
+    Setting("gateway", "max_connections_per_peer", int_range(0, 1 << 20), 0, False,
+            "Client connections one peer address may have open at once; past it, 503 and the close. "
+            "0: no per-peer limit (the default: behind a proxy every client is the proxy's address)."),
+    Setting("gateway", "client_header_timeout", _positive_duration, "15s", False,
+            "A client connection that has sent no complete request head this long after it opened, "
+            "or after its previous answer, is closed (aiohttp's keepalive_timeout): silent "
+            "connections, slow headers and idle keep-alive connections."),
+    Setting("gateway", "client_body_timeout", _positive_duration, "30s", True,
+            "The whole request body must arrive within this; else 408 and the connection is closed."),
+    Setting("gateway", "client_send_timeout", _positive_duration, "60s", True,
+            "A client that takes none of its streamed answer for this long (it stopped reading) is "
+            "dropped, and its upstream request with it."),
     Setting("gateway", "engines", _engines, [], False,
             "Upstream engines as [[gateway.engines]] tables: id, url, model, and optionally "
             "tokenizer (a local tokenizer.json), tokenizer_id, chat_template (a Jinja file), "
@@ -205,7 +141,8 @@ _GATEWAY_SETTINGS: tuple[Setting, ...] = (
             "How long a routed prefix counts as resident on its engine (predict-on-route) before "
             "the engine's events confirm it."),
     Setting("gateway", "slo_ttft", _positive_duration, "800ms", True,
-            "Time-to-first-token objective used by the goodput metric."),
+            "Time-to-first-token objective used by the goodput metric, and the SLO that [router] "
+            "admission = \"predict\" holds each request to (refused above admission_k times it)."),
     Setting("gateway", "slo_tpot", _positive_duration, "80ms", True,
             "Time-per-output-token objective used by the goodput metric."),
     Setting("gateway", "name", string, "", False,
@@ -238,6 +175,10 @@ _ROUTER_POLICY = Setting("router", "policy", _policy, "quillcache", True,
 
 
 def _check_gateway(cfg) -> None:
+    if cfg.router.admission == "predict" and cfg.router.policy != "quillcache":
+        raise ConfigError(f'{cfg.source}: [router] admission = "predict" with policy = "{cfg.router.policy}": '
+                          'only policy "quillcache" predicts a time to first token (set admission = "off" '
+                          'or policy = "quillcache")')
     seen: list[EngineSpec] = []
     for spec in cfg.gateway.engines:
         why = engine_conflict(spec, seen)
@@ -245,6 +186,11 @@ def _check_gateway(cfg) -> None:
             raise ConfigError(f"{cfg.source}: [[gateway.engines]] {spec.id}: {why}")
         seen.append(spec)
     if cfg.cluster.enabled:
+        if len(cfg.cluster.credential) < CREDENTIAL_MIN_CHARS:
+            # Never the value itself, here or in any log line.
+            raise ConfigError(f"{cfg.source}: [cluster] credential: needs at least {CREDENTIAL_MIN_CHARS} "
+                              "characters when [cluster] enabled = true (the pool's credential: the "
+                              "gateway routes only to engine records signed with it)")
         return                    # the missing half of a disaggregated model may register in etcd
     for model in sorted({s.model for s in seen}):
         roles = {s.role for s in seen if s.model == model}
@@ -255,12 +201,15 @@ def _check_gateway(cfg) -> None:
                               f"and no {need} engine: a disaggregated model needs both")
 
 
-# [cluster]: the node's etcd and cluster_id (one pool, one name); enabled means "watch the engines".
+# [cluster]: the node's etcd, cluster_id and credential (one pool, one name, one secret); enabled
+# means "watch the engines", and route only to those whose record is signed with the credential.
 _CLUSTER = (Setting("cluster", "enabled", boolean, False, False,
                     "Also route to the engines registered in etcd (quillctl engine register, "
-                    "quillcache-sim-engine --etcd), added and removed live; an id that is also in "
-                    "[[gateway.engines]] is refused: the config's entry wins."),
-            ) + tuple(s for s in SETTINGS if s.section == "cluster" and s.name in ("etcd", "cluster_id"))
+                    "quillcache-sim-engine --etcd), added and removed live, when their records are "
+                    "signed with [cluster] credential; an id that is also in [[gateway.engines]] is "
+                    "refused: the config's entry wins."),
+            ) + tuple(s for s in SETTINGS if s.section == "cluster" and s.name in ("etcd", "cluster_id",
+                                                                                 "credential"))
 
 GATEWAY_REGISTRY = Registry("gateway", _GATEWAY_SECTIONS,
                             _GATEWAY_SETTINGS + (_ROUTER_POLICY,) + _shared("router") + _shared("auth")

@@ -10,58 +10,14 @@ Those blocks are consistent for predict-on-route, but never match an engine's KV
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from typing import Sequence
 
+from quillcache.control.chat import MAX_MESSAGES, render_chat
 from quillcache.errors import InvalidArgument
 
 __all__ = ["PromptTokenizer", "TokenizerCache", "render_chat", "MAX_MESSAGES", "OFFLOAD_CHARS"]
 
-MAX_MESSAGES = 4096              # chat messages in one request at most
 OFFLOAD_CHARS = 16_384           # characters above which encoding runs off the event loop
-_FALLBACK_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-def _message_text(content: Any, i: int) -> str:
-    """A message's content: a string, or OpenAI's list of parts (text parts are joined)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidArgument(f"messages[{i}].content: only text parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-    if content is None:
-        return ""
-    raise InvalidArgument(f"messages[{i}].content must be a string or a list of text parts")
-
-
-def _check_messages(messages: Any) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidArgument("messages must be a non-empty list")
-    if len(messages) > MAX_MESSAGES:
-        raise InvalidArgument(f"{len(messages)} messages: at most {MAX_MESSAGES}")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidArgument(f"messages[{i}] must be an object with a string role")
-        out.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
-    return out
-
-
-def render_chat(messages: Any, template=None) -> str:
-    """The prompt text of a chat request: the configured Jinja template, else a plain format
-    (``<|role|>\\ncontent\\n`` per message, then ``<|assistant|>\\n``)."""
-    msgs = _check_messages(messages)
-    if template is not None:
-        return template.render(messages=msgs, add_generation_prompt=True, bos_token="", eos_token="")
-    parts = []
-    for m in msgs:
-        role = m["role"] if m["role"] in _FALLBACK_ROLES else "user"
-        parts.append(f"<|{role}|>\n{m['content']}\n")
-    parts.append("<|assistant|>\n")
-    return "".join(parts)
 
 
 class PromptTokenizer:

@@ -33,14 +33,14 @@ from quillcache.model import (
     encode_scope_prefix,
 )
 
-__all__ = ["ArtIndex"]
+__all__ = ["ArtIndex", "add_block", "forget_block"]
 
 
 def _order(r: CacheResidency) -> tuple[str, str]:
     return (r.worker_id, r.tier.value)
 
 
-def _add_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
+def add_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
     """ek has this block hash in this tenant.  A tenant's keys are a tuple (usually of one):
     tuples of bytes and the dicts holding only them leave the garbage collector's lists, so
     a million resident blocks do not make every full collection walk two million objects."""
@@ -55,7 +55,8 @@ def _add_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> No
         tenants[tenant_id] = keys + (ek,)
 
 
-def _forget_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
+def forget_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
+    """ek no longer has this block hash in this tenant (``add_block`` undone)."""
     tenants = by_block.get(block_hash)
     if tenants is None:
         return
@@ -104,7 +105,7 @@ class ArtIndex:
                 self._release_slot(slot)
                 raise
             key = residency.key
-            _add_block(self._by_block, key.block_hash, key.tenant_id, ek)
+            add_block(self._by_block, key.block_hash, key.tenant_id, ek)
         else:
             records = self._slots[slot]
             order = _order(residency)
@@ -151,7 +152,7 @@ class ArtIndex:
             key = records[0].key
             self._tree.delete(ek)
             self._release_slot(slot)
-            _forget_block(self._by_block, key.block_hash, key.tenant_id, ek)
+            forget_block(self._by_block, key.block_hash, key.tenant_id, ek)
         return removed
 
     def _apply_clear(self) -> None:

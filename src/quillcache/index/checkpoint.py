@@ -26,7 +26,7 @@ from bisect import bisect_left
 import google_crc32c
 import numpy as np
 
-from quillcache.errors import QuillCacheError
+from quillcache.errors import CorruptCheckpoint
 from quillcache.model import CacheResidency, CacheTier, decode_key
 
 __all__ = ["Checkpoint", "CorruptCheckpoint", "read_checkpoint", "write_checkpoint",
@@ -45,8 +45,12 @@ RECORD_DTYPE = np.dtype([("bytes", "<u8"), ("last", "<i8"), ("ref", "<u4"), ("wo
 assert RECORD_DTYPE.itemsize == 32
 
 
-class CorruptCheckpoint(QuillCacheError):
-    """The checkpoint file fails its checksum or structure checks: refused."""
+# The residency index is rebuilt from the SSD tier's blocks at start (store/residency.py).
+_HINT = "move the index directory away: the store rebuilds it from the SSD tier's blocks"
+
+
+def _corrupt(path: str, problem: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(path, problem, _HINT)
 
 
 class Checkpoint:
@@ -56,19 +60,19 @@ class Checkpoint:
         """head: the file's first CHECKPOINT_HEADER.size bytes; data: the rest (the body)."""
         self.path = path
         if len(head) < CHECKPOINT_HEADER.size:
-            raise CorruptCheckpoint(f"{path}: {len(head)} bytes, shorter than the header")
+            raise _corrupt(path, f"{len(head)} bytes, shorter than the header")
         (magic, version, hbytes, self.wal_lsn, G, R, W, B, body_bytes, body_crc,
          head_crc) = CHECKPOINT_HEADER.unpack_from(head, 0)
         if magic != CHECKPOINT_MAGIC:
-            raise CorruptCheckpoint(f"{path}: bad magic {magic!r}")
+            raise _corrupt(path, f"bad magic {magic!r}")
         if google_crc32c.value(head[:60]) != head_crc:
-            raise CorruptCheckpoint(f"{path}: header checksum mismatch")
+            raise _corrupt(path, "header checksum mismatch")
         if version != CHECKPOINT_VERSION or hbytes != CHECKPOINT_HEADER.size:
-            raise CorruptCheckpoint(f"{path}: version {version} (this build reads {CHECKPOINT_VERSION})")
+            raise _corrupt(path, f"version {version} (this build reads {CHECKPOINT_VERSION})")
         if len(data) != body_bytes:
-            raise CorruptCheckpoint(f"{path}: {hbytes + len(data)} bytes, header says {hbytes + body_bytes}")
+            raise _corrupt(path, f"{hbytes + len(data)} bytes, header says {hbytes + body_bytes}")
         if google_crc32c.value(data) != body_crc:
-            raise CorruptCheckpoint(f"{path}: body checksum mismatch")
+            raise _corrupt(path, "body checksum mismatch")
         self.data = data
         self.n_groups, self.n_records, self.n_workers, self.n_blocks = G, R, W, B
         pos = 0
@@ -98,7 +102,7 @@ class Checkpoint:
             wo = worker_off.tolist()
             self.workers = [worker_blob[wo[i]:wo[i + 1]].decode("utf-8") for i in range(W)]
         except (ValueError, IndexError, UnicodeDecodeError) as exc:
-            raise CorruptCheckpoint(f"{path}: malformed body: {exc}") from None
+            raise _corrupt(path, f"malformed body: {exc}") from None
         self._eks_obj = None
         self._holder_tables: dict = {}
         self._bh = self.bh_off.tolist()
@@ -152,6 +156,10 @@ class Checkpoint:
             tiers[groups] = recs["tier"][mine]
         self._holder_tables[worker_id] = got = (count, nbytes, tiers)
         return got
+
+    def block_hash(self, i: int) -> str:
+        """The i-th block hash of the block-hash table (sorted; ``find_block`` finds one)."""
+        return self.bh_blob[self._bh[i]:self._bh[i + 1]].decode("utf-8")
 
     def find_block(self, bh: bytes) -> int:
         off, blob = self._bh, self.bh_blob

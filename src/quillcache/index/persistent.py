@@ -12,16 +12,10 @@ and so validated, before anything changes).  ``sync()`` is the group commit: one
 fdatasync for everything appended since the last one.  ``sync_every=True`` commits at the
 end of every mutating call instead.
 
-WAL record payloads (little-endian; the WAL adds its own CRC framing)::
-
-    PUT    u8 op=1 | u16 key_len | encoded key | u8 worker_len | worker (UTF-8)
-                   | u8 tier code | u8 pinned | u32 ref_count | u64 bytes | i64 last_access_ms
-    REMOVE u8 op=2 | u16 key_len | encoded key | u8 worker_len | worker     (all tiers)
-    CLEAR  u8 op=3
-
-``clear_worker``/``remove_block`` log one REMOVE per key they drop (physical, idempotent).
-
-The checkpoint file (layout, writer, reader and its checks) is ``quillcache.index.checkpoint``.
+The WAL records (PUT, REMOVE, CLEAR: layout, encoders, decoder) are
+``quillcache.index.walrecords``; ``clear_worker``/``remove_block`` log one REMOVE per key they
+drop (physical, idempotent).  The checkpoint file (layout, writer, reader and its checks) is
+``quillcache.index.checkpoint``; the lazy structures of recovery are ``quillcache.index.lazy``.
 
 Recovery = load the checkpoint + replay WAL records with lsn > its wal_lsn.  Both are lazy
 so that 1 M records are serving in about a second of CPU: the tree is bulk-built from the
@@ -44,7 +38,6 @@ corruption inside the log raises ``CorruptLog`` unless ``strict=False``.
 from __future__ import annotations
 
 import os
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -53,37 +46,22 @@ import numpy as np
 
 from quillcache.fsutil import fsync_dir
 from quillcache._native.wal import WalReader, WalWriter
-from quillcache.errors import InvalidArgument, QuillCacheError
-from quillcache.index.art import ArtIndex, _add_block, _forget_block
-from quillcache.index.checkpoint import (  # CorruptCheckpoint: re-exported
-    CHECKPOINT_NAME, TIER_CODE, TIERS, Checkpoint, CorruptCheckpoint, read_checkpoint, write_checkpoint,
+from quillcache.errors import CorruptCheckpoint, InvalidArgument
+from quillcache.index.art import ArtIndex
+from quillcache.index.checkpoint import CHECKPOINT_NAME, TIER_CODE, TIERS, Checkpoint, read_checkpoint, write_checkpoint
+from quillcache.index.lazy import COLD, LazyBlockMap, LazySlots, LazyWorkerMap, RawGroup, block_hash_of
+from quillcache.index.walrecords import (  # CorruptLog, encode_put, MAX_WORKER_ID_BYTES: re-exported
+    MAX_WORKER_ID_BYTES, OP_CLEAR, OP_REMOVE, RECORD_ERRORS, CorruptLog, decode_record, encode_clear, encode_put,
+    encode_put_ek, encode_remove,
 )
-from quillcache.model import (
-    KEY_FORMAT_VERSION, CacheResidency, CacheTier, IdentityScope, IndexMetrics, decode_key, encode_key,
-)
+from quillcache.model import KEY_FORMAT_VERSION, CacheResidency, CacheTier, IdentityScope, IndexMetrics, encode_key
 
 __all__ = ["PersistentArtIndex", "CorruptCheckpoint", "CorruptLog", "RecoveryInfo",
            "encode_put", "MAX_WORKER_ID_BYTES", "CHECKPOINT_NAME"]
 
-OP_PUT = 1
-OP_REMOVE = 2
-OP_CLEAR = 3
-MAX_WORKER_ID_BYTES = 255                 # bytes of UTF-8 (a u8 length in the record)
-MAX_ENCODED_KEY = 0xFFFF                  # bytes (a u16 length in the record)
-U32_MAX = (1 << 32) - 1
-U64_MAX = (1 << 64) - 1
-I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
-
 DEFAULT_CHECKPOINT_WAL_BYTES = 64 << 20   # bytes of WAL since the last checkpoint
 DEFAULT_SEGMENT_BYTES = 4 << 20           # bytes per WAL segment: truncation granularity, and
                                           # at most this much already-checkpointed WAL is re-read on open
-
-_PUT_TAIL = struct.Struct("<BBIQq")        # tier, pinned, ref_count, bytes, last_access_ms
-_HEAD = struct.Struct("<BH")               # op, key_len
-
-
-class CorruptLog(QuillCacheError):
-    """The WAL has corrupt records before its tail (strict recovery refuses them)."""
 
 
 @dataclass
@@ -98,269 +76,6 @@ class RecoveryInfo:
     cpu_seconds: float = 0.0            # the whole open, CPU time of this process
     checkpoint_seconds: float = 0.0     # of which: reading + bulk-loading the checkpoint
     replay_seconds: float = 0.0         # of which: reading + replaying the WAL
-
-
-def _worker_bytes(worker_id: str) -> bytes:
-    if not isinstance(worker_id, str):
-        raise InvalidArgument(f"worker_id {worker_id!r}: must be a string")
-    wb = worker_id.encode("utf-8")
-    if len(wb) > MAX_WORKER_ID_BYTES:
-        raise InvalidArgument(f"worker_id is {len(wb)} bytes: at most {MAX_WORKER_ID_BYTES}")
-    return wb
-
-
-def _encode_put_ek(ek: bytes, r: CacheResidency) -> bytes:
-    wb = _worker_bytes(r.worker_id)
-    if not isinstance(r.tier, CacheTier):
-        raise InvalidArgument(f"tier {r.tier!r}: must be a CacheTier")
-    for name, value, lo, hi in (("bytes", r.bytes, 0, U64_MAX),
-                                ("last_access_ms", r.last_access_ms, I64_MIN, I64_MAX),
-                                ("ref_count", r.ref_count, 0, U32_MAX)):
-        if not isinstance(value, int) or not lo <= value <= hi:
-            raise InvalidArgument(f"{name} {value!r}: must be an integer in {lo}..{hi}")
-    if len(ek) > MAX_ENCODED_KEY:
-        raise InvalidArgument(f"encoded key is {len(ek)} bytes: at most {MAX_ENCODED_KEY}")
-    return b"".join((_HEAD.pack(OP_PUT, len(ek)), ek, bytes((len(wb),)), wb,
-                     _PUT_TAIL.pack(TIER_CODE[r.tier], bool(r.pinned), r.ref_count, r.bytes,
-                                    r.last_access_ms)))
-
-
-def encode_put(residency: CacheResidency) -> bytes:
-    """The PUT record of residency; its length is the logical size of a put (the unit of
-    write amplification in every backend's study)."""
-    return _encode_put_ek(encode_key(residency.key), residency)
-
-
-def _encode_remove(ek: bytes, worker_id: str) -> bytes:
-    wb = _worker_bytes(worker_id)
-    return b"".join((_HEAD.pack(OP_REMOVE, len(ek)), ek, bytes((len(wb),)), wb))
-
-
-# --------------------------------------------------------------------------- lazy structures
-
-_COLD = object()     # a slot whose records are still only in the checkpoint buffer
-
-
-class _RawGroup:
-    """A slot replayed from the WAL but not decoded yet: its encoded key and rows
-    (worker_id, tier code, bytes, last_access_ms, ref_count, pinned) in (worker, tier) order."""
-
-    __slots__ = ("ek", "rows")
-
-    def __init__(self, ek: bytes, rows: list) -> None:
-        self.ek = ek
-        self.rows = rows
-
-    def decode(self) -> list[CacheResidency]:
-        key = decode_key(self.ek)
-        return [CacheResidency(key, w, TIERS[t], b, last, ref, bool(pin))
-                for w, t, b, last, ref, pin in self.rows]
-
-
-class _LazySlots(list):
-    """ArtIndex._slots whose checkpoint-loaded (_COLD) and replayed (_RawGroup) entries are
-    decoded on first access; ``lazy`` counts them and ``cold[g]`` says that slot g still
-    holds checkpoint group g as it was loaded (numpy: the start-up check reads the
-    checkpoint's record table for those)."""
-
-    def __init__(self, n: int, decode_cold) -> None:
-        super().__init__()
-        if n:
-            self.extend([_COLD] * n)
-        self.lazy = n
-        self.cold = np.ones(n, dtype=bool)
-        self._decode_cold = decode_cold
-
-    def __getitem__(self, i):
-        v = list.__getitem__(self, i)
-        if v is _COLD:
-            v = self._decode_cold(i)
-            self.cold[i] = False
-        elif type(v) is _RawGroup:
-            v = v.decode()
-        else:
-            return v
-        list.__setitem__(self, i, v)
-        self.lazy -= 1
-        return v
-
-    def clear(self) -> None:
-        list.clear(self)
-        self.lazy = 0
-        self.cold = np.zeros(0, dtype=bool)
-
-
-def _block_hash_of(ek: bytes) -> bytes:
-    """The block_hash field of an encoded key (model.encode_key layout)."""
-    pos = 1
-    for _ in range(3):                      # tenant, model, tokenizer
-        pos += 1 + ek[pos]
-    pos = pos + 1 if ek[pos] == 0 else pos + 2 + ek[pos + 1]    # adapter
-    pos += 1 + ek[pos] + 4                  # prefix_hash, block_index
-    return ek[pos + 1:pos + 1 + ek[pos]]
-
-
-class _LazyMap(dict):
-    """A side map of ArtIndex (name -> set of encoded keys) whose entries are computed on
-    first get/setdefault of a name by ``_cold(name)``; after that the dict entry is exact
-    (every change to those keys reaches the entry through get/setdefault first)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._warmed: set = set()
-
-    def _cold(self, name) -> Optional[set]:
-        raise NotImplementedError
-
-    def _warm(self, name) -> None:
-        if name in self._warmed:
-            return
-        self._warmed.add(name)
-        found = self._cold(name)
-        if found:
-            dict.setdefault(self, name, set()).update(found)
-
-    def get(self, key, default=None):
-        self._warm(key)
-        return dict.get(self, key, default)
-
-    def setdefault(self, key, default=None):
-        self._warm(key)
-        return dict.setdefault(self, key, default)
-
-    def clear(self) -> None:
-        dict.clear(self)
-        self._warmed.clear()
-
-
-def _tenant_of(ek: bytes) -> str:
-    """The tenant_id field of an encoded key (the first field after the version byte)."""
-    return ek[2:2 + ek[1]].decode("utf-8")
-
-
-class _LazyBlockMap(_LazyMap):
-    """ArtIndex._by_block: block hash -> tenant -> encoded keys in the tree with that block
-    hash; cold entries come from the checkpoint's block-hash table (binary search) plus keys
-    the replay added (``note``), keeping those still in the tree."""
-
-    def _warm(self, name) -> None:
-        if name in self._warmed:
-            return
-        self._warmed.add(name)
-        found = self._cold(name)
-        for ek in sorted(found or ()):
-            _add_block(self, name, _tenant_of(ek), ek)
-
-    def __init__(self, ck: "Optional[Checkpoint]", tree) -> None:
-        super().__init__()
-        self._ck = ck
-        self._tree = tree
-        self._taken = np.zeros(ck.n_blocks if ck is not None else 0, dtype=bool)
-        self._pending: dict[str, set] = {}
-
-    def _cold(self, block_hash) -> Optional[set]:
-        if not isinstance(block_hash, str):
-            return None
-        found = self._pending.pop(block_hash, set())
-        ck = self._ck
-        if ck is not None:
-            i = ck.find_block(block_hash.encode("utf-8"))
-            if i >= 0 and not self._taken[i]:
-                self._taken[i] = True
-                found.update(ck.ek(g) for g in ck.bh_groups[ck.bh_group_off[i]:ck.bh_group_off[i + 1]].tolist())
-        tree = self._tree
-        return {ek for ek in found if ek in tree}
-
-    def note(self, block_hash: str, ek: bytes) -> None:
-        if block_hash in self._warmed:
-            _add_block(self, block_hash, _tenant_of(ek), ek)
-        else:
-            self._pending.setdefault(block_hash, set()).add(ek)
-
-    def forget(self, block_hash: str, ek: bytes) -> None:
-        if block_hash in self._warmed:          # else: filtered out when warmed
-            _forget_block(self, block_hash, _tenant_of(ek), ek)
-
-    def warm_all(self) -> dict:
-        ck = self._ck
-        if ck is not None:
-            for i in np.flatnonzero(~self._taken).tolist():
-                self._warm(ck.bh_blob[ck._bh[i]:ck._bh[i + 1]].decode("utf-8"))
-        for bh in list(self._pending):
-            self._warm(bh)
-        return dict(self)
-
-    def clear(self) -> None:
-        super().clear()
-        self._ck = None
-        self._pending.clear()
-        self._taken = np.zeros(0, dtype=bool)
-
-
-class _LazyWorkerMap(_LazyMap):
-    """ArtIndex._by_worker: worker id -> encoded keys where it has a record; cold entries
-    come from the checkpoint's records (grouped by worker with numpy on first use)."""
-
-    def __init__(self, ck: "Optional[Checkpoint]") -> None:
-        super().__init__()
-        self._ck = ck
-        self._index = {w: i for i, w in enumerate(ck.workers)} if ck is not None else {}
-        self._order = None
-        self._added: dict[str, set] = {}      # replay changes to entries not computed yet
-        self._removed: dict[str, set] = {}
-
-    def note(self, worker: str, ek: bytes) -> None:
-        """Replay: worker has a record under ek now (without computing the cold entry)."""
-        if worker in self._warmed:
-            dict.setdefault(self, worker, set()).add(ek)
-        else:
-            self._added.setdefault(worker, set()).add(ek)
-            self._removed.get(worker, set()).discard(ek)
-
-    def forget(self, worker: str, ek: bytes) -> None:
-        """Replay: worker has no record under ek any more."""
-        if worker in self._warmed:
-            keys = dict.get(self, worker)
-            if keys is not None:
-                keys.discard(ek)
-                if not keys:
-                    dict.__delitem__(self, worker)
-        else:
-            self._removed.setdefault(worker, set()).add(ek)
-            self._added.get(worker, set()).discard(ek)
-
-    def _cold(self, worker) -> Optional[set]:
-        found = self._added.pop(worker, set())
-        removed = self._removed.pop(worker, set())
-        ck = self._ck
-        i = self._index.get(worker) if ck is not None else None
-        if i is None:
-            return found
-        if self._order is None:
-            wcol = ck.records["worker"]
-            self._order = np.argsort(wcol, kind="stable")
-            self._bounds = np.searchsorted(wcol[self._order], np.arange(ck.n_workers + 1))
-            self._rec_group = np.repeat(np.arange(ck.n_groups, dtype=np.int64),
-                                        np.diff(ck.rec_off.astype(np.int64)))
-        recs = self._order[self._bounds[i]:self._bounds[i + 1]]
-        cold = set(ck.eks_obj[self._rec_group[recs]])
-        cold.difference_update(removed)
-        cold.update(found)
-        return cold
-
-    def warm_all(self) -> dict:
-        for w in list(self._index) + list(self._added):
-            self._warm(w)
-        return dict(self)
-
-    def clear(self) -> None:
-        super().clear()
-        self._ck = None
-        self._added.clear()
-        self._removed.clear()
-
-
-# --------------------------------------------------------------------------- the index
 
 
 class PersistentArtIndex(ArtIndex):
@@ -432,9 +147,9 @@ class PersistentArtIndex(ArtIndex):
         G = ck.n_groups
         if G and self._tree.insert_blob(ck.key_blob, ck.key_off) != G:
             raise CorruptCheckpoint(f"{path}: a key appears twice")
-        self._slots = _LazySlots(G, ck.group_records)
-        self._by_block = _LazyBlockMap(ck, self._tree)
-        self._by_worker = _LazyWorkerMap(ck)
+        self._slots = LazySlots(G, ck.group_records)
+        self._by_block = LazyBlockMap(ck, self._tree)
+        self._by_worker = LazyWorkerMap(ck)
         if ck.n_records:
             self._records = ck.n_records
             self._resident_bytes = int(ck.records["bytes"].sum(dtype=np.uint64))
@@ -447,43 +162,26 @@ class PersistentArtIndex(ArtIndex):
         if not os.path.isdir(waldir):
             return
         t0 = time.perf_counter()
-        if not isinstance(self._slots, _LazySlots):
-            self._slots = _LazySlots(0, None)
-            self._by_block = _LazyBlockMap(None, self._tree)
-            self._by_worker = _LazyWorkerMap(None)
+        if not isinstance(self._slots, LazySlots):
+            self._slots = LazySlots(0, None)
+            self._by_block = LazyBlockMap(None, self._tree)
+            self._by_worker = LazyWorkerMap(None)
         reader = WalReader(waldir)
         after = self.recovery.checkpoint_lsn
-        unpack_head, unpack_tail = _HEAD.unpack_from, _PUT_TAIL.unpack_from
         for lsn, payload in reader:
             if lsn <= after:
                 self.recovery.skipped += 1
                 continue
             try:
-                op = payload[0]
-                if op == OP_CLEAR and len(payload) == 1:
-                    ArtIndex._apply_clear(self)
+                op, ek, arg = decode_record(payload)
+                if op == OP_CLEAR:
+                    super()._apply_clear()
                     self._ck = None
-                elif op == OP_PUT or op == OP_REMOVE:
-                    _, klen = unpack_head(payload, 0)
-                    pos = 3 + klen
-                    ek = payload[3:pos]
-                    wlen = payload[pos]
-                    worker = payload[pos + 1:pos + 1 + wlen].decode("utf-8")
-                    pos += 1 + wlen
-                    if op == OP_REMOVE:
-                        if pos != len(payload):
-                            raise ValueError("REMOVE record length mismatch")
-                        self._raw_remove(ek, worker)
-                    else:
-                        if pos + _PUT_TAIL.size != len(payload) or len(ek) != klen:
-                            raise ValueError("PUT record length mismatch")
-                        tier, pinned, ref, nbytes, last = unpack_tail(payload, pos)
-                        if tier >= len(TIERS):
-                            raise ValueError(f"tier code {tier}")
-                        self._raw_put(ek, (worker, tier, nbytes, last, ref, pinned))
+                elif op == OP_REMOVE:
+                    self._raw_remove(ek, arg)
                 else:
-                    raise ValueError(f"unknown op {op}")
-            except (ValueError, IndexError, UnicodeDecodeError, struct.error) as exc:
+                    self._raw_put(ek, arg)
+            except RECORD_ERRORS as exc:
                 reader.corruption.append((len(payload), f"undecodable index record: {exc}"))
                 continue
             self.recovery.replayed += 1
@@ -494,14 +192,14 @@ class PersistentArtIndex(ArtIndex):
             raise CorruptLog(f"{self.directory}/wal: corrupt records before the tail: "
                              f"{reader.corruption} (open with strict=False to drop them)")
 
-    def _raw_group(self, slot: int, ek: bytes) -> Optional[_RawGroup]:
+    def _raw_group(self, slot: int, ek: bytes) -> Optional[RawGroup]:
         v = list.__getitem__(self._slots, slot)
-        if v is _COLD:
-            v = _RawGroup(ek, self._ck.group_rows(slot))
+        if v is COLD:
+            v = RawGroup(ek, self._ck.group_rows(slot))
             list.__setitem__(self._slots, slot, v)
             self._slots.cold[slot] = False
             return v
-        return v if type(v) is _RawGroup else None
+        return v if type(v) is RawGroup else None
 
     def _raw_put(self, ek: bytes, row: tuple) -> None:
         """Replay a PUT without building model objects (they are built on first access)."""
@@ -511,8 +209,8 @@ class PersistentArtIndex(ArtIndex):
             # structural check only (the WAL's CRC covers the bytes); decoded on first access
             if not ek or ek[0] != KEY_FORMAT_VERSION:
                 raise ValueError("encoded key of another format")
-            block_hash = _block_hash_of(ek).decode("utf-8")
-            slot = self._new_slot(_RawGroup(ek, [row]))
+            block_hash = block_hash_of(ek).decode("utf-8")
+            slot = self._new_slot(RawGroup(ek, [row]))
             self._tree.insert(ek, slot)
             self._slots.lazy += 1
             self._by_block.note(block_hash, ek)
@@ -520,7 +218,7 @@ class PersistentArtIndex(ArtIndex):
             group = self._raw_group(slot, ek)
             if group is None:               # already decoded: the ordinary path
                 w, t, b, last, ref, pin = row
-                ArtIndex._apply_put(self, CacheResidency(self._slots[slot][0].key, w, TIERS[t], b,
+                super()._apply_put(CacheResidency(self._slots[slot][0].key, w, TIERS[t], b,
                                                          last, ref, bool(pin)))
                 return
             rows = group.rows
@@ -547,7 +245,7 @@ class PersistentArtIndex(ArtIndex):
             return
         group = self._raw_group(slot, ek)
         if group is None:
-            ArtIndex._apply_remove(self, ek, worker)
+            super()._apply_remove(ek, worker)
             return
         keep = [r for r in group.rows if r[0] != worker]
         removed = len(group.rows) - len(keep)
@@ -562,7 +260,7 @@ class PersistentArtIndex(ArtIndex):
             self._tree.delete(ek)
             self._release_slot(slot)
             self._slots.lazy -= 1
-            self._by_block.forget(_block_hash_of(ek).decode("utf-8"), ek)
+            self._by_block.forget(block_hash_of(ek).decode("utf-8"), ek)
 
     # ------------------------------------------------------------------ logged state changes
 
@@ -574,7 +272,7 @@ class PersistentArtIndex(ArtIndex):
         if ek is None:
             ek = encode_key(residency.key)
         if self._logging and self._durable(residency):
-            self._log(_encode_put_ek(ek, residency))     # validates before anything changes
+            self._log(encode_put_ek(ek, residency))     # validates before anything changes
         super()._apply_put(residency, ek)
 
     def _apply_remove(self, ek: bytes, worker_id: str) -> int:
@@ -586,7 +284,7 @@ class PersistentArtIndex(ArtIndex):
             if not mine:
                 return 0
             if any(self._durable(r) for r in mine):
-                self._log(_encode_remove(ek, worker_id))
+                self._log(encode_remove(ek, worker_id))
         return super()._apply_remove(ek, worker_id)
 
     def _durable(self, r: CacheResidency) -> bool:
@@ -595,7 +293,7 @@ class PersistentArtIndex(ArtIndex):
 
     def _apply_clear(self) -> None:
         if self._logging:
-            self._log(bytes((OP_CLEAR,)))
+            self._log(encode_clear())
         super()._apply_clear()
         self._ck = None
 
@@ -671,10 +369,10 @@ class PersistentArtIndex(ArtIndex):
         slots, ck, code, durable = self._slots, self._ck, TIER_CODE, self._durable
         for ek, slot in self._tree.items():
             v = list.__getitem__(slots, slot)
-            if v is _COLD:
-                yield ek, _block_hash_of(ek), ck.group_rows(slot)
-            elif type(v) is _RawGroup:
-                yield ek, _block_hash_of(ek), v.rows
+            if v is COLD:
+                yield ek, block_hash_of(ek), ck.group_rows(slot)
+            elif type(v) is RawGroup:
+                yield ek, block_hash_of(ek), v.rows
             else:
                 rows = [(r.worker_id, code[r.tier], r.bytes, r.last_access_ms, r.ref_count, int(r.pinned))
                         for r in v if durable(r)]
@@ -686,7 +384,7 @@ class PersistentArtIndex(ArtIndex):
         checkpoint group are answered from its record table with numpy, replayed ones from
         their rows."""
         all_slots = self._slots
-        if not isinstance(all_slots, _LazySlots):
+        if not isinstance(all_slots, LazySlots):
             return super()._holder_match(worker_id, tier, slots, lengths)
         ok = np.zeros(len(slots), dtype=bool)
         has = np.zeros(len(slots), dtype=bool)
@@ -703,7 +401,7 @@ class PersistentArtIndex(ArtIndex):
         code = TIER_CODE[tier]
         for i in np.flatnonzero(found & ~cold).tolist():
             v = list.__getitem__(all_slots, int(slots[i]))
-            if type(v) is _RawGroup:
+            if type(v) is RawGroup:
                 mine = [(r[1], r[2]) for r in v.rows if r[0] == worker_id]
             else:
                 mine = [(TIER_CODE[r.tier], r.bytes) for r in v if r.worker_id == worker_id]
@@ -715,7 +413,7 @@ class PersistentArtIndex(ArtIndex):
     def _holder_key_count(self, worker_id: str) -> int:
         """ArtIndex._holder_key_count without building the worker's key set."""
         all_slots = self._slots
-        if not isinstance(all_slots, _LazySlots) or worker_id in self._by_worker._warmed:
+        if not isinstance(all_slots, LazySlots) or self._by_worker.is_warm(worker_id):
             return super()._holder_key_count(worker_id)
         n = 0
         G = len(all_slots.cold)
@@ -724,23 +422,23 @@ class PersistentArtIndex(ArtIndex):
         warm = np.flatnonzero(~all_slots.cold).tolist() + list(range(G, len(all_slots)))
         for s in warm:
             v = list.__getitem__(all_slots, s)
-            if v is None or v is _COLD:
+            if v is None or v is COLD:
                 continue
-            rows = v.rows if type(v) is _RawGroup else v
-            if any((r[0] if type(v) is _RawGroup else r.worker_id) == worker_id for r in rows):
+            rows = v.rows if type(v) is RawGroup else v
+            if any((r[0] if type(v) is RawGroup else r.worker_id) == worker_id for r in rows):
                 n += 1
         return n
 
     def materialize(self) -> None:
         """Decode every lazily loaded record now (later calls skip the lazy path)."""
-        if isinstance(self._slots, _LazySlots):
+        if isinstance(self._slots, LazySlots):
             slots = self._slots
             for _, slot in self._tree.items():
                 slots[slot]
             self._slots = list(slots)
-        if isinstance(self._by_block, _LazyBlockMap):
+        if isinstance(self._by_block, LazyBlockMap):
             self._by_block = self._by_block.warm_all()
-        if isinstance(self._by_worker, _LazyWorkerMap):
+        if isinstance(self._by_worker, LazyWorkerMap):
             self._by_worker = self._by_worker.warm_all()
         self._ck = None
 

@@ -36,6 +36,7 @@ from quillcache.node.ops import OpsMixin
 from quillcache.node.reads import ReadsMixin
 from quillcache.node.tasks import finish_in_task
 from quillcache.node.writes import WritesMixin
+from quillcache.protocol.cluster import NODE_OPCODES
 from quillcache.protocol.connection import ProtocolConnection
 from quillcache.protocol.opcodes import Opcode
 
@@ -71,7 +72,8 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
         self._fd = -1                             # the socket's fd, for sendfile (-1: not available)
         self._deferred_task: Optional[asyncio.Task] = None   # a PUT waiting for DRAM room (DEFER)
         self._located_init()                      # located leases and reserves (server_shm)
-        self.peer_node = False                    # HELLO with the cluster credential: another node
+        self.peer_node = ""                       # the node id this connection logged in as (cluster/hook.py)
+        self.peer_epoch = 0                       # ... and that node's epoch: its records only
         self._hello_timer: Optional[asyncio.TimerHandle] = None   # [node] hello_timeout, before login
         self._hello_refusal: Optional[asyncio.TimerHandle] = None  # a failed HELLO's delayed answer
         self._close_after_refusal = False         # the login deadline passed while it waited
@@ -336,8 +338,19 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
     def _check_access(self) -> None:
         if self.node.draining:
             raise Busy("the node is shutting down")
-        if not self.node.auth.open_mode and not self.tenant and not self.peer_node:
+        if self.peer_node:
+            raise PermissionDenied("a connection logged in as a node may use the node opcodes only")
+        if not self.node.auth.open_mode and not self.tenant:
             raise PermissionDenied("authenticate with HELLO first (this node has tenants)")
+
+    def logged_in_as_node(self, node_id: str, epoch: int) -> None:
+        """The cluster hook's node login succeeded (NODE_PROOF): a member connection from now
+        on, bound to that node and epoch, out of the unauthenticated pool."""
+        self.peer_node, self.peer_epoch = node_id, epoch
+        if self.require_hello:              # the limits the node HELLO kept small (node/login.py)
+            self._parser.set_limits(max_header_bytes=self.limits.max_header_bytes,
+                                    max_payload_bytes=self.limits.max_payload_bytes)
+        self._logged_in()
 
     def _key(self, raw: bytes) -> KvBlockKey:
         key = self._keys.decode(raw)
@@ -375,8 +388,8 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
         self._started[rid] = time.perf_counter()
         try:
             handler = _HANDLERS.get(op, ServerProtocol._cluster_request)
-            if op not in (Opcode.HELLO, Opcode.PING):
-                self._check_access()
+            if op not in (Opcode.HELLO, Opcode.PING) and op not in NODE_OPCODES:
+                self._check_access()        # the node opcodes are the node login's (cluster/hook.py)
             handler(self, frame)
         except Exception as exc:
             if self.is_in_flight(rid):

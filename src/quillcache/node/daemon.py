@@ -8,9 +8,10 @@ Lifecycle (the process never forks; systemd runs it as Type=notify):
             lease, watermarks, tenants, ...); log what was applied and what needs a
             restart; a bad file is logged and the running config kept
     SIGTERM / SIGINT
-            sd_notify STOPPING=1 -> stop accepting -> refuse new requests and wait for the
-            ones in flight (up to [node] drain_timeout) -> close connections -> close the
-            store (the SSD tier commits its WAL and checkpoints) -> exit 0
+            sd_notify STOPPING=1 -> /ready answers 503 "draining" -> stop accepting ->
+            refuse new requests and wait for the ones in flight (up to [node]
+            drain_timeout) -> close connections -> close the store (the SSD tier commits
+            its WAL and checkpoints) -> exit 0
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from quillcache.node.metrics import NodeMetrics
 from quillcache.protocol.opcodes import ProtocolLimits
 from quillcache.node.server import NodeServer
 from quillcache.service import LOG_LEVELS, sd_notify, setup_logging
-from quillcache.store.tiers import LocalKvStore
+from quillcache.store.tiers import LocalKvStore, StoreOptions
 
 __all__ = ["Node", "run", "MAINTENANCE_INTERVAL_S"]
 
@@ -114,13 +115,14 @@ class Node:
         index = None
         if cfg.index.persistent:
             index = await asyncio.to_thread(self._open_index, data_dir)
-        self.store = LocalKvStore(
-            cfg.store.dram, ssd=self.ssd, policy=cfg.store.policy, index=index, holder=self.node_id,
+        options = StoreOptions(
+            cfg.store.dram, policy=cfg.store.policy, holder=self.node_id,
             high_watermark=cfg.store.high_watermark, low_watermark=cfg.store.low_watermark,
             demote_after_s=cfg.store.demote_after or None, lease_s=cfg.store.lease,
             guard_mode=cfg.guard.mode, max_block_bytes=cfg.store.max_block,
             put_timeout_s=cfg.store.put_timeout, hugepages=cfg.store.hugepages, prefault=cfg.store.prefault,
-            promote_on_get=cfg.ssd.promote_on_get)
+            promote_on_get=cfg.ssd.promote_on_get, pin_quotas=_pin_quotas(cfg.auth.tenants))
+        self.store = LocalKvStore(options, ssd=self.ssd, index=index)
         if index is not None:
             r = self.store.reconciled
             log.info("residency index %s: %d records recovered in %.3f s CPU; against the SSD tier: "
@@ -316,6 +318,8 @@ class Node:
             return True
         self._stopped = True
         sd_notify("STOPPING=1")
+        if self.metrics is not None:
+            self.metrics.set_ready(False, "draining")   # first: load balancers stop sending here
         drained = True
         if self._listener is not None:
             self._listener.close()              # stop accepting
@@ -424,9 +428,15 @@ def _reload_guard_mode(node: Node, value: Any, new: Config) -> None:
     node.store.guard.mode = value
 
 
+def _pin_quotas(tenants) -> tuple:
+    """The store's hard-pin quotas from [[auth.tenants]]: (name, pin_bytes or None) each."""
+    return tuple((t.name, t.pin_bytes) for t in tenants)
+
+
 def _reload_auth(node: Node, value: Any, new: Config) -> None:
     server = node.server
     server.auth.configure(new.auth.tenants, new.auth.max_failed_hellos)
+    node.store.set_pin_quotas(_pin_quotas(new.auth.tenants))
     closed = server.reauthorize()
     if server.auth.open_mode:
         log.warning("open mode (no tenants configured)")

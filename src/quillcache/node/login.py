@@ -17,6 +17,7 @@ import logging
 
 from quillcache.errors import PermissionDenied
 from quillcache.protocol import messages
+from quillcache.protocol.connection import PREAUTH_HEADER_BYTES, PREAUTH_READ_CHUNK
 from quillcache.protocol.opcodes import Opcode
 
 __all__ = ["LoginMixin"]
@@ -32,11 +33,14 @@ class LoginMixin:
         req = messages.decode_hello_request(frame.header, self.limits)
         version = messages.negotiate_version(req)
         cluster = self.node.cluster
-        if cluster is not None and req.token and cluster.is_credential(req.token):
-            self.peer_node = True           # another node of the pool: tenants travel per request
+        if cluster is not None and cluster.is_node_hello(req.token):
+            # a node about to log in (NODE_AUTH, NODE_PROOF): nothing granted yet, and it stays
+            # in the unauthenticated pool until the hook's login succeeds (logged_in_as_node)
             self.tenant = None
-            self._logged_in()
             self._ok(rid, Opcode.HELLO, messages.encode_hello_reply(version, "", self.limits, self.node.node_id))
+            if self.require_hello:          # the HELLO reply raised the limits: not logged in yet
+                self._parser.set_limits(max_header_bytes=min(self.limits.max_header_bytes, PREAUTH_HEADER_BYTES),
+                                        max_payload_bytes=0, read_chunk=PREAUTH_READ_CHUNK)
             return
         try:
             tenant = auth.authenticate(req.token)

@@ -12,28 +12,40 @@ Two kinds of metrics:
   about once a second on the loop thread and the scrape (prometheus_client's HTTP thread)
   only reads the last snapshot, so the store is never touched from another thread.
 
-``serve(host, port)`` starts prometheus_client's HTTP server on that registry (a daemon
-thread) and ``close()`` stops it.
+``serve(host, port)`` starts the node's HTTP port on that registry (a daemon thread) and
+``close()`` stops it.  Three paths, every other one is a 404:
+
+* ``/metrics``: the registry, as prometheus_client exposes it (text or OpenMetrics, gzip);
+* ``/health``: 200 ``ok`` while the process serves this port (liveness);
+* ``/ready``: 200 ``ready`` once the node listens (``serve`` is called after its listeners and
+  its cluster join), 503 with the reason while ``set_ready(False, why)`` says so or the cluster
+  state is ``starting`` or ``stopped`` (readiness: where a load balancer sends engines).
 """
 from __future__ import annotations
 
+import socket
 import threading
 from bisect import bisect_left
+from http.server import ThreadingHTTPServer
 from typing import Optional
+from urllib.parse import urlparse
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info, MetricsHandler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from quillcache.protocol.opcodes import Opcode, Status
+from quillcache.store.values import SSD_COUNTERS, STORE_COUNTERS, TIER_COUNTERS
 
-__all__ = ["NodeMetrics", "RequestCounters", "LATENCY_BUCKETS_S"]
+__all__ = ["NodeMetrics", "RequestCounters", "LATENCY_BUCKETS_S", "HTTP_PATHS"]
+
+HTTP_PATHS = ("/metrics", "/health", "/ready")     # the node's HTTP port answers these, 404 otherwise
+NOT_READY_CLUSTER_STATES = ("starting", "stopped")
 
 # seconds: request latency buckets, 20 us .. 5 s
 LATENCY_BUCKETS_S = (20e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
                      50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0)
 
-_TIER_COUNTERS = ("hits", "misses", "evictions", "demotions", "promotions")
 _GUARD_REFUSALS = ("tenant", "model", "tokenizer", "adapter")
 _OP_NAMES = {int(op): op.name for op in Opcode if op.name != "INFO"}
 _STATUS_NAMES = {int(s): s.name for s in Status}
@@ -64,8 +76,9 @@ class _StoreCollector:
         cap = GaugeMetricFamily("quillcache_tier_capacity_bytes", "Capacity of the tier in bytes",
                                 labels=["tier"])
         blocks = GaugeMetricFamily("quillcache_tier_blocks", "Blocks resident in the tier", labels=["tier"])
-        counters = {name: CounterMetricFamily(f"quillcache_tier_{name}", f"Tier {name} since start",
-                                              labels=["tier"]) for name in _TIER_COUNTERS}
+        # the store's counters, as the store defines them (store/values.py): one list, no copy
+        counters = {name: CounterMetricFamily(f"quillcache_tier_{name}", doc, labels=["tier"])
+                    for name, doc in (*TIER_COUNTERS.items(), *SSD_COUNTERS.items())}
         for tier in ("dram", "ssd"):
             t = s.get(tier)
             if not t:
@@ -74,7 +87,7 @@ class _StoreCollector:
                 v = _num(t.get(field))
                 if v is not None:
                     fam.add_metric([tier], v)
-            for name in _TIER_COUNTERS:
+            for name in counters:
                 v = _num(t.get(name))
                 if v is not None:
                     counters[name].add_metric([tier], v)
@@ -91,17 +104,14 @@ class _StoreCollector:
                 refused.add_metric([v], n)
         yield refused
         store = s.get("store") or {}
-        for field, doc in (("puts", "Puts published"), ("removes", "Blocks removed"),
-                           ("puts_aborted", "Puts aborted"), ("leases_expired", "Leases expired"),
-                           ("put_waits", "Puts that waited for demotions to make DRAM room"),
-                           ("put_wait_seconds", "Seconds puts spent waiting for DRAM room"),
-                           ("put_wait_timeouts", "Puts refused after waiting put_timeout for room"),
-                           ("dropped_dirty", "Blocks lost: DRAM needed and the SSD tier could not take them")):
+        for field, doc in (*STORE_COUNTERS.items(),
+                           ("put_wait_seconds", "Seconds puts spent waiting for DRAM room")):
             n = _num(store.get(field))
             if n is not None:
                 c = CounterMetricFamily(f"quillcache_store_{field}", doc)
                 c.add_metric([], n)
                 yield c
+        yield from _tenant_families(s.get("tenants") or {})
         wal = s.get("wal") or {}
         commit = GaugeMetricFamily("quillcache_wal_commit_seconds",
                                    "WAL group commit latency (quantiles over the SSD tier's window)",
@@ -111,6 +121,25 @@ class _StoreCollector:
             if n is not None:
                 commit.add_metric([q], n)
         yield commit
+
+
+def _tenant_families(tenants: dict):
+    """Per tenant: its hard-pin quota, the bytes its hard pins hold, its pins refused
+    (store/pins.py).  The operator's figures: a tenant never sees another's."""
+    quota = GaugeMetricFamily("quillcache_tenant_pin_quota_bytes",
+                              "Bytes a tenant's hard pins may hold (-1: no per-tenant quota)", labels=["tenant"])
+    held = GaugeMetricFamily("quillcache_tenant_hard_pinned_bytes", "Bytes a tenant's live hard pins hold",
+                             labels=["tenant"])
+    refused = CounterMetricFamily("quillcache_tenant_pins_refused",
+                                  "Hard pins refused by the tenant's quota or the node's hard-pin budget",
+                                  labels=["tenant"])
+    for tenant, t in sorted(tenants.items()):
+        quota.add_metric([tenant], t["pin_quota_bytes"])
+        held.add_metric([tenant], t["hard_pinned_bytes"])
+        refused.add_metric([tenant], t["pins_refused"])
+    yield quota
+    yield held
+    yield refused
 
 
 _SENDFILE_DOC = "Of the bytes sent, those sent from the SSD data file by sendfile"
@@ -209,6 +238,8 @@ class NodeMetrics:
         r.register(self._store)
         self._server = None
         self._thread: Optional[threading.Thread] = None
+        self._not_ready = ""
+        self._cluster_state = ""
 
     def observe(self, opcode: int, status: int, seconds: float) -> None:
         """One request answered (called on the loop thread; the server's hot paths call
@@ -225,15 +256,58 @@ class NodeMetrics:
         self.wal_backend.info({"backend": backend})
 
     def set_cluster_state(self, state: str) -> None:
+        self._cluster_state = state
         for s in CLUSTER_STATES:
             self.cluster_state.labels(s).set(1 if s == state else 0)
 
     def update_store(self, stats: dict) -> None:
         self._store.update(stats)
 
+    def set_ready(self, ready: bool, why: str = "") -> None:
+        """What /ready answers (the daemon: False with the reason while it drains)."""
+        self._not_ready = "" if ready else (why or "not ready")
+
+    def readiness(self) -> tuple[bool, str]:
+        if self._not_ready:
+            return False, self._not_ready
+        state = self._cluster_state
+        if state in NOT_READY_CLUSTER_STATES:
+            return False, f"cluster state {state}"
+        return True, "ready"
+
     def serve(self, host: str, port: int) -> tuple[str, int]:
-        """Start the /metrics HTTP endpoint; returns the bound address."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        """Start the HTTP port (/metrics, /health, /ready); returns the bound address."""
+        metrics = self
+
+        class Handler(MetricsHandler.factory(self.registry)):
+            def do_GET(self) -> None:
+                path = urlparse(self.path).path
+                if path == "/metrics":
+                    super().do_GET()
+                    return
+                if path == "/health":
+                    self._plain(200, "ok")
+                elif path == "/ready":
+                    ready, why = metrics.readiness()
+                    self._plain(200 if ready else 503, why)
+                else:
+                    self._plain(404, f"no such path {path}: this port serves {', '.join(HTTP_PATHS)}")
+
+            def _plain(self, status: int, text: str) -> None:
+                body = (text + "\n").encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        server = Server((host, port), Handler)
+        thread = threading.Thread(target=server.serve_forever, name="quillcache-metrics", daemon=True)
+        thread.start()
         self._server, self._thread = server, thread
         return server.server_address[:2]
 

@@ -99,12 +99,12 @@ class OpsMixin:
         router = self._hosted_router()
         req = messages.decode_route_request(frame.header, self.limits)
         self._own(req.tenant)
-        d = router.route(req)
-        self._ok(frame.request_id, Opcode.ROUTE, messages.encode_route_reply(
-            d.worker, d.request_id, router.router.config.block_size, d.credited_blocks, d.overlap,
-            d.refused_blocks, d.cross_identity_credited_blocks, d.plan, d.logits))
+        # The caller is the connection's tenant: its request ids are its own (control/host.py).
+        reply = router.route(req, caller=self.tenant or "")
+        self._ok(frame.request_id, Opcode.ROUTE, messages.encode_route_reply(reply))
 
     def _route_update(self, frame) -> None:
         router = self._hosted_router()
         event, rid = messages.decode_route_update(frame.header)
-        self._ok(frame.request_id, Opcode.ROUTE_UPDATE, bytes((router.update(event, rid),)))
+        updated = router.update(event, rid, caller=self.tenant or "")
+        self._ok(frame.request_id, Opcode.ROUTE_UPDATE, bytes((updated,)))

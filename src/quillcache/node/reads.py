@@ -44,7 +44,7 @@ class ReadsMixin:
         key = None
         try:
             node = self.node
-            if node.draining or (not self.tenant and not node.auth.open_mode):
+            if node.draining or self.peer_node or (not self.tenant and not node.auth.open_mode):
                 self._check_access()
             raw = decode_key_body(frame.header, self.limits.max_key_bytes)
             key = self._keys.decode(raw)

@@ -1,5 +1,5 @@
-"""The asyncio glue of the node: one BufferedProtocol per client connection over the
-sans-I/O ``ProtocolConnection``, and the request dispatch to ``LocalKvStore``.
+"""``NodeServer``: the node's listeners (TCP and the Unix socket), its connections and what they
+share (the store, limits, auth, counters); the connection glue is ``node.connection``.
 
 Zero copy on both paths:
 
@@ -98,7 +98,7 @@ class NodeServer:
         self.shm = bool(shm)             # MAP allowed on the Unix socket (for trusted principals)
         self.unix_path = ""              # the Unix socket's path, when the daemon listens on one
         self.arena_id = int.from_bytes(os.urandom(8), "little") or 1   # tells one arena from the next
-        self.cluster = None     # cluster.hook.ClusterHook when [cluster] enabled: misses, puts, 0x40-0x47
+        self.cluster = None     # cluster.hook.ClusterHook when [cluster] enabled: misses, puts, 0x40-0x48
 
     def protocol_factory(self) -> "ServerProtocol":
         return ServerProtocol(self)

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from quillcache.cluster.settings import CLUSTER_SETTINGS, CLUSTER_SUMMARY
+from quillcache.cluster.settings import CLUSTER_SETTINGS, CLUSTER_SUMMARY, CREDENTIAL_MIN_CHARS
 from quillcache.errors import ConfigError
 from quillcache.exitcodes import CONFIG as EX_CONFIG  # the exit code of a bad config
 from quillcache.net import DEFAULT_ADDRESS, ConversionError, format_hostport, parse_hostport
 from quillcache.settings import registry as _registry
 from quillcache.settings.convert import (
     boolean, choice, format_byte_size, fraction, int_range,
-    nonneg_float, parse_duration, size_range, string, tenants,
+    nonneg_float, parse_duration, positive_float, size_range, string, tenants,
 )
 from quillcache.settings.registry import Config, Registry, Setting
 
@@ -159,7 +159,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Tenants as [[auth.tenants]] tables with name and token (a hash: quillctl auth hash-token), "
             "and shm = true where that tenant's Unix-socket clients may map the DRAM arena; "
             "may_act_for = [\"*\"] (or a list of names) lets that principal (an engine) name those tenants "
-            "in its keys."),
+            "in its keys; pin_bytes (e.g. \"1GiB\") is the most its keys' hard pins may hold, and a tenant "
+            "without it gets an even share of the hard-pin budget that the others' pin_bytes leave "
+            "(docs/tiering.md)."),
     Setting("auth", "max_failed_hellos", int_range(1, 1 << 20), 10, True,
             "Failed HELLOs in a row from one source (an IP address; on the Unix socket a uid and pid) "
             "after which each further failed HELLO also closes its connection. Every failed HELLO is "
@@ -190,6 +192,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Predict residency from routing decisions, for engines that publish no KV events."),
     Setting("router", "approx_ttl", parse_duration, "120s", False,
             "How long a predicted block is believed in approximate mode."),
+    Setting("router", "admission", choice("off", "predict"), "off", False,
+            "predict: policy quillcache refuses a request whose predicted time to first token exceeds "
+            "admission_k times its TTFT SLO (the gateway answers 429 with Retry-After); off: admit all."),
+    Setting("router", "admission_k", positive_float, 1.0, False,
+            "With admission = \"predict\": refuse above this multiple of the TTFT SLO."),
     Setting("events", "publish", boolean, False, False,
             "Publish this node's residency changes (block stored, block removed)."),
     Setting("events", "endpoint", string, "tcp://127.0.0.1:7480", False,
@@ -219,10 +226,10 @@ def _check_node(cfg: "Config") -> None:
         raise ConfigError(f'{cfg.source}: [node] hello_timeout = "{cfg.node.hello_timeout:g}s": must be above 0 '
                           '(e.g. "5s")')
     cluster = cfg.cluster
-    if cluster.enabled and len(cluster.credential) < 16:
+    if cluster.enabled and len(cluster.credential) < CREDENTIAL_MIN_CHARS:
         raise ConfigError(
-            f"{cfg.source}: [cluster] credential: needs at least 16 characters when [cluster] "
-            "enabled = true (nodes present it to each other)")
+            f"{cfg.source}: [cluster] credential: needs at least {CREDENTIAL_MIN_CHARS} characters when "
+            "[cluster] enabled = true (the pool's keys are derived from it)")
     if cluster.enabled:
         for section, name in (("cluster", "node_id"), ("node", "id")):
             value = getattr(getattr(cfg, section), name)

@@ -30,11 +30,12 @@ from quillcache.protocol.opcodes import (
     PAYLOAD_REQUEST_OPCODES, REQUEST_OPCODES, Opcode, ProtocolLimits, Status,
 )
 
-__all__ = ["ProtocolConnection", "ClientProtocolConnection", "Reply", "Destination", "DEFER",
+__all__ = ["ProtocolConnection", "ClientProtocolConnection", "Reply", "Destination", "DEFER", "AS_BYTES",
            "PREAUTH_OPCODES", "PREAUTH_HEADER_BYTES", "PREAUTH_READ_CHUNK", "PREAUTH_MAX_IN_FLIGHT"]
 
 # What a hook may hand back for a payload: one writable buffer, a list of them
-# (filled in order), or None (the parser collects the payload into a bytearray).
+# (filled in order), AS_BYTES (a new ``bytes`` received into, client side), or None (the
+# parser collects the payload into a bytearray).
 Destination = Any
 
 
@@ -49,6 +50,19 @@ class _Deferred:
 # room).  The connection then takes no input until ``resume_put(dest)`` or
 # ``refuse_put(exc)``; the owner stops feeding it meanwhile (``transport.pause_reading()``).
 DEFER = _Deferred()
+
+
+class _AsBytes:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "AS_BYTES"
+
+
+# A reply's ``into`` (or what its callable returns) may be AS_BYTES: the payload is received
+# straight into a new ``bytes`` of its size (``FrameParser.receive_bytes``) and
+# ``Reply.payload`` is that ``bytes``: one allocation, no copy.
+AS_BYTES = _AsBytes()
 
 _SCRATCH = 65536    # bytes: get_buffer() target once the connection has failed (input is dropped)
 _READ_CHUNK = 65536  # bytes: what the parser offers a read between payloads once logged in
@@ -499,8 +513,8 @@ class ClientProtocolConnection(_Base):
                      flags: int = 0, payload_crc: bool = False,
                      into: Destination | Callable[[Frame], Destination] = None) -> int:
         """Send one request; returns its request id.  ``into``: where a reply payload goes
-        (a writable buffer, a list of them, or a callable(frame) returning one or None);
-        without it the payload is collected into a bytearray."""
+        (a writable buffer, a list of them, AS_BYTES, or a callable(frame) returning one of
+        those or None); without it the payload is collected into a bytearray."""
         if self.failed is not None or self.closed:
             raise ConnectionLost(f"connection is closed ({self.failed})")
         if opcode not in REQUEST_OPCODES:
@@ -587,7 +601,9 @@ class ClientProtocolConnection(_Base):
             return
         try:
             dest = into(frame) if callable(into) else into
-            if dest is not None:
+            if dest is AS_BYTES:
+                self._parser.receive_bytes()
+            elif dest is not None:
                 self._parser.set_destination(dest)
         except QuillCacheError as exc:
             self._parser.discard_payload()

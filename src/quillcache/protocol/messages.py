@@ -15,13 +15,18 @@ Encoders check the same limits, so a peer never sees a body we would refuse.
 from __future__ import annotations
 
 import struct
-import sys
 from typing import NamedTuple, Sequence
 
 from quillcache._native.codec import (
     decode_key_body, decode_key_field, decode_key_list, decode_put_body, encode_key_body, encode_put_body,
 )
-from quillcache.protocol.route import POLICIES
+from quillcache.protocol.body import DEFAULT_LIMITS, U16, U32, U64, BodyReader, BytesLike, write_text16
+# ROUTE's bodies live in protocol.route; they are named here too, beside every other body.
+from quillcache.protocol.route import (
+    MAX_ROUTE_TEXT, ROUTE_FIRST_TOKEN, ROUTE_FREE, ROUTE_HASHES, ROUTE_POLICIES, ROUTE_TOKENS, ROUTE_TRACK,
+    RouteReply, RouteRequest, decode_route_reply, decode_route_request, decode_route_update,
+    encode_route_reply, encode_route_request, encode_route_update,
+)
 from quillcache.errors import (
     STATUS_CLASSES, CapacityError, InvalidArgument, ProtocolError, QuillCacheError, UnsafeReuse,
     error_for_status,
@@ -46,107 +51,15 @@ __all__ = [
     "encode_error", "decode_error",
     "RouteRequest", "RouteReply", "encode_route_request", "decode_route_request",
     "encode_route_reply", "decode_route_reply", "encode_route_update", "decode_route_update",
-    "ROUTE_TOKENS", "ROUTE_HASHES", "ROUTE_FIRST_TOKEN", "ROUTE_FREE", "ROUTE_POLICIES",
+    "ROUTE_TOKENS", "ROUTE_HASHES", "ROUTE_FIRST_TOKEN", "ROUTE_FREE", "ROUTE_POLICIES", "ROUTE_TRACK",
+    "MAX_ROUTE_TEXT",
 ]
 
-DEFAULT_LIMITS = ProtocolLimits()
-
-_U8 = struct.Struct("<B")
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 _GET_MANY_ITEM = struct.Struct("<HQ")       # status, nbytes
 _HELLO_LIMITS = struct.Struct("<IQIIHHH")   # header, payload, batch, in_flight, key, message, token
 _CAPACITY = struct.Struct("<QQQ")           # requested, free, largest_free
 _U64_MAX = (1 << 64) - 1
 
-BytesLike = bytes | bytearray | memoryview
-
-
-# --------------------------------------------------------------------------- reader / writer
-
-
-class _Reader:
-    __slots__ = ("buf", "pos", "what")
-
-    def __init__(self, body: BytesLike, what: str) -> None:
-        self.buf = bytes(body)
-        self.pos = 0
-        self.what = what
-
-    def _need(self, n: int, field: str) -> None:
-        if len(self.buf) - self.pos < n:
-            raise InvalidArgument(f"{self.what}: body truncated in {field} "
-                                  f"(needs {n} bytes at offset {self.pos}, has {len(self.buf) - self.pos})")
-
-    def u8(self, field: str) -> int:
-        self._need(1, field)
-        v = self.buf[self.pos]
-        self.pos += 1
-        return v
-
-    def unpack(self, st: struct.Struct, field: str) -> tuple:
-        self._need(st.size, field)
-        v = st.unpack_from(self.buf, self.pos)
-        self.pos += st.size
-        return v
-
-    def u16(self, field: str) -> int:
-        return self.unpack(_U16, field)[0]
-
-    def u32(self, field: str) -> int:
-        return self.unpack(_U32, field)[0]
-
-    def u64(self, field: str) -> int:
-        return self.unpack(_U64, field)[0]
-
-    def take(self, n: int, field: str) -> bytes:
-        self._need(n, field)
-        v = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        return v
-
-    def text16(self, field: str, limit: int) -> str:
-        n = self.u16(field)
-        if n > limit:
-            raise InvalidArgument(f"{self.what}: {field} is {n} bytes, at most {limit}")
-        raw = self.take(n, field)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidArgument(f"{self.what}: {field} is not UTF-8") from None
-
-    def key(self, limits: ProtocolLimits) -> bytes:
-        key, self.pos = decode_key_field(self.buf, self.pos, limits.max_key_bytes, self.what)
-        return key
-
-    def count(self, limits: ProtocolLimits, min_item: int) -> int:
-        n = self.u32("count")
-        if n > limits.max_batch:
-            raise InvalidArgument(f"{self.what}: batch of {n} items, at most {limits.max_batch}")
-        # Refuse a count the remaining bytes cannot hold before building any list.
-        if n * min_item > len(self.buf) - self.pos:
-            raise InvalidArgument(f"{self.what}: count {n} needs at least {n * min_item} bytes, "
-                                  f"the body has {len(self.buf) - self.pos} left")
-        return n
-
-    def keys(self, limits: ProtocolLimits) -> list[bytes]:
-        n = self.count(limits, 3)   # u16 length + at least one byte
-        return [self.key(limits) for _ in range(n)]
-
-    def bitmap(self, count: int) -> list[bool]:
-        raw = self.take((count + 7) // 8, "bitmap")
-        bits = [bool(raw[i >> 3] >> (i & 7) & 1) for i in range(count)]
-        if count & 7 and raw[-1] >> (count & 7):
-            raise InvalidArgument(f"{self.what}: bitmap has bits set past item {count}")
-        return bits
-
-    def end(self) -> None:
-        if self.pos != len(self.buf):
-            raise InvalidArgument(f"{self.what}: {len(self.buf) - self.pos} trailing bytes in the body")
-
-
-BodyReader = _Reader     # the checked reader, for message modules outside this one (cluster.wire)
 
 
 def _key(out: bytearray, key: BytesLike, limits: ProtocolLimits, what: str) -> None:
@@ -156,17 +69,7 @@ def _key(out: bytearray, key: BytesLike, limits: ProtocolLimits, what: str) -> N
 def _count(out: bytearray, n: int, limits: ProtocolLimits, what: str) -> None:
     if n > limits.max_batch:
         raise InvalidArgument(f"{what}: batch of {n} items, at most {limits.max_batch}")
-    out += _U32.pack(n)
-
-
-def _text16(out: bytearray, text: str, limit: int, what: str, field: str) -> None:
-    if not isinstance(text, str):
-        raise InvalidArgument(f"{what}: {field} must be a string")
-    raw = text.encode("utf-8")
-    if len(raw) > limit:
-        raise InvalidArgument(f"{what}: {field} is {len(raw)} bytes, at most {limit}")
-    out += _U16.pack(len(raw))
-    out += raw
+    out += U32.pack(n)
 
 
 def _nbytes(n: object, what: str) -> int:
@@ -218,14 +121,14 @@ def encode_hello_request(token: bytes = b"", *, min_version: int = MIN_PROTOCOL_
     if len(token) > limits.max_token_bytes:
         raise InvalidArgument(f"HELLO: token of {len(token)} bytes, at most {limits.max_token_bytes}")
     out = bytearray((min_version, max_version))
-    out += _U16.pack(len(token))
+    out += U16.pack(len(token))
     out += token
-    _text16(out, client_name, 255, "HELLO", "client_name")
+    write_text16(out, client_name, 255, "HELLO", "client_name")
     return bytes(out)
 
 
 def decode_hello_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> HelloRequest:
-    r = _Reader(body, "HELLO")
+    r = BodyReader(body, "HELLO")
     lo, hi = r.u8("min_version"), r.u8("max_version")
     if not 1 <= lo <= hi:
         raise InvalidArgument(f"HELLO: version range {lo}..{hi} is empty or starts at 0")
@@ -254,8 +157,8 @@ def encode_hello_reply(version: int, tenant_id: str, limits: ProtocolLimits, ser
     if not isinstance(version, int) or not 1 <= version <= 0xFF:
         raise InvalidArgument(f"HELLO reply: version {version!r} must be in 1..255")
     out = bytearray((version,))
-    _text16(out, tenant_id, 255, "HELLO reply", "tenant_id")
-    _text16(out, server_name, 255, "HELLO reply", "server_name")
+    write_text16(out, tenant_id, 255, "HELLO reply", "tenant_id")
+    write_text16(out, server_name, 255, "HELLO reply", "server_name")
     out += _HELLO_LIMITS.pack(limits.max_header_bytes, limits.max_payload_bytes, limits.max_batch,
                               limits.max_in_flight, limits.max_key_bytes, limits.max_message_bytes,
                               limits.max_token_bytes)
@@ -263,7 +166,7 @@ def encode_hello_reply(version: int, tenant_id: str, limits: ProtocolLimits, ser
 
 
 def decode_hello_reply(body: BytesLike) -> HelloReply:
-    r = _Reader(body, "HELLO reply")
+    r = BodyReader(body, "HELLO reply")
     version = r.u8("version")
     tenant = r.text16("tenant_id", 255)
     name = r.text16("server_name", 255)
@@ -319,7 +222,7 @@ def encode_put_many_request(items: Sequence[tuple[BytesLike, int]],
     total = 0
     for key, nbytes in items:
         total += _nbytes(nbytes, "PUT_MANY")
-        out += _U64.pack(nbytes)
+        out += U64.pack(nbytes)
         _key(out, key, limits, "PUT_MANY")
     if total > limits.max_payload_bytes:
         raise InvalidArgument(f"PUT_MANY: {total} bytes in all, at most {limits.max_payload_bytes}")
@@ -328,10 +231,10 @@ def encode_put_many_request(items: Sequence[tuple[BytesLike, int]],
 
 def decode_put_many_request(body: BytesLike, payload_length: int | None = None,
                             limits: ProtocolLimits = DEFAULT_LIMITS) -> list[PutItem]:
-    r = _Reader(body, "PUT_MANY")
+    r = BodyReader(body, "PUT_MANY")
     n = r.count(limits, 8 + 3)
     buf, pos, end, max_key = r.buf, r.pos, len(r.buf), limits.max_key_bytes
-    unpack = _U64.unpack_from
+    unpack = U64.unpack_from
     items = []
     for _ in range(n):                  # _Reader's u64 and key, inline (a RESERVE of 256 keys)
         if end - pos < 8:
@@ -359,7 +262,7 @@ def encode_status_list(statuses: Sequence[int], limits: ProtocolLimits = DEFAULT
 
 
 def decode_status_list(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> list[int]:
-    r = _Reader(body, "status list")
+    r = BodyReader(body, "status list")
     n = r.count(limits, 2)
     raw = r.take(2 * n, "status")
     r.end()
@@ -402,7 +305,7 @@ def encode_get_many_reply(items: Sequence[tuple[int, int]], limits: ProtocolLimi
 
 def decode_get_many_reply(body: BytesLike, payload_length: int | None = None,
                           limits: ProtocolLimits = DEFAULT_LIMITS) -> list[tuple[int, int]]:
-    r = _Reader(body, "GET_MANY reply")
+    r = BodyReader(body, "GET_MANY reply")
     n = r.count(limits, _GET_MANY_ITEM.size)
     items = [r.unpack(_GET_MANY_ITEM, "item") for _ in range(n)]
     r.end()
@@ -424,13 +327,13 @@ def encode_exists_reply(present: Sequence[bool], limits: ProtocolLimits = DEFAUL
     out = bytearray()
     _count(out, len(present), limits, "EXISTS reply")
     prefix = next((i for i, p in enumerate(present) if not p), len(present))
-    out += _U32.pack(prefix)
+    out += U32.pack(prefix)
     _bitmap(out, present)
     return bytes(out)
 
 
 def decode_exists_reply(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> ExistsReply:
-    r = _Reader(body, "EXISTS reply")
+    r = BodyReader(body, "EXISTS reply")
     n = r.u32("count")
     if n > limits.max_batch:
         raise InvalidArgument(f"EXISTS reply: batch of {n} items, at most {limits.max_batch}")
@@ -453,7 +356,7 @@ def encode_bitmap_reply(flags: Sequence[bool], limits: ProtocolLimits = DEFAULT_
 
 
 def decode_bitmap_reply(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> list[bool]:
-    r = _Reader(body, "bitmap reply")
+    r = BodyReader(body, "bitmap reply")
     n = r.u32("count")
     if n > limits.max_batch:
         raise InvalidArgument(f"bitmap reply: batch of {n} items, at most {limits.max_batch}")
@@ -484,11 +387,11 @@ def encode_pin_request(keys: Sequence[BytesLike], mode: PinMode = PinMode.SOFT, 
     m = _mode(mode, "PIN")
     if not isinstance(ttl_ms, int) or not 0 <= ttl_ms <= 0xFFFFFFFF:
         raise InvalidArgument(f"PIN: ttl_ms {ttl_ms!r} must be in 0..2**32-1")
-    return bytes((m,)) + _U32.pack(ttl_ms) + encode_keys_request(keys, limits, "PIN")
+    return bytes((m,)) + U32.pack(ttl_ms) + encode_keys_request(keys, limits, "PIN")
 
 
 def decode_pin_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> PinRequest:
-    r = _Reader(body, "PIN")
+    r = BodyReader(body, "PIN")
     m = _mode(r.u8("mode"), "PIN")
     ttl = r.u32("ttl_ms")
     keys = r.keys(limits)
@@ -503,7 +406,7 @@ def encode_unpin_request(keys: Sequence[BytesLike], mode: PinMode = PinMode.SOFT
 
 
 def decode_unpin_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> tuple[PinMode, list[bytes]]:
-    r = _Reader(body, "UNPIN")
+    r = BodyReader(body, "UNPIN")
     m = _mode(r.u8("mode"), "UNPIN")
     keys = r.keys(limits)
     r.end()
@@ -530,7 +433,7 @@ def _raw16(out: bytearray, raw: BytesLike, limit: int, what: str, field: str) ->
     raw = bytes(raw)
     if len(raw) > limit:
         raise InvalidArgument(f"{what}: {field} is {len(raw)} bytes, at most {limit}")
-    out += _U16.pack(len(raw))
+    out += U16.pack(len(raw))
     out += raw
 
 
@@ -541,13 +444,13 @@ def encode_list_request(prefix: BytesLike, limit: int, start_after: BytesLike = 
         raise InvalidArgument(f"LIST: limit {limit!r} must be in 1..{limits.max_batch}")
     out = bytearray()
     _raw16(out, prefix, limits.max_key_bytes, "LIST", "prefix")
-    out += _U32.pack(limit)
+    out += U32.pack(limit)
     _raw16(out, start_after, limits.max_key_bytes, "LIST", "start_after")
     return bytes(out)
 
 
 def decode_list_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> ListRequest:
-    r = _Reader(body, "LIST")
+    r = BodyReader(body, "LIST")
     n = r.u16("prefix length")
     if n > limits.max_key_bytes:
         raise InvalidArgument(f"LIST: prefix of {n} bytes, at most {limits.max_key_bytes}")
@@ -569,7 +472,7 @@ def encode_list_reply(keys: Sequence[BytesLike], more: bool, limits: ProtocolLim
 
 
 def decode_list_reply(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> ListReply:
-    r = _Reader(body, "LIST reply")
+    r = BodyReader(body, "LIST reply")
     more = r.u8("more")
     if more > 1:
         raise InvalidArgument(f"LIST reply: more flag {more} (0 or 1)")
@@ -596,12 +499,12 @@ def _format(value: object, what: str) -> InfoFormat:
 def encode_stats_request(format: InfoFormat = InfoFormat.TEXT, section: str = "") -> bytes:
     """``u8 format, text16 section``.  The OK reply body is ``u8 format``, its payload the UTF-8 text."""
     out = bytearray((_format(format, "STATS"),))
-    _text16(out, section, 255, "STATS", "section")
+    write_text16(out, section, 255, "STATS", "section")
     return bytes(out)
 
 
 def decode_stats_request(body: BytesLike) -> StatsRequest:
-    r = _Reader(body, "STATS")
+    r = BodyReader(body, "STATS")
     fmt = _format(r.u8("format"), "STATS")
     section = r.text16("section", 255)
     r.end()
@@ -613,7 +516,7 @@ def encode_stats_reply(format: InfoFormat) -> bytes:
 
 
 def decode_stats_reply(body: BytesLike) -> InfoFormat:
-    r = _Reader(body, "STATS reply")
+    r = BodyReader(body, "STATS reply")
     fmt = _format(r.u8("format"), "STATS reply")
     r.end()
     return fmt
@@ -642,7 +545,7 @@ def encode_error(exc: BaseException, limits: ProtocolLimits = DEFAULT_LIMITS) ->
         if isinstance(exc, UnsafeReuse) else Violation.NONE
     raw = _cut_utf8(message, limits.max_message_bytes)
     out = bytearray((violation,))
-    out += _U16.pack(len(raw))
+    out += U16.pack(len(raw))
     out += raw
     if isinstance(exc, CapacityError):
         vals = [v if isinstance(v, int) and 0 <= v <= _U64_MAX else 0
@@ -656,7 +559,7 @@ def decode_error(status: int, body: BytesLike, limits: ProtocolLimits = DEFAULT_
     A body that does not decode still gives an exception of the right class."""
     cls = STATUS_CLASSES.get(status, QuillCacheError)
     try:
-        r = _Reader(body, "ERROR")
+        r = BodyReader(body, "ERROR")
         violation = r.u8("violation")
         message = r.text16("message", limits.max_message_bytes)
         extra = r.unpack(_CAPACITY, "capacity") if cls is CapacityError else None
@@ -669,158 +572,3 @@ def decode_error(status: int, body: BytesLike, limits: ProtocolLimits = DEFAULT_
     return error_for_status(status, message, violation=name or "model", capacity=extra or (0, 0, 0))
 
 
-# --------------------------------------------------------------------------- ROUTE (0x50, 0x51)
-#
-# ROUTE request:  u8 kind (0 token ids, 1 router block hashes) | u8 policy (0 = the node's,
-#   i = ROUTE_POLICIES[i - 1]) | u8 flags (bit 0: track the request's load) | text16 tenant,
-#   model, tokenizer, adapter ("" = none) | text16 request_id ("" = the router names it) |
-#   u32 request_tokens (0 = from the items) | u32 count | count * (u32 token id | i64 hash)
-# ROUTE reply:    text16 worker | text16 request_id | u32 block_size | f64 credited_blocks |
-#   u32 device, host, disk, pool, refused, cross_identity_credited | u32 n + n plan bytes |
-#   u16 workers + workers * (text16 name + f64 logit)
-# ROUTE_UPDATE request: u8 event (1 first token, 2 free) | text16 request_id;  reply: u8 known
-
-ROUTE_TOKENS, ROUTE_HASHES = 0, 1
-ROUTE_TRACK = 0x01
-ROUTE_FIRST_TOKEN, ROUTE_FREE = 1, 2
-ROUTE_POLICIES = POLICIES      # wire order: policy code i names ROUTE_POLICIES[i - 1]
-MAX_ROUTE_TEXT = 255            # bytes of one identity field or request id
-_ROUTE_HEAD = struct.Struct("<BBB")
-_ROUTE_COUNTS = struct.Struct("<II")
-_ROUTE_REPLY = struct.Struct("<Id6I")
-_F64 = struct.Struct("<d")
-
-
-class RouteRequest(NamedTuple):
-    kind: int
-    policy: str | None
-    track: bool
-    tenant: str
-    model: str
-    tokenizer: str
-    adapter: str | None
-    request_id: str | None
-    request_tokens: int
-    items: list[int]
-
-
-class RouteReply(NamedTuple):
-    worker: str
-    request_id: str
-    block_size: int
-    credited_blocks: float
-    device: int
-    host: int
-    disk: int
-    pool: int
-    refused: int
-    cross_identity_credited: int
-    plan: bytes
-    logits: dict[str, float]
-
-
-def _items_array(kind: int):
-    from array import array
-    return array("I" if kind == ROUTE_TOKENS else "q")
-
-
-def encode_route_request(kind: int, tenant: str, model: str, tokenizer: str, adapter: str | None,
-                         items: Sequence[int], *, policy: str | None = None, track: bool = True,
-                         request_id: str | None = None, request_tokens: int = 0,
-                         limits: ProtocolLimits = DEFAULT_LIMITS) -> bytes:
-    what = "ROUTE"
-    if kind not in (ROUTE_TOKENS, ROUTE_HASHES):
-        raise InvalidArgument(f"{what}: kind {kind} (0 token ids, 1 block hashes)")
-    if policy is not None and policy not in ROUTE_POLICIES:
-        raise InvalidArgument(f"{what}: policy {policy!r} (one of {', '.join(ROUTE_POLICIES)})")
-    if not 0 <= request_tokens < (1 << 32):
-        raise InvalidArgument(f"{what}: request_tokens {request_tokens} out of 0..2**32-1")
-    out = bytearray(_ROUTE_HEAD.pack(kind, 0 if policy is None else ROUTE_POLICIES.index(policy) + 1,
-                                     ROUTE_TRACK if track else 0))
-    for field, text in (("tenant", tenant), ("model", model), ("tokenizer", tokenizer),
-                        ("adapter", adapter or ""), ("request_id", request_id or "")):
-        _text16(out, text, MAX_ROUTE_TEXT, what, field)
-    arr = _items_array(kind)
-    try:
-        arr.extend(items)
-    except (OverflowError, TypeError) as exc:
-        raise InvalidArgument(f"{what}: items must be {'u32 token ids' if kind == ROUTE_TOKENS else 'i64 hashes'}"
-                              f" ({exc})") from None
-    if sys.byteorder != "little":
-        arr.byteswap()
-    out += _ROUTE_COUNTS.pack(request_tokens, len(arr))
-    out += arr.tobytes()
-    if len(out) > limits.max_header_bytes:
-        raise InvalidArgument(f"{what}: {len(out)} bytes of header, at most {limits.max_header_bytes} "
-                              "(send the router's block hashes instead of the token ids)")
-    return bytes(out)
-
-
-def decode_route_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> RouteRequest:
-    r = _Reader(body, "ROUTE")
-    kind, policy_code, flags = r.unpack(_ROUTE_HEAD, "head")
-    if kind not in (ROUTE_TOKENS, ROUTE_HASHES):
-        raise InvalidArgument(f"ROUTE: kind {kind} (0 token ids, 1 block hashes)")
-    if policy_code > len(ROUTE_POLICIES):
-        raise InvalidArgument(f"ROUTE: policy code {policy_code} (0..{len(ROUTE_POLICIES)})")
-    tenant, model, tokenizer, adapter, rid = (r.text16(f, MAX_ROUTE_TEXT) for f in
-                                              ("tenant", "model", "tokenizer", "adapter", "request_id"))
-    request_tokens, count = r.unpack(_ROUTE_COUNTS, "counts")
-    width = 4 if kind == ROUTE_TOKENS else 8
-    raw = r.take(count * width, "items")        # checked against the bytes present first
-    r.end()
-    arr = _items_array(kind)
-    arr.frombytes(raw)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return RouteRequest(kind, ROUTE_POLICIES[policy_code - 1] if policy_code else None,
-                        bool(flags & ROUTE_TRACK), tenant, model, tokenizer, adapter or None,
-                        rid or None, request_tokens, arr.tolist())
-
-
-def encode_route_reply(worker: str, request_id: str, block_size: int, credited: float,
-                       overlap: Sequence[int], refused: int, cross: int, plan: bytes,
-                       logits: dict[str, float]) -> bytes:
-    out = bytearray()
-    _text16(out, worker, MAX_ROUTE_TEXT, "ROUTE reply", "worker")
-    _text16(out, request_id, MAX_ROUTE_TEXT, "ROUTE reply", "request_id")
-    out += _ROUTE_REPLY.pack(block_size, credited, *overlap, refused, cross)
-    out += _U32.pack(len(plan))
-    out += plan
-    out += _U16.pack(len(logits))
-    for name, logit in logits.items():
-        _text16(out, name, MAX_ROUTE_TEXT, "ROUTE reply", "worker")
-        out += _F64.pack(logit)
-    return bytes(out)
-
-
-def decode_route_reply(body: BytesLike) -> RouteReply:
-    r = _Reader(body, "ROUTE reply")
-    worker = r.text16("worker", MAX_ROUTE_TEXT)
-    rid = r.text16("request_id", MAX_ROUTE_TEXT)
-    block_size, credited, dev, host, disk, pool, refused, cross = r.unpack(_ROUTE_REPLY, "decision")
-    plan = r.take(r.u32("plan length"), "plan")
-    logits = {}
-    for _ in range(r.u16("workers")):
-        name = r.text16("worker", MAX_ROUTE_TEXT)
-        logits[name] = r.unpack(_F64, "logit")[0]
-    r.end()
-    return RouteReply(worker, rid, block_size, credited, dev, host, disk, pool, refused, cross, plan, logits)
-
-
-def encode_route_update(event: int, request_id: str) -> bytes:
-    if event not in (ROUTE_FIRST_TOKEN, ROUTE_FREE):
-        raise InvalidArgument(f"ROUTE_UPDATE: event {event} (1 first token, 2 free)")
-    out = bytearray((event,))
-    _text16(out, request_id, MAX_ROUTE_TEXT, "ROUTE_UPDATE", "request_id")
-    return bytes(out)
-
-
-def decode_route_update(body: BytesLike) -> tuple[int, str]:
-    r = _Reader(body, "ROUTE_UPDATE")
-    event = r.u8("event")
-    if event not in (ROUTE_FIRST_TOKEN, ROUTE_FREE):
-        raise InvalidArgument(f"ROUTE_UPDATE: event {event} (1 first token, 2 free)")
-    rid = r.text16("request_id", MAX_ROUTE_TEXT)
-    r.end()
-    return event, rid

@@ -56,7 +56,8 @@ class Opcode(enum.IntEnum):
     ABORT = 0x35        # reserve id, reply: empty
     ROUTE = 0x50        # tokens or block hashes + identity, reply: worker + per-block plan
     ROUTE_UPDATE = 0x51  # a routed request's first token or end (the router's load feedback)
-    # node-to-node (cluster/, docs/cluster.md); the caller HELLOs with the cluster credential
+    # node-to-node (cluster/, docs/cluster.md, docs/security.md): a connection logs in as a
+    # node by NODE_AUTH + NODE_PROOF (challenge and response on the cluster credential)
     ANNOUNCE = 0x40     # holder -> home: these keys are held by (node, epoch)
     WITHDRAW = 0x41     # holder -> home: these keys are no longer held by (node, epoch)
     LOCATE = 0x42       # -> home: the holders of n keys
@@ -64,6 +65,9 @@ class Opcode(enum.IntEnum):
     # operator ops (any client; keys are checked against the connection's tenant)
     CLUSTER_LOCATE = 0x44   # n keys -> JSON: each key's home and holders
     CLUSTER_VIEW = 0x45     # -> JSON: the members this node sees, their epochs and state
+    NODE_AUTH = 0x46    # node login, step 1: the initiator's nonce; reply: the responder's nonce + MAC
+    NODE_PROOF = 0x47   # node login, step 2: the initiator's MAC
+    REPLICATE = 0x48    # holder -> replica: keep a copy of these blocks (the replica fetches them)
     ERROR = OP_ERROR    # reply only: status in the fixed header, message in the body
 
     INFO = 0x20         # alias of STATS
@@ -81,7 +85,7 @@ KNOWN_FLAGS = int(Flag.REPLY | Flag.PAYLOAD_CRC | Flag.DURABLE)
 REQUEST_OPCODES = frozenset(op for op in Opcode if op is not Opcode.ERROR)
 PAYLOAD_REQUEST_OPCODES = frozenset({Opcode.PUT, Opcode.PUT_MANY, Opcode.PING})
 PAYLOAD_REPLY_OPCODES = frozenset({Opcode.GET, Opcode.GET_MANY, Opcode.PING, Opcode.STATS, Opcode.FETCH})
-CLUSTER_OPCODES = frozenset(op for op in Opcode if 0x40 <= op <= 0x47)   # handled by cluster.hook
+CLUSTER_OPCODES = frozenset(op for op in Opcode if 0x40 <= op <= 0x4F)   # handled by cluster.hook
 
 
 # The wire name of each error class; the numbers are the classes' own ``status`` (errors.py,

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Optional
 
 from quillcache.net import ConversionError, parse_hostport
 
 __all__ = [
     "ConversionError", "parse_byte_size", "format_byte_size", "parse_duration", "format_duration",
     "hash_token", "boolean", "string", "choice", "int_range", "fraction", "size_range", "nonneg_float",
-    "tenants", "endpoints", "ident", "advertise", "duration_range", "ETCD_CLIENT_PORT",
+    "positive_float", "Tenant", "tenants", "endpoints", "ident", "advertise", "duration_range",
+    "ETCD_CLIENT_PORT",
 ]
 
 _SIZE_UNITS = {
@@ -142,16 +143,36 @@ def nonneg_float(value: Any) -> float:
     return float(value)
 
 
-def tenants(value: Any) -> tuple[tuple[str, str], ...]:
+def positive_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1e9:
+        raise ConversionError("not a number > 0 (e.g. 1.5)")
+    return float(value)
+
+
+class Tenant(NamedTuple):
+    """One ``[[auth.tenants]]`` table.  A tuple, read by position where only the first
+    fields matter (auth.py: name, token, shm, may_act_for)."""
+
+    name: str
+    token: str                          # "sha256:<64 hex>"
+    shm: bool = False                   # its Unix-socket clients may map the DRAM arena
+    may_act_for: tuple[str, ...] = ()   # tenants whose keys it may name (an engine), or ("*",)
+    pin_bytes: Optional[int] = None     # bytes its hard pins may hold; None: an even share (docs/tiering.md)
+
+
+_TENANT_KEYS = {"name", "token", "shm", "may_act_for", "pin_bytes"}
+
+
+def tenants(value: Any) -> tuple[Tenant, ...]:
     example = '[[auth.tenants]] name = "acme" token = "sha256:<64 hex>" (quillctl auth hash-token)'
     if not isinstance(value, list):
         raise ConversionError(f"not a list of tenants (e.g. {example})")
     seen = set()
     out = []
     for i, item in enumerate(value):
-        if not isinstance(item, dict) or not {"name", "token"} <= set(item) <= {"name", "token", "shm", "may_act_for"}:
-            raise ConversionError(f"entry {i} must have name and token, and may have shm and may_act_for "
-                                  f"(e.g. {example})")
+        if not isinstance(item, dict) or not {"name", "token"} <= set(item) <= _TENANT_KEYS:
+            raise ConversionError(f"entry {i} must have name and token, and may have shm, may_act_for "
+                                  f"and pin_bytes (e.g. {example})")
         if not isinstance(item.get("shm", False), bool):
             raise ConversionError(f"entry {i}: shm must be true or false")
         act = item.get("may_act_for", [])
@@ -166,13 +187,14 @@ def tenants(value: Any) -> tuple[tuple[str, str], ...]:
                                   "(quillctl auth hash-token prints it); plain tokens are refused")
         if name in seen:
             raise ConversionError(f"entry {i}: tenant {name!r} is listed twice")
+        pin_bytes = None
+        if "pin_bytes" in item:
+            try:
+                pin_bytes = parse_byte_size(item["pin_bytes"])
+            except ConversionError as exc:
+                raise ConversionError(f"entry {i}: pin_bytes: {exc}") from None
         seen.add(name)
-        # (name, token), or (name, token, True) for a tenant whose clients may map the arena,
-        # then the tenants it may act for (an engine serving many tenants), when it has any
-        entry = (name, token, True) if item.get("shm") else (name, token)
-        if act:
-            entry = (name, token, bool(item.get("shm")), tuple(act))
-        out.append(entry)
+        out.append(Tenant(name, token, bool(item.get("shm")), tuple(act), pin_bytes))
     return tuple(out)
 
 

@@ -45,7 +45,7 @@ class BatchLease:
         """Let go of every slot, once; releasing again does nothing."""
         store, self._store = self._store, None
         if store is not None:
-            store._end_batch_lease(self)
+            store.release_batch(self)
 
     def __enter__(self) -> "BatchLease":
         return self
@@ -101,8 +101,10 @@ class BatchLeases:
         self._leases[lease._id] = lease
         return lease, got
 
-    def _end_batch_lease(self, lease: BatchLease) -> None:
-        self._leases.pop(lease._id, None)
+    def release_batch(self, lease: BatchLease) -> None:
+        """End ``lease`` (what ``BatchLease.release`` calls): its slots are let go, once."""
+        if self._leases.pop(lease._id, None) is not lease:
+            return                       # ended already (released, expired or closed)
         dram = self._dram
         if dram.closed:
             return

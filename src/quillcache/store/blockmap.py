@@ -29,7 +29,7 @@ import numpy as np
 
 from quillcache._native.art import AdaptiveRadixTree
 from quillcache._native.crc import crc32c  # any contiguous buffer, in place, GIL released when large
-from quillcache.errors import QuillCacheError
+from quillcache.errors import CorruptCheckpoint
 
 __all__ = ["BlockMap", "CorruptCheckpoint", "read_checkpoint", "write_checkpoint", "Replay",
            "encode_put", "encode_remove", "decode_record", "CKPT_VERSION",
@@ -81,16 +81,6 @@ def decode_record(payload: bytes):
             raise ValueError(f"remove record of {len(payload)} bytes, expected {pos + _REM_TAIL.size}")
         return ("remove", kb) + _REM_TAIL.unpack_from(payload, pos)
     raise ValueError(f"unknown record type {rtype}")
-
-
-class CorruptCheckpoint(QuillCacheError):
-    """A checkpoint the tier refuses to start on; ``problem`` says why in a few words."""
-
-    def __init__(self, path: str, problem: str) -> None:
-        self.path = path
-        self.problem = problem
-        super().__init__(f"checkpoint {path} is corrupt ({problem}): refusing to start; "
-                         f"move it away to recover from the WAL alone")
 
 
 def _key_offsets(lengths) -> np.ndarray:

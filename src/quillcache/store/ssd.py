@@ -14,35 +14,36 @@ not match their CRC are dropped (eagerly at open, or lazily at the first read: `
 
 Construction is synchronous and recovers (``SsdTier(...)``); ``await SsdTier.open(...)``
 runs the same in a thread.  Async methods must run on one event loop.
+
+This module is the tier (construction, puts, removes, reads, reporting, close); its parts:
+store/ssdfile.py (the data file: open, write an extent, sync), store/ssdrecover.py
+(recovery and checkpoints), store/ssdread.py (reads off the event loop), store/blockmap.py
+(the WAL records, the checkpoint file and the replay), store/commit.py (the group commit).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import copy
-import errno
 import functools
 import logging
-import mmap
 import os
-import threading
-import time
 from typing import Iterator, Optional
 
 import numpy as np
 
-from quillcache import faults
-from quillcache.fsutil import fsync_dir, pread_full
+from quillcache.fsutil import fsync_dir
 from quillcache._native.alloc import MAX_UNITS, OffsetAllocator
 from quillcache._native.crc import crc32c  # any contiguous buffer, in place, GIL released when large
-from quillcache._native.wal import WAL_SEGMENT_BYTES, WalReader, WalWriter
+from quillcache._native.wal import WAL_SEGMENT_BYTES, WalWriter
 from quillcache.errors import InvalidArgument, NotFound, ReadOnlyError
-from quillcache.model import KEY_FORMAT_VERSION, KvBlockKey, decode_key, encode_key
+from quillcache.model import KvBlockKey, decode_key, encode_key
 from quillcache.store.blockmap import (  # read_checkpoint, Replay, CorruptCheckpoint: re-exported
     ANY_OFFSET, REASON_CRC, REASON_RECOVERY, REASON_REMOVE, BlockMap, CorruptCheckpoint, Replay,
-    encode_put, encode_remove, read_checkpoint, write_checkpoint,
+    encode_put, encode_remove, read_checkpoint,
 )
 from quillcache.store.commit import GroupCommitter
+from quillcache.store.ssdfile import BouncePool, Extent, SsdDataFile
+from quillcache.store.ssdrecover import SsdRecovery
 from quillcache.store.ssdread import READ_BACKENDS, READ_THREADS, SsdReader, read_and_check  # noqa: F401 (READ_THREADS re-exported)
 
 __all__ = ["SsdTier", "crc32c", "DATA_NAME", "CHECKPOINT_NAME", "WAL_DIR_NAME", "CorruptCheckpoint",
@@ -53,62 +54,18 @@ log = logging.getLogger("quillcache.store.ssd")
 # ---- format and tunables (docs/ssd-format.md; records and checkpoint: store/blockmap.py) -------
 DATA_NAME = "data.qc"
 CHECKPOINT_NAME = "checkpoint"
-CHECKPOINT_TMP = "checkpoint.tmp"
 WAL_DIR_NAME = "wal"
 __all__ += ["ANY_OFFSET", "REASON_CRC", "REASON_RECOVERY", "REASON_REMOVE", "encode_put", "encode_remove"]
 
 DEFAULT_UNIT = 4096               # bytes: allocation unit and O_DIRECT alignment
-MIN_DIRECT_UNIT = 512             # bytes: smallest unit usable with O_DIRECT
 DEFAULT_MAX_BLOCK = 64 << 20      # bytes: largest block accepted by put
 MAX_BLOCK_LIMIT = 1 << 30         # bytes: largest max_block_bytes (length is a u32 in records)
 MAX_KEY_BYTES = 65535             # bytes: an encoded key (u16 length in records)
-BOUNCE_BYTES = 4 << 20            # bytes per O_DIRECT bounce buffer (a larger block goes in pieces)
-BOUNCE_BUFFERS = 4                # bounce buffers in the mmap'd pool (writes in flight at once)
-VERIFY_CHUNK = 8 << 20            # bytes: read size of eager verification
 DEFAULT_CHECKPOINT_RECORDS = 65536       # WAL records between periodic checkpoints
 DEFAULT_CHECKPOINT_WAL_BYTES = 64 << 20  # WAL bytes between periodic checkpoints
 
 
-class _Entry:
-    __slots__ = ("kb", "offset", "length", "crc", "handle", "lsn", "verified", "readers", "freed")
-
-    def __init__(self, kb, offset, length, crc, handle, lsn=0, verified=False):
-        self.kb = kb
-        self.offset = offset
-        self.length = length
-        self.crc = crc
-        self.handle = handle
-        self.lsn = lsn
-        self.verified = verified
-        self.readers = 0          # reads in flight on the extent (read_into_async)
-        self.freed = False        # unpublished: the extent goes back when the last reader ends
-
-
-class _BouncePool:
-    """Page-aligned (mmap'd) buffers for O_DIRECT writes; get() blocks while all are in use."""
-
-    def __init__(self, nbytes: int, count: int) -> None:
-        self.nbytes = nbytes
-        self._free = [mmap.mmap(-1, nbytes) for _ in range(count)]
-        self._sem = threading.Semaphore(count)
-        self._lock = threading.Lock()
-
-    def get(self) -> mmap.mmap:
-        self._sem.acquire()
-        with self._lock:
-            return self._free.pop()
-
-    def put(self, buf: mmap.mmap) -> None:
-        with self._lock:
-            self._free.append(buf)
-        self._sem.release()
-
-    def close(self) -> None:
-        for b in self._free:
-            b.close()
-
-
-class SsdTier:
+class SsdTier(SsdDataFile, SsdRecovery):
     """SsdTier(path_or_dir, capacity, *, wal_dir=None, unit=4096, direct_io=True, verify="lazy",
     commit_window_s=0.001, sync="group", wal_backend="auto", segment_bytes=WAL_SEGMENT_BYTES,
     max_block_bytes=min(64 MiB, capacity), max_blocks=None, checkpoint_records=65536,
@@ -169,12 +126,12 @@ class SsdTier:
         # encoded key -> entry of every block written, read or replayed in this process; the
         # blocks recovered from the checkpoint and not touched since stay rows of _cold
         # (columns, no object per block) with their allocator handles in _cold_handles
-        self._map: dict[bytes, _Entry] = {}
+        self._map: dict[bytes, Extent] = {}
         self._cold = BlockMap()
         self._cold_handles = np.zeros(0, np.uint64)
         self._inflight: collections.Counter = collections.Counter()
         self._fd = self._rfd = -1
-        self._bounce: Optional[_BouncePool] = None
+        self._bounce: Optional[BouncePool] = None
         self._closed = False
         self._failed: Optional[ReadOnlyError] = None
         self._ckpt_base_records = 0     # committed WAL records at the last checkpoint
@@ -211,108 +168,6 @@ class SsdTier:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, functools.partial(cls, path_or_dir, capacity, **kwargs))
 
-    # ---- files -------------------------------------------------------------------------------------
-    def _open_data(self, direct_io: bool) -> None:
-        created = not os.path.exists(self.data_path)
-        self._fd = os.open(self.data_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        size = os.fstat(self._fd).st_size
-        if size < self.capacity:
-            os.posix_fallocate(self._fd, 0, self.capacity)
-            os.fsync(self._fd)               # the new size must be durable before extents in it are used
-        if created:
-            fsync_dir(os.path.dirname(os.path.abspath(self.data_path)))   # and the new name
-        self._rfd = os.open(self.data_path, os.O_RDONLY | os.O_CLOEXEC)   # buffered reads
-        self.direct_io = False
-        if direct_io and self.unit >= MIN_DIRECT_UNIT and hasattr(os, "O_DIRECT"):
-            try:
-                dfd = os.open(self.data_path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-                dfd = -1
-            if dfd >= 0:
-                probe = mmap.mmap(-1, self.unit)
-                try:
-                    os.preadv(dfd, [probe], 0)       # an aligned read proves O_DIRECT works here
-                    os.close(self._fd)
-                    self._fd = dfd
-                    self.direct_io = True
-                except OSError as exc:
-                    os.close(dfd)
-                    if exc.errno != errno.EINVAL:
-                        raise
-                finally:
-                    probe.close()
-        if self.direct_io:
-            self._bounce = _BouncePool(max(self.unit, min(BOUNCE_BYTES, _round_up(self.max_block_bytes, self.unit))),
-                                       BOUNCE_BUFFERS)
-
-    def _close_files(self) -> None:
-        if self._reads is not None:
-            self._reads.close()                  # no read may outlive the descriptors
-            self._reads = None
-        for fd in (self._fd, self._rfd):
-            if fd >= 0:
-                os.close(fd)
-        self._fd = self._rfd = -1
-        if self._bounce is not None:
-            self._bounce.close()
-            self._bounce = None
-        if self._wal is not None and not self._wal.closed:
-            self._wal.close()
-
-    def _write_extent(self, mv: memoryview, offset: int) -> int:
-        """Write ``mv`` at ``offset`` of the data file (a worker thread); return its CRC32C."""
-        faults.killpoint("before_data_write")
-        if faults.FAULTS_ENABLED and faults.fire("data_enospc"):
-            raise OSError(errno.ENOSPC, "injected ENOSPC on a data-file write", self.data_path)
-        n = len(mv)
-        crc = crc32c(mv)
-        if self.direct_io:
-            faults.journal_write(offset, _round_up(n, self.unit))
-            pool = self._bounce
-            buf = pool.get()
-            try:
-                bmv = memoryview(buf)
-                done = 0
-                while done < n:
-                    k = min(n - done, pool.nbytes)
-                    bmv[:k] = mv[done:done + k]
-                    padded = _round_up(k, self.unit)
-                    if padded > k:
-                        bmv[k:padded] = bytes(padded - k)   # O_DIRECT writes whole units
-                    w = os.pwrite(self._fd, bmv[:padded], offset + done)
-                    if w != padded:
-                        raise OSError(errno.EIO, f"short O_DIRECT write ({w} of {padded} bytes)", self.data_path)
-                    done += k
-                bmv.release()
-            finally:
-                pool.put(buf)
-        else:
-            faults.journal_write(offset, n)
-            done = 0
-            while done < n:
-                done += os.pwrite(self._fd, mv[done:], offset + done)
-        faults.killpoint("after_data_write")
-        return crc
-
-    def _sync_data(self, data_sync: bool) -> None:
-        """Before a WAL commit (commit thread): make the data its records point at durable."""
-        if not data_sync:
-            return                          # removes only: no block bytes to cover
-        covered = faults.journal_sync_begin() if faults.JOURNAL_ENABLED else 0
-        try:
-            os.fdatasync(self._fd)          # one per group commit, covering every put in the window
-            if faults.FAULTS_ENABLED and faults.fire("data_fsync_eio"):
-                raise OSError(errno.EIO, "injected EIO on the data file's fdatasync", self.data_path)
-        except OSError as exc:
-            # fatal: after a failed fsync the page cache may have dropped the data (no retry)
-            self._failed = ReadOnlyError(f"fdatasync of {self.data_path} failed: {exc}; the SSD tier is read-only")
-            raise self._failed from exc
-        faults.killpoint("after_data_fsync")
-        faults.journal_sync(covered)
-        self._counters["data_syncs"] += 1
-
     # ---- settings changed at run time --------------------------------------------------------------
     def set_commit_window(self, seconds: float) -> None:
         """The group commit's window (``[wal] commit_window``) for the commits that start from now."""
@@ -320,209 +175,6 @@ class SsdTier:
             raise InvalidArgument(f"commit window {seconds!r}: must be in [0, 1] seconds")
         c = self._committer
         c.window_s = 0.0 if c.sync == "always" else float(seconds)   # sync=always commits each put alone
-
-    # ---- recovery ------------------------------------------------------------------------------------
-    def _load_checkpoint(self):
-        tmp = os.path.join(os.path.dirname(self.checkpoint_path), CHECKPOINT_TMP)
-        if os.path.exists(tmp):
-            os.unlink(tmp)                  # a checkpoint that never got renamed: not ours to use
-        lsn, unit, entries = read_checkpoint(self.checkpoint_path)
-        if unit is not None and unit != self.unit:
-            raise InvalidArgument(f"checkpoint {self.checkpoint_path} was written with unit={unit}, "
-                                  f"opened with unit={self.unit}")
-        return lsn, entries
-
-    def _recover(self, max_blocks: Optional[int]) -> None:
-        t0 = time.perf_counter()
-        ckpt_lsn, table = self._load_checkpoint()
-        reader = WalReader(self.wal_dir)
-        replay = Replay(ckpt_lsn, table)
-        for lsn, payload in reader:
-            replay(lsn, payload)
-        replayed = replay.replayed
-        for lsn, nbytes, why in replay.malformed:
-            log.error("WAL record at lsn %#x is malformed (%s): skipped", lsn, why)
-            self._counters["wal_corrupt_bytes"] += nbytes
-        for nbytes, reason in reader.corruption:
-            log.error("WAL %s: %d bytes dropped (%s)", self.wal_dir, nbytes, reason)
-            self._counters["wal_corrupt_bytes"] += nbytes
-        self.wal_corruption = list(reader.corruption)
-        self._allocator = OffsetAllocator(self.capacity, self.unit, max_blocks)
-        drops = self._rebuild(table)         # (kb, offset, reason, handle or None)
-        if self.verify == "eager":
-            self._verify_all(drops)
-        if drops:
-            recs = [encode_remove(kb, off, reason) for kb, off, reason, _ in drops]
-            self._committer.commit_now(recs, data_sync=False)
-            # the drop records are durable: only now can the extents be reused
-            for _, _, _, handle in drops:
-                if handle is not None:
-                    self._allocator.free(handle)
-            self._counters["dropped_blocks"] += len(drops)
-        self._committer.applied_lsn = self._wal.durable_lsn
-        faults.killpoint("mid_recovery")
-        if replayed or drops:
-            self._write_checkpoint(self._snapshot(), self._wal.durable_lsn)
-        self._counters["recovered_blocks"] = len(self)
-        self.recovery_seconds = time.perf_counter() - t0
-        log.info("SSD tier %s recovered: %d blocks, %d dropped, %d WAL records replayed in %.3f s",
-                 self.directory, len(self), len(drops), replayed, self.recovery_seconds)
-
-    def _rebuild(self, table: BlockMap) -> list:
-        """The allocator and the map from the recovered ``table`` (checkpoint rows + what the
-        WAL changed after it), without an object per checkpoint row: the rows stay columns
-        (``_cold``) until a block is first touched.  Returns the blocks it could not keep."""
-        changed = list(table.changed.items())
-        table.changed = {}
-        rows = np.flatnonzero(table.alive)
-        # every extent: the live checkpoint rows, then the changed entries
-        n_rows = len(rows)
-        offset = np.concatenate((table.offset[rows], np.fromiter((v[0] for _, v in changed), np.uint64, len(changed))))
-        length = np.concatenate((table.length[rows], np.fromiter((v[1] for _, v in changed), np.uint32, len(changed))))
-        lsn = np.concatenate((table.lsn[rows], np.fromiter((v[3] for _, v in changed), np.uint64, len(changed))))
-        unit = self.unit
-        end = offset + (length.astype(np.uint64) + (unit - 1)) // unit * unit
-        if len(end) and int(end.max()) > self.capacity:
-            i = int(np.argmax(end))
-            raise InvalidArgument(f"capacity {self.capacity} is smaller than the existing data in "
-                                  f"{self.data_path} (an extent ends at {int(offset[i]) + int(length[i])}): open "
-                                  f"it with a capacity of at least {int(end[i])}")
-        kb_of = (lambda i: table.key_of(int(rows[i])) if i < n_rows else changed[i - n_rows][0])
-        version_ok = np.ones(len(offset), dtype=bool)
-        if n_rows:
-            version_ok[:n_rows] = np.frombuffer(table.blob, np.uint8)[
-                table.key_off[:-1][rows].astype(np.int64)] == KEY_FORMAT_VERSION
-        for i, (kb, _) in enumerate(changed):
-            version_ok[n_rows + i] = bool(kb) and kb[0] == KEY_FORMAT_VERSION
-        bad = (offset % unit != 0) | (length == 0) | ~version_ok
-        drops = []                           # (kb, offset, reason, handle or None)
-        for i in np.flatnonzero(bad).tolist():
-            log.error("recovery: block at offset %d (%d bytes) dropped: %s", int(offset[i]), int(length[i]),
-                      "not an encoded key of this format" if not version_ok[i] else
-                      f"unaligned or empty extent ({int(offset[i])}, {int(length[i])})")
-            drops.append((kb_of(i), int(offset[i]), REASON_RECOVERY, None))
-        order = np.argsort(offset, kind="stable")      # rows are in offset order: linear
-        order = order[~bad[order]]
-        keep = self._resolve_overlaps(order, offset, end, lsn)
-        for i in np.setdiff1d(order, keep, assume_unique=True).tolist():
-            log.error("recovery: block at offset %d (%d bytes) dropped: it overlaps a newer block",
-                      int(offset[i]), int(length[i]))
-            drops.append((kb_of(i), int(offset[i]), REASON_RECOVERY, None))
-        handles = np.zeros(len(offset), np.uint64)
-        kept_handles = np.zeros(len(keep), np.uint64)
-        self._allocator.reserve_many(np.ascontiguousarray(offset[keep]), length[keep].astype(np.uint64),
-                                     kept_handles)            # ascending offsets: one sweep
-        handles[keep] = kept_handles
-        kept = np.zeros(len(offset), dtype=bool)
-        kept[keep] = True
-        for i in np.flatnonzero(~kept[:n_rows]).tolist():
-            table.kill(int(rows[i]))
-        self._cold = table
-        self._cold_handles = np.zeros(table.rows, np.uint64)
-        self._cold_handles[rows] = handles[:n_rows]
-        for i, (kb, (off, n, crc, elsn)) in enumerate(changed):
-            if kept[n_rows + i]:
-                self._map[kb] = _Entry(kb, off, n, crc, int(handles[n_rows + i]), elsn)
-        return drops
-
-    @staticmethod
-    def _resolve_overlaps(order, offset, end, lsn):
-        """The extents to keep, ascending by offset: where a lost record left blocks claiming
-        the same bytes, the newer (higher lsn) keeps them and the older is dropped."""
-        if len(order) < 2:
-            return order
-        off, e = offset[order], end[order]
-        reach = np.maximum.accumulate(e)
-        clash = np.concatenate(([False], off[1:] < reach[:-1]))   # overlaps an earlier extent
-        if not clash.any():
-            return order
-        group = np.cumsum(~clash)                   # runs of mutually reachable extents
-        keep = ~np.isin(group, group[clash])        # alone in their run: kept as they are
-        for g in np.unique(group[clash]).tolist():
-            members = np.flatnonzero(group == g)
-            taken: list[tuple[int, int]] = []
-            for m in sorted(members.tolist(), key=lambda m: -int(lsn[order[m]])):   # newest first
-                a, b = int(off[m]), int(e[m])
-                if all(b <= x or a >= y for x, y in taken):
-                    taken.append((a, b))
-                    keep[m] = True
-        return order[keep]
-
-    def _warm(self, kb: bytes) -> Optional[_Entry]:
-        """The entry of kb: in the map, or made from its checkpoint row (first touch)."""
-        e = self._map.get(kb)
-        if e is None and self._cold.rows_alive:
-            row = self._cold.row_of(kb)
-            if row >= 0:
-                off, length, crc, elsn = self._cold.row(row)
-                e = self._map[kb] = _Entry(kb, off, length, crc, int(self._cold_handles[row]), elsn)
-                self._cold.kill(row)
-        return e
-
-    def _warm_all(self) -> None:
-        for kb in list(self._cold):
-            self._warm(kb)
-
-    def _verify_all(self, drops: list) -> None:
-        self._warm_all()
-        buf = bytearray(min(VERIFY_CHUNK, max(self.max_block_bytes, 1)))
-        bmv = memoryview(buf)
-        for kb, e in sorted(self._map.items(), key=lambda kv: kv[1].offset):
-            crc = 0
-            done = 0
-            ok = True
-            while done < e.length:
-                k = min(len(buf), e.length - done)
-                if pread_full(self._rfd, bmv[:k], e.offset + done) != k:
-                    ok = False
-                    break
-                crc = crc32c(bmv[:k], crc)
-                done += k
-            if ok and crc == e.crc:
-                e.verified = True
-                continue
-            log.error("recovery: block %r at offset %d failed its CRC check: dropped", kb, e.offset)
-            self._counters["crc_failures"] += 1
-            del self._map[kb]
-            drops.append((e.kb, e.offset, REASON_CRC, e.handle))
-
-    # ---- checkpoints ----------------------------------------------------------------------------------
-    def _snapshot(self):
-        """The published map now (on the loop): the live checkpoint rows (a copy of which are
-        live; the columns never change) and an entry tuple for every block in the map."""
-        cold = copy.copy(self._cold)
-        cold.alive = self._cold.alive.copy()
-        return cold, [(e.kb, e.offset, e.length, e.crc, e.lsn) for e in self._map.values()]
-
-    def _write_checkpoint(self, snapshot, lsn: int) -> None:
-        """Snapshot -> temp file, fsync, rename, fsync dir, then drop the WAL segments it covers."""
-        cold, hot = snapshot
-        d = os.path.dirname(self.checkpoint_path)
-        tmp = os.path.join(d, CHECKPOINT_TMP)
-        write_checkpoint(tmp, self.unit, self.capacity, lsn, cold.live_table(), hot)
-        faults.killpoint("mid_checkpoint")
-        os.rename(tmp, self.checkpoint_path)  # atomic: a crash leaves the old or the new one
-        fsync_dir(d)                        # the rename is durable before the WAL it covers goes
-        self._wal.truncate_before(lsn + 1)   # only records with lsn <= the checkpoint's are covered
-        self._ckpt_base_records = self._committer.records
-        self._ckpt_wal_bytes = self._wal.stats()["bytes_written"]
-        self._counters["checkpoints"] += 1
-
-    async def _after_batch(self, lsn: int) -> None:
-        wal_bytes = self._wal.stats()["bytes_written"] - self._ckpt_wal_bytes
-        if (self._committer.records - self._ckpt_base_records >= self.checkpoint_records
-                or wal_bytes >= self.checkpoint_wal_bytes):
-            await self.checkpoint()
-
-    async def checkpoint(self) -> None:
-        """Write a checkpoint of the published state now (on the commit thread)."""
-        snapshot = self._snapshot()
-        lsn = self._committer.applied_lsn    # every record <= lsn is reflected in the snapshot
-        try:
-            await self._committer.run_in_thread(self._write_checkpoint, snapshot, lsn)
-        except OSError as exc:
-            log.error("checkpoint of %s failed: %s (the WAL still holds everything)", self.directory, exc)
-            return
 
     # ---- writes ----------------------------------------------------------------------------------------
     def _check_writable(self) -> None:
@@ -566,7 +218,7 @@ class SsdTier:
             except BaseException:
                 self._allocator.free(alloc.handle)    # no record points at it: reusable now
                 raise
-            entry = _Entry(kb, alloc.offset, len(mv), crc, alloc.handle, verified=True)
+            entry = Extent(kb, alloc.offset, len(mv), crc, alloc.handle, verified=True)
             # data before metadata: the record is appended only after the bytes were written,
             # and the committer fdatasyncs the data file before it commits the record
             await self._committer.submit(encode_put(kb, alloc.offset, len(mv), crc),
@@ -576,7 +228,7 @@ class SsdTier:
             if not self._inflight[key]:
                 del self._inflight[key]
 
-    def _apply_put(self, entry: _Entry, lsn: int) -> None:
+    def _apply_put(self, entry: Extent, lsn: int) -> None:
         entry.lsn = lsn
         old = self._warm(entry.kb)
         self._map[entry.kb] = entry          # published only now: the record is durable
@@ -593,7 +245,7 @@ class SsdTier:
         except BaseException:
             self._allocator.free(alloc.handle)
             raise
-        entry = _Entry(kb, alloc.offset, len(mv), crc, alloc.handle, verified=True)
+        entry = Extent(kb, alloc.offset, len(mv), crc, alloc.handle, verified=True)
         lsn = self._committer.commit_now([encode_put(kb, alloc.offset, len(mv), crc)], data_sync=True)
         self._apply_put(entry, lsn)
         self._committer.applied_lsn = lsn
@@ -625,7 +277,7 @@ class SsdTier:
         self._counters["removes"] += 1
         return True
 
-    def _drop(self, key: KvBlockKey, entry: _Entry, why: str) -> None:
+    def _drop(self, key: KvBlockKey, entry: Extent, why: str) -> None:
         """Unpublish a block whose bytes are bad; free its extent once the drop record is durable."""
         if self._map.get(entry.kb) is entry:
             del self._map[entry.kb]
@@ -653,7 +305,7 @@ class SsdTier:
             free(lsn)
 
     # ---- reads ----------------------------------------------------------------------------------------
-    def _free_extent(self, e: _Entry) -> None:
+    def _free_extent(self, e: Extent) -> None:
         """Give an unpublished block's extent back, or mark it so that its last reader does."""
         e.freed = True
         if not e.readers:
@@ -675,7 +327,7 @@ class SsdTier:
             raise InvalidArgument(f"buffer of {len(mv)} bytes is smaller than the {e.length}-byte block")
         return e, mv[:e.length]
 
-    def _read_done(self, key: KvBlockKey, e: _Entry, why: str) -> int:
+    def _read_done(self, key: KvBlockKey, e: Extent, why: str) -> int:
         if why:
             self._drop(key, e, why)
             raise NotFound(f"block {key} failed verification on the SSD tier and was dropped")
@@ -756,6 +408,15 @@ class SsdTier:
             return e.length
         row = self._cold.row_of(kb) if self._cold.rows_alive else -1
         return None if row < 0 else int(self._cold.length[row])
+
+    def crc_of(self, kb: bytes) -> Optional[int]:
+        """The CRC32C recorded when the block under encoded key ``kb`` was written, or None
+        when absent; a recovered block stays untouched (the cluster announces it with this)."""
+        e = self._map.get(kb)
+        if e is not None:
+            return e.crc
+        row = self._cold.row_of(kb) if self._cold.rows_alive else -1
+        return None if row < 0 else int(self._cold.crc[row])
 
     def keys(self) -> list:
         """Every published key (decodes each: tools and tests)."""
@@ -853,7 +514,3 @@ class SsdTier:
 def _ignore_result(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
-
-
-def _round_up(n: int, unit: int) -> int:
-    return (n + unit - 1) // unit * unit

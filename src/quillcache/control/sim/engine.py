@@ -42,7 +42,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
-from quillcache.control.model import CostModel
+from quillcache.control.model import H200_LLAMA3_8B, CostModel
 from quillcache.model import CacheTier, IdentityScope, encode_scope
 
 __all__ = [
@@ -54,20 +54,6 @@ __all__ = [
 # Llama-3-8B: 32 layers x 8 KV heads x 128 dims x (K and V) x 2 bytes (bf16).
 KV_BYTES_PER_TOKEN_LLAMA3_8B = 32 * 8 * 128 * 2 * 2        # 131072 bytes = 128 KiB
 
-# One H200 serving a Llama-3-8B-shaped model, from /work/shared/notes/gpu-machine.md:
-# * prefill: 8192 tokens in 238 ms measured -> 29 us per uncached token;
-# * decode: not measured there; one step streams the 16 GB of bf16 weights, 3.3 ms at the
-#   4.8 TB/s HBM peak, ~6 ms at a realistic 55 % of it -> 6000 us per step;
-# * each running decode also streams its KV: 4096 tokens x 128 KiB = 512 MiB, ~110 us at
-#   4.8 TB/s -> 100 us per running decode;
-# * pool load from pinned host memory: 8192 tokens reloaded + 128 computed in 43 ms measured,
-#   i.e. (43 - 128 x 0.029) ms / 8192 tokens = 4.8 us per token = 38 us per MiB of KV.
-H200_LLAMA3_8B = CostModel(
-    prefill_us_per_token=29,
-    decode_us_per_token=6000,
-    running_decode_penalty_us=100,
-    cpu_dram_us_per_mb=38,
-)
 
 
 
@@ -116,6 +102,7 @@ class EngineConfig:
     max_batched_tokens: int = 2048          # tokens per iteration (chunked prefill budget)
     cost: CostModel = H200_LLAMA3_8B
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN_LLAMA3_8B
+    remote_us_per_mb: Optional[int] = None  # loading another engine's blocks; None: as the pool
 
     def __post_init__(self) -> None:
         for name in ("block_size", "capacity_blocks", "max_num_seqs", "max_batched_tokens",
@@ -126,6 +113,12 @@ class EngineConfig:
         if self.max_batched_tokens < self.max_num_seqs:
             raise SimEngineError(f"max_batched_tokens {self.max_batched_tokens} must be at least "
                                  f"max_num_seqs {self.max_num_seqs} (every decode needs a token)")
+
+    def remote_load_us(self, blocks: int) -> int:
+        if self.remote_us_per_mb is None:
+            return self.pool_load_us(blocks)
+        nbytes = blocks * self.block_size * self.kv_bytes_per_token
+        return self.remote_us_per_mb * max(1, -(-nbytes // (1 << 20))) if blocks else 0
 
     def pool_load_us(self, blocks: int) -> int:
         nbytes = blocks * self.block_size * self.kv_bytes_per_token
@@ -316,6 +309,7 @@ class SimEngine:
             prefill_tokens += take
         admitted = []
         pool_loaded = 0
+        remote_loaded = 0
         while self._waiting and budget > 0 and self.running + len(admitted) < cfg.max_num_seqs:
             req = self._waiting[0]
             if not self._admit(req):
@@ -323,6 +317,7 @@ class SimEngine:
             self._waiting.popleft()
             admitted.append(req)
             pool_loaded += req.pool_blocks + req.remote_loaded
+            remote_loaded += req.remote_loaded
             take = min(req.prompt_tokens - req.computed, budget)
             chunks.append((req, take))
             budget -= take
@@ -332,7 +327,8 @@ class SimEngine:
         if not chunks and not decodes:
             return None
         cost = cfg.cost
-        duration = cost.prefill_us_per_token * prefill_tokens + cfg.pool_load_us(pool_loaded)
+        duration = (cost.prefill_us_per_token * prefill_tokens + cfg.pool_load_us(pool_loaded - remote_loaded)
+                    + cfg.remote_load_us(remote_loaded))
         if decodes:
             duration += cost.decode_us_per_token + cost.running_decode_penalty_us * decodes
         duration = max(1, duration)
@@ -421,6 +417,8 @@ class SimEngine:
             victim, _ = self._lru.popitem(last=False)
             blk = self._blocks.pop(victim)
             self._evicted.append((blk.identity, victim))
+            if self.pool is not None:
+                self.pool.offer(blk.identity, (StoredBlock(victim, None, ()),))
         self._private += need
         req.state = "prefill"
         req.hit_blocks = hit
@@ -500,8 +498,11 @@ class LruPool:
         if not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
             raise SimEngineError(f"pool capacity {capacity_blocks!r}: must be a positive integer")
         self.capacity_blocks = capacity_blocks
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._blocks: OrderedDict[bytes, IdentityScope] = OrderedDict()
         self.loaded_blocks = 0
+        self.record = False                 # keep what changed, for the pool's residency events
+        self.stored: list[tuple[IdentityScope, bytes]] = []
+        self.removed: list[tuple[IdentityScope, bytes]] = []
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -518,7 +519,19 @@ class LruPool:
 
     def offer(self, identity: IdentityScope, blocks: Sequence[StoredBlock]) -> None:
         for b in blocks:
-            self._blocks[b.block_hash] = None
-            self._blocks.move_to_end(b.block_hash)
+            if b.block_hash in self._blocks:
+                self._blocks.move_to_end(b.block_hash)
+                continue
+            self._blocks[b.block_hash] = identity
+            if self.record:
+                self.stored.append((identity, b.block_hash))
         while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            h, ident = self._blocks.popitem(last=False)
+            if self.record:
+                self.removed.append((ident, h))
+
+    def drain(self) -> tuple[list, list]:
+        """What was stored and removed since the last drain (with ``record`` on)."""
+        out = (self.stored, self.removed)
+        self.stored, self.removed = [], []
+        return out

@@ -17,18 +17,19 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from quillcache.control.events import EventBatch
+from quillcache.control.events import BlockRemoved, BlockStored, EventBatch
 from quillcache.control.indexer import chain_hashes as router_chain_hashes
+from quillcache.control.indexer import engine_hash_text
 from quillcache.control.router import Router, RouterConfig
 from quillcache.control.sim.engine import (
-    EngineConfig, SimEngine, SimEngineError, SimRequest, StepResult, chain_hashes,
+    EngineConfig, LruPool, SimEngine, SimEngineError, SimRequest, StepResult, chain_hashes,
 )
-from quillcache.control.sim.kvevents import step_events
+from quillcache.control.sim.kvevents import scope_tuple, step_events
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from quillcache.model import IdentityScope
 
 __all__ = ["ReplayRequest", "PolicyResult", "build_requests", "run_policy", "percentile",
-           "block_token_ids", "REPLAY_MODEL"]
+           "block_token_ids", "replay_router_config", "REPLAY_MODEL"]
 
 REPLAY_MODEL = "llama-3-8b"
 
@@ -85,6 +86,9 @@ class PolicyResult:
     cross_identity_served_blocks: int = 0
     refused_blocks: int = 0
     refused_requests: int = 0
+    admission_refused: int = 0        # refused early by admission = "predict": SLO misses
+    pool_tokens: int = 0
+    transfer_tokens: int = 0
     makespan_us: int = 0
     busy_us: list[int] = field(default_factory=list)
     prefill_busy_us: list[int] = field(default_factory=list)
@@ -94,6 +98,7 @@ class PolicyResult:
         n = len(self.ttft_ms)
         good = sum(1 for a, b in zip(self.ttft_ms, self.tpot_ms, strict=False)
                    if a <= ttft_slo_ms and b <= tpot_slo_ms)
+        offered = n + self.admission_refused
         span = len(self.busy_us) * self.makespan_us
         # Load: the share of time an engine had prefill work running or queued, i.e. the
         # chance that an arriving request waits behind another's prefill (decode-only
@@ -105,7 +110,9 @@ class PolicyResult:
             "ttft_p99_ms": percentile(self.ttft_ms, 99),
             "tpot_p50_ms": percentile(self.tpot_ms, 50),
             "hit_rate": self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "goodput": good / n if n else 0.0,
+            "goodput": good / offered if offered else 0.0,
+            "pool_rate": self.pool_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "admission_refused": self.admission_refused,
             "cross_identity_credited_blocks": self.cross_identity_credited_blocks,
             "cross_identity_served_blocks": self.cross_identity_served_blocks,
             "refused_blocks": self.refused_blocks,
@@ -125,17 +132,50 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(s[k])
 
 
+POOL_NAME = "pool"
+
+
+def replay_router_config(policy: str, config: EngineConfig, seed: int = 0, **knobs) -> RouterConfig:
+    """The router the replay runs: the engines' own cost model, KV size and batch budget (what
+    a deployment measures once), the pool at the engines' pool cost."""
+    return RouterConfig(policy=policy, block_size=config.block_size, seed=seed, cost=config.cost,
+                        kv_bytes_per_token=config.kv_bytes_per_token,
+                        batch_tokens=config.max_batched_tokens,
+                        pool_us_per_mb=config.cost.cpu_dram_us_per_mb, **knobs)
+
+
+def _pool_events(pool: LruPool, bs: int) -> list:
+    stored, removed = pool.drain()
+    events: list = []
+    if removed:
+        events.append(BlockRemoved(tuple(engine_hash_text(h) for _, h in removed), "cpu"))
+    by_scope: dict[IdentityScope, list[bytes]] = {}
+    for ident, h in stored:
+        by_scope.setdefault(ident, []).append(engine_hash_text(h))
+    for ident, hs in by_scope.items():
+        events.append(BlockStored(tuple(hs), block_size=bs, medium="cpu", lora_name=ident.adapter_id,
+                                  quill_scope=scope_tuple(ident)))
+    return events
+
+
 def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, config: EngineConfig,
                seed: int = 0, on_step: Optional[Callable[[int, StepResult], None]] = None,
-               ) -> PolicyResult:
+               pool_blocks: int = 0, admission: str = "off") -> PolicyResult:
     """Replay ``requests`` (sorted by arrival) against ``engines`` fresh engines, routed by
-    a fresh ``Router`` with ``policy``."""
+    a fresh ``Router`` with ``policy``.  With ``pool_blocks`` the engines share an ``LruPool``
+    of that many blocks: every engine offers it what it computes and evicts and loads from it
+    whatever prefix it holds, whatever the policy; its residency reaches the router as a pool
+    node's events (only the policies that know a pool use them)."""
     if engines < 1:
         raise ValueError(f"engines {engines!r}: must be at least 1")
     bs = config.block_size
     names = [f"engine-{i}" for i in range(engines)]
-    router = Router(RouterConfig(policy=policy, block_size=bs, seed=seed), workers=names)
-    sims = [SimEngine(config) for _ in range(engines)]
+    router = Router(replay_router_config(policy, config, seed, admission=admission), workers=names)
+    pool = LruPool(pool_blocks) if pool_blocks else None
+    if pool is not None:
+        pool.record = True
+        router.indexer.worker(POOL_NAME, pool=True)
+    sims = [SimEngine(config, pool) for _ in range(engines)]
     running = [False] * engines
     result = PolicyResult(policy)
     heap: list = []        # (time_us, kind, key, engine); kind 0 = iteration end, 1 = arrival
@@ -166,6 +206,9 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
             rid = f"r{r.trace.index}"
             d = router.route(r.scope, hashes=r.router_hashes, request_tokens=r.trace.input_length,
                              request_id=rid)
+            if not d.admitted:
+                result.admission_refused += 1
+                continue
             e = names.index(d.worker)
             result.credited_blocks += d.credited_blocks
             result.cross_identity_credited_blocks += d.cross_identity_credited_blocks
@@ -174,7 +217,9 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
             ids = r.trace.hash_ids
             sim = SimRequest(rid, r.scope, r.trace.input_length, r.engine_hashes,
                              r.trace.output_length, now,
-                             block_tokens=lambda i, ids=ids: block_token_ids(ids[i], bs), tag=r)
+                             block_tokens=lambda i, ids=ids: block_token_ids(ids[i], bs), tag=r,
+                             remote_blocks=sum(d.overlap[:3]) + d.transfer_blocks if d.transfer_blocks else 0)
+            result.transfer_tokens += d.transfer_blocks * bs
             try:
                 sims[e].submit(sim)
             except SimEngineError:
@@ -189,10 +234,16 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
         if events:
             router.apply_events(names[e], EventBatch(res.end_us / 1e6, tuple(events)),
                                 IdentityScope(REPLAY_MODEL, REPLAY_MODEL, None, ""))
+        if pool is not None:
+            pev = _pool_events(pool, bs)
+            if pev:
+                router.apply_events(POOL_NAME, EventBatch(res.end_us / 1e6, tuple(pev)),
+                                    IdentityScope(REPLAY_MODEL, REPLAY_MODEL, None, ""), pool=True)
         for sim in res.first_tokens:
             result.ttft_ms.append((sim.first_token_us - sim.arrival_us) / 1000.0)
             result.prompt_tokens += sim.prompt_tokens
             result.hit_tokens += sim.hit_blocks * bs
+            result.pool_tokens += sim.pool_blocks * bs
             router.first_token(sim.request_id)
         for sim in res.finished:
             out = sim.max_tokens

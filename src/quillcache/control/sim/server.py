@@ -37,8 +37,9 @@ from typing import Callable, Optional, Sequence
 from aiohttp import web
 
 from quillcache.control.sim.engine import (
-    EngineConfig, SimEngine, SimEngineError, SimRequest, StepResult, chain_hashes,
+    EngineConfig, SimEngine, SimEngineError, SimPool, SimRequest, StepResult, chain_hashes,
 )
+from quillcache.control import chat
 from quillcache.model import IdentityScope
 
 __all__ = ["EngineRunner", "SimServerConfig", "build_app", "tokenize", "render_chat", "start_server",
@@ -58,19 +59,8 @@ def tokenize(text: str) -> list[int]:
 
 
 def render_chat(messages: object) -> str:
-    if not isinstance(messages, list) or not messages:
-        raise SimEngineError("messages must be a non-empty list")
-    parts = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise SimEngineError(f"messages[{i}] must be an object with a string role")
-        content = m.get("content", "")
-        if isinstance(content, list):       # content parts: the text ones count
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise SimEngineError(f"messages[{i}].content must be a string or a list of parts")
-        parts.append(f"<|{m['role']}|>\n{content}\n")
-    return "".join(parts) + "<|assistant|>\n"
+    """The gateway's own rendering (``quillcache.control.chat``), with this engine's error."""
+    return chat.render_chat(messages, error=SimEngineError)
 
 
 def block_contents(tokens: Sequence[int], block_size: int) -> list[bytes]:
@@ -92,6 +82,7 @@ class SimServerConfig:
     identity_events: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
     engine_id: str = ""                 # remote_engine_id in kv_transfer_params ("": a random one)
+    pool: Optional[SimPool] = None      # a shared KV pool (connectors/sim.py: a real node), or none
 
 
 class _Pending:
@@ -440,7 +431,7 @@ async def start_server(cfg: SimServerConfig, host: str = "127.0.0.1", port: int 
     publisher = None
     if events_endpoint is not None:
         publisher = EventPublisher(events_endpoint, replay_endpoint, topic=topic)
-    engine = SimEngine(cfg.engine)
+    engine = SimEngine(cfg.engine, cfg.pool)
     bs = cfg.engine.block_size
 
     def on_events(res: StepResult) -> None:
@@ -453,7 +444,7 @@ async def start_server(cfg: SimServerConfig, host: str = "127.0.0.1", port: int 
     await web_runner.setup()
     site = web.TCPSite(web_runner, host, port)
     await site.start()
-    bound = site._server.sockets[0].getsockname()       # the port actually bound
+    bound = web_runner.addresses[0][:2]                  # the port actually bound
     listening = Listening(f"http://{bound[0]}:{bound[1]}",
                           publisher.endpoint if publisher else None,
                           publisher.replay_endpoint if publisher else None)

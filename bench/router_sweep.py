@@ -1,0 +1,275 @@
+"""Every routing policy over a grid of loads, with and without a pool, on the conversation trace
+and on two generated traces (RAG over shared documents, tool agents with growing contexts):
+one markdown table, one PNG (TTFT p50/p99 and goodput against load, a line per policy) and
+the JSON they come from.
+
+    python bench/router_sweep.py --conversation /work/shared/data/traces/mooncake_conversation_trace.jsonl \\
+        --limit 3000 --loads 0.3,0.6,0.85 --out docs/router_sweep
+
+Load is set by the speed-up and measured as the engines' busy share (the share of time an
+engine had prefill work running or queued): for each trace and target, the speed-up is found
+by replaying ``dynamo`` (the baseline the issue measures against) without a pool (steps, then
+bisection on log speed-up) until its measured load is within ``--load-tol`` of the target; every policy then replays at that speed-up and
+its own measured load is in the table.
+
+Engines: ``bench/router_replay.py``'s (one H200 serving Llama-3-8B each).  The engines'
+caches hold ``--cache-share`` (default 0.15: under a fifth) of the trace's working set (its
+distinct full blocks); the pool, when there is one, holds ``--pool-share`` of it and loads at
+the host-to-HBM rate (``--pool-link tcp``: over TCP).  Both shares are rules over the trace,
+the same for every trace.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from router_replay import BLOCK_BYTES, GiB, H200_KV_GIB, engine_config, pool_blocks, working_set_blocks
+
+from quillcache.control.model import SloTarget
+from quillcache.control.sim.gen import GENERATORS
+from quillcache.control.sim.replay import build_requests, run_policy
+from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, load_trace
+from quillcache.protocol.route import POLICIES
+
+OURS = "quillcache"
+PEERS = tuple(p for p in POLICIES if p != OURS)
+ADMIT = "quillcache+admission"     # quillcache with [router] admission = "predict", k = 1
+PROBE = "dynamo"
+
+_TRACES: dict = {}
+_REQS: dict = {}
+
+
+def _trace(name: str, args) -> list:
+    if name not in _TRACES:
+        if name == "conversation":
+            _TRACES[name] = load_trace(args.conversation, args.limit)
+        else:
+            _TRACES[name] = GENERATORS[name](args.limit, seed=args.seed)
+    return _TRACES[name]
+
+
+def _requests(name: str, speedup: float, args) -> list:
+    key = (name, speedup)
+    if key not in _REQS:
+        _REQS.clear()
+        _REQS[key] = build_requests(_trace(name, args), speedup)
+    return _REQS[key]
+
+
+def sizes(name: str, args) -> tuple[float, float]:
+    """(KV GiB per engine, pool GiB) for a trace: shares of its working set, each engine's
+    cache at least two of the trace's largest requests (so it can run what it is sent) and at
+    most an H200's."""
+    trace = _trace(name, args)
+    ws = working_set_blocks(trace) * BLOCK_BYTES / GiB
+    largest = max(-(-(t.input_length + t.output_length) // TRACE_BLOCK_TOKENS) for t in trace)
+    floor = 2 * largest * BLOCK_BYTES / GiB
+    return min(H200_KV_GIB, max(floor, args.cache_share * ws / args.engines)), args.pool_share * ws
+
+
+def replay(task) -> tuple:
+    name, target, speedup, policy, pool, args = task
+    kv_gib, pool_gib = sizes(name, args)
+    t0 = time.perf_counter()
+    res = run_policy(_requests(name, speedup, args), OURS if policy == ADMIT else policy, args.engines,
+                     engine_config(kv_gib, args.pool_link), seed=args.seed,
+                     pool_blocks=pool_blocks(pool_gib) if pool else 0,
+                     admission="predict" if policy == ADMIT else "off")
+    slo = SloTarget()
+    out = res.summary(slo.ttft_ms, slo.tpot_ms)
+    out["wall_s"] = time.perf_counter() - t0
+    return (name, target, pool, policy), out
+
+
+def calibrate(name: str, target: float, args, start: float) -> tuple[float, float]:
+    """The speed-up whose measured load (the probe policy, no pool) is closest to the target:
+    multiplicative steps until the target is bracketed, then bisection on log speed-up."""
+    pts: list[tuple[float, float]] = []
+    s = start
+    for _ in range(args.probes):
+        load = replay((name, target, s, PROBE, False, args))[1]["load"]
+        pts.append((s, load))
+        if abs(load - target) <= args.load_tol:
+            break
+        below = [p for p in pts if p[1] < target]
+        above = [p for p in pts if p[1] > target]
+        if below and above:
+            lo = max(below, key=lambda p: p[0])[0]
+            hi = min(above, key=lambda p: p[0])[0]
+            s = math.sqrt(lo * hi)
+        else:
+            s = s * min(4.0, max(0.25, (target / max(load, 1e-3)) ** 1.5))
+    return min(pts, key=lambda p: abs(p[1] - target))
+
+
+def run(args) -> dict:
+    traces = [t.strip() for t in args.traces.split(",") if t.strip()]
+    loads = [float(x) for x in args.loads.split(",")]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    cal: dict = {}
+    for name in traces:
+        s = args.start_speedup
+        for target in loads:
+            s, measured = calibrate(name, target, args, s)
+            cal[(name, target)] = (s, measured)
+            kv, pool = sizes(name, args)
+            share = args.engines * kv / (working_set_blocks(_trace(name, args)) * BLOCK_BYTES / GiB)
+            print(f"{name} load {target}: speed-up {s:.3f} (measured {measured:.3f}); "
+                  f"KV {kv:.1f} GiB/engine ({share:.2f} of the working set), pool {pool:.0f} GiB", flush=True)
+    tasks = [(name, target, cal[(name, target)][0], policy, pool, args)
+             for name in traces for target in loads for pool in (False, True) for policy in policies]
+    results = {}
+    t0 = time.perf_counter()
+    if args.jobs > 1:
+        with multiprocessing.get_context("fork").Pool(args.jobs) as mp:
+            for i, (key, out) in enumerate(mp.imap_unordered(replay, tasks, chunksize=1), 1):
+                results[key] = out
+                if i % 8 == 0:
+                    print(f"  {i}/{len(tasks)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    else:
+        for task in tasks:
+            key, out = replay(task)
+            results[key] = out
+    rows = []
+    for (name, target, pool, policy), out in sorted(results.items(), key=lambda kv: (
+            traces.index(kv[0][0]), kv[0][1], kv[0][2], policies.index(kv[0][3]))):
+        rows.append({"trace": name, "target_load": target, "speedup": cal[(name, target)][0],
+                     "pool": pool, "policy": policy, **out})
+    kv = {name: sizes(name, args) for name in traces}
+    return {"rows": rows, "config": {
+        "traces": traces, "loads": loads, "policies": policies, "engines": args.engines,
+        "limit": args.limit, "seed": args.seed, "cache_share": args.cache_share,
+        "pool_share": args.pool_share, "pool_link": args.pool_link,
+        "kv_gib": {n: v[0] for n, v in kv.items()}, "pool_gib": {n: v[1] for n, v in kv.items()},
+        "slo": {"ttft_ms": SloTarget().ttft_ms, "tpot_ms": SloTarget().tpot_ms}}}
+
+
+def verdicts(doc: dict) -> list[str]:
+    """The issue's 'must hold' points, checked row group by row group."""
+    by: dict = {}
+    for r in doc["rows"]:
+        by.setdefault((r["trace"], r["target_load"], r["pool"]), {})[r["policy"]] = r
+    out = []
+    for (name, load, pool), g in by.items():
+        if OURS not in g:
+            continue
+        q = g[OURS]
+        peers = [g[p] for p in PEERS if p in g]
+        if not peers:
+            continue
+        p50 = min(p["ttft_p50_ms"] for p in peers)
+        p99 = min(p["ttft_p99_ms"] for p in peers)
+        good = max(p["goodput"] for p in peers)
+        checks = [("p50<=1.05xbest", q["ttft_p50_ms"] <= 1.05 * p50),
+                  ("goodput>=best-0.01", q["goodput"] >= good - 0.01),
+                  ("p99<=1.2xbest", q["ttft_p99_ms"] <= 1.2 * p99)]
+        if load >= 0.8 and "dynamo" in g:
+            checks.append(("goodput>=1.3xdynamo", q["goodput"] >= 1.3 * g["dynamo"]["goodput"]))
+            if ADMIT in g:
+                checks.append(("with admission: goodput>=1.3xdynamo",
+                               g[ADMIT]["goodput"] >= 1.3 * g["dynamo"]["goodput"]))
+        line = ", ".join(f"{n} {'ok' if ok else 'NO'}" for n, ok in checks)
+        out.append(f"{name} load {load} {'pool' if pool else 'no pool'}: {line} "
+                   f"(quillcache p50 {q['ttft_p50_ms']:.0f} / best peer {p50:.0f} ms, p99 "
+                   f"{q['ttft_p99_ms']:.0f} / {p99:.0f} ms, goodput {q['goodput']:.3f} / {good:.3f})")
+    for (name, load, pool), g in by.items():
+        if pool or abs(load - 0.6) > 0.05 or OURS not in g:
+            continue
+        with_pool = by.get((name, load, True), {})
+        if OURS not in with_pool:
+            continue
+        qp, qn = with_pool[OURS], g[OURS]
+        ratio = qp["ttft_p50_ms"] / qn["ttft_p50_ms"] if qn["ttft_p50_ms"] else float("nan")
+        beats = all(qp["ttft_p50_ms"] < with_pool[p]["ttft_p50_ms"] and qp["goodput"] >= with_pool[p]["goodput"]
+                    for p in PEERS if p in with_pool)
+        out.append(f"{name} load {load}: quillcache p50 with pool / without {ratio:.2f} "
+                   f"({'ok' if ratio <= 0.8 else 'NO'} <= 0.8); beats every peer with the pool "
+                   f"(lower p50, goodput >=): {'ok' if beats else 'NO'}")
+    return out
+
+
+def table(doc: dict) -> str:
+    lines = ["| trace | load (target) | speed-up | pool | policy | TTFT p50 ms | TTFT p99 ms | goodput "
+             "| hit rate | pool rate | load (measured) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lines.append(f"| {r['trace']} | {r['target_load']} | {r['speedup']:.2f} | {'yes' if r['pool'] else 'no'} "
+                     f"| {r['policy']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['goodput']:.3f} "
+                     f"| {r['hit_rate']:.3f} | {r['pool_rate']:.3f} | {r['load']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = doc["config"]
+    groups = [(t, p) for t in c["traces"] for p in (False, True)]
+    fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.2 * len(groups)), squeeze=False)
+    for row, (trace, pool) in enumerate(groups):
+        for col, (key, title, log) in enumerate((("ttft_p50_ms", "TTFT p50 (ms)", True),
+                                                 ("ttft_p99_ms", "TTFT p99 (ms)", True),
+                                                 ("goodput", "goodput", False))):
+            ax = axes[row][col]
+            for policy in c["policies"]:
+                pts = sorted((r["target_load"], r[key]) for r in doc["rows"]
+                             if r["trace"] == trace and r["pool"] == pool and r["policy"] == policy)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            linewidth=2.5 if policy == OURS else 1.2, label=policy)
+            if log:
+                ax.set_yscale("log")
+            ax.set_title(f"{trace}, {'pool' if pool else 'no pool'}: {title}", fontsize=9)
+            ax.set_xlabel("load (busy share)")
+    axes[0][2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--conversation", default="/work/shared/data/traces/mooncake_conversation_trace.jsonl")
+    ap.add_argument("--traces", default="conversation,rag,agent")
+    ap.add_argument("--limit", type=int, default=3000, help="requests per trace")
+    ap.add_argument("--loads", default="0.3,0.6,0.85")
+    ap.add_argument("--load-tol", type=float, default=0.03)
+    ap.add_argument("--probes", type=int, default=6, help="calibration replays per load at most")
+    ap.add_argument("--start-speedup", type=float, default=1.0)
+    ap.add_argument("--policies", default=",".join(POLICIES + (ADMIT,)),
+                    help=f"policies to replay; {ADMIT}: quillcache with admission = predict (k = 1)")
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--cache-share", type=float, default=0.15)
+    ap.add_argument("--pool-share", type=float, default=0.5)
+    ap.add_argument("--pool-link", choices=("host", "tcp"), default="host")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", default=None, help="write OUT.md, OUT.png and OUT.json")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    doc = run(args)
+    text = table(doc)
+    checks = verdicts(doc)
+    print(text)
+    print("\n".join(checks))
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    if args.out:
+        cmd = "python bench/router_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        Path(args.out + ".json").write_text(json.dumps(doc, indent=1) + "\n")
+        Path(args.out + ".md").write_text(f"`{cmd}`\n\n{text}\n\n" + "\n".join(f"- {c}" for c in checks) + "\n")
+        plot(doc, args.out + ".png")
+        print(f"wrote {args.out}.md, .png, .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The lazy structures of the persistent index's recovery (index/persistent.py): what lets
+a million recovered records serve in about a second of CPU.
+
+* ``LazySlots``: ArtIndex's slots, where a slot still only in the checkpoint (``COLD``) or
+  replayed from the WAL without building model objects (``RawGroup``) is decoded on first
+  access;
+* ``LazyBlockMap`` / ``LazyWorkerMap``: ArtIndex's side maps (block hash -> tenant -> keys,
+  worker -> keys), each name's entry computed on first use from the checkpoint's tables
+  (numpy) plus what the replay changed (``note`` / ``forget``).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from quillcache.index.art import add_block, forget_block
+from quillcache.index.checkpoint import TIERS
+from quillcache.model import CacheResidency, decode_key
+
+if TYPE_CHECKING:
+    from quillcache.index.checkpoint import Checkpoint
+
+__all__ = ["COLD", "RawGroup", "LazySlots", "LazyMap", "LazyBlockMap", "LazyWorkerMap", "block_hash_of"]
+
+COLD = object()     # a slot whose records are still only in the checkpoint buffer
+
+
+class RawGroup:
+    """A slot replayed from the WAL but not decoded yet: its encoded key and rows
+    (worker_id, tier code, bytes, last_access_ms, ref_count, pinned) in (worker, tier) order."""
+
+    __slots__ = ("ek", "rows")
+
+    def __init__(self, ek: bytes, rows: list) -> None:
+        self.ek = ek
+        self.rows = rows
+
+    def decode(self) -> list[CacheResidency]:
+        key = decode_key(self.ek)
+        return [CacheResidency(key, w, TIERS[t], b, last, ref, bool(pin))
+                for w, t, b, last, ref, pin in self.rows]
+
+
+class LazySlots(list):
+    """ArtIndex._slots whose checkpoint-loaded (COLD) and replayed (RawGroup) entries are
+    decoded on first access; ``lazy`` counts them and ``cold[g]`` says that slot g still
+    holds checkpoint group g as it was loaded (numpy: the start-up check reads the
+    checkpoint's record table for those)."""
+
+    def __init__(self, n: int, decode_cold) -> None:
+        super().__init__()
+        if n:
+            self.extend([COLD] * n)
+        self.lazy = n
+        self.cold = np.ones(n, dtype=bool)
+        self._decode_cold = decode_cold
+
+    def __getitem__(self, i):
+        v = list.__getitem__(self, i)
+        if v is COLD:
+            v = self._decode_cold(i)
+            self.cold[i] = False
+        elif type(v) is RawGroup:
+            v = v.decode()
+        else:
+            return v
+        list.__setitem__(self, i, v)
+        self.lazy -= 1
+        return v
+
+    def clear(self) -> None:
+        list.clear(self)
+        self.lazy = 0
+        self.cold = np.zeros(0, dtype=bool)
+
+
+def block_hash_of(ek: bytes) -> bytes:
+    """The block_hash field of an encoded key (model.encode_key layout)."""
+    pos = 1
+    for _ in range(3):                      # tenant, model, tokenizer
+        pos += 1 + ek[pos]
+    pos = pos + 1 if ek[pos] == 0 else pos + 2 + ek[pos + 1]    # adapter
+    pos += 1 + ek[pos] + 4                  # prefix_hash, block_index
+    return ek[pos + 1:pos + 1 + ek[pos]]
+
+
+class LazyMap(dict):
+    """A side map of ArtIndex (name -> set of encoded keys) whose entries are computed on
+    first get/setdefault of a name by ``_cold(name)``; after that the dict entry is exact
+    (every change to those keys reaches the entry through get/setdefault first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._warmed: set = set()
+
+    def _cold(self, name) -> Optional[set]:
+        raise NotImplementedError
+
+    def is_warm(self, name) -> bool:
+        """Whether ``name``'s entry was computed (then the dict entry is exact)."""
+        return name in self._warmed
+
+    def _warm(self, name) -> None:
+        if name in self._warmed:
+            return
+        self._warmed.add(name)
+        found = self._cold(name)
+        if found:
+            dict.setdefault(self, name, set()).update(found)
+
+    def get(self, key, default=None):
+        self._warm(key)
+        return dict.get(self, key, default)
+
+    def setdefault(self, key, default=None):
+        self._warm(key)
+        return dict.setdefault(self, key, default)
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self._warmed.clear()
+
+
+def _tenant_of(ek: bytes) -> str:
+    """The tenant_id field of an encoded key (the first field after the version byte)."""
+    return ek[2:2 + ek[1]].decode("utf-8")
+
+
+class LazyBlockMap(LazyMap):
+    """ArtIndex._by_block: block hash -> tenant -> encoded keys in the tree with that block
+    hash; cold entries come from the checkpoint's block-hash table (binary search) plus keys
+    the replay added (``note``), keeping those still in the tree."""
+
+    def _warm(self, name) -> None:
+        if name in self._warmed:
+            return
+        self._warmed.add(name)
+        found = self._cold(name)
+        for ek in sorted(found or ()):
+            add_block(self, name, _tenant_of(ek), ek)
+
+    def __init__(self, ck: "Optional[Checkpoint]", tree) -> None:
+        super().__init__()
+        self._ck = ck
+        self._tree = tree
+        self._taken = np.zeros(ck.n_blocks if ck is not None else 0, dtype=bool)
+        self._pending: dict[str, set] = {}
+
+    def _cold(self, block_hash) -> Optional[set]:
+        if not isinstance(block_hash, str):
+            return None
+        found = self._pending.pop(block_hash, set())
+        ck = self._ck
+        if ck is not None:
+            i = ck.find_block(block_hash.encode("utf-8"))
+            if i >= 0 and not self._taken[i]:
+                self._taken[i] = True
+                found.update(ck.ek(g) for g in ck.bh_groups[ck.bh_group_off[i]:ck.bh_group_off[i + 1]].tolist())
+        tree = self._tree
+        return {ek for ek in found if ek in tree}
+
+    def note(self, block_hash: str, ek: bytes) -> None:
+        if block_hash in self._warmed:
+            add_block(self, block_hash, _tenant_of(ek), ek)
+        else:
+            self._pending.setdefault(block_hash, set()).add(ek)
+
+    def forget(self, block_hash: str, ek: bytes) -> None:
+        if block_hash in self._warmed:          # else: filtered out when warmed
+            forget_block(self, block_hash, _tenant_of(ek), ek)
+
+    def warm_all(self) -> dict:
+        ck = self._ck
+        if ck is not None:
+            for i in np.flatnonzero(~self._taken).tolist():
+                self._warm(ck.block_hash(i))
+        for bh in list(self._pending):
+            self._warm(bh)
+        return dict(self)
+
+    def clear(self) -> None:
+        super().clear()
+        self._ck = None
+        self._pending.clear()
+        self._taken = np.zeros(0, dtype=bool)
+
+
+class LazyWorkerMap(LazyMap):
+    """ArtIndex._by_worker: worker id -> encoded keys where it has a record; cold entries
+    come from the checkpoint's records (grouped by worker with numpy on first use)."""
+
+    def __init__(self, ck: "Optional[Checkpoint]") -> None:
+        super().__init__()
+        self._ck = ck
+        self._index = {w: i for i, w in enumerate(ck.workers)} if ck is not None else {}
+        self._order = None
+        self._added: dict[str, set] = {}      # replay changes to entries not computed yet
+        self._removed: dict[str, set] = {}
+
+    def note(self, worker: str, ek: bytes) -> None:
+        """Replay: worker has a record under ek now (without computing the cold entry)."""
+        if worker in self._warmed:
+            dict.setdefault(self, worker, set()).add(ek)
+        else:
+            self._added.setdefault(worker, set()).add(ek)
+            self._removed.get(worker, set()).discard(ek)
+
+    def forget(self, worker: str, ek: bytes) -> None:
+        """Replay: worker has no record under ek any more."""
+        if worker in self._warmed:
+            keys = dict.get(self, worker)
+            if keys is not None:
+                keys.discard(ek)
+                if not keys:
+                    dict.__delitem__(self, worker)
+        else:
+            self._removed.setdefault(worker, set()).add(ek)
+            self._added.get(worker, set()).discard(ek)
+
+    def _cold(self, worker) -> Optional[set]:
+        found = self._added.pop(worker, set())
+        removed = self._removed.pop(worker, set())
+        ck = self._ck
+        i = self._index.get(worker) if ck is not None else None
+        if i is None:
+            return found
+        if self._order is None:
+            wcol = ck.records["worker"]
+            self._order = np.argsort(wcol, kind="stable")
+            self._bounds = np.searchsorted(wcol[self._order], np.arange(ck.n_workers + 1))
+            self._rec_group = np.repeat(np.arange(ck.n_groups, dtype=np.int64),
+                                        np.diff(ck.rec_off.astype(np.int64)))
+        recs = self._order[self._bounds[i]:self._bounds[i + 1]]
+        cold = set(ck.eks_obj[self._rec_group[recs]])
+        cold.difference_update(removed)
+        cold.update(found)
+        return cold
+
+    def warm_all(self) -> dict:
+        for w in list(self._index) + list(self._added):
+            self._warm(w)
+        return dict(self)
+
+    def clear(self) -> None:
+        super().clear()
+        self._ck = None
+        self._added.clear()
+        self._removed.clear()

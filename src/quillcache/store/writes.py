@@ -1,0 +1,218 @@
+"""The put path of LocalKvStore: two-phase puts into DRAM slots (reserve, write the view,
+``put_end`` publishes), all-or-nothing reserves of a batch, waiting (up to
+``put_timeout_s``) while demotions make room, durable puts (SSD before visible).
+
+A mixin of ``LocalKvStore`` (store/tiers.py), whose ``__init__`` makes the state it reads.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Optional
+
+from quillcache.errors import Busy, CapacityError, InvalidArgument
+from quillcache.model import KvBlockKey, encode_key
+from quillcache.store.dram import PendingPut
+from quillcache.store.values import Entry, PutHandle, Waiter
+
+__all__ = ["Writes"]
+
+
+class Writes:
+    """Puts: reserve, write, publish."""
+
+    def put_start(self, key: KvBlockKey, size: int, durable: bool = False) -> PutHandle:
+        """Reserve a DRAM slot now; write ``size`` bytes into ``handle.view``.
+
+        Never waits: where room needs a demotion first (an SSD write) it raises Busy; the
+        daemon and ``put`` use ``reserve`` (awaitable) and ``reserve_nowait`` instead."""
+        handles = self.reserve_nowait(((key, size),), durable)
+        if handles is None:
+            raise Busy(f"dram full: {size} bytes need a demotion to the SSD tier first "
+                       "(await reserve() to wait for it)")
+        return handles[0]
+
+    def reserve_nowait(self, items, durable: bool = False) -> Optional[list[PutHandle]]:
+        """Reserve DRAM slots for every ``(key, size)`` of ``items`` at once (all or nothing).
+
+        Evicts blocks that can go without I/O (clean copies; any block in a store without an
+        SSD tier).  Returns None when only demotions (SSD writes) can make the room, or when
+        earlier puts already wait for them: then ``await reserve(...)``.  CapacityError when
+        nothing could ever make the room; nothing changes then."""
+        self._check_open()
+        items = list(items)
+        if not items:
+            return []
+        for key, size in items:
+            self._check_key(key)
+            self._dram.check_size(size)
+        if durable and self._ssd is None:
+            raise InvalidArgument("durable put needs an SSD tier (this store is DRAM only)")
+        if len(self._handles) + len(items) > self.max_inflight_puts:
+            raise Busy(f"{len(self._handles)} puts in flight (max_inflight_puts={self.max_inflight_puts})")
+        if self._waiting:
+            return None                     # first come, first served: queue behind the waiters
+        return self._reserve_all(items, durable)
+
+    async def reserve(self, items, durable: bool = False) -> list[PutHandle]:
+        """``reserve_nowait``, waiting (up to ``put_timeout_s``) while demotions make room."""
+        handles = self.reserve_nowait(items, durable)
+        if handles is not None:
+            return handles
+        items = list(items)
+        waiter = Waiter(sum(size for _, size in items))
+        self._waiting.append(waiter)
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        deadline = loop.time() + self.put_timeout_s
+        self._counters["put_waits"] += 1
+        try:
+            while True:
+                waiter.fut = loop.create_future()
+                self._pressure()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await waiter.fut
+                except TimeoutError:
+                    self._counters["put_wait_timeouts"] += 1
+                    raise Busy(f"dram full: waited {self.put_timeout_s:g} s for demotions to the SSD "
+                               f"tier to make room for {waiter.size} bytes") from None
+                self._check_open()
+                handles = self._reserve_all(items, durable)
+                if handles is not None:
+                    return handles
+        finally:
+            self._waiting.remove(waiter)
+            self._put_wait_s += time.perf_counter() - t0
+            if self._waiting:
+                self._wake()                # the room this waiter did not take is for the next
+
+    def _reserve_all(self, items: list, durable: bool) -> Optional[list[PutHandle]]:
+        total = sum(size for _, size in items)
+        if total > self._dram.capacity:
+            raise CapacityError(total, *self._dram.report(),
+                                f"{total} bytes in one request: more than the dram capacity "
+                                f"({self._dram.capacity})")
+        placed: list[PendingPut] = []
+        try:
+            for key, size in items:
+                pending = self._place(key, size)
+                if pending is None:
+                    for p in placed:
+                        self._dram.put_abort(p)
+                    return None
+                placed.append(pending)
+        except BaseException:
+            for p in placed:
+                self._dram.put_abort(p)
+            raise
+        durable = durable or self.policy == "write_through"
+        handles = [PutHandle(p, durable) for p in placed]
+        for h in handles:
+            self._handles[h._pending.slot.seq] = h
+        return handles
+
+    def _place(self, key: KvBlockKey, size: int) -> Optional[PendingPut]:
+        """One slot now, evicting what can go without I/O; None when a demotion must come first."""
+        try:
+            return self._dram.put_start(key, size)
+        except CapacityError:
+            pass
+        now = self._clock()
+        free = self._dram.report()[0]
+        if self._evictable_bytes(now, size - free, no_io=True) + free >= size:
+            self._make_room(size, now)      # only when eviction can succeed: a doomed put evicts nothing
+            try:
+                return self._dram.put_start(key, size)
+            except CapacityError:
+                pass                        # fragmented: what is left needs demotions
+        if self._ssd is not None and (self._demoting or self._busy or self._evictable_bytes(now, 1, no_io=False)):
+            return None                     # demotions (or SSD writes in flight) will free it: wait
+        free, largest = self._dram.report()
+        raise CapacityError(size, free, largest,
+                            f"dram full: cannot place {size} bytes ({free} bytes free, largest "
+                            f"extent {largest}) and nothing is evictable (leased, pinned or "
+                            "in flight)")
+
+    async def put_end(self, handle: PutHandle) -> None:
+        """Publish the put.  Durable puts return after the SSD tier's durable publish."""
+        pending = handle._pending
+        if self._handles.get(pending.slot.seq) is not handle or not self._dram.is_pending(pending):
+            raise InvalidArgument("put handle is not in flight (already ended, aborted or reaped)")
+        key = handle.key
+        ssd_written = False
+        if handle.durable:
+            # Durable before visible: a reader that sees the block may rely on it surviving a restart.
+            pending.slot.started = math.inf         # committing: the reaper must not free the slot
+            self._busy.add(key)
+            try:
+                await self._ssd_write(key, pending.view)
+                ssd_written = True
+            except BaseException:
+                self._handles.pop(pending.slot.seq, None)
+                self._dram.put_abort(pending)
+                self._counters["puts_aborted"] += 1
+                raise
+            finally:
+                self._busy.discard(key)
+        del self._handles[pending.slot.seq]
+        self._dram.put_end(pending)
+        now = self._clock()
+        entry = self._entries.get(key)
+        ek = None
+        if entry is None and self._untouched:
+            ek = encode_key(key)
+            entry = self._warm(key, ek)
+        version = next(self._versions)
+        stale_ssd = False
+        if entry is None:
+            entry = Entry(key, handle.size, version, now, ek)
+            self._entries[key] = entry                 # recorded in the index below
+            self._tell_added(entry)
+        else:
+            stale_ssd = entry.ssd_version is not None and not ssd_written
+            entry.size = handle.size
+            entry.version = version
+            entry.last_access = now
+        self._dram_lru.insert(key)
+        self._counters["puts"] += 1
+        if ssd_written:
+            entry.ssd_version = version
+            self._ssd_lru.insert(key)
+            self._ssd_garbage.discard(key)
+        if self._waiting:
+            self._wake()                            # a replaced slot was freed, or a clean block came
+        if self._ssd is not None and self._dram.used > self.high_watermark * self._dram.capacity:
+            self._pressure()                        # demote ahead of the next puts
+        if stale_ssd:
+            # The SSD holds older bytes of the key: drop them so they are never served.
+            entry.ssd_version = None
+            self._ssd_lru.remove(key)
+            self._record(entry)
+            await self._ssd_remove_if_unowned(key)
+            return
+        self._record(entry)
+
+    def put_abort(self, handle: PutHandle) -> bool:
+        pending = handle._pending
+        if self._handles.pop(pending.slot.seq, None) is None:
+            return False
+        self._counters["puts_aborted"] += 1
+        freed = self._dram.put_abort(pending)
+        if self._waiting:
+            self._wake()
+        return freed
+
+    async def put(self, key: KvBlockKey, data, durable: bool = False) -> None:
+        """Convenience: start, copy ``data`` (any bytes-like object) into the slot, end."""
+        src = memoryview(data)
+        if src.ndim != 1 or src.itemsize != 1:
+            src = src.cast("B")
+        (handle,) = await self.reserve(((key, src.nbytes),), durable)
+        try:
+            handle.view[:] = src
+        except BaseException:
+            self.put_abort(handle)
+            raise
+        await self.put_end(handle)

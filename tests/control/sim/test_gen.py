@@ -1,0 +1,42 @@
+"""The generated traces are valid Mooncake records with the sharing each workload promises."""
+import json
+from collections import Counter
+
+import pytest
+
+from quillcache.control.sim.gen import GENERATORS, agent_trace, rag_trace
+from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS as B, parse_trace
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_generated_traces_parse_as_mooncake_records_and_repeat_by_seed(name):
+    gen = GENERATORS[name]
+    trace = gen(400, seed=3)
+    lines = [json.dumps({"timestamp": t.timestamp_ms, "input_length": t.input_length,
+                         "output_length": t.output_length, "hash_ids": list(t.hash_ids)}) for t in trace]
+    assert parse_trace(lines) == trace                    # block counts, time order, fields
+    assert gen(400, seed=3) == trace and gen(400, seed=4) != trace
+
+
+def test_rag_requests_share_a_few_long_documents_and_own_their_question():
+    trace = rag_trace(600, seed=1, documents=10)
+    starts = Counter(t.hash_ids[:3] for t in trace)
+    assert len(starts) <= 10 and max(starts.values()) > 600 / 10      # Zipf: a hot document
+    tails = Counter(t.hash_ids[-1] for t in trace)
+    assert max(tails.values()) == 1                                   # each question is its own
+
+
+def test_agent_turns_extend_their_session_context():
+    trace = agent_trace(500, seed=2, sessions=8)
+    by_prefix = {}
+    extended = 0
+    for t in trace:
+        full = t.hash_ids[:t.input_length // B]
+        for n in range(len(full), 0, -1):
+            if full[:n] in by_prefix:
+                extended += n > 6                                     # more than the shared system prompt
+                break
+        for n in range(1, len(full) + 1):
+            by_prefix[full[:n]] = True
+    assert extended > 0.8 * len(trace)
+    assert max(t.input_length for t in trace) <= 64_000 + B

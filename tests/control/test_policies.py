@@ -1,0 +1,303 @@
+"""The routing peers against hand-worked examples, the quillcache predictor term by term,
+hot-prefix spreading, pool awareness, admission, identity scoping over a replay, and the
+decision's work not growing with the index."""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from quillcache.control.indexer import DEVICE, POOL, ArtIndexer, chain_hashes
+from quillcache.control.model import TCP_BYTES_PER_S, CostModel, us_per_mib
+from quillcache.control.router import Router, RouterConfig
+from quillcache.control.sim.engine import EngineConfig, H200_LLAMA3_8B
+from quillcache.control.sim.replay import build_requests, run_policy
+from quillcache.control.sim.trace import TraceRequest, assign_tenants
+from quillcache.model import IdentityScope
+
+A = IdentityScope("m", "t", None, "acme")
+BS = 4
+KV = 131072                              # bytes per token: a block of 4 tokens is 0.5 MiB
+COST = CostModel()                       # 45 us per prefill token, 55 us per MiB from host
+
+
+def toks(n_blocks, salt=0):
+    return [salt] * BS + list(range(BS * (n_blocks - 1)))
+
+
+def router(policy, workers=("w0", "w1", "w2"), **kw):
+    return Router(RouterConfig(policy=policy, block_size=BS, seed=0, cost=COST, kv_bytes_per_token=KV,
+                               batch_tokens=8192, **kw), workers=list(workers))
+
+
+def set_load(r, name, prefill_tokens, prefill_requests, requests):
+    ld = r.load(name)
+    ld.active_prefill_tokens, ld.prefill_requests, ld.active_requests = prefill_tokens, prefill_requests, requests
+
+
+def three_way(policy):
+    """w0 holds 8 of the request's 10 blocks behind a long queue; w1 holds nothing behind a
+    short one; w2 holds 2 blocks with an empty queue but more queued tokens than w1.
+
+    sglang: loads 3, 2, 0 are balanced (spread 3 <= 64) and w0's match 0.8 > 0.3 -> w0.
+    llmd: queue scores 0, 1/3, 1 (waiting 3, 2, 0); prefix 0.8, 0, 0.2;
+          2q + 3p = 2.4, 0.67, 2.6 -> w2.
+    mooncake: TTFT (45 us/token): w0 4000 + 8 tokens; w1 100 + 8 tokens plus moving w0's 8
+          blocks over TCP (8 x 0.5 MiB x 233 us = 932 us < 8 x 4 x 45 = 1440 us recomputed)
+          = 5792 us; w2 500 + 8 tokens + 6 blocks moved -> w1, with the prefix from w0."""
+    r = router(policy)
+    h = chain_hashes(toks(10), BS)
+    r.indexer.add_blocks("w0", A, h[:8], DEVICE)
+    r.indexer.add_blocks("w2", A, h[:2], DEVICE)
+    set_load(r, "w0", 4000, 3, 3)
+    set_load(r, "w1", 100, 2, 2)
+    set_load(r, "w2", 500, 0, 0)
+    return r.route(A, hashes=h, request_tokens=40, track=False)
+
+
+def test_the_peers_choose_differently_on_one_hand_worked_example():
+    assert three_way("sglang").worker == "w0"
+    d = three_way("llmd")
+    assert d.worker == "w2"
+    assert -d.logits["w0"] == pytest.approx(2.4) and -d.logits["w2"] == pytest.approx(2.6)
+    assert -d.logits["w1"] == pytest.approx(2 / 3)
+    m = three_way("mooncake")
+    assert m.worker == "w1" and m.transfer_from == "w0" and m.transfer_blocks == 8
+    assert us_per_mib(TCP_BYTES_PER_S) == 233
+    assert m.predicted_ttft_us == pytest.approx(45 * 108 + 8 * 0.5 * 233)
+    assert m.plan_names() == ["pool"] * 8 + ["recompute"] * 2
+
+
+def test_sglang_takes_the_least_loaded_when_imbalanced_else_the_smallest_tree():
+    r = router("sglang")
+    h = chain_hashes(toks(10), BS)
+    r.indexer.add_blocks("w0", A, h, DEVICE)                  # a full match ...
+    set_load(r, "w0", 0, 0, 100)
+    set_load(r, "w1", 0, 0, 30)                               # 100 - 30 > 64 and 100 > 1.5 x 30
+    set_load(r, "w2", 0, 0, 31)
+    assert r.route(A, hashes=h, request_tokens=40, track=False).worker == "w1"
+    set_load(r, "w1", 0, 0, 40)                               # 100 - 40 = 60: balanced -> the match
+    set_load(r, "w2", 0, 0, 40)
+    assert r.route(A, hashes=h, request_tokens=40, track=False).worker == "w0"
+    # no match above 0.3: the smallest tree (w0 holds 10 blocks, w1 5, w2 2)
+    r.indexer.add_blocks("w1", A, chain_hashes(toks(5, salt=1), BS), DEVICE)
+    r.indexer.add_blocks("w2", A, chain_hashes(toks(2, salt=2), BS), DEVICE)
+    other = chain_hashes(toks(10, salt=9), BS)
+    assert r.route(A, hashes=other, request_tokens=40, track=False).worker == "w2"
+
+
+def test_llmd_queue_scorer_is_neutral_when_all_queues_are_equal():
+    r = router("llmd")
+    h = chain_hashes(toks(10), BS)
+    r.indexer.add_blocks("w1", A, h[:5], DEVICE)
+    for w in ("w0", "w1", "w2"):
+        set_load(r, w, 0, 4, 4)
+    d = r.route(A, hashes=h, request_tokens=40, track=False)
+    assert d.worker == "w1" and -d.logits["w1"] == pytest.approx(2 + 3 * 0.5)
+    assert -d.logits["w0"] == pytest.approx(2.0)
+
+
+def test_quillcache_prediction_term_by_term():
+    """One worker: 1000 tokens queued, 2 decodes running (another 2 elsewhere), the request
+    12 blocks = 48 tokens, 4 on the device, 2 more in the pool.
+      work     = 1000 + 48 - 6 x 4 = 1024 tokens, x 45 us          = 46080
+      decodes  = ceil(1024 / (8192 - 2)) = 1 iteration x (80 + 2 x 1500) = 3080
+      pool     = 2 blocks x 0.5 MiB x 55 us                         = 55
+      imposed  = 24 own tokens x 45 us x (2 / 4 of the decodes)     = 540"""
+    r = router("quillcache", workers=("w0", "w1"))
+    h = chain_hashes(toks(12), BS)
+    r.indexer.add_blocks("w0", A, h[:4], DEVICE)
+    r.indexer.add_blocks("node", A, h[:6], POOL)
+    set_load(r, "w0", 1000, 1, 3)
+    set_load(r, "w1", 10**6, 1, 3)
+    d = r.route(A, hashes=h, request_tokens=48, track=False)
+    assert d.worker == "w0" and d.overlap == (4, 0, 0, 2)
+    assert d.predicted_ttft_us == pytest.approx(46080 + 3080 + 55)
+    # the score adds the imposed slowdown and the wait it adds for the queue behind (mean 1)
+    assert d.logits["w0"] == pytest.approx(46080 + 3080 + 55 + 540 + 24 * 45 * 1.0)
+
+
+def test_pool_over_a_link_slower_than_recompute_is_not_credited():
+    slow = us_per_mib(4.5e6)                                  # 4.5 MB/s: far slower than computing
+    r = router("quillcache", workers=("w0",), pool_us_per_mb=slow)
+    h = chain_hashes(toks(6), BS)
+    r.indexer.add_blocks("node", A, h, POOL)
+    d = r.route(A, hashes=h, request_tokens=24, track=False)
+    assert d.overlap[3] == 0 and d.plan_names() == ["recompute"] * 6
+
+
+def test_pool_lets_the_idle_worker_take_the_hot_prefix():
+    r = router("quillcache", workers=("w0", "w1"))
+    h = chain_hashes(toks(16), BS)
+    r.indexer.add_blocks("w0", A, h, DEVICE)
+    set_load(r, "w0", 30, 1, 1)                 # w0: (30 + 4) x 45 us = 1530 us
+    d = r.route(A, hashes=h, request_tokens=64, track=False)
+    assert d.worker == "w0"                     # w1 would recompute 64 tokens: 2880 us
+    r.indexer.add_blocks("node", A, h, POOL)    # with the pool, w1: 4 x 45 + 15 x 0.5 MiB x 55 = 592 us
+    d = r.route(A, hashes=h, request_tokens=64, track=False)
+    assert d.worker == "w1" and d.plan_names() == ["pool"] * 15 + ["recompute"]
+
+
+def test_a_hot_prefix_spreads_when_the_holder_queue_exceeds_recomputing_it():
+    r = router("quillcache", workers=("w0", "w1"))
+    h = chain_hashes(toks(16), BS)
+    r.indexer.add_blocks("w0", A, h, DEVICE)
+    set_load(r, "w0", 30, 1, 1)                 # 30 tokens queued < 60 to recompute: stay
+    assert r.route(A, hashes=h, request_tokens=64, track=False).worker == "w0"
+    set_load(r, "w0", 200, 1, 1)                # 200 queued > 60: the prefix spreads to w1
+    d = r.route(A, hashes=h, request_tokens=64, request_id="spread")
+    assert d.worker == "w1" and d.plan_names() == ["recompute"] * 16
+    r.first_token("spread")
+    r.indexer.add_blocks("w1", A, h, DEVICE)    # w1's events: it now holds the prefix too
+    m = r.find_matches(A, h)
+    assert m.as_dict()["w0"][0] == 16 and m.as_dict()["w1"][0] == 16
+    set_load(r, "w0", 0, 0, 0)
+    set_load(r, "w1", 0, 0, 0)
+    chosen = [r.route(A, hashes=h, request_tokens=64, request_id=f"q{i}").worker for i in range(6)]
+    assert set(chosen) == {"w0", "w1"}          # later requests use both holders
+
+
+def test_admission_refuses_what_is_predicted_to_miss_k_times_the_slo():
+    h = chain_hashes(toks(4), BS)
+    for admission, admitted in (("off", True), ("predict", False)):
+        r = router("quillcache", workers=("w0",), admission=admission, admission_k=2.0, slo_ttft_ms=100)
+        set_load(r, "w0", 5000, 5, 5)           # 5000 x 45 us = 225 ms > 2 x 100 ms
+        d = r.route(A, hashes=h, request_tokens=16, request_id="x")
+        assert d.admitted is admitted and d.predicted_ttft_us > 200_000
+        assert r.load("w0").active_requests == (6 if admitted else 5)
+    r = router("quillcache", workers=("w0",), admission="predict", admission_k=3.0, slo_ttft_ms=100)
+    set_load(r, "w0", 5000, 5, 5)               # 225 ms < 3 x 100 ms: admitted
+    assert r.route(A, hashes=h, request_tokens=16, track=False).admitted
+    with pytest.raises(ValueError, match="admission"):
+        RouterConfig(admission="maybe")
+
+
+def _trace(n, seed=1):
+    """Conversations over a shared system prompt: each turn extends its conversation."""
+    rng = np.random.default_rng(seed)
+    out, convs, nid = [], [], 1000
+    for i in range(n):
+        if not convs or rng.random() < 0.3:
+            convs.append([0, 1])
+        c = convs[int(rng.integers(len(convs)))]
+        c.extend(range(nid, nid + 2))
+        nid += 2
+        out.append(TraceRequest(i, i * 50.0, 512 * len(c), 64, tuple(c)))
+    return out
+
+
+def _engine(capacity_blocks=64):
+    return EngineConfig(block_size=512, capacity_blocks=capacity_blocks, max_num_seqs=64,
+                        max_batched_tokens=8192, cost=H200_LLAMA3_8B)
+
+
+def test_four_tenants_quillcache_credits_no_cross_identity_block():
+    reqs = build_requests(assign_tenants(_trace(300), 4, seed=5), speedup=1.0)
+    assert len({r.scope for r in reqs}) == 4
+    blind = run_policy(reqs, "dynamo", 4, _engine(512))
+    ours = run_policy(reqs, "quillcache", 4, _engine(512))
+    assert blind.cross_identity_credited_blocks > 0          # the shared prompt, other tenants'
+    assert ours.cross_identity_credited_blocks == 0
+    assert ours.cross_identity_served_blocks == 0
+
+
+def test_replay_with_a_pool_loads_prefixes_for_every_policy_and_tells_the_router():
+    reqs = build_requests(_trace(200), speedup=1.0)
+    for policy in ("round_robin", "quillcache"):
+        res = run_policy(reqs, policy, 4, _engine(24), pool_blocks=4096)
+        assert res.pool_tokens > 0, policy
+    none = run_policy(reqs, "quillcache", 4, _engine(24))
+    assert none.pool_tokens == 0
+    pooled = run_policy(reqs, "quillcache", 4, _engine(24), pool_blocks=4096)
+    assert pooled.hit_tokens + pooled.pool_tokens > none.hit_tokens
+
+
+def test_a_decision_looks_up_only_the_request_blocks_whatever_the_index_holds():
+    """The decision's work is per request block and per worker: the keys it asks the tree for
+    do not grow with the blocks indexed (10k or 160k here; the bench runs 1M)."""
+    class Counting:
+        def __init__(self, tree):
+            self.tree, self.keys = tree, 0
+
+        def get_many(self, keys, default):
+            self.keys += len(keys)
+            return self.tree.get_many(keys, default)
+
+    looked = []
+    for total in (10_000, 160_000):
+        idx = ArtIndexer()
+        r = Router(RouterConfig(policy="quillcache", block_size=BS, seed=0), idx,
+                   [f"w{i}" for i in range(64)])
+        per = total // 64
+        for w in range(64):
+            idx.add_blocks(f"w{w}", A, list(range(w * per, (w + 1) * per)), DEVICE)
+        assert len(idx) == 64 * per
+        idx._tree = Counting(idx._tree)
+        q = list(range(5 * per, 5 * per + 128))               # 128 blocks held by w5
+        d = r.route(A, hashes=q, request_tokens=128 * BS, track=False)
+        assert d.worker == "w5"
+        looked.append(idx._tree.keys)
+    assert looked[0] == looked[1] == 128
+    assert math.isfinite(r.latency_percentile(50))
+
+
+def test_planned_loads_count_as_queued_work_on_the_chosen_worker():
+    """15 pool blocks x 0.5 MiB x 55 us = 412.5 us of loading = 9 tokens of prefill at 45 us:
+    the worker's queue is its 4 own tokens plus those 9, not 4 (a worker busy loading is busy)."""
+    r = router("quillcache", workers=("w0",))
+    h = chain_hashes(toks(16), BS)
+    r.indexer.add_blocks("node", A, h, POOL)
+    d = r.route(A, hashes=h, request_tokens=64, request_id="a")
+    assert d.overlap == (0, 0, 0, 15)
+    assert r.load("w0").active_prefill_tokens == 4 + 9
+    r.first_token("a")
+    assert r.load("w0").active_prefill_tokens == 0
+
+
+def brute_prediction(r, scope, hashes, n_tokens):
+    """The predictor's formula worker by worker, from the indexer's per-tier match and the
+    loads, in plain Python (the oracle for the vectorised policy)."""
+    cfg, cost = r.config, r.config.cost
+    mib = BS * KV / (1 << 20)
+    m = r.indexer.find_matches(scope, hashes).as_dict()
+    loads = {w: r.load(w) for w in r.workers}
+    all_decodes = sum(ld.active_requests - ld.prefill_requests for ld in loads.values())
+    mean_queue = sum(ld.prefill_requests for ld in loads.values()) / len(loads)
+    limit = (n_tokens - 1) // BS
+    out = {}
+    for w, ld in loads.items():
+        dev, host, disk, pool, _ = m[w]
+        pool_us = cost.cpu_dram_us_per_mb * mib
+        pool = min(pool, max(limit - dev - host - disk, 0)) if pool_us < BS * cost.prefill_us_per_token else 0
+        reuse = min(dev + host + disk + pool, limit)
+        own = n_tokens - reuse * BS
+        work = ld.active_prefill_tokens + own
+        decodes = ld.active_requests - ld.prefill_requests
+        per_iter = cost.decode_us_per_token + cost.running_decode_penalty_us * decodes if decodes else 0
+        iters = math.ceil(work / max(cfg.batch_tokens - decodes, 1))
+        ttft = (cost.prefill_us_per_token * work + iters * per_iter
+                + mib * (host * cost.cpu_dram_us_per_mb + disk * cost.local_ssd_us_per_mb) + pool * pool_us)
+        imposed = cost.prefill_us_per_token * own * (decodes / all_decodes if all_decodes else 0)
+        out[w] = ttft + imposed + cost.prefill_us_per_token * own * mean_queue
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(0, 3), st.integers(0, 6),
+                          st.integers(1, 8)), max_size=20),
+       st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 4), st.integers(0, 6)), min_size=3, max_size=3),
+       st.integers(1, 10), st.integers(0, 3))
+def test_quillcache_scores_match_a_brute_force_predictor(places, loads, qlen, extra_tokens):
+    r = router("quillcache")
+    chain = chain_hashes(toks(10), BS)
+    other = IdentityScope("m", "t", None, "globex")
+    for w, s, tier, start, n in places:
+        worker = "node" if w == 3 else f"w{w}"
+        r.indexer.add_blocks(worker, (A, other)[s], chain[start:start + n], POOL if w == 3 else min(tier, 2))
+    for name, (tokens_q, pre, extra) in zip(("w0", "w1", "w2"), loads):
+        set_load(r, name, tokens_q, pre, pre + extra)
+    n_tokens = qlen * BS + extra_tokens
+    d = r.route(A, hashes=chain[:qlen], request_tokens=n_tokens, track=False)
+    assert d.logits == pytest.approx(brute_prediction(r, A, chain[:qlen], n_tokens))
+    assert d.logits[d.worker] == min(d.logits.values())
+    assert d.cross_identity_credited_blocks == 0
