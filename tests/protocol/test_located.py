@@ -24,6 +24,13 @@ def test_located_reply_is_lease_expiry_count_then_packed_18_byte_items():
     assert located.decode_located_reply(located.encode_located_reply(0, 0, []), LIMITS).items.size == 0
 
 
+def test_all_hits_reply_filled_by_columns_is_the_same_bytes_as_by_items():
+    offsets, lengths = [4096, 1 << 40, 0, (1 << 64) - 1], [1000, 7, 1, 0]
+    assert located.encode_located_hits(5, 77, offsets, lengths) == \
+        located.encode_located_reply(5, 77, [(0, o, n) for o, n in zip(offsets, lengths)])
+    assert located.encode_located_hits(0, 0, [], []) == located.encode_located_reply(0, 0, [])
+
+
 def test_bodies_that_break_the_format_or_a_limit_are_refused():
     with pytest.raises(InvalidArgument):
         located.decode_located_reply(located.encode_located_reply(1, 2, [(0, 0, 1)])[:-1], LIMITS)

@@ -108,14 +108,37 @@ class LocatedViews(list):
 
     @classmethod
     def of_arena(cls, arena_view: memoryview, extents) -> "LocatedViews":
-        """Read-only views into the mapped arena at the leased extents."""
-        out = cls(None if e is None else arena_view[e[0]:e[0] + e[1]].toreadonly() for e in extents)
+        """Read-only views into the mapped arena at the leased extents: slices of one
+        read-only view of the arena, one memoryview per block and nothing else."""
+        ro = arena_view if arena_view.readonly else arena_view.toreadonly()
+        out = cls([None if e is None else ro[e[0]:e[0] + e[1]] for e in extents])
         out.extents = extents
         return out
 
     def release_views(self) -> None:
         """Invalidate every view: one used after its lease ends raises ValueError."""
         _release(v for v in self if v is not None)
+
+
+def _extents(items: np.ndarray, size: int):
+    """(offset, length) per LOCATED_ITEM, None for a miss; checked for the batch at once
+    (every extent inside the arena, every status 0 or a miss) before any is used."""
+    st = items["status"]
+    offs = items["offset"]
+    lens = items["length"]
+    hit = st == 0
+    if not hit.all():
+        bad = ~hit & (st != _MISS_STATUSES[0]) & (st != _MISS_STATUSES[1])
+        if bad.any():
+            raise _status_error(int(st[bad.argmax()]), "get_located item")
+    out_of = hit & ((offs > size) | (lens > size - offs))     # no u64 wrap: offs <= size where checked
+    if out_of.any():
+        i = int(out_of.argmax())
+        raise ProtocolError(f"GET_LOCATED: extent {int(offs[i])}+{int(lens[i])} outside the {size}-byte arena")
+    pairs = zip(offs.tolist(), lens.tolist())
+    if hit.all():
+        return pairs
+    return (p if h else None for p, h in zip(pairs, hit.tolist()))
 
 
 def check_lease(expires_ns: int, what: str) -> None:
@@ -149,16 +172,7 @@ def located_flow(c, keys: Sequence):
             if rep.lease_id:
                 ids.append(rep.lease_id)
                 expires = min(expires, rep.expires_ns)
-            size = c.arena.size
-            for st, off, n in rep.items.tolist():
-                if st == 0:
-                    if off + n > size:
-                        raise ProtocolError(f"GET_LOCATED: extent {off}+{n} outside the {size}-byte arena")
-                    extents.append((off, n))
-                elif st in _MISS_STATUSES:
-                    extents.append(None)
-                else:
-                    raise _status_error(st, "get_located item")
+            extents.extend(_extents(rep.items, c.arena.size))
     except BaseException:
         if ids:
             yield from release_flow(c, ids)

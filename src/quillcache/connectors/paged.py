@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from quillcache.connectors.core import ConnectorCore, blocks_per_request
+from quillcache.connectors.kvquant import make_codec
 from quillcache.model import KvBlockKey
 
 __all__ = ["Transfer", "PagedKVWorker", "STAGING_BYTES"]
@@ -77,9 +78,12 @@ def _torch():
 class PagedKVWorker:
     """Moves whole blocks between per-layer paged caches and the pool, through one core."""
 
-    def __init__(self, core: ConnectorCore, *, staging_bytes: int = STAGING_BYTES) -> None:
+    def __init__(self, core: ConnectorCore, *, staging_bytes: int = STAGING_BYTES,
+                 kv_dtype: Optional[str] = None) -> None:
         self.core = core
         self.staging_bytes = int(staging_bytes)
+        self.kv_dtype = kv_dtype            # what the pool stores (kvquant.py); None: the caches' dtype
+        self.codec = None                   # set by register_kv_caches
         self._names: list[str] = []
         self._index: dict[str, int] = {}
         self._caches: list = []
@@ -110,6 +114,7 @@ class PagedKVWorker:
         self._names = list(caches)
         self._index = {n: i for i, n in enumerate(self._names)}
         self._caches = tensors
+        self.codec = make_codec(self.kv_dtype, first.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -127,6 +132,11 @@ class PagedKVWorker:
     def block_nbytes(self) -> int:
         c = self._caches[0]
         return len(self._caches) * 2 * c[0, 0].numel() * c.element_size()
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of one stored value: the block, or its quantized form (kvquant.py)."""
+        return self.codec.stored_nbytes(self.block_shape, self._caches[0].element_size())
 
     def _copier_for(self, client):
         from quillcache.client.gpu import ArenaCopier
@@ -153,26 +163,27 @@ class PagedKVWorker:
         self.core.count("loads")
         copier = self._copier_for(client)
         stream = copier.stream
-        per = max(1, self.staging_bytes // self.block_nbytes)
+        codec, stored = self.codec, self.stored_nbytes
+        per = max(1, self.staging_bytes // stored)
         events: Optional[list] = [None] * self.num_layers if stream is not None else None
         n = 0
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                staging = torch.empty((min(per, len(t.keys)), *self.block_shape), dtype=self._caches[0].dtype,
-                                      device=self.device)
+                staging = codec.staging(min(per, len(t.keys)), self.block_shape, self.device)
                 for a in range(0, len(t.keys), per):
                     keys = t.keys[a:a + per]
                     got = copier.load(keys, list(staging[:len(keys)]))
                     lead = 0
-                    while lead < len(got) and got[lead] == self.block_nbytes:
+                    while lead < len(got) and got[lead] == stored:
                         lead += 1
                     if lead:
                         ids = torch.tensor(t.block_ids[a:a + lead], dtype=torch.long, device=self.device)
+                        blocks = codec.decode(staging[:lead], self.block_shape)    # FP8: dequantized here
                         with load.lock:
                             if load.cancelled:
                                 break
                             for layer, cache in enumerate(self._caches):
-                                cache[:, ids] = staging[:lead, layer].transpose(0, 1)
+                                cache[:, ids] = blocks[:, layer].transpose(0, 1)
                                 if events is not None:
                                     events[layer] = torch.cuda.Event()
                                     events[layer].record(stream)
@@ -246,6 +257,7 @@ class PagedKVWorker:
             buf = torch.empty((len(ids), *self.block_shape), dtype=self._caches[0].dtype, device=self.device)
             for layer, cache in enumerate(self._caches):
                 buf[:, layer] = cache.index_select(1, ids).transpose(0, 1)
+            buf = self.codec.encode(buf)         # FP8: quantized on the engine's stream
             ready = None
             if buf.is_cuda:
                 ready = torch.cuda.Event()
@@ -260,7 +272,7 @@ class PagedKVWorker:
             ready.synchronize()              # the gather on the engine's stream is done
         copier = self._copier_for(client)
         rows = list(buf)
-        step = blocks_per_request(self.block_nbytes)
+        step = blocks_per_request(self.stored_nbytes)
         for a in range(0, len(rows), step):
             copier.save(t.keys[a:a + step], rows[a:a + step])
         self.core.count("saved_blocks", len(rows))

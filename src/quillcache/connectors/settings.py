@@ -63,6 +63,15 @@ def _flag(v: Any) -> bool:
     raise ValueError("not a boolean (true or false)")
 
 
+def _kv_dtype(v: Any) -> str:
+    from quillcache.connectors.kvquant import KV_DTYPES
+    if v is None or v == "":
+        return "auto"
+    if v not in KV_DTYPES:
+        raise ValueError(f"not one of {', '.join(KV_DTYPES)}")
+    return v
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -84,6 +93,8 @@ COMMON = (
 )
 VLLM = COMMON + (
     Setting("dtype", _opt_string, None, "the KV dtype in the scope (default: the cache's)"),
+    Setting("kv_dtype", _kv_dtype, "auto", "what the pool stores: auto (the cache's dtype) or fp8_e4m3 "
+            "(a float32 scale per block, layer and K/V; named in the scope instead of dtype)"),
     Setting("block_size", _count, 0, "tokens per block (default: the engine's)"),
     Setting("num_layers", _count, 0, "layers in the scope (default: the model's)"),
     Setting("layout", _string, "vllm-2nbhd", "the layout name in the scope"),

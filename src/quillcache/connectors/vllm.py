@@ -140,6 +140,11 @@ class QuillCacheConnector(KVConnectorBase_V1):
         dtype = extra["dtype"] or (cc and cc.cache_dtype != "auto" and cc.cache_dtype) or \
             (mc and str(mc.dtype).replace("torch.", "")) or "auto"
         self.dtype = str(dtype)
+        # what the pool stores (kvquant.py): "auto" (the cache dtype) or "fp8_e4m3"; the stored
+        # dtype is what the keys' scope names, so an FP8 value is never served to a bf16 reader
+        self.kv_dtype = extra["kv_dtype"]
+        if self.kv_dtype != "auto":
+            self.dtype = self.kv_dtype
         self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         self.pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
         # the scheduler builds every key in rank 0's scope; each worker moves its own shard under
@@ -155,7 +160,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self._saving: set[str] = set()
         self._events: Optional[QuillCacheKVEvents] = None
         # worker side
-        self.worker = PagedKVWorker(self.core)
+        self.worker = PagedKVWorker(self.core, kv_dtype=self.kv_dtype)
 
     # ------------------------------------------------------------------ identity
 

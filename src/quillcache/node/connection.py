@@ -357,6 +357,13 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
         self._own(key.tenant_id)
         return key
 
+    def _keys_of(self, raws: list) -> list[KvBlockKey]:
+        """``_key`` of each of a batch's keys: the tenant check once per tenant named."""
+        keys = self._keys.decode_many(raws)
+        for tenant_id in {k.tenant_id for k in keys}:
+            self._own(tenant_id)
+        return keys
+
     def _own(self, tenant_id: str) -> None:
         # Decided on the key alone, before the store is consulted: the refusal cannot tell
         # whether the other tenant has the block.

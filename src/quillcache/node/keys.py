@@ -85,3 +85,20 @@ class KeyCache:
             if len(m) > self.capacity:
                 m.popitem(last=False)
         return key
+
+    def decode_many(self, raws: list) -> list[KvBlockKey]:
+        """``decode`` of each of ``raws`` (a batch request's keys), the hits inline."""
+        m = self._map
+        get, move = m.get, m.move_to_end
+        out = []
+        hits = 0
+        for raw in raws:
+            key = get(raw)
+            if key is None:
+                key = self.decode(raw)
+            else:
+                move(raw)
+                hits += 1
+            out.append(key)
+        self.hits += hits
+        return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import array
 import itertools
 import logging
+import math
 import os
 import socket
 import time
@@ -24,6 +25,8 @@ from quillcache._native.codec import encode_frame_header
 from quillcache.errors import Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse
 from quillcache.protocol import located, messages
 from quillcache.protocol.opcodes import FLAG_DURABLE, FLAG_REPLY, Opcode
+from quillcache.store.batchlease import BatchLease
+from quillcache.store.dram import Slot
 from quillcache.store.leases import release_leases
 
 __all__ = ["LocatedMixin", "NS"]
@@ -42,14 +45,14 @@ class LocatedMixin:
     _ids = itertools.count(1)    # lease and reserve ids, unique per node process
 
     def _located_init(self) -> None:
-        self._located: dict[int, list] = {}       # lease id -> store leases
+        self._located: dict[int, list] = {}       # lease id -> store leases (a BatchLease first)
         self._reserves: dict[int, list] = {}      # reserve id -> put handles
 
     def _located_close(self) -> None:
         """The connection is gone: release its leases, abort its reserves."""
         leases, self._located = self._located, {}
-        for batch in leases.values():
-            for lease in batch:
+        for held in leases.values():
+            for lease in held:
                 lease.release()
         reserves, self._reserves = self._reserves, {}
         for handles in reserves.values():
@@ -58,7 +61,8 @@ class LocatedMixin:
 
     @property
     def located_leases(self) -> int:
-        return sum(len(b) for b in self._located.values())
+        """Blocks held by this connection's located leases."""
+        return sum(len(x) if type(x) is BatchLease else 1 for held in self._located.values() for x in held)
 
     @property
     def located_reserves(self) -> int:
@@ -109,26 +113,18 @@ class LocatedMixin:
 
     def _get_located(self, frame) -> None:
         self._need_mapped()
-        keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_LOCATED")]
-        store = self.store
-        got: list = []             # per key: a Lease, a miss status, or None (read the SSD first)
-        try:
-            for key in keys:
-                try:
-                    got.append(store.located_nowait(key))
-                except _MISS as exc:
-                    got.append(exc.status)
-        except BaseException:
-            release_leases(got)
-            raise
+        keys = self._keys_of(messages.decode_keys_request(frame.header, self.limits, "GET_LOCATED"))
+        # per key: a held Slot, a miss status, or None (read the SSD first); one lease for the batch
+        batch, got = self.store.located_batch(keys)
         if None in got or (NotFound.status in got and self.node.cluster is not None and not self.peer_node):
-            self._spawn(self._located_later(frame.request_id, keys, got))
+            self._spawn(self._located_later(frame.request_id, keys, batch, got))
         else:
-            self._reply_located(frame.request_id, got)
+            self._reply_located(frame.request_id, batch, got)
 
-    async def _located_later(self, rid: int, keys: list, got: list) -> None:
+    async def _located_later(self, rid: int, keys: list, batch, got: list) -> None:
         """SSD-only blocks are read (and promoted into the arena) off the event loop first;
-        then, in a pool, the local misses are fetched from other nodes into the arena."""
+        then, in a pool, the local misses are fetched from other nodes into the arena.
+        Those come as leases of their own, held beside the batch's."""
         try:
             for i, lease in enumerate(got):
                 if lease is None:
@@ -144,32 +140,49 @@ class LocatedMixin:
                     if lease is not None:
                         got[i] = lease
         except Exception as exc:
-            release_leases(got)
+            _let_go(batch, got)
             self._err(rid, Opcode.GET_LOCATED, exc)
             return
+        except BaseException:
+            _let_go(batch, got)
+            raise
         if self.closed or self.failed is not None:
-            release_leases(got)                  # the connection went meanwhile: nobody to hold them
+            _let_go(batch, got)                  # the connection went meanwhile: nobody to hold them
             return
-        self._reply_located(rid, got)
+        self._reply_located(rid, batch, got)
 
-    def _reply_located(self, rid: int, got: list) -> None:
-        held, items = [], []
-        expires = 0.0
-        for lease in got:
-            if isinstance(lease, int):
-                items.append((lease, 0, 0))
-            elif lease.offset is None:         # served from an SSD buffer (no room): not in the arena
-                lease.release()
+    def _reply_located(self, rid: int, batch, got: list) -> None:
+        if batch is not None and len(batch) == len(got):          # every key found, all under the batch
+            lease_id = next(self._ids)
+            self._located[lease_id] = [batch]
+            body = located.encode_located_hits(lease_id, int(batch.expires_at * NS), [s.offset for s in got],
+                                               [s.size for s in got])
+            self._ok(rid, Opcode.GET_LOCATED, body)
+            return
+        held = []
+        items = []
+        expires = math.inf
+        if batch is not None:
+            held.append(batch)
+            expires = batch.expires_at
+        for g in got:
+            if type(g) is int:
+                items.append((g, 0, 0))
+            elif type(g) is Slot:              # held by the batch's lease
+                items.append((0, g.offset, g.size))
+            elif g.offset is None:             # served from an SSD buffer (no room): not in the arena
+                g.release()
                 items.append((NotFound.status, 0, 0))
             else:
-                held.append(lease)
-                expires = lease.expires_at
-                items.append((0, lease.offset, lease.size))
+                held.append(g)
+                expires = min(expires, g.expires_at)
+                items.append((0, g.offset, g.size))
         lease_id = 0
         if held:
             lease_id = next(self._ids)
             self._located[lease_id] = held
-        self._ok(rid, Opcode.GET_LOCATED, located.encode_located_reply(lease_id, int(expires * NS), items))
+        body = located.encode_located_reply(lease_id, int(expires * NS) if held else 0, items)
+        self._ok(rid, Opcode.GET_LOCATED, body)
 
     def _release(self, frame) -> None:
         ids = located.decode_release_request(frame.header, self.limits)
@@ -187,8 +200,8 @@ class LocatedMixin:
     def _reserve(self, frame) -> None:
         self._need_mapped()
         durable = bool(frame.flags & FLAG_DURABLE)
-        items = [(self._key(i.key), i.nbytes)
-                 for i in messages.decode_put_many_request(frame.header, None, self.limits)]
+        reqs = messages.decode_put_many_request(frame.header, None, self.limits)
+        items = list(zip(self._keys_of([i.key for i in reqs]), [i.nbytes for i in reqs]))
         handles = self.store.reserve_nowait(items, durable)        # all or nothing
         if handles is None:              # room needs demotions (SSD writes): wait for them
             self._spawn(self._reserve_waiting(frame.request_id, items, durable))
@@ -240,6 +253,13 @@ class LocatedMixin:
         for h in self._reserves.pop(reserve_id, ()):
             self.store.put_abort(h)
         self._ok(frame.request_id, Opcode.ABORT)
+
+
+def _let_go(batch, got: list) -> None:
+    """The reply will not be sent: release the batch's lease and any lease of its own in ``got``."""
+    if batch is not None:
+        batch.release()
+    release_leases(got)
 
 
 LOCATED_HANDLERS = {

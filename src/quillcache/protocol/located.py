@@ -20,7 +20,7 @@ from quillcache.errors import InvalidArgument
 from quillcache.protocol.opcodes import ProtocolLimits
 
 __all__ = ["MapReply", "LocatedReply", "ReserveReply", "encode_map_reply", "decode_map_reply",
-           "encode_located_reply", "decode_located_reply", "encode_release_request",
+           "encode_located_reply", "encode_located_hits", "decode_located_reply", "encode_release_request",
            "decode_release_request", "encode_release_count", "decode_release_count",
            "encode_reserve_reply", "decode_reserve_reply", "encode_id", "decode_id", "LOCATED_ITEM",
            "MAP_REPLY_BYTES"]
@@ -77,6 +77,15 @@ def _items(n: int) -> struct.Struct:
 def encode_located_reply(lease_id: int, expires_ns: int, items: Sequence[tuple[int, int, int]]) -> bytes:
     flat = [x for item in items for x in item]
     return _LEASE.pack(lease_id, expires_ns, len(items)) + _items(len(items)).pack(*flat)
+
+
+def encode_located_hits(lease_id: int, expires_ns: int, offsets: Sequence[int], lengths: Sequence[int]) -> bytes:
+    """``encode_located_reply`` of a batch where every key was found (status 0 each), filled
+    column by column: no tuple per item."""
+    items = np.zeros(len(offsets), LOCATED_ITEM)
+    items["offset"] = offsets
+    items["length"] = lengths
+    return _LEASE.pack(lease_id, expires_ns, len(offsets)) + items.tobytes()
 
 
 def decode_located_reply(body, limits: ProtocolLimits) -> LocatedReply:

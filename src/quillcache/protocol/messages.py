@@ -17,7 +17,9 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple, Sequence
 
-from quillcache._native.codec import decode_key_body, decode_put_body, encode_key_body, encode_put_body
+from quillcache._native.codec import (
+    decode_key_body, decode_key_field, decode_key_list, decode_put_body, encode_key_body, encode_put_body,
+)
 from quillcache.protocol.body import DEFAULT_LIMITS, U16, U32, U64, BodyReader, BytesLike, write_text16
 # ROUTE's bodies live in protocol.route; they are named here too, beside every other body.
 from quillcache.protocol.route import (
@@ -231,10 +233,17 @@ def decode_put_many_request(body: BytesLike, payload_length: int | None = None,
                             limits: ProtocolLimits = DEFAULT_LIMITS) -> list[PutItem]:
     r = BodyReader(body, "PUT_MANY")
     n = r.count(limits, 8 + 3)
+    buf, pos, end, max_key = r.buf, r.pos, len(r.buf), limits.max_key_bytes
+    unpack = U64.unpack_from
     items = []
-    for _ in range(n):
-        nbytes = r.u64("nbytes")
-        items.append(PutItem(r.key(limits), nbytes))
+    for _ in range(n):                  # _Reader's u64 and key, inline (a RESERVE of 256 keys)
+        if end - pos < 8:
+            r.pos = pos
+            r.u64("nbytes")             # raises: body truncated
+        nbytes = unpack(buf, pos)[0]
+        key, pos = decode_key_field(buf, pos + 8, max_key, "PUT_MANY")
+        items.append(PutItem(key, nbytes))
+    r.pos = pos
     r.end()
     _check_payload(sum(i.nbytes for i in items), payload_length, "PUT_MANY")
     return items
@@ -245,18 +254,19 @@ def encode_status_list(statuses: Sequence[int], limits: ProtocolLimits = DEFAULT
     out = bytearray()
     _count(out, len(statuses), limits, "status list")
     for s in statuses:
-        if not isinstance(s, int) or not 0 <= s <= 0xFFFF:
-            raise InvalidArgument(f"status list: status {s!r} is not a u16")
-        out += U16.pack(s)
+        if type(s) is not int or not 0 <= s <= 0xFFFF:
+            if not isinstance(s, int) or not 0 <= s <= 0xFFFF:
+                raise InvalidArgument(f"status list: status {s!r} is not a u16")
+    out += struct.pack(f"<{len(statuses)}H", *statuses)
     return bytes(out)
 
 
 def decode_status_list(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS) -> list[int]:
     r = BodyReader(body, "status list")
     n = r.count(limits, 2)
-    out = [r.u16("status") for _ in range(n)]
+    raw = r.take(2 * n, "status")
     r.end()
-    return out
+    return list(struct.unpack(f"<{n}H", raw))
 
 
 # --------------------------------------------------------------------------- key-list requests
@@ -275,10 +285,7 @@ def encode_keys_request(keys: Sequence[BytesLike], limits: ProtocolLimits = DEFA
 
 def decode_keys_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS,
                         what: str = "request") -> list[bytes]:
-    r = BodyReader(body, what)
-    keys = r.keys(limits)
-    r.end()
-    return keys
+    return decode_key_list(body, 0, limits.max_batch, limits.max_key_bytes, what)
 
 
 def encode_get_many_reply(items: Sequence[tuple[int, int]], limits: ProtocolLimits = DEFAULT_LIMITS) -> bytes:

@@ -47,6 +47,7 @@ from typing import Callable, Optional
 from quillcache.errors import InvalidArgument
 from quillcache.index.art import ArtIndex
 from quillcache.model import KvBlockKey
+from quillcache.store.batchlease import BatchLeases
 from quillcache.store.demotion import Demotion
 from quillcache.store.dram import DramTier
 from quillcache.store.eviction import Eviction
@@ -64,7 +65,7 @@ __all__ = ["LocalKvStore", "StoreOptions", "Lease", "PutHandle"]
 log = logging.getLogger("quillcache.store")
 
 
-class LocalKvStore(Residency, Eviction, Demotion, Writes, Reads, Pins):
+class LocalKvStore(Residency, Eviction, Demotion, Writes, Reads, Pins, BatchLeases):
     """DRAM arena + optional SSD tier + identity guard + leases, pins and eviction."""
 
     def __init__(self, options: StoreOptions, *, ssd=None, index: Optional[ArtIndex] = None,

@@ -1,0 +1,114 @@
+"""One lease per located batch (docs/shm.md): GET_LOCATED holds every DRAM slot of its
+batch under a single ``BatchLease`` instead of a ``Lease`` per block.
+
+The rules are those of a ``Lease``: each held slot stays in place (eviction skips it, a
+replacement goes elsewhere, a remove frees it when the lease ends); the lease ends on
+``release()``, on expiry (``maintenance`` walks ``_leases`` and finds it there like any
+other lease) and when the store closes.  The identity guard still runs on every key.
+What changes is the cost: one object, one id and one entry in ``_leases`` per batch,
+and per key only the lookups and a reference count.
+
+``BatchLeases`` is mixed into ``LocalKvStore``; it uses the store's own state
+(``_entries``, ``_dram``, ``_leases``) as the store's other get paths do.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from quillcache.errors import Busy, InvalidArgument, NotFound, UnsafeReuse
+from quillcache.model import KvBlockKey
+
+__all__ = ["BatchLease", "BatchLeases"]
+
+_MISS = (NotFound, UnsafeReuse)
+
+
+class BatchLease:
+    """The hold of one located batch on its DRAM slots; ``len()`` is how many."""
+
+    __slots__ = ("slots", "expires_at", "_store", "_id")
+
+    def __init__(self, store, slots: list, expires_at: float, lease_id: int) -> None:
+        self._store = store
+        self.slots = slots               # dram.Slot, each with one reference taken
+        self.expires_at = expires_at
+        self._id = lease_id
+
+    @property
+    def released(self) -> bool:
+        return self._store is None
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def release(self) -> None:
+        """Let go of every slot, once; releasing again does nothing."""
+        store, self._store = self._store, None
+        if store is not None:
+            store.release_batch(self)
+
+    def __enter__(self) -> "BatchLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class BatchLeases:
+    """``located_batch``: the located lookups of a whole batch under one lease."""
+
+    def located_batch(self, keys: Sequence[KvBlockKey]) -> tuple[Optional[BatchLease], list]:
+        """Per key, in order: the held ``Slot`` (read ``offset`` and ``size``), a miss
+        status (NotFound, UnsafeReuse: the guard's verdict for that key), or None when the
+        block is only on SSD (``await get_async`` promotes it).  The slots are held by the
+        returned lease (None when no key hit); release it once the client is done."""
+        self._check_open()
+        if len(self._leases) >= self.max_leases:
+            raise Busy(f"{len(self._leases)} leases alive (max_leases={self.max_leases})")
+        now = self._clock()
+        locate = self._locate
+        published = self._dram.lookup
+        touch = self._dram_lru.touch
+        slots: list = []
+        got: list = []
+        try:
+            for key in keys:
+                if type(key) is not KvBlockKey:
+                    raise InvalidArgument(f"key {key!r}: must be a KvBlockKey")
+                try:
+                    entry = locate(key)
+                except _MISS as exc:
+                    got.append(exc.status)
+                    continue
+                served = entry.key
+                slot = published(served)
+                if slot is None:
+                    got.append(None)
+                    continue
+                entry.last_access = now
+                touch(served)
+                slot.refs += 1           # dram.hold: the slot stays in place while held
+                slots.append(slot)
+                got.append(slot)
+        except BaseException:
+            for slot in slots:
+                self._dram.release(slot)
+            raise
+        if not slots:
+            return None, got
+        self._stats["dram"]["hits"] += len(slots)
+        lease = BatchLease(self, slots, now + self.lease_s, next(self._lease_ids))
+        self._leases[lease._id] = lease
+        return lease, got
+
+    def release_batch(self, lease: BatchLease) -> None:
+        """End ``lease`` (what ``BatchLease.release`` calls): its slots are let go, once."""
+        if self._leases.pop(lease._id, None) is not lease:
+            return                       # ended already (released, expired or closed)
+        dram = self._dram
+        if dram.closed:
+            return
+        for slot in lease.slots:
+            dram.release(slot)
+        if self._waiting:
+            self._wake()                 # a block may be evictable (or its slot freed) now
