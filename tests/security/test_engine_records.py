@@ -77,8 +77,11 @@ def _put(etcd, engine_id: str, value: bytes) -> None:
 
 
 def _get(etcd, engine_id: str) -> bytes:
+    """The record's bytes, or b"" while there is none (etcd's range answer then has no "kvs":
+    the registrant may not have written it yet)."""
     res = _etcd_call(etcd, "/kv/range", {"key": _b64(f"/quillcache/{CID}/engines/{engine_id}".encode())})
-    return base64.b64decode(res["kvs"][0]["value"])
+    kvs = res.get("kvs") or []
+    return base64.b64decode(kvs[0]["value"]) if kvs else b""
 
 
 def _wait(pred, timeout: float, what: str) -> None:
