@@ -162,33 +162,6 @@ class Gateway:
         if self._session is not None:
             await self._session.close()
 
-    # ------------------------------------------------------------------ lifecycle
-
-    async def _startup(self, app) -> None:
-        g = self.cfg.gateway
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, family=socket.AF_INET)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                              timeout=aiohttp.ClientTimeout(total=None,
-                                                                            connect=g.connect_timeout))
-        self._started = True
-        for state in self.engines.values():
-            if state.spec.kv_events:
-                self.router.start_events(state.spec, on_batch=state.on_events)
-        self._tasks.append(asyncio.create_task(self.router.run_sweeper()))
-        if self.discovery is not None:
-            await self.discovery.start()
-
-    async def _cleanup(self, app) -> None:
-        if self.discovery is not None:
-            await self.discovery.stop()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
-        await self.router.close()
-        if self._session is not None:
-            await self._session.close()
-
     def reload(self, new) -> tuple[list[str], list[str]]:
         """Take the reloadable settings of ``new`` (a validated config); returns (applied,
         kept: changed settings that need a restart).  Requests read the config at each use,
