@@ -61,7 +61,8 @@ def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
             if sel.select(1.0):
                 out += os.read(demo.stdout.fileno(), 65536)
         gw = 8088 + offset
-        commands = readme_block("The gateway: `make gateway`").replace("8088", str(gw)).strip().split("\n")
+        commands = (readme_block("The gateway: `make gateway`").replace("8089", str(gw + 1))   # admin_listen
+                    .replace("8088", str(gw)).strip().split("\n"))
         curl = " ".join(line.rstrip("\\").strip() for line in commands if not line.startswith(".venv"))
         assert curl.startswith("curl ")
         r = subprocess.run(["bash", "-c", curl], capture_output=True, timeout=60, cwd=ROOT)
@@ -71,8 +72,10 @@ def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
         for h in ("x-quillcache-worker: sim-", "x-quillcache-overlap-blocks: device=", "x-quillcache-plan: hit="):
             assert h in head.lower(), head
         assert body.count("data: {") == 8 and body.rstrip().endswith("data: [DONE]")
-        admin = f"127.0.0.1:{gw + 1}"                        # [gateway] admin_listen, 8089 + offset
-        r = subprocess.run([str(Path(sys.executable).with_name("quillctl")), "gateway", "--addr", admin],
+        # the README's own quillctl line, at [gateway] admin_listen (8089 + offset)
+        ctl = next(line.split("#")[0].split() for line in commands if line.startswith(".venv/bin/quillctl gateway"))
+        assert f"127.0.0.1:{gw + 1}" in ctl
+        r = subprocess.run([str(Path(sys.executable).with_name("quillctl")), *ctl[1:]],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert {line.split()[0] for line in r.stdout.splitlines()[1:]} == {"sim-0", "sim-1"}
