@@ -111,8 +111,11 @@ setup(
     # Every package under src/ (quillcache, its subpackages, quillcache_cli): found, not listed,
     # so a new package cannot be left out of the wheel.
     package_dir={"": "src"},
-    packages=find_packages(where="src"),
-    package_data={"quillcache._native": ["*.pyx", "*.pxd", "*.pxi", "includes/*.pxd", "includes/*.h"]},
+    # _native/includes holds only .pxd/.h declarations: named as a package of data, so setuptools
+    # neither drops it nor warns that an importable folder is missing from `packages`.
+    packages=[*find_packages(where="src"), "quillcache._native.includes"],
+    package_data={"quillcache._native": ["*.pyx", "*.pxd", "*.pxi"],
+                  "quillcache._native.includes": ["*.pxd", "*.h"]},
     ext_modules=extensions(),
     zip_safe=False,
 )
