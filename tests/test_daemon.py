@@ -331,3 +331,24 @@ def test_kill_9_under_write_through_load_loses_no_acknowledged_put(tmp_path):
                     assert data == content(i, size), f"acknowledged durable put {i} lost or wrong"
     finally:
         d.stop()
+
+
+def test_the_unix_socket_listens_before_the_tcp_port_opens(tmp_path):
+    # A client that finds the TCP port open (a probe, quillctl, the harness) must find the Unix
+    # socket too: it was bound and listening first. Started three times to catch the ordering.
+    for _ in range(3):
+        d = Daemon(tmp_path).start(wait=False)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                assert d.proc.poll() is None, d.log()
+                try:
+                    socket.create_connection(("127.0.0.1", d.port), timeout=0.2).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, d.log()
+                    time.sleep(0.005)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as u:
+                u.connect(str(d.data_dir / "quillcached.sock"))
+        finally:
+            d.stop()

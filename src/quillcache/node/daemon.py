@@ -150,11 +150,13 @@ class Node:
         self.server.wal_backend = wal_backend
         loop = asyncio.get_running_loop()
         host, port = cfg.node.listen
+        # The Unix socket listens before the TCP port: a client that finds the port open (a probe,
+        # a test harness, quillctl right after start) finds the Unix socket there too.
+        await self._listen_unix(data_dir)
         self._listener = await loop.create_server(self.server.protocol_factory, host, port,
                                                   reuse_address=True, backlog=LISTEN_BACKLOG)
         self.address = self._listener.sockets[0].getsockname()[:2]
         self.server.listen = format_hostport(self.address)
-        await self._listen_unix(data_dir)
         if self.metrics is not None:    # before the pool: NIXL's UCX binds ephemeral ports of its own
             self.metrics_address = self.metrics.serve(*cfg.metrics.listen)
             self.metrics.update_store(self._snapshot())
