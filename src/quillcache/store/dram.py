@@ -214,6 +214,7 @@ class DramTier:
             pass                        # the writer kept a derived view; its problem, documented
         old = self._published.get(slot.key)
         slot.state = PUBLISHED
+        slot.started = 0.0              # read only while pending (the reaper): no float kept per block
         self._published[slot.key] = slot
         self.published_bytes += slot.size
         if old is not None:
