@@ -6,8 +6,9 @@ An ``OrderedDict`` keeps a linked-list node per key besides its table: ~105 B of
 resident block's memory where the plain dict's entry costs ~45 B.  The holes that deletes
 leave are dropped when the table next grows, so a walk stays proportional to the keys.
 
-The policy knows nothing about leases, pins or in-flight writes; the tier manager filters those out while it walks (see
-docs/tiering.md for why LRU and what the trace replay says about it).
+The policy knows nothing about leases, pins or in-flight writes; the tier manager filters
+those out while it walks (see docs/tiering.md for why LRU and what the trace replay says
+about it).
 
 The same class drives the byte store (store/tiers.py) and the trace simulation
 (bench/trace_hit_rate.py), so the hit rates in the docs are those of this code.
