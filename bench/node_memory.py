@@ -8,7 +8,10 @@ bytes (``put_many``/pipelined SETs of ``--batch``).  QuillCache's node is DRAM o
 the peers in bench/vs_peers.py); its memory is RssAnon (the Python heap: the key objects,
 the residency index, the eviction order, the per-block records) plus RssShmem (the arena's
 touched pages: the values and the allocator's rounding to its unit).  Redis's is RSS (and
-INFO's used_memory, its own count).  Per block beyond its bytes = (growth - N * size) / N.
+INFO's used_memory, its own count); its keys are loaded with redis-py pipelines, or where
+redis-py is not installed with ``redis-cli --pipe`` (the memory does not depend on the
+client that sent them; the sets/s then are redis-cli's, not comparable with redis-py's).
+Per block beyond its bytes = (growth - N * size) / N.
 Target: <= 512 B at 1 M blocks.  Also prints what the node's INFO says about its store.
 """
 import argparse
@@ -105,32 +108,83 @@ def quillcache(args, workdir):
         proc.wait(30)
 
 
+def _redis_key(i):
+    return "llama-3-8b:tok-a:acme:p%07d:b%09d" % (i // 100, i)
+
+
+def _redis_cli(port, *cmd):
+    out = subprocess.run([shutil.which("redis-cli"), "-p", str(port), *cmd], check=True, capture_output=True)
+    return out.stdout.decode()
+
+
+def _used_memory(port):
+    for line in _redis_cli(port, "info", "memory").splitlines():
+        if line.startswith("used_memory:"):
+            return int(line.split(":")[1])
+    raise RuntimeError("redis INFO memory has no used_memory")
+
+
+def _load_pipe(args, port):
+    """The same SETs without redis-py: RESP commands streamed to ``redis-cli --pipe`` (Redis's
+    mass-insertion tool).  Memory does not depend on the client that sent the keys."""
+    proc = subprocess.Popen([shutil.which("redis-cli"), "-p", str(port), "--pipe"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    head = b"*3\r\n$3\r\nSET\r\n"
+    chunk = []
+    for i, v in enumerate(_values(args.blocks, args.size)):
+        k = _redis_key(i).encode()
+        chunk.append(b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (head, len(k), k, len(v), v))
+        if len(chunk) == args.batch:
+            proc.stdin.write(b"".join(chunk))
+            chunk = []
+    proc.stdin.write(b"".join(chunk))
+    proc.stdin.close()
+    out = proc.stdout.read().decode(errors="replace")
+    if proc.wait() != 0 or "errors: 0" not in out:
+        raise RuntimeError(f"redis-cli --pipe failed: {out.strip()}")
+
+
 def redis(args, workdir):
-    import redis as redis_py
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed")
+    try:
+        import redis as redis_py
+    except ImportError:
+        redis_py = None
+        if shutil.which("redis-cli") is None:
+            raise RuntimeError("neither redis-py nor redis-cli is installed") from None
     port = _free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         if not _wait_port(port, proc):
             raise RuntimeError("redis-server did not start")
-        r = redis_py.Redis(port=port)
-        r.set("warm", b"w" * args.size)
-        before, used0 = _status(proc.pid), r.info("memory")["used_memory"]
-        t0 = time.perf_counter()
-        p = r.pipeline(transaction=False)
-        for i, v in enumerate(_values(args.blocks, args.size)):
-            p.set("llama-3-8b:tok-a:acme:p%07d:b%09d" % (i // 100, i), v)
-            if (i + 1) % args.batch == 0:
-                p.execute()
-        p.execute()
-        dt = time.perf_counter() - t0
-        after, used1 = _status(proc.pid), r.info("memory")["used_memory"]
-        r.close()
+        if redis_py is None:
+            _redis_cli(port, "set", "warm", "w" * args.size)
+            before, used0 = _status(proc.pid), _used_memory(port)
+            t0 = time.perf_counter()
+            _load_pipe(args, port)
+            dt = time.perf_counter() - t0
+            after, used1 = _status(proc.pid), _used_memory(port)
+            loader = "redis-cli --pipe"
+        else:
+            r = redis_py.Redis(port=port)
+            r.set("warm", b"w" * args.size)
+            before, used0 = _status(proc.pid), r.info("memory")["used_memory"]
+            t0 = time.perf_counter()
+            p = r.pipeline(transaction=False)
+            for i, v in enumerate(_values(args.blocks, args.size)):
+                p.set(_redis_key(i), v)
+                if (i + 1) % args.batch == 0:
+                    p.execute()
+            p.execute()
+            dt = time.perf_counter() - t0
+            after, used1 = _status(proc.pid), r.info("memory")["used_memory"]
+            r.close()
+            loader = "redis-py pipelines"
         rss = after["VmRSS"] - before["VmRSS"]
-        return {"puts_s": args.blocks / dt, "total": rss, "used_memory": used1 - used0}
+        return {"puts_s": args.blocks / dt, "total": rss, "used_memory": used1 - used0, "loader": loader}
     finally:
         proc.terminate()
         proc.wait(30)
@@ -154,7 +208,7 @@ def main(argv=None):
         print("  node INFO Store: " + ", ".join(f"{k}:{v}" for k, v in q["info"].items()), flush=True)
         if args.redis:
             r = redis(args, workdir)
-            print(f"redis:      {n} keys of {size} B, {r['puts_s']:.0f} sets/s; RSS growth {r['total'] / 2**20:.0f} MiB, "
+            print(f"redis:      {n} keys of {size} B ({r['loader']}), {r['puts_s']:.0f} sets/s; RSS growth {r['total'] / 2**20:.0f} MiB, "
                   f"beyond the bytes {(r['total'] - n * size) / n:.0f} B per key (used_memory: "
                   f"{(r['used_memory'] - n * size) / n:.0f} B per key)", flush=True)
             print(f"ratio (quillcache / redis, bytes beyond the value per block): "

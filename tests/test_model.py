@@ -122,3 +122,13 @@ def test_a_key_pickled_in_one_process_is_found_by_its_equal_in_another():
                              env=dict(os.environ, PYTHONHASHSEED=seed), check=True)
         assert out.stdout.strip() == b"7"
     assert hash(pickle.loads(pickle.dumps(k))) == hash(k) and {k: 1}[KvBlockKey("m", "tok", None, "t", "p", "b", 3, 16)]
+
+
+def test_decode_shares_the_scope_strings():
+    # a node holding a million keys of one scope keeps one copy of its strings
+    k = KvBlockKey("model-" + "x" * 20, "tok-" + "y" * 20, "lora-" + "z" * 20, "tenant-" + "w" * 20,
+                   "prefix-" + "v" * 20, "block-" + "u" * 20, 3)
+    a, b = decode_key(encode_key(k)), decode_key(encode_key(k))
+    assert a == b == k
+    assert a.model_id is b.model_id and a.tokenizer_id is b.tokenizer_id
+    assert a.adapter_id is b.adapter_id and a.tenant_id is b.tenant_id

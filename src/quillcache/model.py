@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from sys import intern as _intern
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
@@ -198,14 +199,19 @@ def decode_key(data: bytes | bytearray | memoryview) -> KvBlockKey:
     version = take(1, "version")[0]
     if version != KEY_FORMAT_VERSION:
         raise KeyError_(f"encoded key version {version}: this build reads version {KEY_FORMAT_VERSION}")
-    tenant = take_str("tenant_id")
-    model = take_str("model_id")
-    tokenizer = take_str("tokenizer_id")
+    # The scope's strings are shared by nearly every key a node holds: interned, a million
+    # resident keys hold one copy of each, not a million (~170 B a key).  sys.intern's
+    # strings are mortal: a scope no key names any more leaves the table.  The hashes are
+    # per block (vLLM's prefix_hash is the parent's hash): interning them would add a
+    # table entry per key and share nothing.
+    tenant = _intern(take_str("tenant_id"))
+    model = _intern(take_str("model_id"))
+    tokenizer = _intern(take_str("tokenizer_id"))
     flag = take(1, "adapter flag")[0]
     if flag == 0:
         adapter = None
     elif flag == 1:
-        adapter = take_str("adapter_id")
+        adapter = _intern(take_str("adapter_id"))
     else:
         raise KeyError_(f"encoded key: adapter flag {flag} (must be 0 or 1)")
     prefix = take_str("prefix_hash")

@@ -50,6 +50,31 @@ def test_block_keys_looks_only_at_the_tenant_asked():
     assert index.block_keys("b1", "b", "me") == [] and sorted(index.block_tenants("b1", "me")) == ["a"]
 
 
+ops_st = st.lists(st.tuples(st.booleans(), st.sampled_from(["a", "b", "c"]), st.sampled_from(["h0", "h1"]),
+                            st.integers(0, 3)), max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops_st)
+def test_block_hash_lookups_match_a_dict_through_the_one_key_form(ops):
+    # adds and removes of keys sharing block hashes across tenants, against a set of keys:
+    # the map moves between its one-key form (the key's bytes) and its per-tenant form
+    index, held = ArtIndex(), set()
+    for add, tenant, block, i in ops:
+        k = key(i, tenant=tenant, block=block)
+        index.set_holder(k, encode_key(k), "me", (DRAM,) if add else (), 1)
+        (held.add if add else held.discard)(k)
+    for block in ("h0", "h1"):
+        want = {t: sorted(k.block_index for k in held if k.block_hash == block and k.tenant_id == t)
+                for t in ("a", "b", "c")}
+        for t in ("a", "b", "c"):
+            assert sorted(k.block_index for k in index.block_keys(block, t, "me")) == want[t]
+        assert sorted(index.block_tenants(block, "me")) == sorted(t for t in want if want[t])
+        form = index._by_block.get(block)
+        n = sum(len(v) for v in want.values())
+        assert (form is None) == (n == 0) and (type(form) is bytes) == (n == 1), (form, want)
+
+
 keys_st = st.lists(st.tuples(st.sampled_from(["p0", "p1", "p2"]), st.integers(0, 50),
                              st.sampled_from(["me", "node-b"])), max_size=60)
 

@@ -8,7 +8,8 @@ puts scope then prefix hash first, ``prefix_scan`` is one ordered range walk of 
 
 Side maps keep the other operations proportional to what they touch:
 ``_by_worker[worker_id]`` = encoded keys where that worker has a record (clear_worker),
-``_by_block[block_hash][tenant_id]`` = encoded keys with that block hash, per tenant (a tuple)
+``_by_block[block_hash]`` = the encoded key with that block hash, or per tenant a tuple of them
+(``add_block``; read through ``block_eks``)
 (remove_block, and the identity guard: a lookup for one tenant never iterates another's).
 
 The store (store/tiers.py) keeps its residency here: ``set_holder`` replaces one worker's
@@ -33,21 +34,35 @@ from quillcache.model import (
     encode_scope_prefix,
 )
 
-__all__ = ["ArtIndex", "add_block", "forget_block"]
+__all__ = ["ArtIndex", "add_block", "forget_block", "block_eks", "block_tenants", "tenant_of"]
 
 
 def _order(r: CacheResidency) -> tuple[str, str]:
     return (r.worker_id, r.tier.value)
 
 
+def tenant_of(ek: bytes) -> str:
+    """The tenant_id field of an encoded key (the first field after the version byte)."""
+    return ek[2:2 + ek[1]].decode("utf-8")
+
+
 def add_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
-    """ek has this block hash in this tenant.  A tenant's keys are a tuple (usually of one):
-    tuples of bytes and the dicts holding only them leave the garbage collector's lists, so
-    a million resident blocks do not make every full collection walk two million objects."""
-    tenants = by_block.get(block_hash)
-    if tenants is None:
-        by_block[block_hash] = {tenant_id: (ek,)}
+    """ek has this block hash in this tenant.  The usual block hash has one key: its value
+    is that key's bytes (the tenant is the key's first field), no container at all (a dict
+    and a tuple per block were ~230 B of a resident block's memory).  A block hash with
+    several keys holds ``{tenant_id: (ek, ...)}``.  Bytes, tuples of bytes and the dicts
+    holding only them stay off the garbage collector's lists."""
+    held = by_block.get(block_hash)
+    if held is None:
+        by_block[block_hash] = ek
         return
+    if type(held) is bytes:
+        if held == ek:
+            return
+        tenants = {tenant_of(held): (held,)}
+        by_block[block_hash] = tenants
+    else:
+        tenants = held
     keys = tenants.get(tenant_id)
     if keys is None:
         tenants[tenant_id] = (ek,)
@@ -57,18 +72,45 @@ def add_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> Non
 
 def forget_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
     """ek no longer has this block hash in this tenant (``add_block`` undone)."""
-    tenants = by_block.get(block_hash)
-    if tenants is None:
+    held = by_block.get(block_hash)
+    if held is None:
         return
-    keys = tenants.get(tenant_id)
+    if type(held) is bytes:
+        if held == ek:
+            del by_block[block_hash]
+        return
+    keys = held.get(tenant_id)
     if keys is not None and ek in keys:
         keys = tuple(k for k in keys if k != ek)
         if keys:
-            tenants[tenant_id] = keys
+            held[tenant_id] = keys
         else:
-            del tenants[tenant_id]
-    if not tenants:
+            del held[tenant_id]
+    if not held:
         del by_block[block_hash]
+    elif len(held) == 1:
+        (only,) = held.values()
+        if len(only) == 1:
+            by_block[block_hash] = only[0]         # back to the one-key form
+
+
+def block_eks(by_block: dict, block_hash: str, tenant_id: str) -> tuple:
+    """The encoded keys of one tenant with this block hash (``add_block``'s record); the
+    keys of another tenant are never iterated (a lone key's tenant field is compared)."""
+    held = by_block.get(block_hash)
+    if held is None:
+        return ()
+    if type(held) is bytes:
+        return (held,) if tenant_of(held) == tenant_id else ()
+    return held.get(tenant_id, ())
+
+
+def block_tenants(by_block: dict, block_hash: str) -> list:
+    """The tenants holding a key with this block hash."""
+    held = by_block.get(block_hash)
+    if held is None:
+        return []
+    return [tenant_of(held)] if type(held) is bytes else list(held)
 
 
 class ArtIndex:
@@ -82,7 +124,7 @@ class ArtIndex:
         self._slots: list[Optional[list[CacheResidency]]] = []
         self._free_slots: list[int] = []
         self._by_worker: dict[str, set[bytes]] = {}
-        self._by_block: dict[str, dict[str, tuple[bytes, ...]]] = {}
+        self._by_block: dict[str, bytes | dict[str, tuple[bytes, ...]]] = {}   # add_block
         self._records = 0
         self._resident_bytes = 0
         self._puts = 0
@@ -200,7 +242,7 @@ class ArtIndex:
         return [r for _, slot in self._tree.scan_prefix(prefix) for r in slots[slot]]
 
     def remove_block(self, scope: IdentityScope, worker_id: str, block_hash: str) -> int:
-        candidates = self._by_block.get(block_hash, {}).get(scope.tenant_id)
+        candidates = block_eks(self._by_block, block_hash, scope.tenant_id)
         mine = self._by_worker.get(worker_id)
         if not candidates or not mine:
             return 0
@@ -297,7 +339,7 @@ class ArtIndex:
         """Keys of one tenant with this block hash (any scope, any prefix) where worker_id
         holds a record.  Only that tenant's entries are looked at (the identity guard's
         request path: another tenant's keys are never iterated)."""
-        eks = self._by_block.get(block_hash, {}).get(tenant_id)
+        eks = block_eks(self._by_block, block_hash, tenant_id)
         if not eks:
             return []
         tree, slots = self._tree, self._slots
@@ -312,7 +354,7 @@ class ArtIndex:
         """tenant -> block_keys(block_hash, tenant, worker_id), for every tenant that has
         one (audits and the guard's mode "off"; off the strict request path)."""
         out = {}
-        for tenant in list(self._by_block.get(block_hash, {})):
+        for tenant in block_tenants(self._by_block, block_hash):
             keys = self.block_keys(block_hash, tenant, worker_id)
             if keys:
                 out[tenant] = keys

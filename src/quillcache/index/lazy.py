@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from quillcache.index.art import add_block, forget_block
+from quillcache.index.art import add_block, forget_block, tenant_of
 from quillcache.index.checkpoint import TIERS
 from quillcache.model import CacheResidency, decode_key
 
@@ -122,14 +122,9 @@ class LazyMap(dict):
         self._warmed.clear()
 
 
-def _tenant_of(ek: bytes) -> str:
-    """The tenant_id field of an encoded key (the first field after the version byte)."""
-    return ek[2:2 + ek[1]].decode("utf-8")
-
-
 class LazyBlockMap(LazyMap):
-    """ArtIndex._by_block: block hash -> tenant -> encoded keys in the tree with that block
-    hash; cold entries come from the checkpoint's block-hash table (binary search) plus keys
+    """ArtIndex._by_block: block hash -> the encoded keys in the tree with that block hash
+    (``add_block``'s forms); cold entries come from the checkpoint's block-hash table (binary search) plus keys
     the replay added (``note``), keeping those still in the tree."""
 
     def _warm(self, name) -> None:
@@ -138,7 +133,7 @@ class LazyBlockMap(LazyMap):
         self._warmed.add(name)
         found = self._cold(name)
         for ek in sorted(found or ()):
-            add_block(self, name, _tenant_of(ek), ek)
+            add_block(self, name, tenant_of(ek), ek)
 
     def __init__(self, ck: "Optional[Checkpoint]", tree) -> None:
         super().__init__()
@@ -162,13 +157,13 @@ class LazyBlockMap(LazyMap):
 
     def note(self, block_hash: str, ek: bytes) -> None:
         if block_hash in self._warmed:
-            add_block(self, block_hash, _tenant_of(ek), ek)
+            add_block(self, block_hash, tenant_of(ek), ek)
         else:
             self._pending.setdefault(block_hash, set()).add(ek)
 
     def forget(self, block_hash: str, ek: bytes) -> None:
         if block_hash in self._warmed:          # else: filtered out when warmed
-            forget_block(self, block_hash, _tenant_of(ek), ek)
+            forget_block(self, block_hash, tenant_of(ek), ek)
 
     def warm_all(self) -> dict:
         ck = self._ck

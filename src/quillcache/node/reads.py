@@ -155,7 +155,7 @@ class ReadsMixin:
         counters.sendfile_bytes += sent
 
     def _get_many(self, frame) -> None:
-        keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "GET_MANY")]
+        keys = self._keys_of(messages.decode_keys_request(frame.header, self.limits, "GET_MANY"))
         got = []
         try:
             for key in keys:

@@ -40,7 +40,7 @@ class WritesMixin:
                 items = [(self._key(raw), nbytes)]
             else:
                 decoded = messages.decode_put_many_request(frame.header, frame.payload_length, self.limits)
-                items = [(self._key(i.key), i.nbytes) for i in decoded]
+                items = list(zip(self._keys_of([i.key for i in decoded]), [i.nbytes for i in decoded]))
             handles = self.store.reserve_nowait(items, durable)     # all or nothing
         except QuillCacheError as exc:
             self._done(rid, frame.opcode, exc.status)

@@ -103,9 +103,9 @@ def _map_memfd(capacity: int, hugepages: bool, prefault: bool) -> tuple[int, mma
 class Slot:
     """One placed block: where it is in the arena and who still holds it."""
 
-    __slots__ = ("key", "offset", "size", "handle", "refs", "state", "started", "seq")
+    __slots__ = ("key", "offset", "size", "handle", "refs", "state", "started")
 
-    def __init__(self, key: KvBlockKey, offset: int, size: int, handle: int, started: float, seq: int):
+    def __init__(self, key: KvBlockKey, offset: int, size: int, handle: int, started: float):
         self.key = key
         self.offset = offset
         self.size = size            # the block's bytes (the allocation is rounded up to the unit)
@@ -113,7 +113,6 @@ class Slot:
         self.refs = 0               # leases and in-flight copies (demotion) holding the slot
         self.state = PENDING
         self.started = started
-        self.seq = seq              # unique per slot: tells versions of one key apart
 
     def __repr__(self) -> str:
         return f"Slot({self.key.block_hash!r}, offset={self.offset}, size={self.size}, state={self.state})"
@@ -167,9 +166,9 @@ class DramTier:
         self.prefaulted = bool(prefault)
         self._alloc = _load_allocator()(capacity, unit=ARENA_UNIT)
         self._published: dict[KvBlockKey, Slot] = {}
-        self._pending: dict[int, Slot] = {}      # seq -> slot
-        self._retired: dict[int, Slot] = {}      # seq -> slot still referenced after replace/remove
-        self._seq = 0
+        # slots by identity (a C-level hash; no number kept per block to name them)
+        self._pending: dict[Slot, Slot] = {}     # reserved, not published
+        self._retired: dict[Slot, Slot] = {}     # still referenced after replace/remove
         self.published_bytes = 0
         self.closed = False
 
@@ -198,15 +197,14 @@ class DramTier:
         self._check_open()
         self.check_size(size)
         alloc = self._alloc.allocate(size)          # CapacityError when full: nothing reserved
-        self._seq += 1
-        slot = Slot(key, alloc.offset, size, alloc.handle, self._clock(), self._seq)
-        self._pending[slot.seq] = slot
+        slot = Slot(key, alloc.offset, size, alloc.handle, self._clock())
+        self._pending[slot] = slot
         return PendingPut(slot, self._buf[slot.offset:slot.offset + size])
 
     def put_end(self, pending: PendingPut) -> Optional[Slot]:
         """Publish; returns the replaced slot (already retired or freed) or None."""
         slot = pending.slot
-        if self._pending.pop(slot.seq, None) is None:
+        if self._pending.pop(slot, None) is None:
             raise InvalidArgument("put handle is not in flight (already ended, aborted or reaped)")
         try:
             pending.view.release()      # the writer's view stops working: no writes after publish
@@ -214,6 +212,7 @@ class DramTier:
             pass                        # the writer kept a derived view; its problem, documented
         old = self._published.get(slot.key)
         slot.state = PUBLISHED
+        slot.started = 0.0              # read only while pending (the reaper): no float kept per block
         self._published[slot.key] = slot
         self.published_bytes += slot.size
         if old is not None:
@@ -222,7 +221,7 @@ class DramTier:
 
     def put_abort(self, pending: PendingPut) -> bool:
         slot = pending.slot
-        if self._pending.pop(slot.seq, None) is None:
+        if self._pending.pop(slot, None) is None:
             return False
         try:
             pending.view.release()
@@ -232,14 +231,14 @@ class DramTier:
         return True
 
     def is_pending(self, pending: PendingPut) -> bool:
-        return pending.slot.seq in self._pending
+        return pending.slot in self._pending
 
     def reap_stale(self, now: float) -> list[KvBlockKey]:
         """Free every pending slot older than the put timeout; returns their keys."""
         deadline = now - self.put_timeout_s
         stale = [s for s in self._pending.values() if s.started <= deadline]
         for slot in stale:
-            del self._pending[slot.seq]
+            del self._pending[slot]
             self._free(slot)
         return [s.key for s in stale]
 
@@ -269,7 +268,7 @@ class DramTier:
     def release(self, slot: Slot) -> None:
         slot.refs -= 1
         if slot.refs <= 0 and slot.state == RETIRED:
-            del self._retired[slot.seq]
+            del self._retired[slot]
             self._free(slot)
 
     def raw_view(self, slot: Slot) -> memoryview:
@@ -298,7 +297,7 @@ class DramTier:
         self.published_bytes -= slot.size
         if slot.refs > 0:
             slot.state = RETIRED
-            self._retired[slot.seq] = slot
+            self._retired[slot] = slot
         else:
             self._free(slot)
 

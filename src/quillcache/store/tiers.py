@@ -113,7 +113,7 @@ class LocalKvStore(Residency, Eviction, Demotion, Writes, Reads, Pins, BatchLeas
         # in index order from _untouched_cursor (they are older than anything touched since).
         self._untouched = 0
         self._untouched_cursor = b""
-        self._handles: dict[int, PutHandle] = {}          # slot seq -> in-flight put
+        self._handles: dict = {}                          # slot -> in-flight put
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
         self._versions = itertools.count(1)
@@ -192,8 +192,8 @@ class LocalKvStore(Residency, Eviction, Demotion, Writes, Reads, Pins, BatchLeas
         if done["reaped"] and self._waiting:
             self._wake()
         if done["reaped"]:
-            for seq in [s for s, h in self._handles.items() if not self._dram.is_pending(h._pending)]:
-                del self._handles[seq]
+            for slot in [s for s, h in self._handles.items() if not self._dram.is_pending(h._pending)]:
+                del self._handles[slot]
             self._counters["puts_reaped"] += done["reaped"]
         for lease in [l for l in self._leases.values() if l.expires_at <= now]:
             lease.release()

@@ -110,7 +110,7 @@ class Writes:
         durable = durable or self.policy == "write_through"
         handles = [PutHandle(p, durable) for p in placed]
         for h in handles:
-            self._handles[h._pending.slot.seq] = h
+            self._handles[h._pending.slot] = h
         return handles
 
     def _place(self, key: KvBlockKey, size: int) -> Optional[PendingPut]:
@@ -138,7 +138,7 @@ class Writes:
     async def put_end(self, handle: PutHandle) -> None:
         """Publish the put.  Durable puts return after the SSD tier's durable publish."""
         pending = handle._pending
-        if self._handles.get(pending.slot.seq) is not handle or not self._dram.is_pending(pending):
+        if self._handles.get(pending.slot) is not handle or not self._dram.is_pending(pending):
             raise InvalidArgument("put handle is not in flight (already ended, aborted or reaped)")
         key = handle.key
         ssd_written = False
@@ -150,13 +150,13 @@ class Writes:
                 await self._ssd_write(key, pending.view)
                 ssd_written = True
             except BaseException:
-                self._handles.pop(pending.slot.seq, None)
+                self._handles.pop(pending.slot, None)
                 self._dram.put_abort(pending)
                 self._counters["puts_aborted"] += 1
                 raise
             finally:
                 self._busy.discard(key)
-        del self._handles[pending.slot.seq]
+        del self._handles[pending.slot]
         self._dram.put_end(pending)
         now = self._clock()
         entry = self._entries.get(key)
@@ -196,7 +196,7 @@ class Writes:
 
     def put_abort(self, handle: PutHandle) -> bool:
         pending = handle._pending
-        if self._handles.pop(pending.slot.seq, None) is None:
+        if self._handles.pop(pending.slot, None) is None:
             return False
         self._counters["puts_aborted"] += 1
         freed = self._dram.put_abort(pending)
