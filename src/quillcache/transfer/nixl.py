@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import os
+import threading
 import time
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -118,19 +119,33 @@ def _strict(api):
 
 
 class StagedRead:
-    """The blocks of one read, as views of this endpoint's staging area; ``release()`` gives the
-    staging extent back (the views must not be used after)."""
+    """The blocks of one read, as views of this endpoint's staging area.  Either ``release()``
+    gives the staging extent back (the views must not be used after), or ``keep()`` hands the
+    blocks out as read-only views that own the extent: it is given back when the last of them
+    (and of every view made from one) is gone, so a block is served from staging without a copy
+    and its extent can never be read into while anything still refers to it."""
 
-    __slots__ = ("blocks", "_endpoint", "_alloc")
+    __slots__ = ("blocks", "_endpoint", "_alloc", "_array")
 
-    def __init__(self, endpoint: "NixlEndpoint", alloc, blocks: list[memoryview]) -> None:
-        self._endpoint, self._alloc, self.blocks = endpoint, alloc, blocks
+    def __init__(self, endpoint: "NixlEndpoint", alloc, array: np.ndarray, blocks: list[memoryview]) -> None:
+        self._endpoint, self._alloc, self._array, self.blocks = endpoint, alloc, array, blocks
 
     def release(self) -> None:
         if self._alloc is not None:
             self._endpoint.free_staging(self._alloc)
             self._alloc = None
             self.blocks = []
+            self._array = None
+
+    def keep(self) -> list[memoryview]:
+        """The blocks, read-only, each keeping the staging extent taken until it is unreferenced
+        (``weakref.finalize`` on the array every view refers to); ``release()`` does nothing after."""
+        if self._alloc is None:
+            raise InvalidArgument("NIXL read: its staging was given back already")
+        out = [b.toreadonly() for b in self.blocks]
+        weakref.finalize(self._array, self._endpoint.free_staging_later, self._alloc)
+        self._alloc, self._array, self.blocks = None, None, []
+        return out
 
     def __enter__(self) -> "StagedRead":
         return self
@@ -162,16 +177,15 @@ class NixlEndpoint:
         self._staging_address = int(self._staging.ctypes.data)
         self._staging_reg = self._agent.register_memory([(self._staging_address, staging_bytes, 0, "")], "DRAM")
         self._staging_alloc = OffsetAllocator(staging_bytes, unit=STAGING_UNIT)
-        self._staging_view = memoryview(self._staging)
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._peers: dict[str, tuple[int, str, int, int]] = {}  # node id -> (epoch, agent, arena addr, bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-progress")
-        self._notif = itertools.count(1)
         self.counters = {"reads": 0, "reads_inline": 0, "read_bytes": 0, "read_errors": 0, "read_timeouts": 0,
                          "peers_added": 0, "peers_removed": 0, "staging_full": 0}
         self.closed = False
         self._slow_calls = 0            # agent adds/removes on the thread now (the loop's count)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop_thread = 0           # the thread of the loop that reads (the staging allocator's)
 
     # ------------------------------------------------------------------ peers
 
@@ -255,6 +269,9 @@ class NixlEndpoint:
             if not 0 <= int(off) <= peer[3] - n:
                 raise InvalidArgument(f"NIXL read: extent {off}+{n} outside {node_id}'s {peer[3]}-byte arena")
         total = sum(sizes)
+        if not self._loop_thread:
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
         try:
             alloc = self._staging_alloc.allocate(total)
         except (CapacityError, MemoryError):   # no room now: this read becomes a miss
@@ -279,13 +296,15 @@ class NixlEndpoint:
         except BaseException:
             self.free_staging(alloc)
             raise
-        views, off = [], base
+        array = self._staging[base:base + total]      # one object every block's view refers to
+        whole = memoryview(array)
+        views, off = [], 0
         for n in sizes:
-            views.append(self._staging_view[off:off + n])
+            views.append(whole[off:off + n])
             off += n
         self.counters["reads"] += 1
         self.counters["read_bytes"] += total
-        return StagedRead(self, alloc, views)
+        return StagedRead(self, alloc, array, views)
 
     def _post(self, agent_name: str, arena: int, extents, sizes: list[int], base: int) -> tuple[Any, str]:
         if self.closed:
@@ -297,8 +316,10 @@ class NixlEndpoint:
         remote = [(arena + int(o), int(n), 0) for o, n in extents]
         ldesc = self._agent.get_xfer_descs(local, "DRAM")
         rdesc = self._agent.get_xfer_descs(remote, "DRAM")
-        handle = self._agent.initialize_xfer("READ", ldesc, rdesc, agent_name,
-                                             str(next(self._notif)).encode())
+        # No notification: the holder's agent would receive and keep one per READ (its progress
+        # thread's work, and a list nothing here ever drains); its grant table, not NIXL, says
+        # when the bytes may move.
+        handle = self._agent.initialize_xfer("READ", ldesc, rdesc, agent_name)
         try:
             return handle, self._agent.transfer(handle)
         except BaseException:
@@ -333,6 +354,20 @@ class NixlEndpoint:
         """Give a read's staging extent back (``StagedRead.release`` calls it)."""
         self._staging_alloc.free(alloc[2])          # (offset, size, handle)
 
+    def free_staging_later(self, alloc) -> None:
+        """``free_staging`` from wherever the last view of a kept read went away: on the thread
+        of the loop that reads (the allocator is that thread's), or handed to it."""
+        if self.closed:
+            return
+        loop = self._loop
+        if loop is None or threading.get_ident() == self._loop_thread:
+            self.free_staging(alloc)
+            return
+        try:
+            loop.call_soon_threadsafe(self.free_staging, alloc)
+        except RuntimeError:            # that loop is closed: nothing allocates any more
+            pass
+
     async def _run(self, fn, *args) -> Any:
         if self.closed:
             raise TransferFailed("NIXL endpoint is closed")
@@ -364,3 +399,4 @@ class NixlEndpoint:
 def ucx_tls() -> str:
     """The UCX transports asked for (``UCX_TLS``), or "default"."""
     return os.environ.get("UCX_TLS") or "default"
+
