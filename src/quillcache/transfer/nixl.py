@@ -45,6 +45,12 @@ DEFAULT_STAGING_BYTES = 64 << 20        # bytes: registered memory reads land in
 STAGING_UNIT = 4096                     # bytes: staging extents are whole pages
 POLL_SLEEP_S = 20e-6                    # seconds between state polls of a transfer in flight
 PROGRESS_DELAY_US = 100                 # microseconds: the NIXL progress thread's sleep between rounds
+# UCX's TCP transport (UCX_TLS=tcp, hosts without RDMA) moves a READ in segments of 8 KiB by
+# default: 32 sends and receives on each side per 256 KiB block, on both nodes' progress
+# threads.  Segments of 256 KiB, where the environment does not set them, measured (bench/
+# cluster_transport.py, nixl-ucx-tcp, one run each, load 7-9): 256 KiB GET 0.09x -> 0.23x of
+# local, the holder's CPU per GET 268 -> 73 µs.  It costs UCX receive buffers of that size.
+UCX_TCP_SEGMENT = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
 
 
 class TransferFailed(QuillCacheError):
@@ -166,6 +172,8 @@ class NixlEndpoint:
         from quillcache._native.alloc import OffsetAllocator
         global _AGENTS_MADE
         _AGENTS_MADE = True
+        for var, value in UCX_TCP_SEGMENT.items():     # read by UCX when the agent starts
+            os.environ.setdefault(var, value)
         self.name = name
         self._agent = _make_agent(api, name)
         self.arena_address = int(arena.ctypes.data)
