@@ -113,8 +113,12 @@ def measure(sides: dict[str, Side], rounds: int) -> dict[str, tuple[float, float
     """Alternate between the transports, one round each at a time; per transport (local B/s,
     cross-node B/s, median ratio)."""
     per: dict[str, list] = {n: [[], [], []] for n in sides}
-    for _ in range(rounds):
-        for name, s in sides.items():
+    names = list(sides)
+    for r in range(rounds):
+        # each round starts at the next transport: whatever the position in a round costs (the
+        # last one measured ran slow locally in every run) falls on each in turn
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            s = sides[name]
             lo, re, ratio = interleaved(lambda ks, s=s: s.timed(s.a, ks), lambda ks, s=s: s.timed(s.b, ks),
                                         s.batches(), 1)
             n = len(s.batches()[0])
