@@ -77,6 +77,8 @@ class NixlTransport:
         # grants held for reuse: holder -> (tenant, key) -> (grant id, offset, size, until, reuse until)
         self._held: dict[Peer, dict[tuple[str, bytes], tuple[int, int, int, float, float]]] = {}
         self._by_grant: dict[tuple[Peer, int], list[tuple[str, bytes]]] = {}
+        self._busy: dict[tuple[Peer, int], int] = {}       # READs in flight under a held grant
+        self._retired: set[tuple[Peer, int]] = set()        # reuse ended while READs ran under it
         self._tcp_only: set[Peer] = set()                   # holders (of an epoch) without NIXL
         self._adding: set[Peer] = set()                     # agents being learnt
         self._releases: dict[Peer, list[int]] = {}          # grants read, not yet released
@@ -129,10 +131,12 @@ class NixlTransport:
             return await self._tcp_fetch(peer, tenant, keys, deadline)
         blocks: list[Optional[memoryview]] = [None] * len(keys)
         reads: dict[int, tuple[int, int, float]] = {}       # key index -> (offset, size, READ done by)
-        ask = self._reuse(peer, tenant, keys, reads)
+        reused: set[int] = set()                            # ids of the held grants this read uses
+        ask = self._reuse(peer, tenant, keys, reads, reused)
         later: list[int] = []
         grant: Optional[_Grant] = None
         reusable = False
+        self._use(peer, reused, 1)          # from now: their release waits for this READ
         try:
             if ask:
                 grant = await self._grant(peer, tenant, [keys[i] for i in ask], deadline)
@@ -155,6 +159,7 @@ class NixlTransport:
                     self._drop_held(peer)
                     later += idx
         finally:
+            self._use(peer, reused, -1)
             if grant is not None and grant.grant_id:    # after the READ, never while it may run
                 if reusable and grant.epoch == peer.epoch:
                     self._granted(peer, tenant, keys, ask, grant)
@@ -210,9 +215,9 @@ class NixlTransport:
         return _Grant(grant.epoch, grant.grant_id, grant.items, sent + ttl - TTL_MARGIN_S,
                       sent + min(self.reuse_s, ttl / 2))
 
-    def _reuse(self, peer: Peer, tenant: str, keys: Sequence[bytes], reads: dict) -> list[int]:
-        """Fill ``reads`` with the keys this reader holds a grant on still good for reuse; the
-        indexes of the others (to ask GRANT for)."""
+    def _reuse(self, peer: Peer, tenant: str, keys: Sequence[bytes], reads: dict, reused: set) -> list[int]:
+        """Fill ``reads`` with the keys this reader holds a grant on still good for reuse (their
+        grant ids in ``reused``); the indexes of the others (to ask GRANT for)."""
         held = self._held.get(peer)
         if not held:
             return list(range(len(keys)))
@@ -222,6 +227,7 @@ class NixlTransport:
             h = held.get((tenant, k))
             if h is not None and now < h[4]:
                 reads[i] = (h[1], h[2], h[3])
+                reused.add(h[0])
                 self.counters["nixl_grant_reuses"] += 1
             else:
                 ask.append(i)
@@ -258,13 +264,32 @@ class NixlTransport:
                     del held[name]
             if not held:
                 del self._held[peer]
-        self._release(peer, grant_id)
+        if self._busy.get((peer, grant_id)):
+            self._retired.add((peer, grant_id))     # released when the READs under it are done
+        else:
+            self._release(peer, grant_id)
+
+    def _use(self, peer: Peer, grant_ids: set, step: int) -> None:
+        """Count READs in flight under held grants (+1 before, -1 after): a grant whose reuse ended
+        meanwhile is released after its last READ, never while one may still run."""
+        for gid in grant_ids:
+            k = (peer, gid)
+            n = self._busy.get(k, 0) + step
+            if n > 0:
+                self._busy[k] = n
+                continue
+            self._busy.pop(k, None)
+            if k in self._retired:
+                self._retired.discard(k)
+                if self.endpoint.knows(peer.node_id, peer.epoch) and not self.endpoint.closed:
+                    self._release(peer, gid)
 
     def _drop_held(self, peer: Peer) -> None:
         """Forget every grant held of ``peer`` (its READ failed, or it left): none is read again."""
         self._held.pop(peer, None)
         for k in [k for k in self._by_grant if k[0] == peer]:
             del self._by_grant[k]
+        self._retired = {k for k in self._retired if k[0] != peer}
 
     async def _read(self, peer: Peer, idx: list[int], reads: dict, blocks: list, deadline: float) -> bool:
         """One READ of the blocks ``reads`` names (granted now or held for reuse) into staging;
