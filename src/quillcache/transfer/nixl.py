@@ -1,21 +1,24 @@
 """NIXL (the NVIDIA Inference Xfer Library, over UCX) for bytes between nodes: one-sided reads
 from a holder's registered DRAM arena into this node's registered memory.
 
-``NixlEndpoint`` is one node's agent:
+``NixlEndpoint`` is one node's pair of agents:
 
-* the node's DRAM arena (the memfd mapping) is registered once at start, so any peer that
-  holds this agent's metadata and a lease on an extent can read it without this node's
-  Python touching the bytes;
-* a staging area of its own is registered for reads into this node (an ``OffsetAllocator``
-  hands out extents of it; a read holds its extents until the caller releases them);
+* the holder's: the node's DRAM arena (the memfd mapping) is registered once at start, so any
+  peer that holds this agent's metadata and a lease on an extent can read it without this
+  node's Python touching the bytes; it has a progress thread, to answer peers it never calls;
+* the reader's: a staging area of its own is registered for reads into this node (an
+  ``OffsetAllocator`` hands out extents of it; a read holds its extents until the caller
+  releases them, or until the last view of a kept read is gone); it has no progress thread:
+  it progresses when it posts and polls its own READs;
 * peers are added from their metadata when first needed, keyed by node id *and* epoch: a
   restarted peer (new epoch) is a new agent, and the old one is removed.
 
-Every NIXL call runs on one thread of the endpoint's own (``nixl-progress``); the event loop
-only awaits a future, it never waits on UCX.  A transfer that reports an error, or that is not
-done by its deadline, is released and raised as ``TransferFailed``/``Timeout``: the caller
-gets a miss, never bytes the transfer did not finish.  Checking the bytes (the CRC the writer
-computed) is the caller's, as for TCP.
+A READ is posted from the event loop (posting does not wait); one UCX did not finish at once is
+polled on one thread of the endpoint's own (``nixl-progress``), as are adding and removing
+peers: the event loop only awaits a future, it never waits on UCX.  A transfer that reports an
+error, or that is not done by its deadline, is released and raised as
+``TransferFailed``/``Timeout``: the caller gets a miss, never bytes the transfer did not finish.
+Checking the bytes (the CRC the writer computed) is the caller's, as for TCP.
 
 NIXL is optional: ``nixl_missing()`` says how to install it; nothing here imports it before
 an endpoint is made.  The wheel declares torch as a dependency, which host memory does not

@@ -249,7 +249,9 @@ class NixlTransport:
                 held[name] = (grant.grant_id, it.offset, it.size, grant.until, grant.reuse_until)
                 names.append(name)
         self._by_grant[(peer, grant.grant_id)] = names
-        asyncio.get_running_loop().call_at(grant.reuse_until, self._retire, peer, grant.grant_id)
+        # call_later on time.monotonic()'s clock: the loop's own clock need not share its origin
+        asyncio.get_running_loop().call_later(grant.reuse_until - time.monotonic(), self._retire, peer,
+                                              grant.grant_id)
 
     def _retire(self, peer: Peer, grant_id: int) -> None:
         """A grant's reuse ended: its blocks are asked again next time, and it is released."""
