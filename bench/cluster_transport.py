@@ -8,7 +8,10 @@ One real etcd and, per transport, a pool of two real quillcached nodes (A holds,
 * ``tcp``: ``[cluster] transport = "tcp"`` (FETCH: the holder's Python sends the bytes);
 * ``nixl``: ``transport = "nixl"`` under UCX's default transports (shared memory / CMA on one
   host, standing in for an RDMA fabric);
-* ``nixl-ucx-tcp``: ``transport = "nixl"`` with ``UCX_TLS=tcp`` (as between hosts without RDMA).
+* ``nixl-ucx-tcp``: ``transport = "nixl"`` with ``UCX_TLS=tcp`` (as between hosts without RDMA);
+* ``nixl-no-reuse``, ``nixl-ucx-tcp-no-reuse``: the same with ``grant_reuse = "0s"``: one GRANT
+  per read, as for a block read once (the others read each block again within its grant's reuse
+  window: every round reads the same keys).
 
 Every pool is up at once and the measurements alternate between them, round by round, so machine
 noise falls on all.  Figures, per transport: MB/s of GET 256 KiB, GET 4 MiB and GET_MANY 64 x
@@ -37,7 +40,9 @@ from quillcache import Client  # noqa: E402
 from tests._support.cluster import Pool  # noqa: E402
 from tests._support.etcd import EtcdServer  # noqa: E402
 
-KINDS = {"tcp": ("tcp", None), "nixl": ("nixl", None), "nixl-ucx-tcp": ("nixl", "tcp")}
+KINDS = {"tcp": ("tcp", None, {}), "nixl": ("nixl", None, {}), "nixl-ucx-tcp": ("nixl", "tcp", {}),
+         "nixl-no-reuse": ("nixl", None, {"grant_reuse": "0s"}),
+         "nixl-ucx-tcp-no-reuse": ("nixl", "tcp", {"grant_reuse": "0s"})}
 
 
 def cpu_by_thread(pid: int) -> dict[str, int]:
@@ -108,8 +113,12 @@ def measure(sides: dict[str, Side], rounds: int) -> dict[str, tuple[float, float
     """Alternate between the transports, one round each at a time; per transport (local B/s,
     cross-node B/s, median ratio)."""
     per: dict[str, list] = {n: [[], [], []] for n in sides}
-    for _ in range(rounds):
-        for name, s in sides.items():
+    names = list(sides)
+    for r in range(rounds):
+        # each round starts at the next transport: whatever the position in a round costs (the
+        # last one measured ran slow locally in every run) falls on each in turn
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            s = sides[name]
             lo, re, ratio = interleaved(lambda ks, s=s: s.timed(s.a, ks), lambda ks, s=s: s.timed(s.b, ks),
                                         s.batches(), 1)
             n = len(s.batches()[0])
@@ -156,10 +165,10 @@ def main(argv=None) -> int:
     with EtcdServer(tmp / "etcd") as etcd:
         try:
             for n in names:
-                kind, tls = KINDS[n]
+                kind, tls, more = KINDS[n]
                 pool = Pool(tmp / n, etcd.endpoint, 2, lease_ttl="3s", dram="512MiB", max_block="16MiB",
                             cache_remote=False, hop_timeout="2s", sections={"store": "prefault = true"},
-                            cluster_id=f"bench-{n}", transport=kind)
+                            cluster_id=f"bench-{n}", transport=kind, **more)
                 for d in pool.nodes.values():
                     d.env.pop("UCX_TLS", None)
                     if tls:
@@ -192,8 +201,9 @@ def main(argv=None) -> int:
                 with Client(p["b"].addr) as c:
                     info = c.info("cluster")["Cluster"]
                 print(f"# {n}: B's transport {info['transport_transport']}, nixl_reads "
-                      f"{info.get('transport_nixl_reads', 0)} ({info.get('transport_nixl_reads_inline', 0)} done at once), nixl_fallbacks {info.get('transport_nixl_fallbacks', 0)}, "
-                      f"FETCHes {info['transport_fetches']}")
+                      f"{info.get('transport_nixl_reads', 0)} ({info.get('transport_nixl_reads_inline', 0)} done at "
+                      f"once), blocks read under a reused grant {info.get('transport_nixl_grant_reuses', 0)}, "
+                      f"nixl_fallbacks {info.get('transport_nixl_fallbacks', 0)}, FETCHes {info['transport_fetches']}")
         finally:
             for p in pools.values():
                 p.close()

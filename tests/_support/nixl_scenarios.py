@@ -14,6 +14,7 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -63,6 +64,35 @@ async def read_bytes() -> None:
         assert reader.stats()["staging_used"] >= sum(n for _, n in extents)
     assert reader.stats()["staging_used"] == 0
     assert reader.counters["reads"] == 1 and reader.counters["read_bytes"] == 4096 + (256 << 10) + 100
+
+
+async def kept_views_own_their_staging() -> None:
+    """``keep()``: the blocks as read-only views that hold their staging extent until the last
+    view made from them is gone (then it is given back, on the loop's thread), never before."""
+    holder, held = _endpoint("holder-5", 10)
+    reader, _ = _endpoint("reader-5", 11, staging_bytes=1 << 20)
+    await reader.add_peer("a", 1, holder.metadata, holder.arena_address, holder.arena_bytes)
+    extents = [(0, 512 << 10), (1 << 20, 512 << 10)]
+    got = await reader.read("a", 1, extents, time.monotonic() + 10)
+    views = got.keep()
+    got.release()                                   # nothing: the views own the extent now
+    assert all(v.readonly for v in views)
+    assert [bytes(v) for v in views] == [held[o:o + n].tobytes() for o, n in extents]
+    assert reader.stats()["staging_used"] == 1 << 20
+    await _refused(reader.read("a", 1, [(0, 4096)], time.monotonic() + 5), "staging")  # full while they live
+    part = views[1][10:20]
+    del views
+    assert reader.stats()["staging_used"] == 1 << 20, "given back while a view of it lived"
+    assert bytes(part) == held[(1 << 20) + 10:(1 << 20) + 20].tobytes()
+    del part
+    assert reader.stats()["staging_used"] == 0
+    views = (await reader.read("a", 1, [(4096, 4096)], time.monotonic() + 10)).keep()
+    dropper = threading.Thread(target=views.clear)  # the last view goes on another thread
+    dropper.start()
+    dropper.join()
+    assert reader.stats()["staging_used"] == 4096   # handed to the loop, not freed on that thread
+    await asyncio.sleep(0)
+    assert reader.stats()["staging_used"] == 0
 
 
 async def refused_before_transfer() -> None:

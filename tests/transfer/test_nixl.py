@@ -32,6 +32,10 @@ def test_a_read_returns_the_holders_bytes_and_gives_its_staging_back():
     _scenario("read_bytes")
 
 
+def test_kept_views_hold_their_staging_until_the_last_is_gone():
+    _scenario("kept_views_own_their_staging")
+
+
 def test_an_extent_outside_the_holders_arena_or_a_stale_epoch_is_refused_before_any_transfer():
     _scenario("refused_before_transfer")
 

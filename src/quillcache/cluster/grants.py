@@ -11,11 +11,16 @@ A grant ends when the peer releases it (GRANT_RELEASE) or when its ttl ends, whi
 only then are its store leases released and the slots free to move.  A reader whose READ was not
 complete by the ttl it was told (counted from before it sent GRANT) treats the blocks as misses.
 
-The CRC is computed here, in C off the GIL-holding path for large blocks (``_native.crc``), from
-the bytes held in place: the reader checks it after the READ.  A slot that changed under a READ
-(it cannot while the grant holds, but a peer that reads late reads whatever is there) fails it.
-It is this holder's word only: the reader then checks the block against the CRC32C its writer
-recorded (LOCATE's, cluster/reads.py), as it does for bytes that came by FETCH.
+The CRC sent is the one the node keeps of each block it holds (``hook.crcs``: computed once when
+the block is announced, dropped when its bytes change), so a grant reads no byte of the block;
+only a block whose CRC is not kept yet is summed here, in C (``grant_crcs_computed``).  It is
+this holder's word only: the reader checks every block against the CRC32C its writer recorded
+(LOCATE's, cluster/reads.py), as it does for bytes that came by FETCH, so a slot that changed
+under a READ (a peer that reads late reads whatever is there) is a miss there.
+
+A reader may read a grant's blocks again, without asking, until its reuse ends (``[cluster]
+grant_reuse``, at most half the ttl) and releases it then: a block read often costs this node
+one GRANT per reuse window, not one per read, and stays in place that long.
 
 Limits: at most ``MAX_GRANTED_BLOCKS`` blocks held by grants at once (past it: Busy, which the
 reader turns into a FETCH), and a ttl of at most the store's lease (a store lease is reaped at
@@ -48,18 +53,21 @@ class GrantTable:
     """Grants of one node: id -> the store leases it holds, ended by release or ttl."""
 
     def __init__(self, *, store, endpoint, limits: ProtocolLimits, ttl_s: float,
-                 epoch: Callable[[], int], may_read: Callable) -> None:
+                 epoch: Callable[[], int], may_read: Callable,
+                 kept_crc: Callable[[bytes], Optional[int]] = lambda ekey: None) -> None:
         self.store = store
         self.endpoint = endpoint            # NixlEndpoint (its metadata, where the arena is registered)
         self.limits = limits
         self.ttl_s = min(float(ttl_s), float(store.lease_s))   # a store lease is reaped at its end
         self._epoch = epoch
         self._may_read = may_read
+        self._kept_crc = kept_crc           # the CRC32C the node keeps of a block it holds (hook.crcs)
         self._ids = itertools.count(1)
         self._grants: dict[int, tuple[list, asyncio.TimerHandle]] = {}
         self.held_blocks = 0
         self.counters = {"grants": 0, "granted_blocks": 0, "granted_bytes": 0, "grant_releases": 0,
-                         "grants_expired": 0, "grant_fetch_items": 0, "meta_served": 0}
+                         "grants_expired": 0, "grant_fetch_items": 0, "grant_crcs_computed": 0,
+                         "meta_served": 0}
 
     # ------------------------------------------------------------------ requests
 
@@ -77,7 +85,7 @@ class GrantTable:
             release, tenant, ekeys = wire.decode_grant(frame.header, self.limits)
             for grant_id in release:
                 self.release(grant_id)
-            keys = [conn.key_of(ekey) for ekey in ekeys]
+            keys = [(conn.key_of(ekey), ekey) for ekey in ekeys]
             self._grant(conn, rid, tenant, keys)
         elif op == Opcode.GRANT_RELEASE:
             held = sum(self.release(g) for g in wire.decode_release(frame.header, self.limits))
@@ -89,8 +97,8 @@ class GrantTable:
         leases: list = []
         items: list[wire.GrantItem] = []
         try:
-            for i, key in enumerate(keys):
-                lease = self._lease(tenant, key, items, len(leases))
+            for i, (key, ekey) in enumerate(keys):
+                lease = self._lease(tenant, key, ekey, items, len(leases))
                 if lease is _LATER:
                     conn.spawn(self._grant_async(conn, rid, tenant, keys[i:], leases, items))
                     return
@@ -103,15 +111,15 @@ class GrantTable:
 
     async def _grant_async(self, conn, rid: int, tenant: str, keys: list, leases: list, items: list) -> None:
         try:
-            for key in keys:
-                lease = self._lease(tenant, key, items, len(leases))
+            for key, ekey in keys:
+                lease = self._lease(tenant, key, ekey, items, len(leases))
                 if lease is _LATER:
                     try:
                         lease = await self.store.get_async(key)     # SSD: promoted into DRAM where there is room
                     except _MISS as exc:
                         items.append(wire.GrantItem(exc.status, 0, 0, 0))
                         continue
-                    lease = self._granted(lease, items)
+                    lease = self._granted(lease, ekey, items)
                 if lease is not None:
                     leases.append(lease)
         except BaseException as exc:
@@ -119,7 +127,7 @@ class GrantTable:
             return
         self._reply(conn, rid, leases, items)
 
-    def _lease(self, tenant: str, key, items: list, taken: int):
+    def _lease(self, tenant: str, key, ekey: bytes, items: list, taken: int):
         """The store lease for one key, its item appended; None (a miss, or not in the arena) or
         ``_LATER`` (on SSD only: ``get_async`` first, its item not appended yet)."""
         # Another tenant's key is a miss, the same as an absent one (as FETCH answers).
@@ -136,15 +144,22 @@ class GrantTable:
             return None
         if lease is None:
             return _LATER
-        return self._granted(lease, items)
+        return self._granted(lease, ekey, items)
 
-    def _granted(self, lease, items: list):
+    def _granted(self, lease, ekey: bytes, items: list):
         if lease.offset is None or lease.view is None:      # not in the arena: FETCH sends it
             lease.release()
             self.counters["grant_fetch_items"] += 1
             items.append(wire.GrantItem(wire.STATUS_FETCH, 0, 0, 0))
             return None
-        items.append(wire.GrantItem(0, lease.offset, lease.size, crc32c(lease.view)))
+        # The CRC the node keeps of the block it holds (its writer's, recorded when it was put,
+        # dropped when the bytes change; in this loop turn it is the leased block's), else
+        # computed from the arena: the bytes are not read when the node knows it already.
+        crc = self._kept_crc(ekey)
+        if crc is None:
+            crc = crc32c(lease.view)
+            self.counters["grant_crcs_computed"] += 1
+        items.append(wire.GrantItem(0, lease.offset, lease.size, crc))
         return lease
 
     def _failed(self, conn, rid: int, leases: list, exc: BaseException) -> None:
@@ -237,13 +252,14 @@ def use_transport(hook, store) -> Optional[GrantTable]:
     arena = np.frombuffer(mmap.mmap(store.arena_fd, store.arena_bytes, flags=mmap.MAP_SHARED), dtype=np.uint8)
     table = GrantTable(store=store, endpoint=None, limits=hook.limits, ttl_s=s.grant_ttl,
                        epoch=lambda: hook.epoch,
-                       may_read=hook.may_read)    # FETCH's own tenant rule, one place for it
+                       may_read=hook.may_read,    # FETCH's own tenant rule, one place for it
+                       kept_crc=hook.crcs.get)
 
     def made(endpoint) -> Optional[GrantTable]:
         if endpoint is None:
             return None
         table.endpoint = endpoint
-        hook.transport = NixlTransport(hook.transport, endpoint)
+        hook.transport = NixlTransport(hook.transport, endpoint, reuse_s=s.grant_reuse)
         return table
 
     def make():

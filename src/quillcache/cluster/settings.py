@@ -52,6 +52,10 @@ CLUSTER_SETTINGS: tuple[Setting, ...] = (
     Setting("cluster", "grant_ttl", duration_range(0.001, 30.0), "1s", False,
             "How long a holder keeps a block granted to a NIXL reader in place (at most [store] lease); "
             "a read not done by then is a miss."),
+    Setting("cluster", "grant_reuse", duration_range(0.0, 30.0), "500ms", False,
+            "How long a NIXL reader reads a granted block again without asking its holder (at most half "
+            "of the holder's grant_ttl; the block stays in place that long, and a read within it returns "
+            "the block as granted even if the holder replaced it since); 0: one GRANT per read."),
     Setting("cluster", "nixl_staging", size_range(1 << 20, 1 << 40), "64MiB", False,
             "Registered memory that this node's NIXL reads land in before they are checked."),
 )

@@ -1,21 +1,24 @@
 """NIXL (the NVIDIA Inference Xfer Library, over UCX) for bytes between nodes: one-sided reads
 from a holder's registered DRAM arena into this node's registered memory.
 
-``NixlEndpoint`` is one node's agent:
+``NixlEndpoint`` is one node's pair of agents:
 
-* the node's DRAM arena (the memfd mapping) is registered once at start, so any peer that
-  holds this agent's metadata and a lease on an extent can read it without this node's
-  Python touching the bytes;
-* a staging area of its own is registered for reads into this node (an ``OffsetAllocator``
-  hands out extents of it; a read holds its extents until the caller releases them);
+* the holder's: the node's DRAM arena (the memfd mapping) is registered once at start, so any
+  peer that holds this agent's metadata and a lease on an extent can read it without this
+  node's Python touching the bytes; it has a progress thread, to answer peers it never calls;
+* the reader's: a staging area of its own is registered for reads into this node (an
+  ``OffsetAllocator`` hands out extents of it; a read holds its extents until the caller
+  releases them, or until the last view of a kept read is gone); it has no progress thread:
+  it progresses when it posts and polls its own READs;
 * peers are added from their metadata when first needed, keyed by node id *and* epoch: a
   restarted peer (new epoch) is a new agent, and the old one is removed.
 
-Every NIXL call runs on one thread of the endpoint's own (``nixl-progress``); the event loop
-only awaits a future, it never waits on UCX.  A transfer that reports an error, or that is not
-done by its deadline, is released and raised as ``TransferFailed``/``Timeout``: the caller
-gets a miss, never bytes the transfer did not finish.  Checking the bytes (the CRC the writer
-computed) is the caller's, as for TCP.
+A READ is posted from the event loop (posting does not wait); one UCX did not finish at once is
+polled on one thread of the endpoint's own (``nixl-progress``), as are adding and removing
+peers: the event loop only awaits a future, it never waits on UCX.  A transfer that reports an
+error, or that is not done by its deadline, is released and raised as
+``TransferFailed``/``Timeout``: the caller gets a miss, never bytes the transfer did not finish.
+Checking the bytes (the CRC the writer computed) is the caller's, as for TCP.
 
 NIXL is optional: ``nixl_missing()`` says how to install it; nothing here imports it before
 an endpoint is made.  The wheel declares torch as a dependency, which host memory does not
@@ -25,9 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import os
+import threading
 import time
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -44,6 +48,12 @@ DEFAULT_STAGING_BYTES = 64 << 20        # bytes: registered memory reads land in
 STAGING_UNIT = 4096                     # bytes: staging extents are whole pages
 POLL_SLEEP_S = 20e-6                    # seconds between state polls of a transfer in flight
 PROGRESS_DELAY_US = 100                 # microseconds: the NIXL progress thread's sleep between rounds
+# UCX's TCP transport (UCX_TLS=tcp, hosts without RDMA) moves a READ in segments of 8 KiB by
+# default: 32 sends and receives on each side per 256 KiB block, on both nodes' progress
+# threads.  Segments of 256 KiB, where the environment does not set them, measured (bench/
+# cluster_transport.py, nixl-ucx-tcp, one run each, load 7-9): 256 KiB GET 0.09x -> 0.23x of
+# local, the holder's CPU per GET 268 -> 73 µs.  It costs UCX receive buffers of that size.
+UCX_TCP_SEGMENT = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
 
 
 class TransferFailed(QuillCacheError):
@@ -86,13 +96,18 @@ def nixl_missing() -> Optional[str]:
     return None
 
 
-def _make_agent(api, name: str):
-    """A NIXL agent with the UCX backend whose progress thread sleeps ``PROGRESS_DELAY_US`` between
-    rounds.  NIXL 1.5.1's Python ``nixl_agent`` fixes that delay at 0: its progress thread then
+def _make_agent(api, name: str, *, progress: bool = True):
+    """A NIXL agent with the UCX backend; without ``progress``, one with no progress thread (it
+    progresses only when it is called: posting and polling its own READs).  With one, the
+    progress thread sleeps ``PROGRESS_DELAY_US`` between rounds.
+    NIXL 1.5.1's Python ``nixl_agent`` fixes that delay at 0: its progress thread then
     spins a core while the node is idle (measured: 70-78% of a core per agent, every node of a
     pool on one host).  Without a progress thread a holder's agent never answers a peer (reads
     of it hang), so the thread stays and only its delay is set: through a subclass of the config
     type, in place for the time the agent is made (the wrapper sets ``pthrDelay`` there)."""
+    if not progress:
+        return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                                          sync_mode=_strict(api)))
     bind = getattr(api, "nixlBind", None)
     base = getattr(bind, "nixlAgentConfig", None)
     if base is None:                    # another layout of the wrapper: its defaults
@@ -118,19 +133,33 @@ def _strict(api):
 
 
 class StagedRead:
-    """The blocks of one read, as views of this endpoint's staging area; ``release()`` gives the
-    staging extent back (the views must not be used after)."""
+    """The blocks of one read, as views of this endpoint's staging area.  Either ``release()``
+    gives the staging extent back (the views must not be used after), or ``keep()`` hands the
+    blocks out as read-only views that own the extent: it is given back when the last of them
+    (and of every view made from one) is gone, so a block is served from staging without a copy
+    and its extent can never be read into while anything still refers to it."""
 
-    __slots__ = ("blocks", "_endpoint", "_alloc")
+    __slots__ = ("blocks", "_endpoint", "_alloc", "_array")
 
-    def __init__(self, endpoint: "NixlEndpoint", alloc, blocks: list[memoryview]) -> None:
-        self._endpoint, self._alloc, self.blocks = endpoint, alloc, blocks
+    def __init__(self, endpoint: "NixlEndpoint", alloc, array: np.ndarray, blocks: list[memoryview]) -> None:
+        self._endpoint, self._alloc, self._array, self.blocks = endpoint, alloc, array, blocks
 
     def release(self) -> None:
         if self._alloc is not None:
             self._endpoint.free_staging(self._alloc)
             self._alloc = None
             self.blocks = []
+            self._array = None
+
+    def keep(self) -> list[memoryview]:
+        """The blocks, read-only, each keeping the staging extent taken until it is unreferenced
+        (``weakref.finalize`` on the array every view refers to); ``release()`` does nothing after."""
+        if self._alloc is None:
+            raise InvalidArgument("NIXL read: its staging was given back already")
+        out = [b.toreadonly() for b in self.blocks]
+        weakref.finalize(self._array, self._endpoint.free_staging_later, self._alloc)
+        self._alloc, self._array, self.blocks = None, None, []
+        return out
 
     def __enter__(self) -> "StagedRead":
         return self
@@ -140,7 +169,11 @@ class StagedRead:
 
 
 class NixlEndpoint:
-    """One node's NIXL agent: its arena registered for peers' reads, a staging area for its own."""
+    """One node's NIXL agents: the holder's, its arena registered for peers' reads, with a progress
+    thread (it must answer peers it never calls); the reader's, its staging area registered, with
+    none: it posts and polls its own READs, and a progress thread of its own would spin beside
+    every READ it runs (measured: as much CPU as the READ itself, a GET_MANY of 64 x 256 KiB
+    5.3 ms of it on top of the loop's 6.8 ms)."""
 
     def __init__(self, name: str, arena: np.ndarray, *, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
@@ -151,27 +184,29 @@ class NixlEndpoint:
         from quillcache._native.alloc import OffsetAllocator
         global _AGENTS_MADE
         _AGENTS_MADE = True
+        for var, value in UCX_TCP_SEGMENT.items():     # read by UCX when the agent starts
+            os.environ.setdefault(var, value)
         self.name = name
-        self._agent = _make_agent(api, name)
+        self._holder = _make_agent(api, name)                  # peers read this one: its name is the node's
+        self._agent = _make_agent(api, f"{name}/reader", progress=False)
         self.arena_address = int(arena.ctypes.data)
         self.arena_bytes = int(arena.nbytes)
         self._arena = arena                                    # keeps the mapping alive while registered
-        self._arena_reg = self._agent.register_memory([(self.arena_address, self.arena_bytes, 0, "")], "DRAM")
+        self._arena_reg = self._holder.register_memory([(self.arena_address, self.arena_bytes, 0, "")], "DRAM")
         staging_bytes -= staging_bytes % STAGING_UNIT
         self._staging = np.empty(staging_bytes, dtype=np.uint8)
         self._staging_address = int(self._staging.ctypes.data)
         self._staging_reg = self._agent.register_memory([(self._staging_address, staging_bytes, 0, "")], "DRAM")
         self._staging_alloc = OffsetAllocator(staging_bytes, unit=STAGING_UNIT)
-        self._staging_view = memoryview(self._staging)
-        self.metadata: bytes = self._agent.get_agent_metadata()
+        self.metadata: bytes = self._holder.get_agent_metadata()
         self._peers: dict[str, tuple[int, str, int, int]] = {}  # node id -> (epoch, agent, arena addr, bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-progress")
-        self._notif = itertools.count(1)
         self.counters = {"reads": 0, "reads_inline": 0, "read_bytes": 0, "read_errors": 0, "read_timeouts": 0,
                          "peers_added": 0, "peers_removed": 0, "staging_full": 0}
         self.closed = False
         self._slow_calls = 0            # agent adds/removes on the thread now (the loop's count)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop_thread = 0           # the thread of the loop that reads (the staging allocator's)
 
     # ------------------------------------------------------------------ peers
 
@@ -255,6 +290,9 @@ class NixlEndpoint:
             if not 0 <= int(off) <= peer[3] - n:
                 raise InvalidArgument(f"NIXL read: extent {off}+{n} outside {node_id}'s {peer[3]}-byte arena")
         total = sum(sizes)
+        if not self._loop_thread:
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
         try:
             alloc = self._staging_alloc.allocate(total)
         except (CapacityError, MemoryError):   # no room now: this read becomes a miss
@@ -279,13 +317,15 @@ class NixlEndpoint:
         except BaseException:
             self.free_staging(alloc)
             raise
-        views, off = [], base
+        array = self._staging[base:base + total]      # one object every block's view refers to
+        whole = memoryview(array)
+        views, off = [], 0
         for n in sizes:
-            views.append(self._staging_view[off:off + n])
+            views.append(whole[off:off + n])
             off += n
         self.counters["reads"] += 1
         self.counters["read_bytes"] += total
-        return StagedRead(self, alloc, views)
+        return StagedRead(self, alloc, array, views)
 
     def _post(self, agent_name: str, arena: int, extents, sizes: list[int], base: int) -> tuple[Any, str]:
         if self.closed:
@@ -297,8 +337,10 @@ class NixlEndpoint:
         remote = [(arena + int(o), int(n), 0) for o, n in extents]
         ldesc = self._agent.get_xfer_descs(local, "DRAM")
         rdesc = self._agent.get_xfer_descs(remote, "DRAM")
-        handle = self._agent.initialize_xfer("READ", ldesc, rdesc, agent_name,
-                                             str(next(self._notif)).encode())
+        # No notification: the holder's agent would receive and keep one per READ (its progress
+        # thread's work, and a list nothing here ever drains); its grant table, not NIXL, says
+        # when the bytes may move.
+        handle = self._agent.initialize_xfer("READ", ldesc, rdesc, agent_name)
         try:
             return handle, self._agent.transfer(handle)
         except BaseException:
@@ -333,6 +375,20 @@ class NixlEndpoint:
         """Give a read's staging extent back (``StagedRead.release`` calls it)."""
         self._staging_alloc.free(alloc[2])          # (offset, size, handle)
 
+    def free_staging_later(self, alloc) -> None:
+        """``free_staging`` from wherever the last view of a kept read went away: on the thread
+        of the loop that reads (the allocator is that thread's), or handed to it."""
+        if self.closed:
+            return
+        loop = self._loop
+        if loop is None or threading.get_ident() == self._loop_thread:
+            self.free_staging(alloc)
+            return
+        try:
+            loop.call_soon_threadsafe(self.free_staging, alloc)
+        except RuntimeError:            # that loop is closed: nothing allocates any more
+            pass
+
     async def _run(self, fn, *args) -> Any:
         if self.closed:
             raise TransferFailed("NIXL endpoint is closed")
@@ -354,9 +410,9 @@ class NixlEndpoint:
         for peer in self._peers.values():
             self._remove_agent(peer[1])
         self._peers.clear()
-        for reg in (self._staging_reg, self._arena_reg):
+        for agent, reg in ((self._agent, self._staging_reg), (self._holder, self._arena_reg)):
             try:
-                self._agent.deregister_memory(reg)
+                agent.deregister_memory(reg)
             except Exception:   # closing anyway
                 pass
 
@@ -364,3 +420,4 @@ class NixlEndpoint:
 def ucx_tls() -> str:
     """The UCX transports asked for (``UCX_TLS``), or "default"."""
     return os.environ.get("UCX_TLS") or "default"
+

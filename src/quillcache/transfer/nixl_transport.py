@@ -4,37 +4,41 @@ Control messages (ANNOUNCE, WITHDRAW, LOCATE, GRANT, ...) stay on the TCP member
 (``TcpTransport``); ``fetch`` becomes:
 
 1. GRANT to the holder (tenant, keys): per key, the block's offset in the holder's arena, its
-   size and CRC32C, held in place for the grant's ttl;
+   size and CRC32C, held in place for the grant's ttl; keys this reader holds a grant on that is
+   still good for reuse (``grant_reuse``) are not asked again;
 2. one NIXL READ for the batch, holder arena -> this node's registered staging area
-   (``NixlEndpoint``), on the endpoint's progress thread (the loop only awaits);
-3. each block copied out of staging and checked against the CRC the holder sent with the grant
-   (a READ that raced a slot moving there: ``nixl_crc_mismatches``); the grant is released by
-   the next GRANT to that holder, or by GRANT_RELEASE after ``RELEASE_DELAY_S`` (and ends at
-   its ttl anyway).
+   (``NixlEndpoint``; posted from the loop, polled on the endpoint's thread if UCX did not finish
+   it at once);
+3. each block handed on as a read-only view of staging that owns its extent (no copy; the
+   extent is given back when the last view goes).  A grant is released once its reuse ends
+   (at once without reuse): by the next GRANT to that holder, or by GRANT_RELEASE after
+   ``RELEASE_DELAY_S``; the holder ends it at its ttl anyway.
 
-That check is the holder's word only: like every transport (transfer/base.py), this one hands
-the blocks to the reader (cluster/reads.py), which checks each against the CRC32C its writer
-recorded (ANNOUNCE, kept by the home, returned by LOCATE): a holder that puts other bytes in
-its arena, and grants them with their own CRC, is a miss there (``crc_mismatches``).
+No CRC is summed here: like every transport (transfer/base.py), this one hands the blocks to
+the reader (cluster/reads.py), which checks each against the CRC32C its writer recorded
+(ANNOUNCE, kept by the home, returned by LOCATE).  A holder that puts other bytes in its arena,
+and a READ that raced a slot moving, are misses there (``crc_mismatches``).
+
+Reuse is a trade the setting makes explicit: within ``grant_reuse`` a block read again is the
+block as it was granted (the slot stays in place), even if the holder put another block under
+the key since; the writer's CRC still holds for what is returned.
 
 The holder's agent is learnt over the member link (NIXL_META: its metadata, where its arena is
-registered) the first time a (node, epoch) is read, and forgotten when it leaves the view or
-changes epoch.  A holder that has no NIXL (META refused) is read over FETCH from then on, for that
-epoch; so are the blocks it holds outside its arena (``STATUS_FETCH``).  A READ that fails (the
-agent errs, staging is full) is sent again as one FETCH of the same keys (``nixl_fallbacks``).
-A READ not done by the grant's ttl, counted from before GRANT was sent, is a miss: the holder may
-have let the slot go.  No byte that failed the grant's CRC is ever returned.
+registered) the first time a (node, epoch) is read, and forgotten, with the grants held of it,
+when it leaves the view or changes epoch.  A holder that has no NIXL (META refused) is read over
+FETCH from then on, for that epoch; so are the blocks it holds outside its arena
+(``STATUS_FETCH``).  A READ that fails (the agent errs, staging is full) is sent again as one
+FETCH of the same keys (``nixl_fallbacks``), and the grants held of that holder are dropped.  A
+READ not done by the grant's ttl, counted from before GRANT was sent, is a miss: the holder may
+have let the slot go.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
-import numpy as np
-
-from quillcache._native.crc import crc32c
 from quillcache.errors import Busy, ConfigError, ConnectionLost, InvalidArgument, QuillCacheError, Timeout
 from quillcache.protocol import grants as wire
 from quillcache.protocol.opcodes import Opcode
@@ -52,21 +56,35 @@ META_TIMEOUT_S = 5.0        # seconds: NIXL_META and GRANT_RELEASE, sent off any
 RELEASE_DELAY_S = 0.005     # seconds a read grant waits to ride on the next GRANT before GRANT_RELEASE
 
 
+class _Grant(NamedTuple):
+    epoch: int
+    grant_id: int
+    items: list
+    until: float            # monotonic: a READ of its blocks must be done by then
+    reuse_until: float      # monotonic: its blocks are read again without GRANT until then
+
+
 class NixlTransport:
     """``Transport`` whose fetch reads the holder's arena with NIXL; everything else is ``tcp``'s."""
 
     name = "nixl"
 
-    def __init__(self, tcp: TcpTransport, endpoint) -> None:
+    def __init__(self, tcp: TcpTransport, endpoint, *, reuse_s: float = 0.0) -> None:
         self.tcp = tcp
         self.endpoint = endpoint
         self.limits = tcp.limits
+        self.reuse_s = float(reuse_s)       # seconds a grant's blocks are read again without GRANT
+        # grants held for reuse: holder -> (tenant, key) -> (grant id, offset, size, until, reuse until)
+        self._held: dict[Peer, dict[tuple[str, bytes], tuple[int, int, int, float, float]]] = {}
+        self._by_grant: dict[tuple[Peer, int], list[tuple[str, bytes]]] = {}
+        self._busy: dict[tuple[Peer, int], int] = {}       # READs in flight under a held grant
+        self._retired: set[tuple[Peer, int]] = set()        # reuse ended while READs ran under it
         self._tcp_only: set[Peer] = set()                   # holders (of an epoch) without NIXL
         self._adding: set[Peer] = set()                     # agents being learnt
         self._releases: dict[Peer, list[int]] = {}          # grants read, not yet released
         self._bg: set[asyncio.Task] = set()
         self.counters = {"nixl_reads": 0, "nixl_bytes": 0, "nixl_fallbacks": 0, "nixl_late": 0,
-                         "nixl_crc_mismatches": 0, "nixl_meta_fetched": 0, "nixl_release_failures": 0,
+                         "nixl_grant_reuses": 0, "nixl_meta_fetched": 0, "nixl_release_failures": 0,
                          "nixl_tcp_fetches": 0}
 
     # ------------------------------------------------------------------ Transport
@@ -77,6 +95,9 @@ class NixlTransport:
     def forget(self, peer_node_id: str) -> None:
         self.tcp.forget(peer_node_id)
         self.endpoint.forget(peer_node_id)
+        for peer in [p for p in self._held if p.node_id == peer_node_id]:
+            self._drop_held(peer)
+        self._releases = {p: ids for p, ids in self._releases.items() if p.node_id != peer_node_id}
         self._tcp_only = {p for p in self._tcp_only if p.node_id != peer_node_id}
 
     async def close(self) -> None:
@@ -96,7 +117,7 @@ class NixlTransport:
                 "nixl_peers": ep["peers"], "nixl_tcp_peers": len(self._tcp_only),
                 "nixl_staging_used": ep["staging_used"], "nixl_staging_full": ep["staging_full"],
                 "nixl_read_errors": ep["read_errors"], "nixl_read_timeouts": ep["read_timeouts"],
-                "nixl_reads_inline": ep["reads_inline"]}
+                "nixl_reads_inline": ep["reads_inline"], "nixl_grants_held": len(self._by_grant)}
 
     async def fetch(self, peer: Peer, tenant: str, keys: Sequence[bytes], deadline: float) -> FetchResult:
         if peer in self._tcp_only:
@@ -108,39 +129,50 @@ class NixlTransport:
                 self._adding.add(peer)          # before the task runs: one _know per peer
                 self._spawn(self._know(peer))
             return await self._tcp_fetch(peer, tenant, keys, deadline)
-        release = self._releases.pop(peer, [])      # grants read since: released by this GRANT
-        sent = time.monotonic()
-        body = await self.tcp.request(peer, Opcode.GRANT, wire.encode_grant(tenant, keys, self.limits, release),
-                                      deadline)
-        grant = wire.decode_grant_reply(body, self.limits)
-        if len(grant.items) != len(keys):
-            raise InvalidArgument(f"GRANT reply names {len(grant.items)} items for {len(keys)} keys")
         blocks: list[Optional[memoryview]] = [None] * len(keys)
+        reads: dict[int, tuple[int, int, float]] = {}       # key index -> (offset, size, READ done by)
+        reused: set[int] = set()                            # ids of the held grants this read uses
+        ask = self._reuse(peer, tenant, keys, reads, reused)
+        later: list[int] = []
+        grant: Optional[_Grant] = None
+        reusable = False
+        self._use(peer, reused, 1)          # from now: their release waits for this READ
         try:
-            if grant.epoch != peer.epoch:
-                return FetchResult(grant.epoch, blocks)         # another run: not the copy recorded
-            granted = [i for i, it in enumerate(grant.items) if it.status == 0 and it.size > 0]
-            later = [i for i, it in enumerate(grant.items) if it.status == wire.STATUS_FETCH]
-            if granted:
-                until = min(deadline, sent + grant.ttl_us / 1e6 - TTL_MARGIN_S)
+            if ask:
+                grant = await self._grant(peer, tenant, [keys[i] for i in ask], deadline)
+                if grant.epoch != peer.epoch:
+                    return FetchResult(grant.epoch, blocks)     # another run: not the copy recorded
+                for i, it in zip(ask, grant.items):
+                    if it.status == 0 and it.size > 0:
+                        reads[i] = (it.offset, it.size, grant.until)
+                    elif it.status == wire.STATUS_FETCH:
+                        later.append(i)
+            if reads:
+                idx = sorted(reads)
                 try:
-                    await self._read(peer, grant, granted, blocks, until)
+                    reusable = await self._read(peer, idx, reads, blocks, deadline)
                 except (TransferFailed, InvalidArgument) as exc:
-                    # The agent erred or staging is full: the same keys once over FETCH.
+                    # The agent erred or staging is full: the same keys once over FETCH, and no
+                    # grant of this holder is read again before it is asked anew.
                     log.debug("NIXL read from %s failed (%s): FETCH instead", peer.node_id, exc)
                     self.counters["nixl_fallbacks"] += 1
-                    later += granted
-            if later:
-                later.sort()
-                res = await self._tcp_fetch(peer, tenant, [keys[i] for i in later], deadline)
-                if res.epoch != peer.epoch:
-                    return FetchResult(res.epoch, [None] * len(keys))
-                for i, block in zip(later, res.blocks):
-                    blocks[i] = block
+                    self._drop_held(peer)
+                    later += idx
         finally:
-            if grant.grant_id:
-                self._release(peer, grant.grant_id)
-        return FetchResult(grant.epoch, blocks)
+            self._use(peer, reused, -1)
+            if grant is not None and grant.grant_id:    # after the READ, never while it may run
+                if reusable and grant.epoch == peer.epoch:
+                    self._granted(peer, tenant, keys, ask, grant)
+                else:
+                    self._release(peer, grant.grant_id)
+        if later:
+            later.sort()
+            res = await self._tcp_fetch(peer, tenant, [keys[i] for i in later], deadline)
+            if res.epoch != peer.epoch:
+                return FetchResult(res.epoch, [None] * len(keys))
+            for i, block in zip(later, res.blocks):
+                blocks[i] = block
+        return FetchResult(peer.epoch, blocks)
 
     # ------------------------------------------------------------------ steps
 
@@ -165,36 +197,128 @@ class NixlTransport:
         finally:
             self._adding.discard(peer)
 
-    async def _read(self, peer: Peer, grant: wire.Grant, granted: list[int], blocks: list,
-                    until: float) -> None:
-        extents = [(grant.items[i].offset, grant.items[i].size) for i in granted]
+    async def _grant(self, peer: Peer, tenant: str, keys: Sequence[bytes], deadline: float) -> "_Grant":
+        """GRANT of ``keys`` (the grants this reader is done with released first, in the same
+        message); its reply with ``until``: the moment a READ of it must be done by."""
+        release = self._releases.pop(peer, [])
+        sent = time.monotonic()
+        body = await self.tcp.request(peer, Opcode.GRANT, wire.encode_grant(tenant, keys, self.limits, release),
+                                      deadline)
+        grant = wire.decode_grant_reply(body, self.limits)
+        if len(grant.items) != len(keys):
+            if grant.grant_id:
+                self._release(peer, grant.grant_id)
+            raise InvalidArgument(f"GRANT reply names {len(grant.items)} items for {len(keys)} keys")
+        ttl = grant.ttl_us / 1e6
+        # The holder's clock for the ttl starts after ``sent``: a READ done by ``until`` ended
+        # before the holder let the slots go.  A grant is reused for at most half its ttl.
+        return _Grant(grant.epoch, grant.grant_id, grant.items, sent + ttl - TTL_MARGIN_S,
+                      sent + min(self.reuse_s, ttl / 2))
+
+    def _reuse(self, peer: Peer, tenant: str, keys: Sequence[bytes], reads: dict, reused: set) -> list[int]:
+        """Fill ``reads`` with the keys this reader holds a grant on still good for reuse (their
+        grant ids in ``reused``); the indexes of the others (to ask GRANT for)."""
+        held = self._held.get(peer)
+        if not held:
+            return list(range(len(keys)))
+        now = time.monotonic()
+        ask = []
+        for i, k in enumerate(keys):
+            h = held.get((tenant, k))
+            if h is not None and now < h[4]:
+                reads[i] = (h[1], h[2], h[3])
+                reused.add(h[0])
+                self.counters["nixl_grant_reuses"] += 1
+            else:
+                ask.append(i)
+        return ask
+
+    def _granted(self, peer: Peer, tenant: str, keys: Sequence[bytes], ask: list[int], grant: "_Grant") -> None:
+        """Keep a grant's blocks for reuse until its reuse ends, then release it; without reuse
+        release it at once (it rides on the next GRANT, or GRANT_RELEASE follows)."""
+        if not grant.grant_id:
+            return
+        if grant.reuse_until <= time.monotonic():
+            self._release(peer, grant.grant_id)
+            return
+        held = self._held.setdefault(peer, {})
+        names = []
+        for i, it in zip(ask, grant.items):
+            if it.status == 0 and it.size > 0:
+                name = (tenant, keys[i])
+                held[name] = (grant.grant_id, it.offset, it.size, grant.until, grant.reuse_until)
+                names.append(name)
+        self._by_grant[(peer, grant.grant_id)] = names
+        # call_later on time.monotonic()'s clock: the loop's own clock need not share its origin
+        asyncio.get_running_loop().call_later(grant.reuse_until - time.monotonic(), self._retire, peer,
+                                              grant.grant_id)
+
+    def _retire(self, peer: Peer, grant_id: int) -> None:
+        """A grant's reuse ended: its blocks are asked again next time, and it is released."""
+        names = self._by_grant.pop((peer, grant_id), None)
+        if names is None or self.endpoint.closed:
+            return                          # dropped with its holder, or closing: it ends at its ttl
+        held = self._held.get(peer)
+        if held is not None:
+            for name in names:
+                h = held.get(name)
+                if h is not None and h[0] == grant_id:
+                    del held[name]
+            if not held:
+                del self._held[peer]
+        if self._busy.get((peer, grant_id)):
+            self._retired.add((peer, grant_id))     # released when the READs under it are done
+        else:
+            self._release(peer, grant_id)
+
+    def _use(self, peer: Peer, grant_ids: set, step: int) -> None:
+        """Count READs in flight under held grants (+1 before, -1 after): a grant whose reuse ended
+        meanwhile is released after its last READ, never while one may still run."""
+        for gid in grant_ids:
+            k = (peer, gid)
+            n = self._busy.get(k, 0) + step
+            if n > 0:
+                self._busy[k] = n
+                continue
+            self._busy.pop(k, None)
+            if k in self._retired:
+                self._retired.discard(k)
+                if self.endpoint.knows(peer.node_id, peer.epoch) and not self.endpoint.closed:
+                    self._release(peer, gid)
+
+    def _drop_held(self, peer: Peer) -> None:
+        """Forget every grant held of ``peer`` (its READ failed, or it left): none is read again."""
+        self._held.pop(peer, None)
+        for k in [k for k in self._by_grant if k[0] == peer]:
+            del self._by_grant[k]
+        self._retired = {k for k in self._retired if k[0] != peer}
+
+    async def _read(self, peer: Peer, idx: list[int], reads: dict, blocks: list, deadline: float) -> bool:
+        """One READ of the blocks ``reads`` names (granted now or held for reuse) into staging;
+        each lands in ``blocks`` as a view that owns its staging extent (no copy).  A READ not done
+        by the earliest grant's end is a miss: the holder may have let the slot go.  True when the
+        READ was done in time (its grant may be read again)."""
+        until = min([deadline] + [reads[i][2] for i in idx])
         if time.monotonic() >= until:
-            self.counters["nixl_late"] += len(granted)
-            return
+            self.counters["nixl_late"] += len(idx)
+            return False
         try:
-            staged = await self.endpoint.read(peer.node_id, peer.epoch, extents, until)
+            staged = await self.endpoint.read(peer.node_id, peer.epoch, [reads[i][:2] for i in idx], until)
         except Timeout:
-            self.counters["nixl_late"] += len(granted)      # past the grant: the slots may have moved
-            return
-        with staged:
-            if time.monotonic() > until:
-                self.counters["nixl_late"] += len(granted)
-                return
-            total = sum(n for _, n in extents)
-            out = np.empty(total, np.uint8)                 # every byte is copied in: no zero fill
-            view = memoryview(out)
-            pos = 0
-            for i, src in zip(granted, staged.blocks):
-                n = src.nbytes
-                dst = view[pos:pos + n]
-                dst[:] = src
-                if crc32c(dst) != grant.items[i].crc:
-                    self.counters["nixl_crc_mismatches"] += 1
-                else:
-                    blocks[i] = dst.toreadonly()
-                pos += n
+            self.counters["nixl_late"] += len(idx)          # past the grant: the slots may have moved
+            return False
+        if time.monotonic() > until:
+            staged.release()
+            self.counters["nixl_late"] += len(idx)
+            return False
+        # No CRC pass here: the reader (cluster/reads.py) checks every block against the CRC32C
+        # its writer recorded, whatever carried it, so a block that is not the writer's, a READ
+        # that raced its slot included, is a miss there.
+        for i, view in zip(idx, staged.keep()):
+            blocks[i] = view
         self.counters["nixl_reads"] += 1
-        self.counters["nixl_bytes"] += total
+        self.counters["nixl_bytes"] += sum(reads[i][1] for i in idx)
+        return True
 
     async def _tcp_fetch(self, peer: Peer, tenant: str, keys: Sequence[bytes], deadline: float) -> FetchResult:
         self.counters["nixl_tcp_fetches"] += 1
