@@ -36,17 +36,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-from quillcache.connectors.core import ConnectorCore, blocks_per_request
+from quillcache.connectors.core import BATCH_BLOCKS, ConnectorCore, blocks_per_request
 from quillcache.connectors.kvquant import make_codec
+from quillcache.errors import QuillCacheError, Timeout
 from quillcache.model import KvBlockKey
 
-__all__ = ["Transfer", "PagedKVWorker", "STAGING_BYTES"]
+__all__ = ["Transfer", "PagedKVWorker", "STAGING_BYTES", "LOAD_PATHS"]
 
-STAGING_BYTES = 256 << 20        # bytes of device staging per load job (one chunk of blocks)
+STAGING_BYTES = 256 << 20        # bytes of blocks per load chunk (staged: the device staging tensor)
+LOAD_PATHS = ("layered", "staged")
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,9 @@ class _Load:
     cancelled: bool = False                     # set under lock: no scatter is issued after it
     loaded: Optional[int] = None                # leading blocks in place (None: not waited yet)
     events: Optional[list] = None               # per layer, CUDA only
+    layered: bool = False                       # the layer-pipelined path (_load_layered)
+    ready: int = 0                              # layered: layers 0..ready-1 written (CPU) or issued (CUDA)
+    cond: threading.Condition = field(default_factory=threading.Condition)
 
 
 def _torch():
@@ -79,10 +85,20 @@ class PagedKVWorker:
     """Moves whole blocks between per-layer paged caches and the pool, through one core."""
 
     def __init__(self, core: ConnectorCore, *, staging_bytes: int = STAGING_BYTES,
-                 kv_dtype: Optional[str] = None) -> None:
+                 kv_dtype: Optional[str] = None, load_path: str = "layered",
+                 layer_gate: Optional[Callable[[str, int], None]] = None) -> None:
+        if load_path not in LOAD_PATHS:
+            raise ValueError(f"load_path {load_path!r}: one of {', '.join(LOAD_PATHS)}")
+        if staging_bytes <= 0:
+            raise ValueError(f"staging_bytes {staging_bytes}: must be positive")
         self.core = core
         self.staging_bytes = int(staging_bytes)
         self.kv_dtype = kv_dtype            # what the pool stores (kvquant.py); None: the caches' dtype
+        self.load_path = load_path          # "layered" where the arena is mapped and addressable, else staged
+        # called on the I/O thread as (req_id, layer) before a layered load issues that layer's
+        # copies: an observation point for tests and benchmarks (it may block; it delays only that load)
+        self.layer_gate = layer_gate
+        self.paths_used = dict.fromkeys(LOAD_PATHS, 0)     # loads per path actually taken
         self.codec = None                   # set by register_kv_caches
         self._names: list[str] = []
         self._index: dict[str, int] = {}
@@ -151,17 +167,129 @@ class PagedKVWorker:
         for t in loads:
             if not t.keys:
                 continue
-            load = _Load(t)
+            load = _Load(t, layered=self.load_path == "layered")
             load.future = self.core.call_async(lambda client, load=load: self._load_job(load, client),
                                                what="load", default=(0, None))
+            load.future.add_done_callback(lambda _f, load=load: self._set_ready(load, 0))    # wakes the waiters
             self._loads.append(load)
 
     def _load_job(self, load: _Load, client) -> tuple[int, Optional[list]]:
-        """On the I/O thread: chunks of blocks into staging, then scattered layer by layer."""
-        torch = _torch()
-        t = load.transfer
+        """On the I/O thread: the layered path where it can run, else the staged one."""
         self.core.count("loads")
         copier = self._copier_for(client)
+        arena = copier.arena_tensor() if self.load_path == "layered" else None
+        if arena is not None:
+            self.paths_used["layered"] += 1
+            return self._load_layered(load, client, copier, arena)
+        self.paths_used["staged"] += 1
+        return self._load_staged(load, copier)
+
+    def _load_layered(self, load: _Load, client, copier, arena) -> tuple[int, Optional[list]]:
+        """Layer by layer straight out of the mapped arena: located GETs of up to
+        ``staging_bytes`` of blocks at a time, each batch's layer 0 copied as soon as it is
+        leased, then layers 1.. of every leased batch in order, each layer one gather per batch
+        (``ArenaCopier.gather``; FP8 dequantized per layer), with ``ready`` raised (and on CUDA
+        an event recorded) after each layer, so ``wait_for_layer_load(L)`` waits for layer L only.
+
+        No block is left with some layers written and others not: a batch is written only
+        once its lease is held, and every leased batch is completed, even after the node
+        died (the mapping outlives it, and a leased extent is not reused); a batch whose lease
+        may have run out before its first byte was read is not written at all.  Leaving the
+        leases checks their expiry: a late one raises Timeout and the request recomputes (its
+        blocks were written whole, from extents that may have been reused: the recompute
+        overwrites them).  Only the core's deadline stops the writes mid-request."""
+        torch = _torch()
+        t = load.transfer
+        stream = copier.stream
+        stored = self.stored_nbytes
+        step = max(1, min(self.staging_bytes // stored, BATCH_BLOCKS))
+        elt = self._caches[0].element_size()
+        parts = [self.codec.layer_parts(self.block_shape, elt, layer) for layer in range(self.num_layers)]
+        events: Optional[list] = [None] * self.num_layers if stream is not None else None
+        load.events = events
+        held: list[tuple[list[int], Any]] = []        # (arena offsets, block ids) of each leased batch
+        n = 0
+        failure: Optional[BaseException] = None
+        with contextlib.ExitStack() as leases, \
+                torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            try:
+                self._gate(t, 0)
+                try:
+                    for a in range(0, len(t.keys), step):
+                        keys = t.keys[a:a + step]
+                        asked = time.monotonic_ns()
+                        views = leases.enter_context(client.get_many_located(keys))
+                        lead = 0
+                        for ext in views.extents:
+                            if ext is None or ext[1] != stored:
+                                break
+                            lead += 1
+                        if not lead:
+                            break
+                        # the node granted the lease after `asked`, so it ends no earlier than asked + lease
+                        if copier.lease_ns and time.monotonic_ns() >= asked + copier.lease_ns:
+                            raise Timeout("layered load: the located lease may have run out before the copy; "
+                                          "nothing of this batch is written")
+                        ids = torch.tensor(t.block_ids[a:a + lead], dtype=torch.long).to(self.device)
+                        batch = ([e[0] for e in views.extents[:lead]], ids)
+                        if not self._write_layer(load, 0, [batch], arena, parts[0]):
+                            return 0, None
+                        held.append(batch)
+                        n += lead
+                        if lead < len(keys):
+                            break
+                except (QuillCacheError, OSError) as exc:
+                    failure = exc     # the batches leased so far are completed: their extents stay put
+                self._layer_done(load, 0, events, stream)
+                for layer in range(1, self.num_layers):
+                    self._gate(t, layer)
+                    if not self._write_layer(load, layer, held, arena, parts[layer]):
+                        return 0, None
+                    self._layer_done(load, layer, events, stream)
+                if failure is not None:
+                    raise failure
+            finally:
+                if stream is not None:
+                    stream.synchronize()      # every read of the arena is done before the leases go
+        # leaving `leases` released them and checked their expiry (Timeout: the request recomputes)
+        self.core.count("loaded_blocks", n)
+        return n, events
+
+    def _gate(self, t: Transfer, layer: int) -> None:
+        if self.layer_gate is not None:
+            self.layer_gate(t.req_id, layer)
+
+    def _write_layer(self, load: _Load, layer: int, batches, arena, parts) -> bool:
+        """Layer ``layer`` of each batch from the arena into its paged blocks; False once the
+        load was cancelled (past the deadline nothing more is written)."""
+        from quillcache.client.gpu import ArenaCopier
+        cache = self._caches[layer]
+        layer_shape = self.block_shape[1:]
+        with load.lock:
+            if load.cancelled:
+                return False
+            for offsets, ids in batches:
+                got = [ArenaCopier.gather(arena, [o + at for o in offsets], nbytes) for at, nbytes in parts]
+                cache[:, ids] = self.codec.decode_layer(got, layer_shape).transpose(0, 1)
+        return True
+
+    def _layer_done(self, load: _Load, layer: int, events: Optional[list], stream) -> None:
+        if events is not None:
+            ev = _torch().cuda.Event()
+            ev.record(stream)
+            events[layer] = ev
+        self._set_ready(load, layer + 1)
+
+    @staticmethod
+    def _set_ready(load: _Load, ready: int) -> None:
+        with load.cond:
+            load.ready = max(load.ready, ready)
+            load.cond.notify_all()
+
+    def _load_staged(self, load: _Load, copier) -> tuple[int, Optional[list]]:
+        """Chunks of whole blocks into staging (one coalesced copy each), then scattered layer by layer."""
+        torch = _torch()
+        t = load.transfer
         stream = copier.stream
         codec, stored = self.codec, self.stored_nbytes
         per = max(1, self.staging_bytes // stored)
@@ -222,14 +350,32 @@ class PagedKVWorker:
         registered waits for every layer."""
         if not self._loads:
             return
-        i = self._index.get(layer_name, self.num_layers - 1)
+        layer = self._index.get(layer_name)
+        i = self.num_layers - 1 if layer is None else layer
         torch = _torch()
         for load in self._loads:
+            if layer is not None and load.layered and load.loaded is None and self._wait_layer(load, layer):
+                ev = load.events[layer] if load.events is not None else None
+                if ev is not None:
+                    torch.cuda.current_stream(self.device).wait_event(ev)
+                continue
             self._resolve(load)
             if load.events is not None:
                 ev = next((e for e in reversed(load.events[:i + 1]) if e is not None), None)
                 if ev is not None:
                     torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def _wait_layer(self, load: _Load, layer: int) -> bool:
+        """Wait (at most the core's deadline) until a layered load has layer ``layer`` in
+        place; False when the job ended or the deadline passed first (the caller resolves it)."""
+        deadline = time.monotonic() + self.core.timeout + 1.0
+        with load.cond:
+            while load.ready <= layer and not load.future.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                load.cond.wait(left)
+            return load.ready > layer
 
     def _finish_loads(self) -> None:
         if self._loads:
@@ -237,6 +383,8 @@ class PagedKVWorker:
         self._loads = []
 
     def take_load_errors(self) -> set[int]:
+        """Block ids to recompute; every load is resolved first (its leases checked)."""
+        self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
