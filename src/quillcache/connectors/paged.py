@@ -16,20 +16,28 @@ Call order (vLLM's)::
     get_finished(finished_req_ids)      requests whose saves are all done
     take_load_errors()                  block ids to recompute
 
-Loads: on the I/O thread, ``quillcache.client.gpu.ArenaCopier`` copies up to ``staging_bytes`` of
-blocks at a time from the node into a staging tensor on the caches' device (over ``unix:`` a
-located GET and arena -> device copies on the copier's stream, adjacent blocks merged into one
-copy; over TCP through a host buffer), then they are scattered into the paged caches layer by
-layer on that stream, with an event after each layer.  ``wait_for_layer_load(L)`` waits on the
-host until the job has issued everything, then makes the engine's current stream wait for
-layer L's event only: layer L computes while the scatters of the layers after it still run.
-The host -> device copy itself is not split by layer: layer L's bytes lie in every block's
-value, so per-layer copies would be blocks x layers small copies (docs/engines.md).
+Loads (``load_path``, docs/engines.md "Layer-pipelined loads"):
+
+- ``"layered"`` (the default, over ``unix:`` with the arena mapped and addressable from the
+  caches' device): located GETs of up to ``staging_bytes`` of blocks at a time; as soon as a
+  batch is leased its layer 0 is copied, then layers 1.. of every leased batch in order, each
+  layer of a batch one gather straight out of the mapped arena (``ArenaCopier.gather``: on
+  CUDA a kernel reading the registered arena, no staging copy), FP8 dequantized per layer.
+  ``wait_for_layer_load(L)`` waits until layer L is written (CPU) or issued, and then makes
+  the engine's stream wait for layer L's event (CUDA): layer L computes while L+1.. copy.
+- ``"staged"`` (and the fallback: TCP, or a device that cannot address the arena):
+  ``ArenaCopier`` copies up to ``staging_bytes`` of whole blocks into a staging tensor (adjacent
+  blocks merged into one copy), then they are scattered layer by layer;
+  ``wait_for_layer_load`` waits for the whole copy first.
+
+The stored value is the same either way, so the two paths read each other's blocks.
 
 Every failure is a miss: a load that fails or runs past the core's deadline reports all of its
-blocks not loaded before it (``take_load_errors``) and never writes a cache block afterwards; a
-save that fails is not reported stored (batches the node committed before the failure stay:
-their bytes are right).
+blocks not loaded before it (``take_load_errors``) and never writes a cache block afterwards (a
+layered load cut off by the deadline may leave its leased blocks with only their first layers
+written: they are among the blocks reported, and the recompute overwrites them); a save that
+fails is not reported stored (batches the node committed before the failure stay: their bytes
+are right).
 """
 from __future__ import annotations
 
@@ -346,8 +354,9 @@ class PagedKVWorker:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Return when ``layer_name``'s blocks are in place for the engine's current stream (on
-        CUDA: a stream wait on that layer's event, no host synchronisation); a name not
-        registered waits for every layer."""
+        CUDA: a stream wait on that layer's event, no host synchronisation).  A layered load is
+        waited for that layer only (its leases are checked later, in ``wait_for_save`` /
+        ``take_load_errors``); a staged one in full; a name not registered waits for every layer."""
         if not self._loads:
             return
         layer = self._index.get(layer_name)
