@@ -40,7 +40,7 @@ class _MappedArena:
     (unified addressing: the host address is the device address of registered memory)."""
 
     def __init__(self, address: int, size: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, True),
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False),
                                          "version": 3, "strides": None}
 
 

@@ -82,6 +82,7 @@ class _Load:
     layered: bool = False                       # the layer-pipelined path (_load_layered)
     ready: int = 0                              # layered: layers 0..ready-1 written (CPU) or issued (CUDA)
     cond: threading.Condition = field(default_factory=threading.Condition)
+    after: Any = None                           # CUDA: the engine stream's work before start_load_kv
 
 
 def _torch():
@@ -176,6 +177,9 @@ class PagedKVWorker:
             if not t.keys:
                 continue
             load = _Load(t, layered=self.load_path == "layered")
+            if self.device.type == "cuda":      # the copies into the blocks wait for what the engine queued
+                load.after = _torch().cuda.Event()
+                load.after.record(_torch().cuda.current_stream(self.device))
             load.future = self.core.call_async(lambda client, load=load: self._load_job(load, client),
                                                what="load", default=(0, None))
             load.future.add_done_callback(lambda _f, load=load: self._set_ready(load, 0))    # wakes the waiters
@@ -215,6 +219,8 @@ class PagedKVWorker:
         parts = [self.codec.layer_parts(self.block_shape, elt, layer) for layer in range(self.num_layers)]
         events: Optional[list] = [None] * self.num_layers if stream is not None else None
         load.events = events
+        if stream is not None and load.after is not None:
+            stream.wait_event(load.after)
         held: list[tuple[list[int], Any]] = []        # (arena offsets, block ids) of each leased batch
         n = 0
         failure: Optional[BaseException] = None
@@ -303,6 +309,8 @@ class PagedKVWorker:
         per = max(1, self.staging_bytes // stored)
         events: Optional[list] = [None] * self.num_layers if stream is not None else None
         n = 0
+        if stream is not None and load.after is not None:
+            stream.wait_event(load.after)
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 staging = codec.staging(min(per, len(t.keys)), self.block_shape, self.device)
