@@ -284,7 +284,7 @@ class PagedKVWorker:
                 return False
             for offsets, ids in batches:
                 got = [ArenaCopier.gather(arena, [o + at for o in offsets], nbytes) for at, nbytes in parts]
-                cache[:, ids] = self.codec.decode_layer(got, layer_shape).transpose(0, 1)
+                cache.index_copy_(1, ids, self.codec.decode_layer(got, layer_shape).transpose(0, 1))
         return True
 
     def _layer_done(self, load: _Load, layer: int, events: Optional[list], stream) -> None:
@@ -327,7 +327,7 @@ class PagedKVWorker:
                             if load.cancelled:
                                 break
                             for layer, cache in enumerate(self._caches):
-                                cache[:, ids] = blocks[:, layer].transpose(0, 1)
+                                cache.index_copy_(1, ids, blocks[:, layer].transpose(0, 1))
                                 if events is not None:
                                     events[layer] = torch.cuda.Event()
                                     events[layer].record(stream)
