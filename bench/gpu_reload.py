@@ -358,16 +358,18 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes,
     S, dev, x = model.s, model.dev, model.scale
     nb, ns = P // BLOCK_TOKENS, SUFFIX // BLOCK_TOKENS
     blocks = 2 * nb + ns
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, blocks, BLOCK_TOKENS, S.kv_heads, S.head_dim,
-                                                               dtype=model.dtype, device=dev)
-              for i in range(S.layers)}
-    layers = list(caches.values())
-    names = list(caches)
     ids = torch.randint(0, S.vocab, (P + SUFFIX,), device=dev)
     with torch.inference_mode():
         full_s = timed(lambda: model.forward(ids, keep=False)[0])
         ref = model.forward(ids, keep=False)[0]
         _, kv = model.forward(ids[:P])
+    # the caches after the prefill: at 128k tokens (8B) they are 32 GiB, its activations ~15 GiB
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, blocks, BLOCK_TOKENS, S.kv_heads, S.head_dim,
+                                                               dtype=model.dtype, device=dev)
+              for i in range(S.layers)}
+    layers = list(caches.values())
+    names = list(caches)
+    with torch.inference_mode():
         for c, (k, v) in zip(layers, kv):                 # request A's prefix in blocks 0..nb-1
             c[0, :nb] = k.view(nb, BLOCK_TOKENS, S.kv_heads, S.head_dim)
             c[1, :nb] = v.view(nb, BLOCK_TOKENS, S.kv_heads, S.head_dim)
@@ -505,8 +507,7 @@ def main(argv=None) -> int:
         return run_load_only(torch, dev, timed, sync, args, prefixes)
     model = Model(torch, dev, SHAPES[args.shape], dtype, args.layers)
     if args.connector:
-        print_connector(run_connector(torch, model, prefixes, timed, args, started, TIME_BUDGET_S, sync),
-                        {args.shape: model.scale})
+        run_connector(torch, model, prefixes, timed, args, started, TIME_BUDGET_S, sync)
         print(f"\ntotal {time.monotonic() - started:.0f} s")
         return 0
     run_direct(torch, model, prefixes, timed, args, started, TIME_BUDGET_S)
@@ -516,22 +517,21 @@ def main(argv=None) -> int:
 def run_table(torch, dev, dtype, timed, sync, args, started: float) -> int:
     """Issue 26's item 4 in one run, the rows printed as they complete: the connector rows
     first (the targets are about them), then the direct path and the raw copy rates."""
-    if dev.type != "cuda":
-        raise SystemExit("--table: a CUDA device")
     args.kv_dtype = "auto,fp8_e4m3"
+    args.eager = True                 # every forward pass eager, as in the connector rows (and no graph pools)
     args.rounds = min(args.rounds, 3)
     args.no_tcp = True
-    rows, scales = [], {}
     for shape, prefixes, layers in TABLE:
         args.shape = shape
         model = Model(torch, dev, SHAPES[shape], dtype, args.layers or layers)
-        scales[shape] = model.scale
-        rows += run_connector(torch, model, list(prefixes), timed, args, started, TABLE_TIME_BUDGET_S, sync)
-        print_connector(rows, scales)
+        run_connector(torch, model, list(prefixes), timed, args, started, TABLE_TIME_BUDGET_S, sync)
         del model
         torch.cuda.empty_cache()
     args.shape = TABLE[0][0]
-    model = Model(torch, dev, SHAPES[args.shape], dtype)
+    if dev.type != "cuda":
+        print("\ndirect path: skipped (it measures CUDA copies)")
+        return 0
+    model = Model(torch, dev, SHAPES[args.shape], dtype, TABLE[0][2])
     run_direct(torch, model, list(TABLE[0][1]), timed, args, started, TABLE_TIME_BUDGET_S)
     return 0
 
@@ -662,7 +662,8 @@ def run_connector(torch, model, prefixes, timed, args, started: float, budget: f
     per_token = S.layers * 2 * S.kv_heads * S.head_dim * model.t.tensor([], dtype=model.dtype).element_size()
     dram = 1 << math.ceil(math.log2(2 * max(prefixes) * per_token + (64 << 20)))   # one P at a time: removed after
     kv_dtypes, paths = args.kv_dtype.split(","), args.load_path.split(",")
-    rows = []
+    rows: list = []
+    print_connector(rows, {})
     with LocalNode(dram=f"{dram >> 20}MiB", max_block="64MiB", lease="60s") as node:
         core = ConnectorCore(node.unix, timeout=120)
         try:
@@ -673,10 +674,12 @@ def run_connector(torch, model, prefixes, timed, args, started: float, budget: f
                     rows.append((args.shape, P, None, "time budget spent"))
                     continue
                 try:
-                    for r in measure_connector(torch, model, core, P, timed, args.rounds, kv_dtypes, paths, sync):
-                        rows.append((args.shape, P, r, ""))
+                    got = [(args.shape, P, r, "") for r in
+                           measure_connector(torch, model, core, P, timed, args.rounds, kv_dtypes, paths, sync)]
                 except torch.OutOfMemoryError as exc:
-                    rows.append((args.shape, P, None, f"out of device memory ({str(exc).splitlines()[0][:60]})"))
+                    got = [(args.shape, P, None, f"out of device memory ({str(exc).splitlines()[0][:60]})")]
+                print_connector(got, {args.shape: model.scale}, header=False)      # as they complete
+                rows += got
                 if model.dev.type == "cuda":
                     torch.cuda.empty_cache()
             stats = core.stats()
@@ -686,13 +689,14 @@ def run_connector(torch, model, prefixes, timed, args, started: float, budget: f
     return rows
 
 
-def print_connector(rows, model_scale: dict) -> None:
-    print(f"\nvLLM connector worker path (PagedKVWorker, block {BLOCK_TOKENS} tokens, vLLM layout, forward passes "
-          "eager; ratio = reload + suffix / recompute; first = start_load_kv until layer 0 is usable, all = until "
-          "every layer is; shapes timed on fewer layers are scaled, first layer not)")
-    print("| shape | prefix tokens | stored | load path | recompute ms | reload + suffix ms | ratio | load ms "
-          "| first layer ms | all layers ms | suffix ms | save GB/s | max logit diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+def print_connector(rows, model_scale: dict, header: bool = True) -> None:
+    if header:
+        print(f"\nvLLM connector worker path (PagedKVWorker, block {BLOCK_TOKENS} tokens, vLLM layout, forward "
+              "passes eager; ratio = reload + suffix / recompute; first = start_load_kv until layer 0 is usable, "
+              "all = until every layer is; shapes timed on fewer layers are scaled, first layer not)")
+        print("| shape | prefix tokens | stored | load path | recompute ms | reload + suffix ms | ratio | load ms "
+              "| first layer ms | all layers ms | suffix ms | save GB/s | max logit diff |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for shape, P, r, why in rows:
         if r is None:
             print(f"| {shape} | {P} | skipped: {why} | | | | | | | | | | |")
