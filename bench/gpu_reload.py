@@ -94,6 +94,12 @@ RAW_BLOCK = 4 << 20             # bytes per block there
 TCP_BATCH = 128                 # keys per GET_MANY on the TCP baseline (128 MiB replies)
 
 
+def arena_bytes(resident: int) -> int:
+    """The node's DRAM for ``resident`` bytes of values: a quarter more and 256 MiB of slack, in
+    whole GiB (a 128k-token 8B prefix: 21 GiB pinned, not the 64 GiB a power of two would be)."""
+    return -(-(resident * 5 // 4 + (256 << 20)) // (1 << 30)) << 30
+
+
 def skip(reason: str) -> int:
     print(f"skipped: {reason}")
     return 0
@@ -543,7 +549,7 @@ def run_direct(torch, model, prefixes, timed, args, started: float, budget: floa
     from quillcache.client.gpu import ArenaCopier
     S, dev = model.s, model.dev
     per_token = S.layers * 2 * S.kv_heads * S.head_dim * 2
-    dram = 1 << math.ceil(math.log2(2 * max(prefixes) * per_token + 2 * RAW_BYTES))
+    dram = arena_bytes(sum(prefixes) * per_token + 2 * RAW_BYTES)     # every prefix stays stored
     with LocalNode(dram=f"{dram >> 20}MiB", max_block="64MiB", lease="60s") as node, \
             Client(node.unix, timeout=120) as uni, Client(node.tcp, timeout=120) as tcp:
         if not uni.shm:
@@ -636,7 +642,7 @@ def run_load_only(torch, dev, timed, sync, args, prefixes) -> int:
     from quillcache.connectors.core import ConnectorCore
     shape = SHAPES[args.shape]._replace(layers=args.layers or SHAPES[args.shape].layers)
     per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
-    dram = 1 << math.ceil(math.log2(2 * max(prefixes) * per_token + (64 << 20)))
+    dram = arena_bytes(max(prefixes) * per_token)
     print(f"load only: {args.shape} KV geometry ({shape.layers} layers), bf16, block {BLOCK_TOKENS} tokens, "
           f"arena {dram >> 20} MiB; median of {args.rounds}")
     print("| prefix tokens | stored | load path | MiB moved | first layer usable ms | all layers usable ms | first / all |")
@@ -660,7 +666,7 @@ def run_connector(torch, model, prefixes, timed, args, started: float, budget: f
     from quillcache.connectors.core import ConnectorCore
     S = model.s
     per_token = S.layers * 2 * S.kv_heads * S.head_dim * model.t.tensor([], dtype=model.dtype).element_size()
-    dram = 1 << math.ceil(math.log2(2 * max(prefixes) * per_token + (64 << 20)))   # one P at a time: removed after
+    dram = arena_bytes(max(prefixes) * per_token)     # one prefix and stored dtype at a time: removed after
     kv_dtypes, paths = args.kv_dtype.split(","), args.load_path.split(",")
     rows: list = []
     print_connector(rows, {})
