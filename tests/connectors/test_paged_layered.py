@@ -240,3 +240,46 @@ def test_gather_reads_each_extent_of_the_arena_wherever_it_lies(node):
                     assert torch.equal(row, values[v][at:at + nbytes]), (nbytes, align, v, at)
         with pytest.raises(Exception, match="outside"):
             ArenaCopier.gather(arena, [arena.numel() - 8], 16)
+
+
+def test_two_requests_of_one_step_get_layer_0_before_either_gets_layer_1(node):
+    """One step, two loads: layer 0 of both is usable while layer 1 of both is held back; a
+    miss in the second request is its own (the first loads in full)."""
+    ka, kb = keys("auto", "two-a"), keys("auto", "two-b")
+    core = ConnectorCore(sock(node), timeout=10)
+    gate = Gate()
+    try:
+        writer = PagedKVWorker(core)
+        written = caches(seed=11)
+        writer.register_kv_caches(written)
+        half = BLOCKS // 2
+        saved(writer, Transfer("WA", ka[:half], list(range(half))))
+        saved(writer, Transfer("WB", kb[:half - 2], list(range(half, 2 * half - 2))))     # B: 2 misses at the end
+        reader = PagedKVWorker(core, staging_bytes=2 * writer.stored_nbytes, layer_gate=gate)
+        kv = caches(SENTINEL)
+        reader.register_kv_caches(kv)
+        layers = list(kv.values())
+        da, db = list(range(BLOCKS, BLOCKS + half)), list(range(BLOCKS + half, 2 * BLOCKS))
+        reader.start_load_kv([Transfer("A", ka[:half], da), Transfer("B", kb[:half], db)])
+        wait_in_thread(reader, names()[0])
+        time.sleep(HELD_S)
+        w0 = written[names()[0]]
+        assert torch.equal(bits(layers[0][:, da]), bits(w0[:, :half]))
+        assert torch.equal(bits(layers[0][:, db[:half - 2]]), bits(w0[:, half:2 * half - 2]))
+        assert all(bool((c[:, BLOCKS:] == SENTINEL).all()) for c in layers[1:])
+        assert gate.order == [0, 0, 1]              # A's layer 0, B's layer 0, then A's layer 1: held
+        gate.open_all()
+        for name in names():
+            reader.wait_for_layer_load(name)
+        reader.wait_for_save([])
+        assert reader.take_load_errors() == set(db[half - 2:])
+        for layer, c in enumerate(layers):
+            w = written[names()[layer]]
+            assert torch.equal(bits(c[:, da]), bits(w[:, :half])), layer
+            assert torch.equal(bits(c[:, db[:half - 2]]), bits(w[:, half:2 * half - 2])), layer
+        assert gate.order == [0, 0] + [layer for layer in range(1, LAYERS) for _ in "AB"]
+        reader.shutdown()
+        writer.shutdown()
+    finally:
+        gate.open_all()
+        core.close()

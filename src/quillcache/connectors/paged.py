@@ -83,6 +83,12 @@ class _Load:
     ready: int = 0                              # layered: layers 0..ready-1 written (CPU) or issued (CUDA)
     cond: threading.Condition = field(default_factory=threading.Condition)
     after: Any = None                           # CUDA: the engine stream's work before start_load_kv
+    result: Optional[tuple] = None              # a step job's outcome for this load: (blocks, events)
+    # layered, on the I/O thread: the leased batches (arena offsets, block ids), their leases, the outcome
+    batches: list = field(default_factory=list)
+    leases: Optional[contextlib.ExitStack] = None
+    n: int = 0
+    failure: Optional[BaseException] = None
 
 
 def _torch():
@@ -172,102 +178,134 @@ class PagedKVWorker:
     # ------------------------------------------------------------------ loads
 
     def start_load_kv(self, loads: Sequence[Transfer]) -> None:
+        """Start this step's loads: one job on the I/O thread for all of them, so that with the
+        layered path layer 0 of every request comes before layer 1 of any."""
         self._finish_loads()
-        for t in loads:
-            if not t.keys:
-                continue
-            load = _Load(t, layered=self.load_path == "layered")
+        new = [_Load(t, layered=self.load_path == "layered") for t in loads if t.keys]
+        if not new:
+            return
+        torch = _torch()
+        for load in new:
             if self.device.type == "cuda":      # the copies into the blocks wait for what the engine queued
-                load.after = _torch().cuda.Event()
-                load.after.record(_torch().cuda.current_stream(self.device))
-            load.future = self.core.call_async(lambda client, load=load: self._load_job(load, client),
-                                               what="load", default=(0, None))
-            load.future.add_done_callback(lambda _f, load=load: self._set_ready(load, 0))    # wakes the waiters
-            self._loads.append(load)
+                load.after = torch.cuda.Event()
+                load.after.record(torch.cuda.current_stream(self.device))
+        fut = self.core.call_async(lambda client: self._load_step(new, client), what="load", default=None)
+        for load in new:
+            load.future = fut
+            fut.add_done_callback(lambda _f, load=load: self._set_ready(load, 0))    # wakes the waiters
+        self._loads += new
 
-    def _load_job(self, load: _Load, client) -> tuple[int, Optional[list]]:
-        """On the I/O thread: the layered path where it can run, else the staged one."""
-        self.core.count("loads")
+    def _load_step(self, loads: list, client) -> None:
+        """On the I/O thread: the layered path where it can run, else the staged one; each
+        load's outcome goes to ``load.result`` (a node failure raised out of here is the core's
+        to count, and leaves the loads without a result: misses)."""
+        self.core.count("loads", len(loads))
         copier = self._copier_for(client)
         arena = copier.arena_tensor() if self.load_path == "layered" else None
         if arena is not None:
-            self.paths_used["layered"] += 1
-            return self._load_layered(load, client, copier, arena)
-        self.paths_used["staged"] += 1
-        return self._load_staged(load, copier)
+            self.paths_used["layered"] += len(loads)
+            self._load_layered(loads, client, copier, arena)
+            return
+        self.paths_used["staged"] += len(loads)
+        for load in loads:
+            load.result = self._load_staged(load, copier)
 
-    def _load_layered(self, load: _Load, client, copier, arena) -> tuple[int, Optional[list]]:
-        """Layer by layer straight out of the mapped arena: located GETs of up to
-        ``staging_bytes`` of blocks at a time, each batch's layer 0 copied as soon as it is
-        leased, then layers 1.. of every leased batch in order, each layer one gather per batch
-        (``ArenaCopier.gather``; FP8 dequantized per layer), with ``ready`` raised (and on CUDA
-        an event recorded) after each layer, so ``wait_for_layer_load(L)`` waits for layer L only.
+    def _load_layered(self, loads: list, client, copier, arena) -> None:
+        """Layer by layer straight out of the mapped arena, for every load of the step: located
+        GETs of up to ``staging_bytes`` of blocks at a time, each batch's layer 0 copied as soon
+        as it is leased, then layers 1.. of every leased batch of every load in order, each layer
+        of a batch one gather (``ArenaCopier.gather``; FP8 dequantized per layer), with the
+        load's ``ready`` raised (and on CUDA an event recorded) after each layer, so
+        ``wait_for_layer_load(L)`` waits for layer L only.
 
         No block is left with some layers written and others not: a batch is written only
         once its lease is held, and every leased batch is completed, even after the node
         died (the mapping outlives it, and a leased extent is not reused); a batch whose lease
-        may have run out before its first byte was read is not written at all.  Leaving the
-        leases checks their expiry: a late one raises Timeout and the request recomputes (its
-        blocks were written whole, from extents that may have been reused: the recompute
-        overwrites them).  Only the core's deadline stops the writes mid-request."""
+        may have run out before its first byte was read is not written at all.  Then each
+        load's leases are released and their expiry checked: a late one fails that load, and
+        its request recomputes (its blocks were written whole, from extents that may have been
+        reused: the recompute overwrites them).  Only the core's deadline stops the writes
+        mid-request."""
         torch = _torch()
-        t = load.transfer
         stream = copier.stream
-        stored = self.stored_nbytes
-        step = max(1, min(self.staging_bytes // stored, BATCH_BLOCKS))
+        step = max(1, min(self.staging_bytes // self.stored_nbytes, BATCH_BLOCKS))
         elt = self._caches[0].element_size()
         parts = [self.codec.layer_parts(self.block_shape, elt, layer) for layer in range(self.num_layers)]
-        events: Optional[list] = [None] * self.num_layers if stream is not None else None
-        load.events = events
-        if stream is not None and load.after is not None:
-            stream.wait_event(load.after)
-        held: list[tuple[list[int], Any]] = []        # (arena offsets, block ids) of each leased batch
-        n = 0
-        failure: Optional[BaseException] = None
-        with contextlib.ExitStack() as leases, \
-                torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            try:
-                self._gate(t, 0)
+        lost: Optional[BaseException] = None          # the connection failed: no more GETs this step
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 try:
-                    for a in range(0, len(t.keys), step):
-                        keys = t.keys[a:a + step]
-                        asked = time.monotonic_ns()
-                        views = leases.enter_context(client.get_many_located(keys))
-                        lead = 0
-                        for ext in views.extents:
-                            if ext is None or ext[1] != stored:
-                                break
-                            lead += 1
-                        if not lead:
-                            break
-                        # the node granted the lease after `asked`, so it ends no earlier than asked + lease
-                        if copier.lease_ns and time.monotonic_ns() >= asked + copier.lease_ns:
-                            raise Timeout("layered load: the located lease may have run out before the copy; "
-                                          "nothing of this batch is written")
-                        ids = torch.tensor(t.block_ids[a:a + lead], dtype=torch.long).to(self.device)
-                        batch = ([e[0] for e in views.extents[:lead]], ids)
-                        if not self._write_layer(load, 0, [batch], arena, parts[0]):
-                            return 0, None
-                        held.append(batch)
-                        n += lead
-                        if lead < len(keys):
-                            break
-                except (QuillCacheError, OSError) as exc:
-                    failure = exc     # the batches leased so far are completed: their extents stay put
-                self._layer_done(load, 0, events, stream)
-                for layer in range(1, self.num_layers):
-                    self._gate(t, layer)
-                    if not self._write_layer(load, layer, held, arena, parts[layer]):
-                        return 0, None
-                    self._layer_done(load, layer, events, stream)
-                if failure is not None:
-                    raise failure
-            finally:
-                if stream is not None:
-                    stream.synchronize()      # every read of the arena is done before the leases go
-        # leaving `leases` released them and checked their expiry (Timeout: the request recomputes)
-        self.core.count("loaded_blocks", n)
-        return n, events
+                    for load in loads:
+                        load.events = [None] * self.num_layers if stream is not None else None
+                        load.leases = contextlib.ExitStack()
+                        if stream is not None and load.after is not None:
+                            stream.wait_event(load.after)
+                        if lost is not None:
+                            load.failure = lost
+                            continue
+                        try:
+                            self._gate(load.transfer, 0)
+                            self._lease_batches(load, client, copier, arena, step, parts[0])
+                        except (QuillCacheError, OSError) as exc:
+                            load.failure = exc     # its leased batches are completed: their extents stay put
+                            if not isinstance(exc, Timeout):
+                                lost = exc
+                    for load in loads:
+                        self._layer_done(load, 0, stream)
+                    for layer in range(1, self.num_layers):
+                        for load in loads:
+                            if load.batches:
+                                self._gate(load.transfer, layer)
+                                if not self._write_layer(load, layer, load.batches, arena, parts[layer]):
+                                    continue       # cancelled (the deadline): nothing more for this load
+                            self._layer_done(load, layer, stream)
+                finally:
+                    if stream is not None:
+                        stream.synchronize()      # every read of the arena is done before the leases go
+        finally:
+            for load in loads:                    # release each load's leases and check their expiry
+                if load.leases is not None:
+                    try:
+                        load.leases.close()
+                    except (QuillCacheError, OSError) as exc:
+                        load.failure = load.failure or exc
+                if load.failure is None:
+                    self.core.count("loaded_blocks", load.n)
+                elif load.failure is not lost:
+                    self.core.count("load_errors")
+                load.result = (0 if load.failure is not None else load.n, load.events)
+        if lost is not None:
+            raise lost                            # the core counts it once and drops the connection
+
+    def _lease_batches(self, load: _Load, client, copier, arena, step: int, layer0) -> None:
+        """Located GETs of the load's keys, ``step`` at a time, each batch's layer 0 written once
+        it is leased; stops at the first block that is not there whole."""
+        torch = _torch()
+        t = load.transfer
+        stored = self.stored_nbytes
+        for a in range(0, len(t.keys), step):
+            keys = t.keys[a:a + step]
+            asked = time.monotonic_ns()
+            views = load.leases.enter_context(client.get_many_located(keys))
+            lead = 0
+            for ext in views.extents:
+                if ext is None or ext[1] != stored:
+                    break
+                lead += 1
+            if not lead:
+                return
+            # the node granted the lease after `asked`, so it ends no earlier than asked + lease
+            if copier.lease_ns and time.monotonic_ns() >= asked + copier.lease_ns:
+                raise Timeout("layered load: the located lease may have run out before the copy; "
+                              "nothing of this batch is written")
+            ids = torch.tensor(t.block_ids[a:a + lead], dtype=torch.long).to(self.device)
+            batch = ([e[0] for e in views.extents[:lead]], ids)
+            if not self._write_layer(load, 0, [batch], arena, layer0):
+                return
+            load.batches.append(batch)
+            load.n += lead
+            if lead < len(keys):
+                return
 
     def _gate(self, t: Transfer, layer: int) -> None:
         if self.layer_gate is not None:
@@ -287,11 +325,11 @@ class PagedKVWorker:
                 cache.index_copy_(1, ids, self.codec.decode_layer(got, layer_shape).transpose(0, 1))
         return True
 
-    def _layer_done(self, load: _Load, layer: int, events: Optional[list], stream) -> None:
-        if events is not None:
+    def _layer_done(self, load: _Load, layer: int, stream) -> None:
+        if load.events is not None:
             ev = _torch().cuda.Event()
             ev.record(stream)
-            events[layer] = ev
+            load.events[layer] = ev
         self._set_ready(load, layer + 1)
 
     @staticmethod
@@ -350,6 +388,8 @@ class PagedKVWorker:
             log.warning("quillcache: a load failed; its blocks are recomputed", exc_info=True)
             self.core.count("load_errors")
             got = 0
+        if load.future.done() and load.result is not None:
+            got = load.result                 # the step job's outcome for this load
         if isinstance(got, tuple):
             load.loaded, load.events = got
         else:                             # past the deadline: nothing more may be written
