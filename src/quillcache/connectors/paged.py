@@ -19,8 +19,9 @@ Call order (vLLM's)::
 Loads (``load_path``, docs/engines.md "Layer-pipelined loads"):
 
 - ``"layered"`` (the default, over ``unix:`` with the arena mapped and addressable from the
-  caches' device): located GETs of up to ``staging_bytes`` of blocks at a time; as soon as a
-  batch is leased its layer 0 is copied, then layers 1.. of every leased batch in order, each
+  caches' device): one job per step; located GETs of up to ``staging_bytes`` of blocks at a
+  time; as soon as a batch is leased its layer 0 is copied, then layers 1.. of every leased
+  batch of every request in order, each
   layer of a batch one gather straight out of the mapped arena (``ArenaCopier.gather``: on
   CUDA a kernel reading the registered arena, no staging copy), FP8 dequantized per layer.
   ``wait_for_layer_load(L)`` waits until layer L is written (CPU) or issued, and then makes
