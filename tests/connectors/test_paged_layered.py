@@ -283,3 +283,33 @@ def test_two_requests_of_one_step_get_layer_0_before_either_gets_layer_1(node):
     finally:
         gate.open_all()
         core.close()
+
+
+@pytest.mark.parametrize("load_path", ["layered", "staged"])
+def test_a_request_of_more_small_blocks_than_one_located_get_may_name_loads_in_full(node, load_path):
+    """600 blocks of 4 KiB under the default 256 MiB of staging: the located GETs are cut at 256
+    keys (more overflow the node's 64 KiB header limit; the staged path once sent them all)."""
+    n = 600
+    scope = model_scope("tiny", dtype="bfloat16", block_size=BS, num_layers=LAYERS, layout="vllm-2nbhd")
+    ks = chain_keys(IdentityScope(scope, "tok", None, f"many-{load_path}"),
+                    [i.to_bytes(4, "big") * 8 for i in range(n)], block_size=BS)
+    core = ConnectorCore(sock(node), timeout=10)
+    try:
+        g = torch.Generator().manual_seed(2)
+        written = {name: torch.randn(2, 2 * n, BS, KVH, HD, generator=g).to(torch.bfloat16) for name in names()}
+        writer = PagedKVWorker(core)
+        writer.register_kv_caches(written)
+        saved(writer, Transfer("W", ks, list(range(n))))
+        reader = PagedKVWorker(core, load_path=load_path)
+        reader.register_kv_caches(written)
+        reader.start_load_kv([Transfer("R", ks, list(range(n, 2 * n)))])
+        for name in names():
+            reader.wait_for_layer_load(name)
+        assert reader.take_load_errors() == set()
+        assert reader.paths_used[load_path] == 1
+        for c in written.values():
+            assert torch.equal(bits(c[:, n:]), bits(c[:, :n]))
+        reader.shutdown()
+        writer.shutdown()
+    finally:
+        core.close()

@@ -345,7 +345,7 @@ class PagedKVWorker:
         t = load.transfer
         stream = copier.stream
         codec, stored = self.codec, self.stored_nbytes
-        per = max(1, self.staging_bytes // stored)
+        per = max(1, min(self.staging_bytes // stored, BATCH_BLOCKS))   # more keys overflow the node's header limit
         events: Optional[list] = [None] * self.num_layers if stream is not None else None
         n = 0
         if stream is not None and load.after is not None:
