@@ -313,3 +313,37 @@ def test_a_request_of_more_small_blocks_than_one_located_get_may_name_loads_in_f
         writer.shutdown()
     finally:
         core.close()
+
+
+def test_a_load_that_stops_between_layers_for_another_reason_is_reported_not_counted_loaded(node):
+    """An error that is not the node's (here raised by the layer gate before layer 2, as device
+    memory running out would be) ends the job: every block of the request is reported for
+    recompute, none counted loaded, and the leases are released."""
+    ks = keys("auto", "stops")
+    core = ConnectorCore(sock(node), timeout=10)
+
+    def gate(req_id, layer):
+        if layer == 2:
+            raise RuntimeError("no device memory for layer 2")
+    try:
+        writer = PagedKVWorker(core)
+        written = caches(seed=13)
+        writer.register_kv_caches(written)
+        saved(writer, Transfer("W", ks, list(range(BLOCKS))))
+        reader = PagedKVWorker(core, layer_gate=gate)
+        reader.register_kv_caches(caches(SENTINEL))
+        dst = list(range(BLOCKS, 2 * BLOCKS))
+        before = core.stats()["loaded_blocks"]
+        reader.start_load_kv([Transfer("R", ks, dst)])
+        for name in names():
+            reader.wait_for_layer_load(name)
+        reader.wait_for_save([])
+        assert reader.take_load_errors() == set(dst)
+        assert core.stats()["loaded_blocks"] == before
+        with Client(sock(node)) as c:           # the leases were released, the blocks are still there
+            assert int(c.info("Server")["Server"]["located_leases"]) == 0
+            assert c.exists_many(ks)[0] == BLOCKS
+        reader.shutdown()
+        writer.shutdown()
+    finally:
+        core.close()

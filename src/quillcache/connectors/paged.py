@@ -97,6 +97,10 @@ def _torch():
     return torch
 
 
+_CANCELLED = Timeout("the load ran past the connector's deadline")
+_STOPPED = RuntimeError("the load stopped before every layer was written")
+
+
 class PagedKVWorker:
     """Moves whole blocks between per-layer paged caches and the pool, through one core."""
 
@@ -233,6 +237,7 @@ class PagedKVWorker:
         elt = self._caches[0].element_size()
         parts = [self.codec.layer_parts(self.block_shape, elt, layer) for layer in range(self.num_layers)]
         lost: Optional[BaseException] = None          # the connection failed: no more GETs this step
+        finished = False                              # every layer of every leased batch was written
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 try:
@@ -255,16 +260,20 @@ class PagedKVWorker:
                         self._layer_done(load, 0, stream)
                     for layer in range(1, self.num_layers):
                         for load in loads:
-                            if load.batches:
+                            if load.batches and load.failure is not _CANCELLED:
                                 self._gate(load.transfer, layer)
                                 if not self._write_layer(load, layer, load.batches, arena, parts[layer]):
-                                    continue       # cancelled (the deadline): nothing more for this load
+                                    load.failure = _CANCELLED      # the deadline: nothing more for this load
+                                    continue
                             self._layer_done(load, layer, stream)
+                    finished = True
                 finally:
                     if stream is not None:
                         stream.synchronize()      # every read of the arena is done before the leases go
         finally:
             for load in loads:                    # release each load's leases and check their expiry
+                if not finished and load.failure is None:
+                    load.failure = _STOPPED       # an error that is not the node's (device memory, ...)
                 if load.leases is not None:
                     try:
                         load.leases.close()
@@ -302,6 +311,7 @@ class PagedKVWorker:
             ids = torch.tensor(t.block_ids[a:a + lead], dtype=torch.long).to(self.device)
             batch = ([e[0] for e in views.extents[:lead]], ids)
             if not self._write_layer(load, 0, [batch], arena, layer0):
+                load.failure = _CANCELLED
                 return
             load.batches.append(batch)
             load.n += lead
