@@ -35,8 +35,9 @@ The stored value is the same either way, so the two paths read each other's bloc
 
 Every failure is a miss: a load that fails or runs past the core's deadline reports all of its
 blocks not loaded before it (``take_load_errors``) and never writes a cache block afterwards (a
-layered load cut off by the deadline may leave its leased blocks with only their first layers
-written: they are among the blocks reported, and the recompute overwrites them); a save that
+layered load cut off by the deadline, or by an error that is not the node's, may leave its
+leased blocks with only their first layers written: they are among the blocks reported, and the
+recompute overwrites them); a save that
 fails is not reported stored (batches the node committed before the failure stay: their bytes
 are right).
 """
@@ -229,8 +230,8 @@ class PagedKVWorker:
         may have run out before its first byte was read is not written at all.  Then each
         load's leases are released and their expiry checked: a late one fails that load, and
         its request recomputes (its blocks were written whole, from extents that may have been
-        reused: the recompute overwrites them).  Only the core's deadline stops the writes
-        mid-request."""
+        reused: the recompute overwrites them).  Only the core's deadline, or an error that is
+        not the node's, stops the writes between layers (the request is then reported whole)."""
         torch = _torch()
         stream = copier.stream
         step = max(1, min(self.staging_bytes // self.stored_nbytes, BATCH_BLOCKS))
