@@ -142,7 +142,9 @@ class ArenaCopier:
         if arena is None or self.stream is None:
             return
         torch = _torch()
-        with _REG_LOCK:
+        # under the copier's device: the registration names the device current in this thread
+        # (an I/O thread's is device 0), and arena_tensor's view lives on that device
+        with _REG_LOCK, torch.cuda.device(self.device):
             if _REGISTERED.get(arena.address) != arena.size:
                 err = torch.cuda.cudart().cudaHostRegister(arena.address, arena.size,
                                                            CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
@@ -172,7 +174,10 @@ class ArenaCopier:
         if self._device_arena is None and self.registered:
             torch = _torch()
             try:
-                t = torch.as_tensor(_MappedArena(self._arena.address, self._arena.size), device=self.device)
+                with torch.cuda.device(self.device):
+                    t = torch.as_tensor(_MappedArena(self._arena.address, self._arena.size))
+                if t.device != self.device:      # never device=: that would copy the whole arena over
+                    raise RuntimeError(f"the arena is registered for {t.device}, the caches are on {self.device}")
                 probe = min(4096, self._arena.size)
                 if not torch.equal(t[:probe].cpu(), self._host[:probe]):
                     raise RuntimeError("the device view of the arena reads other bytes")
