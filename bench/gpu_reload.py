@@ -20,22 +20,34 @@ attention kernel for the suffix make them close, not equal).
 ``--connector`` reloads through the vLLM connector's worker path instead:
 ``quillcache.connectors.paged.PagedKVWorker`` (what ``QuillCacheConnector`` delegates to; it
 imports no vLLM) on per-layer paged caches in vLLM's layout ``[2, blocks, 16, 8, 128]``, in
-vLLM's call order: the prefix's 16-token blocks (2 MiB each) saved once through
-``wait_for_save`` / ``get_finished``; per request ``start_load_kv``, then ``wait_for_layer_load``
-before each layer of the suffix reads its cache (a paged gather).  Forward passes run eager
-there (the per-layer waits sit between the layers, as in vLLM), the recompute too.  Columns:
-recompute, reload + suffix, x faster, load alone, suffix alone, from ``start_load_kv`` until
-layer 0 was ready, save rate, max logit diff.  On the GPU machine (one line; DIR as above):
+vLLM's call order: the prefix's 16-token blocks (2 MiB each in bf16) saved once per stored dtype
+(``--kv-dtype auto,fp8_e4m3``) through ``wait_for_save`` / ``get_finished``; per request
+``start_load_kv``, then ``wait_for_layer_load`` before each layer of the suffix reads its cache
+(a paged gather), once per load path (``--load-path layered,staged``: layer by layer out of the
+mapped arena, or whole blocks through staging; docs/engines.md).  Forward passes run eager there
+(the per-layer waits sit between the layers, as in vLLM), the recompute too.  Columns:
+recompute, reload + suffix, their ratio, load alone, from ``start_load_kv`` until layer 0 and
+until every layer is usable, suffix alone, save rate, max logit diff; each load is checked bit
+for bit (FP8: against the quantize -> dequantize of the saved blocks).  ``--load-only`` leaves
+the model out and times the load alone in the shape's KV geometry (bf16; runs on CPU too).
+``--layers N`` builds N layers of the shape and scales the times to its layer count.
 
-    PYTHONPATH=DIR python3 bench/gpu_reload.py --connector
+Issue 26's GPU table, in one command on the GPU machine (DIR as in
+../shared/notes/gpu-machine.md; about 9 minutes; rows print as they complete):
 
-and on a machine without a GPU (a test runs this, tests/connectors/test_paged.py):
+    PYTHONPATH=DIR python3 bench/gpu_reload.py --table
+
+(8B shape at 8k, 32k and 128k tokens, 70B shape at 8k and 32k built with 8 layers and scaled
+to 80, through the connector with bf16 and FP8 on both load paths, then the direct path at
+8k/32k/128k and the raw arena <-> device rates).  On a machine without a GPU (tests run these,
+tests/connectors/test_paged.py):
 
     python bench/gpu_reload.py --connector --device cpu --shape tiny --prefix 128,256 --rounds 1
+    python bench/gpu_reload.py --connector --load-only --device cpu --prefix 1024,4096 --kv-dtype auto,fp8_e4m3
 
 It starts its own DRAM-only quillcached (TCP + Unix socket).  Without a CUDA device it
 prints ``skipped: no CUDA device`` and exits 0.  Time-bounded: sizes left when
-TIME_BUDGET_S is spent are reported as skipped.
+TIME_BUDGET_S (TABLE_TIME_BUDGET_S) is spent are reported as skipped.
 
 Targets (issue 12, H200): arena -> device >= 40 GB/s; reload + suffix <= 1/3 of recompute
 at 2k tokens, <= 1/5 at 8k and 16k.
@@ -65,8 +77,13 @@ class Shape(NamedTuple):
 
 SHAPES = {
     "llama-3-8b": Shape(32, 4096, 32, 8, 128, 14336, 128256),
+    "llama-3-70b": Shape(80, 8192, 64, 8, 128, 28672, 128256),
     "tiny": Shape(2, 128, 4, 2, 32, 256, 512),        # the CPU run of the connector mode (a test)
 }
+# --table: issue 26's GPU table in one run (docs/engines.md): (shape, prefixes, layers built)
+TABLE = (("llama-3-8b", (8192, 32768, 131072), 0),
+         ("llama-3-70b", (8192, 32768), 8))             # 80 layers' weights do not fit beside the KV: 8, scaled
+TABLE_TIME_BUDGET_S = 560.0     # seconds: the device machine runs a command for at most 10 minutes
 ROPE_THETA = 500000.0
 SUFFIX = 128                    # tokens prefilled after the prefix
 CHUNK_TOKENS = 512              # tokens per stored block (one layer, K or V): 1 MiB
@@ -77,15 +94,26 @@ RAW_BLOCK = 4 << 20             # bytes per block there
 TCP_BATCH = 128                 # keys per GET_MANY on the TCP baseline (128 MiB replies)
 
 
+def arena_bytes(resident: int) -> int:
+    """The node's DRAM for ``resident`` bytes of values: a quarter more and 256 MiB of slack, in
+    whole GiB (a 128k-token 8B prefix: 21 GiB pinned, not the 64 GiB a power of two would be)."""
+    return -(-(resident * 5 // 4 + (256 << 20)) // (1 << 30)) << 30
+
+
 def skip(reason: str) -> int:
     print(f"skipped: {reason}")
     return 0
 
 
 class Model:
-    def __init__(self, torch, device, shape: Shape, dtype):
+    def __init__(self, torch, device, shape: Shape, dtype, layers: int = 0):
         self.t = torch
         self.dev = device
+        if layers and layers < shape.layers:          # time `layers` of the shape, scale by `scale`
+            self.scale = shape.layers / layers
+            shape = shape._replace(layers=layers)
+        else:
+            self.scale = 1.0
         self.s = S = shape
         self.dtype = dtype
         g = torch.Generator(device=device).manual_seed(0)
@@ -141,7 +169,7 @@ class Model:
                                                attn_mask=mask, is_causal=mask is None)
         return o[0].transpose(0, 1)
 
-    def forward(self, ids, cache=None, P: int = 0, paged=None):
+    def forward(self, ids, cache=None, P: int = 0, paged=None, keep: bool = True):
         """ids [T] at positions P..P+T.  ``cache``: per layer (K, V) buffers of at least P+T
         rows whose first P hold the prefix; the new rows are written after them (as an engine
         writes its paged cache).  ``paged``: instead, ``(caches, block_table, wait)``: vLLM's
@@ -179,7 +207,8 @@ class Model:
                 v = c[1, table].reshape(-1, S.kv_heads, S.head_dim)[:P + T]
             elif cache is None:
                 k, v = k.contiguous(), v.contiguous()
-                new_kv.append((k, v))
+                if keep:                               # a recompute timed alone keeps no KV
+                    new_kv.append((k, v))
             else:
                 kc, vc = cache[i]
                 kc[P:P + T] = k
@@ -267,7 +296,7 @@ def measure_prefix(torch, model, copier, tcp, P: int, timed, rounds: int, graphs
     S = model.s
     ids = torch.randint(0, S.vocab, (P + SUFFIX,), device=dev)
     with torch.inference_mode():
-        full = graphed(torch, lambda: model.forward(ids)[0], graphs)
+        full = graphed(torch, lambda: model.forward(ids, keep=False)[0], graphs)
         full_s = timed(full)
         ref_logits = full().clone()
         _, kv = model.forward(ids[:P])
@@ -299,6 +328,9 @@ def measure_prefix(torch, model, copier, tcp, P: int, timed, rounds: int, graphs
     if not all(torch.equal(a, b) for a, b in zip(kv_views(kv, P), dsts)):
         raise SystemExit("reload: the KV read back differs from the KV saved")
     nbytes = len(keys) * dsts[0].numel() * dsts[0].element_size()
+    if tcp is None:                                # --no-tcp: the TCP baseline is left out
+        return {"full": full_s, "shm": shm_s, "load": load_s, "suffix": suffix_s, "tcp": math.nan, "save": save_s,
+                "bytes": nbytes, "diff": (logits - ref_logits).abs().max().item()}
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     pviews = list(pinned.view(len(keys), -1).numpy())
     flat = torch.empty(nbytes, dtype=torch.uint8, device=dev).view(len(keys), -1)
@@ -319,82 +351,102 @@ def measure_prefix(torch, model, copier, tcp, P: int, timed, rounds: int, graphs
             "bytes": nbytes, "diff": (logits - ref_logits).abs().max().item()}
 
 
-def measure_connector(torch, model, core, P: int, timed, rounds: int) -> dict:
+def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes, paths, sync) -> list[dict]:
     """The vLLM connector's worker path (quillcache.connectors.paged.PagedKVWorker, which the
     vLLM adapter delegates to) on paged caches in vLLM's layout, in vLLM's call order: the
-    prefix's blocks saved once (wait_for_save, then get_finished until done); per request
-    start_load_kv, then wait_for_layer_load before each layer of the suffix reads its cache."""
+    prefix's blocks saved once per stored dtype (wait_for_save, then get_finished until done);
+    per request start_load_kv, then wait_for_layer_load before each layer of the suffix reads
+    its cache.  One row per (stored dtype, load path)."""
     from quillcache.connectors.core import chain_keys, model_scope
+    from quillcache.connectors.kvquant import make_codec
     from quillcache.model import IdentityScope
     from quillcache.connectors.paged import PagedKVWorker, Transfer
-    S, dev = model.s, model.dev
+    S, dev, x = model.s, model.dev, model.scale
     nb, ns = P // BLOCK_TOKENS, SUFFIX // BLOCK_TOKENS
     blocks = 2 * nb + ns
+    ids = torch.randint(0, S.vocab, (P + SUFFIX,), device=dev)
+    with torch.inference_mode():
+        full_s = timed(lambda: model.forward(ids, keep=False)[0])
+        ref = model.forward(ids, keep=False)[0]
+        _, kv = model.forward(ids[:P])
+    # the caches after the prefill: at 128k tokens (8B) they are 32 GiB, its activations ~15 GiB
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, blocks, BLOCK_TOKENS, S.kv_heads, S.head_dim,
                                                                dtype=model.dtype, device=dev)
               for i in range(S.layers)}
     layers = list(caches.values())
     names = list(caches)
-    worker = PagedKVWorker(core)
-    worker.register_kv_caches(caches)
-    scope = model_scope("bench", dtype=str(model.dtype).replace("torch.", ""), block_size=BLOCK_TOKENS,
-                        num_layers=S.layers, layout="vllm-2nbhd")
-    keys = chain_keys(IdentityScope(scope, "tok", None, ""), [(P << 32 | i).to_bytes(32, "big") for i in range(nb)],
-                      block_size=BLOCK_TOKENS)
-    ids = torch.randint(0, S.vocab, (P + SUFFIX,), device=dev)
     with torch.inference_mode():
-        full_s = timed(lambda: model.forward(ids)[0])
-        ref = model.forward(ids)[0]
-        _, kv = model.forward(ids[:P])
         for c, (k, v) in zip(layers, kv):                 # request A's prefix in blocks 0..nb-1
             c[0, :nb] = k.view(nb, BLOCK_TOKENS, S.kv_heads, S.head_dim)
             c[1, :nb] = v.view(nb, BLOCK_TOKENS, S.kv_heads, S.head_dim)
-
-    def save():
-        worker.wait_for_save([Transfer("A", keys, list(range(nb)))])
-        while not worker.get_finished({"A"}):
-            time.sleep(0.0005)
-    save_s = timed(save, 1)
-    if worker.take_stored() == [] or core.stats()["save_errors"]:
-        raise SystemExit("connector save: the blocks were not stored")
+        del kv
     table = list(range(nb, 2 * nb)) + list(range(2 * nb, blocks))      # request B: the prefix reloaded
-    load_t: list = []
+    with torch.inference_mode():
+        suffix_s = timed(lambda: model.forward(ids[P:], P=P, paged=(layers, table, lambda i: None))[0])
+    rows = []
+    for kv_dtype in kv_dtypes:
+        codec = make_codec(kv_dtype, model.dtype)
+        scope = model_scope("bench", dtype=codec.scope_dtype, block_size=BLOCK_TOKENS, num_layers=S.layers,
+                            layout="vllm-2nbhd")
+        keys = chain_keys(IdentityScope(scope, "tok", None, ""),
+                          [(P << 32 | i).to_bytes(32, "big") for i in range(nb)], block_size=BLOCK_TOKENS)
+        writer = PagedKVWorker(core, kv_dtype=kv_dtype)
+        writer.register_kv_caches(caches)
 
-    def reload_and_suffix():
-        t0 = time.perf_counter()
-        worker.start_load_kv([Transfer("B", keys, table[:nb])])
+        def save():
+            writer.wait_for_save([Transfer("A", keys, list(range(nb)))])
+            while not writer.get_finished({"A"}):
+                time.sleep(0.0005)
+        save_s = timed(save, 1)
+        if writer.take_stored() == [] or core.stats()["save_errors"]:
+            raise SystemExit("connector save: the blocks were not stored")
+        def want(c):                                     # what a load must leave in request B's blocks
+            if not codec.quantized:
+                return c[:, :nb]
+            one = (1, 2, BLOCK_TOKENS, S.kv_heads, S.head_dim)      # a layer's blocks as 1-layer blocks
+            return codec.decode(codec.encode(c[:, :nb].transpose(0, 1).contiguous()[:, None]), one)[:, 0].transpose(0, 1)
+        for path in paths:
+            worker = PagedKVWorker(core, kv_dtype=kv_dtype, load_path=path)
+            worker.register_kv_caches(caches)
 
-        def wait(i):
-            worker.wait_for_layer_load(names[i])
-            if i == 0:
-                load_t.append(time.perf_counter() - t0)
-        with torch.inference_mode():
-            out = model.forward(ids[P:], P=P, paged=(layers, table, wait))[0]
-        worker.wait_for_save([])
-        if worker.take_load_errors():
-            raise SystemExit("connector reload: blocks were reported missing")
-        return out
+            def reload_and_suffix():
+                worker.start_load_kv([Transfer("B", keys, table[:nb])])
+                with torch.inference_mode():
+                    out = model.forward(ids[P:], P=P, paged=(layers, table, lambda i: worker.wait_for_layer_load(names[i])))[0]
+                worker.wait_for_save([])
+                if worker.take_load_errors():
+                    raise SystemExit("connector reload: blocks were reported missing")
+                return out
+            marks: list = []
 
-    def load_only():
-        worker.start_load_kv([Transfer("B", keys, table[:nb])])
-        worker.wait_for_layer_load(names[-1])
-        worker.wait_for_save([])
-
-    def suffix_only():
-        with torch.inference_mode():
-            return model.forward(ids[P:], P=P, paged=(layers, table, lambda i: None))[0]
-
-    shm_s = timed(reload_and_suffix, rounds)
-    first = statistics.median(load_t[1:] or load_t)
-    load_s = timed(load_only, rounds)
-    suffix_s = timed(suffix_only, rounds)
-    logits = reload_and_suffix()
-    for i, c in enumerate(layers):
-        if not torch.equal(c[:, nb:2 * nb].view(torch.uint8), c[:, :nb].view(torch.uint8)):
-            raise SystemExit(f"connector reload: layer {i}: the blocks read back differ from the blocks saved")
-    worker.shutdown()
-    return {"full": full_s, "conn": shm_s, "load": load_s, "suffix": suffix_s, "first": first, "save": save_s,
-            "bytes": nb * worker.block_nbytes, "diff": (logits - ref).abs().max().item()}
+            def load_only():
+                t0 = time.perf_counter()
+                worker.start_load_kv([Transfer("B", keys, table[:nb])])
+                worker.wait_for_layer_load(names[0])
+                sync()
+                t1 = time.perf_counter()
+                worker.wait_for_layer_load(names[-1])
+                sync()
+                marks.append((t1 - t0, time.perf_counter() - t0))
+                worker.wait_for_save([])
+            conn_s = timed(reload_and_suffix, rounds)
+            load_s = timed(load_only, rounds)
+            first = statistics.median(m[0] for m in marks[1:] or marks)
+            every = statistics.median(m[1] for m in marks[1:] or marks)
+            for c in layers:
+                c[:, nb:2 * nb].zero_()
+            logits = reload_and_suffix()
+            for i, c in enumerate(layers):
+                if not torch.equal(c[:, nb:2 * nb].view(torch.uint8), want(c).contiguous().view(torch.uint8)):
+                    raise SystemExit(f"connector reload ({kv_dtype}, {path}): layer {i}: not the bytes saved")
+            taken = ",".join(k for k, v in worker.paths_used.items() if v)     # layered falls back to staged
+            rows.append({"kv": kv_dtype, "path": taken, "full": full_s * x, "conn": conn_s * x,
+                         "load": load_s * x, "first": first, "all": every * x, "suffix": suffix_s * x,
+                         "save": save_s, "bytes": nb * writer.stored_nbytes, "diff": (logits - ref).abs().max().item()})
+            worker.shutdown()
+        writer.shutdown()
+        core.call_async(lambda c, keys=keys: c.remove_many(keys), what="save").result()   # room for the next
+    return rows
 
 
 def main(argv=None) -> int:
@@ -408,25 +460,29 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: the connector mode only, to check it on a machine without a GPU")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
+    ap.add_argument("--layers", type=int, default=0, help="build and time this many layers, scale to the shape's")
+    ap.add_argument("--kv-dtype", default="auto", help="connector: stored dtypes, comma-separated (auto,fp8_e4m3)")
+    ap.add_argument("--load-path", default="layered,staged", help="connector: load paths, comma-separated")
+    ap.add_argument("--no-tcp", action="store_true", help="direct path: leave out the TCP baseline")
+    ap.add_argument("--load-only", action="store_true",
+                    help="connector: no model, only the load (first layer vs all layers usable; runs on CPU)")
+    ap.add_argument("--table", action="store_true",
+                    help="issue 26's GPU table: 8B at 8k/32k/128k, 70B at 8k/32k (8 layers, scaled), through the "
+                         "connector (bf16, fp8; layered, staged), the direct path and arena -> device GB/s")
     args = ap.parse_args(argv)
     started = time.monotonic()
     try:
         import torch
     except ImportError:
         return skip("no CUDA device (torch is not installed)")
-    if args.device == "cpu" and not args.connector:
-        raise SystemExit("--device cpu: only with --connector (the other modes measure CUDA copies)")
+    if args.device == "cpu" and not (args.connector or args.table):
+        raise SystemExit("--device cpu: only with --connector or --table (the direct path measures CUDA copies)")
     if args.device == "cuda" and not torch.cuda.is_available():
         return skip("no CUDA device")
     prefixes = [int(p) for p in args.prefix.split(",")]
     unit = BLOCK_TOKENS if args.connector else CHUNK_TOKENS
     if any(p % unit for p in prefixes):
         raise SystemExit(f"--prefix: every length must be a multiple of {unit}")
-    from _local_node import LocalNode
-    from quillcache import Client
-    from quillcache.client.gpu import ArenaCopier
-
-    shape = SHAPES[args.shape]
     if args.device == "cuda":
         dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
@@ -449,29 +505,71 @@ def main(argv=None) -> int:
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
 
-    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * (2 if dtype == torch.bfloat16 else 4)
-    kv_bytes = (sum(prefixes) if args.connector else max(prefixes)) * per_token
-    dram = 1 << math.ceil(math.log2(2 * kv_bytes + (64 << 20 if args.connector else 2 * RAW_BYTES)))
-    print(f"gpu_reload: {name}, torch {torch.__version__}; {args.shape} shape, random {str(dtype)[6:]} weights; "
-          f"suffix {SUFFIX} tokens; arena {dram >> 20} MiB")
-    model = Model(torch, dev, shape, dtype)
+    print(f"gpu_reload: {name}, torch {torch.__version__}; random {str(dtype)[6:]} weights; suffix {SUFFIX} tokens",
+          flush=True)
+    if args.table:
+        return run_table(torch, dev, dtype, timed, sync, args, started)
+    if args.connector and args.load_only:
+        return run_load_only(torch, dev, timed, sync, args, prefixes)
+    model = Model(torch, dev, SHAPES[args.shape], dtype, args.layers)
     if args.connector:
-        return run_connector(torch, model, prefixes, timed, args, dram, started)
+        run_connector(torch, model, prefixes, timed, args, started, TIME_BUDGET_S, sync)
+        print(f"\ntotal {time.monotonic() - started:.0f} s")
+        return 0
+    run_direct(torch, model, prefixes, timed, args, started, TIME_BUDGET_S)
+    return 0
+
+
+def run_table(torch, dev, dtype, timed, sync, args, started: float) -> int:
+    """Issue 26's item 4 in one run, the rows printed as they complete: the connector rows
+    first (the targets are about them), then the direct path and the raw copy rates."""
+    args.kv_dtype = "auto,fp8_e4m3"
+    args.eager = True                 # every forward pass eager, as in the connector rows (and no graph pools)
+    args.rounds = min(args.rounds, 3)
+    args.no_tcp = True
+    for shape, prefixes, layers in TABLE:
+        args.shape = shape
+        model = Model(torch, dev, SHAPES[shape], dtype, args.layers or layers)
+        run_connector(torch, model, list(prefixes), timed, args, started, TABLE_TIME_BUDGET_S, sync)
+        del model
+        torch.cuda.empty_cache()
+    args.shape = TABLE[0][0]
+    if dev.type != "cuda":
+        print("\ndirect path: skipped (it measures CUDA copies)")
+        return 0
+    model = Model(torch, dev, SHAPES[args.shape], dtype, TABLE[0][2])
+    run_direct(torch, model, list(TABLE[0][1]), timed, args, started, TABLE_TIME_BUDGET_S)
+    return 0
+
+
+def run_direct(torch, model, prefixes, timed, args, started: float, budget: float) -> None:
+    """The bench's direct path (ArenaCopier.load of per-(layer, K/V, chunk) blocks) and the raw rates."""
+    from _local_node import LocalNode
+    from quillcache import Client
+    from quillcache.client.gpu import ArenaCopier
+    S, dev = model.s, model.dev
+    per_token = S.layers * 2 * S.kv_heads * S.head_dim * 2
+    dram = arena_bytes(sum(prefixes) * per_token + 2 * RAW_BYTES)     # every prefix stays stored
     with LocalNode(dram=f"{dram >> 20}MiB", max_block="64MiB", lease="60s") as node, \
             Client(node.unix, timeout=120) as uni, Client(node.tcp, timeout=120) as tcp:
         if not uni.shm:
             raise SystemExit(f"the Unix client did not map the arena: {uni.shm_refused}")
         t0 = time.perf_counter()
         copier = ArenaCopier(uni, device=dev)
-        print(f"arena registered with CUDA: {copier.registered} ({time.perf_counter() - t0:.2f} s); "
-              f"SDPA GQA kernel: {model.gqa}; forward passes as CUDA graphs: {not args.eager}")
+        print(f"\n{args.shape}, arena {dram >> 20} MiB registered with CUDA: {copier.registered} "
+              f"({time.perf_counter() - t0:.2f} s); SDPA GQA kernel: {model.gqa}; forward passes as CUDA graphs: "
+              f"{not args.eager}", flush=True)
         measure_raw(torch, copier, timed)
         rows = []
         for P in prefixes:
-            if time.monotonic() - started > TIME_BUDGET_S:
+            if time.monotonic() - started > budget:
                 rows.append((P, None))
                 continue
-            rows.append((P, measure_prefix(torch, model, copier, tcp, P, timed, args.rounds, not args.eager)))
+            try:
+                rows.append((P, measure_prefix(torch, model, copier, None if args.no_tcp else tcp, P, timed,
+                                               args.rounds, not args.eager)))
+            except torch.OutOfMemoryError:
+                rows.append((P, None))
             torch.cuda.empty_cache()
 
     print("\n| prefix tokens | recompute ms | reload shm + suffix ms | x faster | (load ms | suffix ms) "
@@ -479,49 +577,141 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for P, r in rows:
         if r is None:
-            print(f"| {P} | skipped: time budget ({TIME_BUDGET_S:.0f} s) spent | | | | | | | | |")
+            print(f"| {P} | skipped: time budget ({budget:.0f} s) spent or out of device memory | | | | | | | | |")
             continue
         print(f"| {P} | {r['full'] * 1e3:.1f} | {r['shm'] * 1e3:.1f} | {r['full'] / r['shm']:.2f} "
               f"| {r['load'] * 1e3:.1f} | {r['suffix'] * 1e3:.1f} | {r['tcp'] * 1e3:.1f} | {r['full'] / r['tcp']:.2f} "
-              f"| {r['bytes'] / r['save'] / 1e9:.1f} | {r['diff']:.3f} |")
+              f"| {r['bytes'] / r['save'] / 1e9:.1f} | {r['diff']:.3f} |", flush=True)
     print(f"\ntotal {time.monotonic() - started:.0f} s; targets: arena -> device >= 40 GB/s, reload+suffix "
           "<= 1/3 of recompute at 2k, <= 1/5 at 8k and 16k")
+
+
+def measure_load_only(torch, shape: Shape, P: int, dev, core, rounds: int, kv_dtypes, paths, sync) -> list[dict]:
+    """No model: the shape's KV geometry in bf16, random bytes saved once per stored dtype, then
+    loaded through each path, timing start_load_kv until layer 0, and until every layer, is
+    usable (the CPU variant of the pipelining figure; on CUDA too)."""
+    from quillcache.connectors.core import chain_keys, model_scope
+    from quillcache.connectors.paged import PagedKVWorker, Transfer
+    from quillcache.model import IdentityScope
+    nb = P // BLOCK_TOKENS
+    g = torch.Generator(device=dev).manual_seed(1)
+    caches = {f"l{i}": torch.randn(2, 2 * nb, BLOCK_TOKENS, shape.kv_heads, shape.head_dim, generator=g, device=dev)
+              .to(torch.bfloat16) for i in range(shape.layers)}
+    names, layers = list(caches), list(caches.values())
+    rows = []
+    for kv_dtype in kv_dtypes:
+        writer = PagedKVWorker(core, kv_dtype=kv_dtype)
+        writer.register_kv_caches(caches)
+        scope = model_scope("load-only", dtype=writer.codec.scope_dtype, block_size=BLOCK_TOKENS,
+                            num_layers=shape.layers, layout="vllm-2nbhd")
+        keys = chain_keys(IdentityScope(scope, "tok", None, ""), [(P << 32 | i).to_bytes(32, "big") for i in range(nb)],
+                          block_size=BLOCK_TOKENS)
+        writer.wait_for_save([Transfer("A", keys, list(range(nb)))])
+        while not writer.get_finished({"A"}):
+            time.sleep(0.001)
+        for path in paths:
+            worker = PagedKVWorker(core, kv_dtype=kv_dtype, load_path=path)
+            worker.register_kv_caches(caches)
+            marks = []
+            for _ in range(rounds + 1):
+                sync()
+                t0 = time.perf_counter()
+                worker.start_load_kv([Transfer("B", keys, list(range(nb, 2 * nb)))])
+                worker.wait_for_layer_load(names[0])
+                sync()
+                t1 = time.perf_counter()
+                worker.wait_for_layer_load(names[-1])
+                sync()
+                marks.append((t1 - t0, time.perf_counter() - t0))
+                worker.wait_for_save([])
+                if worker.take_load_errors():
+                    raise SystemExit("load-only: blocks were reported missing")
+            if kv_dtype == "auto" and not all(torch.equal(c[:, nb:], c[:, :nb]) for c in layers):
+                raise SystemExit(f"load-only ({path}): the blocks loaded differ from the blocks saved")
+            rows.append({"kv": kv_dtype, "path": ",".join(k for k, v in worker.paths_used.items() if v),
+                         "first": statistics.median(m[0] for m in marks[1:]),
+                         "all": statistics.median(m[1] for m in marks[1:]), "bytes": nb * writer.stored_nbytes})
+            worker.shutdown()
+        writer.shutdown()
+        core.call_async(lambda c, keys=keys: c.remove_many(keys), what="save").result()
+    return rows
+
+
+def run_load_only(torch, dev, timed, sync, args, prefixes) -> int:
+    from _local_node import LocalNode
+    from quillcache.connectors.core import ConnectorCore
+    shape = SHAPES[args.shape]._replace(layers=args.layers or SHAPES[args.shape].layers)
+    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * 2
+    dram = arena_bytes(max(prefixes) * per_token)
+    print(f"load only: {args.shape} KV geometry ({shape.layers} layers), bf16, block {BLOCK_TOKENS} tokens, "
+          f"arena {dram >> 20} MiB; median of {args.rounds}")
+    print("| prefix tokens | stored | load path | MiB moved | first layer usable ms | all layers usable ms | first / all |")
+    print("|---|---|---|---|---|---|---|")
+    with LocalNode(dram=f"{dram >> 20}MiB", max_block="64MiB", lease="60s") as node:
+        core = ConnectorCore(node.unix, timeout=120)
+        try:
+            for P in prefixes:
+                for r in measure_load_only(torch, shape, P, dev, core, args.rounds, args.kv_dtype.split(","),
+                                           args.load_path.split(","), sync):
+                    print(f"| {P} | {r['kv']} | {r['path']} | {r['bytes'] / 2**20:.0f} | {r['first'] * 1e3:.1f} "
+                          f"| {r['all'] * 1e3:.1f} | {r['first'] / r['all']:.2f} |", flush=True)
+        finally:
+            core.close()
     return 0
 
 
-def run_connector(torch, model, prefixes, timed, args, dram: int, started: float) -> int:
+def run_connector(torch, model, prefixes, timed, args, started: float, budget: float, sync) -> list:
+    """Rows (shape, P, row or None) of the connector mode for one model, on a node of its own."""
     from _local_node import LocalNode
     from quillcache.connectors.core import ConnectorCore
-    rows = []
+    S = model.s
+    per_token = S.layers * 2 * S.kv_heads * S.head_dim * model.t.tensor([], dtype=model.dtype).element_size()
+    dram = arena_bytes(max(prefixes) * per_token)     # one prefix and stored dtype at a time: removed after
+    kv_dtypes, paths = args.kv_dtype.split(","), args.load_path.split(",")
+    rows: list = []
+    print_connector(rows, {})
     with LocalNode(dram=f"{dram >> 20}MiB", max_block="64MiB", lease="60s") as node:
         core = ConnectorCore(node.unix, timeout=120)
         try:
             if not core.shm:
                 raise SystemExit("the connector's Unix-socket client did not map the arena")
             for P in prefixes:
-                if time.monotonic() - started > TIME_BUDGET_S:
-                    rows.append((P, None))
+                if time.monotonic() - started > budget:
+                    rows.append((args.shape, P, None, "time budget spent"))
                     continue
-                rows.append((P, measure_connector(torch, model, core, P, timed, args.rounds)))
+                try:
+                    got = [(args.shape, P, r, "") for r in
+                           measure_connector(torch, model, core, P, timed, args.rounds, kv_dtypes, paths, sync)]
+                except torch.OutOfMemoryError as exc:
+                    got = [(args.shape, P, None, f"out of device memory ({str(exc).splitlines()[0][:60]})")]
+                print_connector(got, {args.shape: model.scale}, header=False)      # as they complete
+                rows += got
                 if model.dev.type == "cuda":
                     torch.cuda.empty_cache()
             stats = core.stats()
         finally:
             core.close()
-    print(f"\nvLLM connector worker path (PagedKVWorker, block {BLOCK_TOKENS} tokens, vLLM layout, forward "
-          f"passes eager; connector counters: {stats})")
-    print("| prefix tokens | recompute ms | reload + suffix ms | x faster | (load ms | suffix ms) "
-          "| first layer ready ms | save GB/s | max logit diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for P, r in rows:
+    print(f"\n{args.shape}: connector counters {stats}", flush=True)
+    return rows
+
+
+def print_connector(rows, model_scale: dict, header: bool = True) -> None:
+    if header:
+        print(f"\nvLLM connector worker path (PagedKVWorker, block {BLOCK_TOKENS} tokens, vLLM layout, forward "
+              "passes eager; ratio = reload + suffix / recompute; first = start_load_kv until layer 0 is usable, "
+              "all = until every layer is; shapes timed on fewer layers are scaled, first layer not)")
+        print("| shape | prefix tokens | stored | load path | recompute ms | reload + suffix ms | ratio | load ms "
+              "| first layer ms | all layers ms | suffix ms | save GB/s | max logit diff |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for shape, P, r, why in rows:
         if r is None:
-            print(f"| {P} | skipped: time budget ({TIME_BUDGET_S:.0f} s) spent | | | | | | | |")
+            print(f"| {shape} | {P} | skipped: {why} | | | | | | | | | | |")
             continue
-        print(f"| {P} | {r['full'] * 1e3:.1f} | {r['conn'] * 1e3:.1f} | {r['full'] / r['conn']:.2f} "
-              f"| {r['load'] * 1e3:.1f} | {r['suffix'] * 1e3:.1f} | {r['first'] * 1e3:.1f} "
-              f"| {r['bytes'] / r['save'] / 1e9:.2f} | {r['diff']:.3g} |")
-    print(f"\ntotal {time.monotonic() - started:.0f} s")
-    return 0
+        scaled = " (scaled)" if model_scale.get(shape, 1.0) != 1.0 else ""
+        print(f"| {shape}{scaled} | {P} | {r['kv']} | {r['path']} | {r['full'] * 1e3:.1f} | {r['conn'] * 1e3:.1f} "
+              f"| {r['conn'] / r['full']:.3f} | {r['load'] * 1e3:.1f} | {r['first'] * 1e3:.1f} "
+              f"| {r['all'] * 1e3:.1f} | {r['suffix'] * 1e3:.1f} | {r['bytes'] / r['save'] / 1e9:.2f} | {r['diff']:.3g} |",
+              flush=True)
 
 
 if __name__ == "__main__":

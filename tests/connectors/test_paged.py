@@ -107,18 +107,42 @@ def test_register_refuses_caches_not_in_vllms_layout(node):
         core.close()
 
 
+def bench_rows(out: str, first: str) -> list[list[str]]:
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith(first)]
+
+
 def test_gpu_reload_connector_mode_runs_on_cpu_with_a_tiny_shape(capsys):
     sys.path.insert(0, str(BENCH))
     try:
         import gpu_reload
     finally:
         sys.path.remove(str(BENCH))
-    rc = gpu_reload.main(["--connector", "--device", "cpu", "--shape", "tiny", "--prefix", "128,256", "--rounds", "1"])
+    rc = gpu_reload.main(["--connector", "--device", "cpu", "--shape", "tiny", "--prefix", "128,256", "--rounds", "1",
+                          "--kv-dtype", "auto,fp8_e4m3"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 128 ") or line.startswith("| 256 ")]
-    assert len(rows) == 2, out
+    rows = bench_rows(out, "| tiny |")
+    assert len(rows) == 8, out                             # 2 prefixes x 2 stored dtypes x 2 load paths
+    assert {(r[1], r[2], r[3]) for r in rows} == {(p, kv, path) for p in ("128", "256")
+                                                  for kv in ("auto", "fp8_e4m3") for path in ("layered", "staged")}
     for r in rows:
-        assert float(r[2]) > 0 and float(r[3]) > 0        # recompute ms, reload + suffix ms
-        assert float(r[9]) < 1e-3                          # float32 on CPU: the same logits
+        assert float(r[4]) > 0 and float(r[5]) > 0        # recompute ms, reload + suffix ms
+        assert float(r[8]) <= float(r[9])                  # first layer usable no later than all layers
+        assert float(r[12]) < (1e-3 if r[2] == "auto" else 0.05)   # float32 on CPU: the same logits; FP8 close
     assert "'load_errors': 0" in out and "'save_errors': 0" in out
+
+
+def test_gpu_reload_load_only_mode_times_the_first_layer_against_all_layers_on_cpu(capsys):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_reload
+    finally:
+        sys.path.remove(str(BENCH))
+    rc = gpu_reload.main(["--connector", "--load-only", "--device", "cpu", "--shape", "tiny", "--prefix", "256",
+                          "--rounds", "1", "--kv-dtype", "auto,fp8_e4m3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = bench_rows(out, "| 256 |")
+    assert {(r[1], r[2]) for r in rows} == {(kv, p) for kv in ("auto", "fp8_e4m3") for p in ("layered", "staged")}
+    for r in rows:
+        assert 0 < float(r[4]) <= float(r[5])

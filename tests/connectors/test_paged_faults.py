@@ -1,7 +1,9 @@
 """A load through PagedKVWorker that fails part way (the node killed with -9 between chunks, or
 a located lease that ran out) leaves no block of the request half-written in the engine's caches
 and reports every block of the request for recompute.  CPU torch against a real quillcached,
-driven in vLLM's call order (start_load_kv, wait_for_layer_load per layer, take_load_errors)."""
+driven in vLLM's call order (start_load_kv, wait_for_layer_load per layer, take_load_errors), on
+both load paths: "layered" (layer by layer out of the mapped arena; a batch whose lease is held
+is completed, a later one never started) and "staged" (whole blocks through staging)."""
 from __future__ import annotations
 
 import signal
@@ -83,7 +85,8 @@ def load(worker: PagedKVWorker, kv: dict, ks) -> set:
     return worker.take_load_errors()
 
 
-def test_node_killed_mid_load_leaves_no_torn_block_and_the_request_recomputes(tmp_path):
+@pytest.mark.parametrize("load_path", ["layered", "staged"])
+def test_node_killed_mid_load_leaves_no_torn_block_and_the_request_recomputes(tmp_path, load_path):
     node = Daemon(tmp_path).start()
     try:
         ks = keys(BLOCKS, "killed")
@@ -91,7 +94,7 @@ def test_node_killed_mid_load_leaves_no_torn_block_and_the_request_recomputes(tm
         core = ConnectorCore(f"unix:{node.data_dir / 'quillcached.sock'}", timeout=10)
         try:
             block = LAYERS * 2 * BS * KVH * HD * 2
-            reader = PagedKVWorker(core, staging_bytes=block)          # one block per chunk
+            reader = PagedKVWorker(core, staging_bytes=block, load_path=load_path)      # one block per chunk
             kv = caches(SENTINEL)
             reader.register_kv_caches(kv)
             first = next(iter(kv.values()))
@@ -108,6 +111,7 @@ def test_node_killed_mid_load_leaves_no_torn_block_and_the_request_recomputes(tm
             killer.start()
             errors = load(reader, kv, ks)
             killer.join()
+            assert reader.paths_used[load_path] == 1
         finally:
             core.close()
         states = block_states(kv, written)
@@ -120,7 +124,8 @@ def test_node_killed_mid_load_leaves_no_torn_block_and_the_request_recomputes(tm
         node.stop(signal.SIGKILL)
 
 
-def test_lease_run_out_mid_load_writes_nothing_and_the_request_recomputes(tmp_path):
+@pytest.mark.parametrize("load_path", ["layered", "staged"])
+def test_lease_run_out_mid_load_writes_nothing_and_the_request_recomputes(tmp_path, load_path):
     # a lease shorter than any GET_LOCATED round trip: the client finds it expired after the copy
     node = Daemon(tmp_path, sections={"store": 'lease = "50us"'}).start()
     try:
@@ -128,10 +133,11 @@ def test_lease_run_out_mid_load_writes_nothing_and_the_request_recomputes(tmp_pa
         written = store(node, ks)
         core = ConnectorCore(f"unix:{node.data_dir / 'quillcached.sock'}", timeout=10)
         try:
-            reader = PagedKVWorker(core, staging_bytes=8 * LAYERS * 2 * BS * KVH * HD * 2)
+            reader = PagedKVWorker(core, staging_bytes=8 * LAYERS * 2 * BS * KVH * HD * 2, load_path=load_path)
             kv = caches(SENTINEL)
             reader.register_kv_caches(kv)
             errors = load(reader, kv, ks)
+            assert reader.paths_used[load_path] == 1
             stats = core.stats()
         finally:
             core.close()

@@ -1,4 +1,4 @@
-"""The vLLM connector's ``kv_dtype`` (kv_connector_extra_config), built by vLLM's own
+"""The vLLM connector's ``kv_dtype`` and ``load_path`` (kv_connector_extra_config), built by vLLM's own
 KVConnectorFactory from a real VllmConfig: "fp8_e4m3" puts the stored dtype in every key's scope
 and makes the worker quantize; anything else is refused at construction.  vllm 0.33.0, CPU torch."""
 from __future__ import annotations
@@ -49,3 +49,14 @@ def test_fp8_kv_dtype_is_in_the_scope_and_the_worker_stores_half_the_bytes():
 def test_an_unknown_kv_dtype_is_refused_at_construction():
     with pytest.raises(ValueError, match="kv_dtype"):
         build(KVConnectorRole.WORKER, kv_dtype="int4")
+
+
+def test_load_path_reaches_the_worker_and_an_unknown_one_is_refused():
+    layered, staged = build(KVConnectorRole.WORKER), build(KVConnectorRole.WORKER, load_path="staged")
+    try:
+        assert layered.worker.load_path == "layered" and staged.worker.load_path == "staged"
+    finally:
+        layered.core.close()
+        staged.core.close()
+    with pytest.raises(ValueError, match="load_path"):
+        build(KVConnectorRole.WORKER, load_path="sideways")

@@ -31,6 +31,17 @@ __all__ = ["ArenaCopier", "torch_available", "cuda_available"]
 _REGISTERED: dict[int, int] = {}        # arena address -> size, registered in this process
 _REG_LOCK = threading.Lock()
 CUDA_HOST_REGISTER_PORTABLE = 1         # cudaHostRegisterPortable: pinned for every CUDA context
+CUDA_HOST_REGISTER_MAPPED = 2           # cudaHostRegisterMapped: kernels may read it (``arena_tensor``)
+_WORDS = ((8, "int64"), (4, "int32"), (2, "int16"), (1, "uint8"))   # widest element a gather may move
+
+
+class _MappedArena:
+    """``__cuda_array_interface__`` of the registered arena: a CUDA tensor over host memory
+    (unified addressing: the host address is the device address of registered memory)."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
 
 
 def _torch():
@@ -105,6 +116,7 @@ class ArenaCopier:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._arena = None
         self._host = None                      # uint8 tensor over the whole mapped arena
+        self._device_arena = None              # the same bytes as a CUDA tensor (arena_tensor)
         self.registered = False
         self._bind()
         if register and self.stream is not None and self._arena is not None:
@@ -118,6 +130,7 @@ class ArenaCopier:
             return
         self._arena = arena
         self.registered = False
+        self._device_arena = None
         self._host = None if arena is None else torch.frombuffer(arena.map, dtype=torch.uint8)
         if arena is not None and self.stream is not None:
             self.register()
@@ -129,14 +142,78 @@ class ArenaCopier:
         if arena is None or self.stream is None:
             return
         torch = _torch()
-        with _REG_LOCK:
+        # under the copier's device: the registration names the device current in this thread
+        # (an I/O thread's is device 0), and arena_tensor's view lives on that device
+        with _REG_LOCK, torch.cuda.device(self.device):
             if _REGISTERED.get(arena.address) != arena.size:
-                err = torch.cuda.cudart().cudaHostRegister(arena.address, arena.size, CUDA_HOST_REGISTER_PORTABLE)
+                err = torch.cuda.cudart().cudaHostRegister(arena.address, arena.size,
+                                                           CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
                 code = int(err) if not hasattr(err, "value") else int(err.value)
                 if code != 0:
                     raise RuntimeError(f"cudaHostRegister of the {arena.size}-byte arena failed: error {code}")
                 _REGISTERED[arena.address] = arena.size
         self.registered = True
+
+    # ------------------------------------------------------------------ layer slices
+
+    @property
+    def lease_ns(self) -> int:
+        """The node's located lease (0: no mapping)."""
+        return int(getattr(self._arena, "lease_ns", 0) or 0) if self._arena is not None else 0
+
+    def arena_tensor(self):
+        """The mapped arena as a uint8 tensor on the copier's device, for ``gather``: on CPU
+        the mapping itself; on CUDA the registered mapping seen by kernels (a gather kernel then
+        reads host memory over the bus, no staging copy).  None without a mapping, or where
+        the device cannot address it (the caller falls back to whole-block copies)."""
+        self._bind()
+        if self._arena is None:
+            return None
+        if self.stream is None:
+            return self._host
+        if self._device_arena is None and self.registered:
+            torch = _torch()
+            try:
+                with torch.cuda.device(self.device):
+                    t = torch.as_tensor(_MappedArena(self._arena.address, self._arena.size))
+                if t.device != self.device:      # never device=: that would copy the whole arena over
+                    raise RuntimeError(f"the arena is registered for {t.device}, the caches are on {self.device}")
+                probe = min(4096, self._arena.size)
+                if not torch.equal(t[:probe].cpu(), self._host[:probe]):
+                    raise RuntimeError("the device view of the arena reads other bytes")
+            except (RuntimeError, TypeError, ValueError) as exc:
+                import logging
+                logging.getLogger(__name__).warning("quillcache: kernels cannot read the mapped arena (%s); "
+                                                    "loads copy whole blocks", exc)
+                self._device_arena = False
+            else:
+                self._device_arena = t
+        return self._device_arena if self._device_arena is not False else None
+
+    @staticmethod
+    def gather(arena, offsets: Sequence[int], nbytes: int):
+        """Bytes ``[off, off + nbytes)`` of ``arena`` (``arena_tensor()``) for each offset, as one
+        ``[len(offsets), nbytes]`` uint8 tensor on its device: one ``index_select`` over a
+        window view of the arena (row j = the ``nbytes`` from ``j * step``, ``step`` the
+        largest common divisor of the offsets), so a layer's slices of any number of blocks,
+        wherever they lie, are one kernel, moved in the widest word that divides them."""
+        import math
+        torch = _torch()
+        if nbytes <= 0 or not offsets:
+            raise InvalidArgument("gather: nothing to gather")
+        size = arena.numel()
+        step = 0
+        for off in offsets:
+            if not 0 <= off <= size - nbytes:
+                raise InvalidArgument(f"gather: {off}+{nbytes} outside the {size}-byte arena")
+            step = math.gcd(step, off)
+        step = step or nbytes
+        word, name = next((w, n) for w, n in _WORDS if step % w == 0 and nbytes % w == 0 and size % w == 0)
+        words = arena.view(getattr(torch, name)) if word > 1 else arena
+        rows = (size - nbytes) // step + 1
+        window = words.as_strided((rows, nbytes // word), (step // word, 1))
+        idx = torch.tensor([off // step for off in offsets], dtype=torch.long).to(arena.device, non_blocking=True)
+        return torch.index_select(window, 0, idx).view(torch.uint8)
 
     # ------------------------------------------------------------------ load
 

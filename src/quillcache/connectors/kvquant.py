@@ -71,6 +71,20 @@ class KvCodec:
         """``n`` stored rows -> ``[n, *block_shape]`` blocks in the engine's dtype."""
         return rows
 
+    def layer_parts(self, block_shape: tuple, element_size: int, layer: int) -> list[tuple[int, int]]:
+        """Where one layer's bytes lie in a stored value: ``(offset, nbytes)`` per part, in the
+        order ``decode_layer`` takes them (the layer-pipelined load reads only these)."""
+        n = element_size
+        for d in block_shape[1:]:
+            n *= d
+        return [(layer * n, n)]
+
+    def decode_layer(self, parts: list, layer_shape: tuple) -> Any:
+        """One layer of ``n`` values: the ``[n, nbytes]`` uint8 parts of ``layer_parts`` ->
+        ``[n, *layer_shape]`` (``[2, block_size, kv_heads, head_size]``) in the engine's dtype,
+        element for element what ``decode`` gives for that layer."""
+        return parts[0].view(self.engine_dtype).reshape(parts[0].shape[0], *layer_shape)
+
 
 class Fp8E4m3Codec(KvCodec):
     """e4m3 bytes with a float32 scale per (block, layer, K/V) in front of them."""
@@ -129,6 +143,19 @@ class Fp8E4m3Codec(KvCodec):
         scale = rows[:, :head].contiguous().view(torch.float32).reshape(n, groups, 1)
         q = rows[:, head:].contiguous().view(self.fp8).reshape(n, groups, per)
         return (q.float() * scale).to(self.engine_dtype).reshape(n, *block_shape)
+
+    def layer_parts(self, block_shape: tuple, element_size: int, layer: int) -> list[tuple[int, int]]:
+        groups, per = self._groups(block_shape)
+        kv = block_shape[1]                                          # K and V: the layer's scale groups
+        return [(layer * kv * _SCALE_BYTES, kv * _SCALE_BYTES), (groups * _SCALE_BYTES + layer * kv * per, kv * per)]
+
+    def decode_layer(self, parts: list, layer_shape: tuple) -> Any:
+        torch = _torch()
+        scales, q = parts
+        n, kv = q.shape[0], layer_shape[0]
+        scale = scales.view(torch.float32).reshape(n, kv, 1)
+        q = q.view(self.fp8).reshape(n, kv, -1)
+        return (q.float() * scale).to(self.engine_dtype).reshape(n, *layer_shape)
 
 
 _CODECS = {"auto": KvCodec, "fp8_e4m3": Fp8E4m3Codec}

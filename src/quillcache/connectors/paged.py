@@ -16,37 +16,50 @@ Call order (vLLM's)::
     get_finished(finished_req_ids)      requests whose saves are all done
     take_load_errors()                  block ids to recompute
 
-Loads: on the I/O thread, ``quillcache.client.gpu.ArenaCopier`` copies up to ``staging_bytes`` of
-blocks at a time from the node into a staging tensor on the caches' device (over ``unix:`` a
-located GET and arena -> device copies on the copier's stream, adjacent blocks merged into one
-copy; over TCP through a host buffer), then they are scattered into the paged caches layer by
-layer on that stream, with an event after each layer.  ``wait_for_layer_load(L)`` waits on the
-host until the job has issued everything, then makes the engine's current stream wait for
-layer L's event only: layer L computes while the scatters of the layers after it still run.
-The host -> device copy itself is not split by layer: layer L's bytes lie in every block's
-value, so per-layer copies would be blocks x layers small copies (docs/engines.md).
+Loads (``load_path``, docs/engines.md "Layer-pipelined loads"):
+
+- ``"layered"`` (the default, over ``unix:`` with the arena mapped and addressable from the
+  caches' device): one job per step; located GETs of up to ``staging_bytes`` of blocks at a
+  time; as soon as a batch is leased its layer 0 is copied, then layers 1.. of every leased
+  batch of every request in order, each
+  layer of a batch one gather straight out of the mapped arena (``ArenaCopier.gather``: on
+  CUDA a kernel reading the registered arena, no staging copy), FP8 dequantized per layer.
+  ``wait_for_layer_load(L)`` waits until layer L is written (CPU) or issued, and then makes
+  the engine's stream wait for layer L's event (CUDA): layer L computes while L+1.. copy.
+- ``"staged"`` (and the fallback: TCP, or a device that cannot address the arena):
+  ``ArenaCopier`` copies up to ``staging_bytes`` of whole blocks into a staging tensor (adjacent
+  blocks merged into one copy), then they are scattered layer by layer;
+  ``wait_for_layer_load`` waits for the whole copy first.
+
+The stored value is the same either way, so the two paths read each other's blocks.
 
 Every failure is a miss: a load that fails or runs past the core's deadline reports all of its
-blocks not loaded before it (``take_load_errors``) and never writes a cache block afterwards; a
-save that fails is not reported stored (batches the node committed before the failure stay:
-their bytes are right).
+blocks not loaded before it (``take_load_errors``) and never writes a cache block afterwards (a
+layered load cut off by the deadline, or by an error that is not the node's, may leave its
+leased blocks with only their first layers written: they are among the blocks reported, and the
+recompute overwrites them); a save that
+fails is not reported stored (batches the node committed before the failure stay: their bytes
+are right).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-from quillcache.connectors.core import ConnectorCore, blocks_per_request
+from quillcache.connectors.core import BATCH_BLOCKS, ConnectorCore, blocks_per_request
 from quillcache.connectors.kvquant import make_codec
+from quillcache.errors import QuillCacheError, Timeout
 from quillcache.model import KvBlockKey
 
-__all__ = ["Transfer", "PagedKVWorker", "STAGING_BYTES"]
+__all__ = ["Transfer", "PagedKVWorker", "STAGING_BYTES", "LOAD_PATHS"]
 
-STAGING_BYTES = 256 << 20        # bytes of device staging per load job (one chunk of blocks)
+STAGING_BYTES = 256 << 20        # bytes of blocks per load chunk (staged: the device staging tensor)
+LOAD_PATHS = ("layered", "staged")
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +81,16 @@ class _Load:
     cancelled: bool = False                     # set under lock: no scatter is issued after it
     loaded: Optional[int] = None                # leading blocks in place (None: not waited yet)
     events: Optional[list] = None               # per layer, CUDA only
+    layered: bool = False                       # the layer-pipelined path (_load_layered)
+    ready: int = 0                              # layered: layers 0..ready-1 written (CPU) or issued (CUDA)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    after: Any = None                           # CUDA: the engine stream's work before start_load_kv
+    result: Optional[tuple] = None              # a step job's outcome for this load: (blocks, events)
+    # layered, on the I/O thread: the leased batches (arena offsets, block ids), their leases, the outcome
+    batches: list = field(default_factory=list)
+    leases: Optional[contextlib.ExitStack] = None
+    n: int = 0
+    failure: Optional[BaseException] = None
 
 
 def _torch():
@@ -75,14 +98,28 @@ def _torch():
     return torch
 
 
+_CANCELLED = Timeout("the load ran past the connector's deadline")
+_STOPPED = RuntimeError("the load stopped before every layer was written")
+
+
 class PagedKVWorker:
     """Moves whole blocks between per-layer paged caches and the pool, through one core."""
 
     def __init__(self, core: ConnectorCore, *, staging_bytes: int = STAGING_BYTES,
-                 kv_dtype: Optional[str] = None) -> None:
+                 kv_dtype: Optional[str] = None, load_path: str = "layered",
+                 layer_gate: Optional[Callable[[str, int], None]] = None) -> None:
+        if load_path not in LOAD_PATHS:
+            raise ValueError(f"load_path {load_path!r}: one of {', '.join(LOAD_PATHS)}")
+        if staging_bytes <= 0:
+            raise ValueError(f"staging_bytes {staging_bytes}: must be positive")
         self.core = core
         self.staging_bytes = int(staging_bytes)
         self.kv_dtype = kv_dtype            # what the pool stores (kvquant.py); None: the caches' dtype
+        self.load_path = load_path          # "layered" where the arena is mapped and addressable, else staged
+        # called on the I/O thread as (req_id, layer) before a layered load issues that layer's
+        # copies: an observation point for tests and benchmarks (it may block; it delays only that load)
+        self.layer_gate = layer_gate
+        self.paths_used = dict.fromkeys(LOAD_PATHS, 0)     # loads per path actually taken
         self.codec = None                   # set by register_kv_caches
         self._names: list[str] = []
         self._index: dict[str, int] = {}
@@ -147,26 +184,183 @@ class PagedKVWorker:
     # ------------------------------------------------------------------ loads
 
     def start_load_kv(self, loads: Sequence[Transfer]) -> None:
+        """Start this step's loads: one job on the I/O thread for all of them, so that with the
+        layered path layer 0 of every request comes before layer 1 of any."""
         self._finish_loads()
-        for t in loads:
-            if not t.keys:
-                continue
-            load = _Load(t)
-            load.future = self.core.call_async(lambda client, load=load: self._load_job(load, client),
-                                               what="load", default=(0, None))
-            self._loads.append(load)
+        new = [_Load(t, layered=self.load_path == "layered") for t in loads if t.keys]
+        if not new:
+            return
+        torch = _torch()
+        for load in new:
+            if self.device.type == "cuda":      # the copies into the blocks wait for what the engine queued
+                load.after = torch.cuda.Event()
+                load.after.record(torch.cuda.current_stream(self.device))
+        fut = self.core.call_async(lambda client: self._load_step(new, client), what="load", default=None)
+        for load in new:
+            load.future = fut
+            fut.add_done_callback(lambda _f, load=load: self._set_ready(load, 0))    # wakes the waiters
+        self._loads += new
 
-    def _load_job(self, load: _Load, client) -> tuple[int, Optional[list]]:
-        """On the I/O thread: chunks of blocks into staging, then scattered layer by layer."""
+    def _load_step(self, loads: list, client) -> None:
+        """On the I/O thread: the layered path where it can run, else the staged one; each
+        load's outcome goes to ``load.result`` (a node failure raised out of here is the core's
+        to count, and leaves the loads without a result: misses)."""
+        self.core.count("loads", len(loads))
+        copier = self._copier_for(client)
+        arena = copier.arena_tensor() if self.load_path == "layered" else None
+        if arena is not None:
+            self.paths_used["layered"] += len(loads)
+            self._load_layered(loads, client, copier, arena)
+            return
+        self.paths_used["staged"] += len(loads)
+        for load in loads:
+            load.result = self._load_staged(load, copier)
+
+    def _load_layered(self, loads: list, client, copier, arena) -> None:
+        """Layer by layer straight out of the mapped arena, for every load of the step: located
+        GETs of up to ``staging_bytes`` of blocks at a time, each batch's layer 0 copied as soon
+        as it is leased, then layers 1.. of every leased batch of every load in order, each layer
+        of a batch one gather (``ArenaCopier.gather``; FP8 dequantized per layer), with the
+        load's ``ready`` raised (and on CUDA an event recorded) after each layer, so
+        ``wait_for_layer_load(L)`` waits for layer L only.
+
+        No block is left with some layers written and others not: a batch is written only
+        once its lease is held, and every leased batch is completed, even after the node
+        died (the mapping outlives it, and a leased extent is not reused); a batch whose lease
+        may have run out before its first byte was read is not written at all.  Then each
+        load's leases are released and their expiry checked: a late one fails that load, and
+        its request recomputes (its blocks were written whole, from extents that may have been
+        reused: the recompute overwrites them).  Only the core's deadline, or an error that is
+        not the node's, stops the writes between layers (the request is then reported whole)."""
+        torch = _torch()
+        stream = copier.stream
+        step = max(1, min(self.staging_bytes // self.stored_nbytes, BATCH_BLOCKS))
+        elt = self._caches[0].element_size()
+        parts = [self.codec.layer_parts(self.block_shape, elt, layer) for layer in range(self.num_layers)]
+        lost: Optional[BaseException] = None          # the connection failed: no more GETs this step
+        finished = False                              # every layer of every leased batch was written
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                try:
+                    for load in loads:
+                        load.events = [None] * self.num_layers if stream is not None else None
+                        load.leases = contextlib.ExitStack()
+                        if stream is not None and load.after is not None:
+                            stream.wait_event(load.after)
+                        if lost is not None:
+                            load.failure = lost
+                            continue
+                        try:
+                            self._gate(load.transfer, 0)
+                            self._lease_batches(load, client, copier, arena, step, parts[0])
+                        except (QuillCacheError, OSError) as exc:
+                            load.failure = exc     # its leased batches are completed: their extents stay put
+                            if not isinstance(exc, Timeout):
+                                lost = exc
+                    for load in loads:
+                        self._layer_done(load, 0, stream)
+                    for layer in range(1, self.num_layers):
+                        for load in loads:
+                            if load.batches and load.failure is not _CANCELLED:
+                                self._gate(load.transfer, layer)
+                                if not self._write_layer(load, layer, load.batches, arena, parts[layer]):
+                                    load.failure = _CANCELLED      # the deadline: nothing more for this load
+                                    continue
+                            self._layer_done(load, layer, stream)
+                    finished = True
+                finally:
+                    if stream is not None:
+                        stream.synchronize()      # every read of the arena is done before the leases go
+        finally:
+            for load in loads:                    # release each load's leases and check their expiry
+                if not finished and load.failure is None:
+                    load.failure = _STOPPED       # an error that is not the node's (device memory, ...)
+                if load.leases is not None:
+                    try:
+                        load.leases.close()
+                    except (QuillCacheError, OSError) as exc:
+                        load.failure = load.failure or exc
+                if load.failure is None:
+                    self.core.count("loaded_blocks", load.n)
+                elif load.failure is not lost:
+                    self.core.count("load_errors")
+                load.result = (0 if load.failure is not None else load.n, load.events)
+        if lost is not None:
+            raise lost                            # the core counts it once and drops the connection
+
+    def _lease_batches(self, load: _Load, client, copier, arena, step: int, layer0) -> None:
+        """Located GETs of the load's keys, ``step`` at a time, each batch's layer 0 written once
+        it is leased; stops at the first block that is not there whole."""
         torch = _torch()
         t = load.transfer
-        self.core.count("loads")
-        copier = self._copier_for(client)
+        stored = self.stored_nbytes
+        for a in range(0, len(t.keys), step):
+            keys = t.keys[a:a + step]
+            asked = time.monotonic_ns()
+            views = load.leases.enter_context(client.get_many_located(keys))
+            lead = 0
+            for ext in views.extents:
+                if ext is None or ext[1] != stored:
+                    break
+                lead += 1
+            if not lead:
+                return
+            # the node granted the lease after `asked`, so it ends no earlier than asked + lease
+            if copier.lease_ns and time.monotonic_ns() >= asked + copier.lease_ns:
+                raise Timeout("layered load: the located lease may have run out before the copy; "
+                              "nothing of this batch is written")
+            ids = torch.tensor(t.block_ids[a:a + lead], dtype=torch.long).to(self.device)
+            batch = ([e[0] for e in views.extents[:lead]], ids)
+            if not self._write_layer(load, 0, [batch], arena, layer0):
+                load.failure = _CANCELLED
+                return
+            load.batches.append(batch)
+            load.n += lead
+            if lead < len(keys):
+                return
+
+    def _gate(self, t: Transfer, layer: int) -> None:
+        if self.layer_gate is not None:
+            self.layer_gate(t.req_id, layer)
+
+    def _write_layer(self, load: _Load, layer: int, batches, arena, parts) -> bool:
+        """Layer ``layer`` of each batch from the arena into its paged blocks; False once the
+        load was cancelled (past the deadline nothing more is written)."""
+        from quillcache.client.gpu import ArenaCopier
+        cache = self._caches[layer]
+        layer_shape = self.block_shape[1:]
+        with load.lock:
+            if load.cancelled:
+                return False
+            for offsets, ids in batches:
+                got = [ArenaCopier.gather(arena, [o + at for o in offsets], nbytes) for at, nbytes in parts]
+                cache.index_copy_(1, ids, self.codec.decode_layer(got, layer_shape).transpose(0, 1))
+        return True
+
+    def _layer_done(self, load: _Load, layer: int, stream) -> None:
+        if load.events is not None:
+            ev = _torch().cuda.Event()
+            ev.record(stream)
+            load.events[layer] = ev
+        self._set_ready(load, layer + 1)
+
+    @staticmethod
+    def _set_ready(load: _Load, ready: int) -> None:
+        with load.cond:
+            load.ready = max(load.ready, ready)
+            load.cond.notify_all()
+
+    def _load_staged(self, load: _Load, copier) -> tuple[int, Optional[list]]:
+        """Chunks of whole blocks into staging (one coalesced copy each), then scattered layer by layer."""
+        torch = _torch()
+        t = load.transfer
         stream = copier.stream
         codec, stored = self.codec, self.stored_nbytes
-        per = max(1, self.staging_bytes // stored)
+        per = max(1, min(self.staging_bytes // stored, BATCH_BLOCKS))   # more keys overflow the node's header limit
         events: Optional[list] = [None] * self.num_layers if stream is not None else None
         n = 0
+        if stream is not None and load.after is not None:
+            stream.wait_event(load.after)
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 staging = codec.staging(min(per, len(t.keys)), self.block_shape, self.device)
@@ -183,7 +377,7 @@ class PagedKVWorker:
                             if load.cancelled:
                                 break
                             for layer, cache in enumerate(self._caches):
-                                cache[:, ids] = blocks[:, layer].transpose(0, 1)
+                                cache.index_copy_(1, ids, blocks[:, layer].transpose(0, 1))
                                 if events is not None:
                                     events[layer] = torch.cuda.Event()
                                     events[layer].record(stream)
@@ -206,6 +400,8 @@ class PagedKVWorker:
             log.warning("quillcache: a load failed; its blocks are recomputed", exc_info=True)
             self.core.count("load_errors")
             got = 0
+        if load.future.done() and load.result is not None:
+            got = load.result                 # the step job's outcome for this load
         if isinstance(got, tuple):
             load.loaded, load.events = got
         else:                             # past the deadline: nothing more may be written
@@ -218,18 +414,37 @@ class PagedKVWorker:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Return when ``layer_name``'s blocks are in place for the engine's current stream (on
-        CUDA: a stream wait on that layer's event, no host synchronisation); a name not
-        registered waits for every layer."""
+        CUDA: a stream wait on that layer's event, no host synchronisation).  A layered load is
+        waited for that layer only (its leases are checked later, in ``wait_for_save`` /
+        ``take_load_errors``); a staged one in full; a name not registered waits for every layer."""
         if not self._loads:
             return
-        i = self._index.get(layer_name, self.num_layers - 1)
+        layer = self._index.get(layer_name)
+        i = self.num_layers - 1 if layer is None else layer
         torch = _torch()
         for load in self._loads:
+            if layer is not None and load.layered and load.loaded is None and self._wait_layer(load, layer):
+                ev = load.events[layer] if load.events is not None else None
+                if ev is not None:
+                    torch.cuda.current_stream(self.device).wait_event(ev)
+                continue
             self._resolve(load)
             if load.events is not None:
                 ev = next((e for e in reversed(load.events[:i + 1]) if e is not None), None)
                 if ev is not None:
                     torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def _wait_layer(self, load: _Load, layer: int) -> bool:
+        """Wait (at most the core's deadline) until a layered load has layer ``layer`` in
+        place; False when the job ended or the deadline passed first (the caller resolves it)."""
+        deadline = time.monotonic() + self.core.timeout + 1.0
+        with load.cond:
+            while load.ready <= layer and not load.future.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                load.cond.wait(left)
+            return load.ready > layer
 
     def _finish_loads(self) -> None:
         if self._loads:
@@ -237,6 +452,8 @@ class PagedKVWorker:
         self._loads = []
 
     def take_load_errors(self) -> set[int]:
+        """Block ids to recompute; every load is resolved first (its leases checked)."""
+        self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 

@@ -72,6 +72,13 @@ def _kv_dtype(v: Any) -> str:
     return v
 
 
+def _load_path(v: Any) -> str:
+    from quillcache.connectors.paged import LOAD_PATHS
+    if v not in LOAD_PATHS:
+        raise ValueError(f"not one of {', '.join(LOAD_PATHS)}")
+    return v
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -100,6 +107,8 @@ VLLM = COMMON + (
     Setting("layout", _string, "vllm-2nbhd", "the layout name in the scope"),
     Setting("events", _flag, False, "publish stored blocks through take_events"),
     Setting("events_medium", _string, "STORAGE", "the medium of those events"),
+    Setting("load_path", _load_path, "layered", "layered: loads copy layer by layer straight out of the mapped "
+            "arena, so layer L computes while later layers copy; staged: whole blocks through a device buffer"),
 )
 SGLANG = COMMON + (
     Setting("dtype", _string, "auto", "the KV dtype in the scope (replaced by the host pool's)"),

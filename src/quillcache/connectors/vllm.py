@@ -9,13 +9,15 @@ Extra config keys (``settings.VLLM``): address (unset: the node's default Unix s
 127.0.0.1:7470), token or token_file, timeout_s, model (default: the served model name), tokenizer_id
 (default: the model's tokenizer), tenant (the engine's default tenant), layout (default
 "vllm-2nbhd"), num_layers (default: the model's layer count), events (false: publish the pool's
-stored blocks through take_events), events_medium ("STORAGE").  docs/engines.md has the rest.
+stored blocks through take_events), events_medium ("STORAGE"), kv_dtype ("auto" or "fp8_e4m3"),
+load_path ("layered" or "staged").  docs/engines.md has the rest.
 
 The worker side is ``quillcache.connectors.paged.PagedKVWorker`` (no vLLM import; the GPU
 benchmark drives it directly): one full block of tokens across every layer is one value,
 ``[layers, 2, block_size, kv_heads, head_size]``, the per-layer caches being vLLM's ``[2,
 num_blocks, block_size, kv_heads, head_size]``.  Loads start in ``start_load_kv`` on the core's
-I/O thread and are waited for per layer in ``wait_for_layer_load``; saves are gathered (a copy)
+I/O thread, copy layer by layer out of the mapped arena, and ``wait_for_layer_load(L)`` waits
+for layer L only; saves are gathered (a copy)
 in ``wait_for_save`` and sent asynchronously; the scheduler keeps a request's blocks until
 ``get_finished`` reports its saves done.
 """
@@ -160,7 +162,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self._saving: set[str] = set()
         self._events: Optional[QuillCacheKVEvents] = None
         # worker side
-        self.worker = PagedKVWorker(self.core, kv_dtype=self.kv_dtype)
+        self.worker = PagedKVWorker(self.core, kv_dtype=self.kv_dtype, load_path=extra["load_path"])
 
     # ------------------------------------------------------------------ identity
 

@@ -1,0 +1,349 @@
+"""The layer-pipelined load of connectors/paged.py (issue 26, item 2) on CPU torch against a real
+quillcached over its Unix socket (the arena mapped): a load issues its copies in layer order,
+``wait_for_layer_load(L)`` returns once layer L's bytes are in the engine's caches while the
+copies of the layers after it are still held back, and the request's bytes are bit-exact at
+the end, with bf16 and with FP8 (``kv_dtype = "fp8_e4m3"``), equal to what the staged path
+(whole blocks through staging) puts there.  Driven in vLLM's call order (start_load_kv,
+wait_for_layer_load per layer, wait_for_save, take_load_errors); vllm 0.33.0's
+KVConnectorBase_V1 semantics, torch 2.13.0 (CPU)."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from tests._support import engines
+from tests._support.daemon import Daemon
+
+pytestmark = pytest.mark.engines
+torch = engines.require("torch")
+
+from quillcache.client import Client  # noqa: E402
+from quillcache.client.gpu import ArenaCopier  # noqa: E402
+from quillcache.connectors.core import ConnectorCore, chain_keys, model_scope  # noqa: E402
+from quillcache.connectors.kvquant import make_codec  # noqa: E402
+from quillcache.connectors.paged import PagedKVWorker, Transfer  # noqa: E402
+from quillcache.model import IdentityScope, KvBlockKey  # noqa: E402
+
+LAYERS, BS, KVH, HD = 4, 16, 2, 8
+BLOCKS = 12                      # blocks of the request
+CACHE_BLOCKS = 2 * BLOCKS
+SENTINEL = -7.0                  # what the reader's caches hold before the load
+HELD_S = 0.3                     # how long a test leaves the later layers held back before looking
+WAIT_S = 10.0                    # a wait_for_layer_load that takes longer than this is stuck
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    with Daemon(tmp_path_factory.mktemp("layered"), dram="128MiB") as d:
+        yield d
+
+
+def sock(node) -> str:
+    return f"unix:{node.data_dir / 'quillcached.sock'}"
+
+
+def names() -> list[str]:
+    return [f"layers.{i}.attn" for i in range(LAYERS)]
+
+
+def caches(fill=None, seed=1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n in names():
+        t = torch.randn(2, CACHE_BLOCKS, BS, KVH, HD, generator=g) if fill is None else \
+            torch.full((2, CACHE_BLOCKS, BS, KVH, HD), fill)
+        out[n] = t.to(torch.bfloat16)
+    return out
+
+
+def keys(kv_dtype: str, tag: str) -> list[KvBlockKey]:
+    scope = model_scope("tiny", dtype="bfloat16" if kv_dtype == "auto" else kv_dtype, block_size=BS,
+                        num_layers=LAYERS, layout="vllm-2nbhd")
+    return chain_keys(IdentityScope(scope, "tok", None, tag), [bytes([i + 1]) * 32 for i in range(BLOCKS)],
+                      block_size=BS)
+
+
+def saved(worker: PagedKVWorker, t: Transfer) -> None:
+    worker.wait_for_save([t])
+    deadline = time.monotonic() + 30
+    while not worker.get_finished({t.req_id}):
+        assert time.monotonic() < deadline, "the save never finished"
+        time.sleep(0.01)
+
+
+def expected_layers(written: dict, kv_dtype: str) -> list:
+    """What each layer of the request's blocks must hold after the load: the writer's blocks,
+    or (FP8) their quantize -> dequantize round trip."""
+    blocks = torch.stack([c[:, :BLOCKS] for c in written.values()]).permute(2, 0, 1, 3, 4, 5)   # [n, L, 2, ...]
+    codec = make_codec(kv_dtype, torch.bfloat16)
+    blocks = codec.decode(codec.encode(blocks.contiguous()), tuple(blocks.shape[1:]))
+    return [blocks[:, layer].transpose(0, 1) for layer in range(LAYERS)]     # per layer [2, n, ...]
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint16)
+
+
+class Gate:
+    """The worker's layer_gate: layer 0 passes, layer L >= 1 waits until ``open(L)``."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+        self.opened: dict[int, threading.Event] = {layer: threading.Event() for layer in range(LAYERS)}
+        self.opened[0].set()
+
+    def __call__(self, req_id: str, layer: int) -> None:
+        self.order.append(layer)
+        assert self.opened[layer].wait(60), f"layer {layer} never released"
+
+    def open(self, layer: int) -> None:
+        self.opened[layer].set()
+
+    def open_all(self) -> None:
+        for e in self.opened.values():
+            e.set()
+
+
+def wait_in_thread(worker: PagedKVWorker, name: str) -> float:
+    """wait_for_layer_load(name) on another thread; returns its duration, fails if it is stuck."""
+    took: list = []
+    th = threading.Thread(target=lambda: (t0 := time.perf_counter(), worker.wait_for_layer_load(name),
+                                          took.append(time.perf_counter() - t0)))
+    th.start()
+    th.join(WAIT_S)
+    assert not th.is_alive() and took, f"wait_for_layer_load({name}) did not return while later layers were held"
+    return took[0]
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_wait_for_layer_load_returns_for_layer_l_while_later_layers_are_held_back(node, kv_dtype):
+    ks = keys(kv_dtype, f"held-{kv_dtype}")
+    core = ConnectorCore(sock(node), timeout=10)
+    gate = Gate()
+    try:
+        writer = PagedKVWorker(core, kv_dtype=kv_dtype)
+        written = caches()
+        writer.register_kv_caches(written)
+        saved(writer, Transfer("W", ks, list(range(BLOCKS))))
+        want = expected_layers(written, kv_dtype)
+
+        block = writer.stored_nbytes
+        reader = PagedKVWorker(core, kv_dtype=kv_dtype, staging_bytes=5 * block, layer_gate=gate)   # 3 batches
+        kv = caches(SENTINEL)
+        reader.register_kv_caches(kv)
+        layers = list(kv.values())
+        dst = list(range(BLOCKS, 2 * BLOCKS))
+        reader.start_load_kv([Transfer("R", ks, dst)])
+        for layer, name in enumerate(names()):
+            wait_in_thread(reader, name)
+            time.sleep(HELD_S)                    # had the job gone on, the next layer would be written by now
+            assert torch.equal(bits(layers[layer][:, dst]), bits(want[layer])), f"layer {layer} not bit-exact"
+            for later in range(layer + 1, LAYERS):
+                assert bool((layers[later][:, dst] == SENTINEL).all()), \
+                    f"layer {later} was written before its copies were released"
+            if layer + 1 < LAYERS:
+                gate.open(layer + 1)
+        reader.wait_for_save([])
+        assert reader.take_load_errors() == set()
+        assert gate.order == list(range(LAYERS))          # issued in layer order, each layer once
+        assert reader.paths_used == {"layered": 1, "staged": 0}
+        assert all(bool((c[:, :BLOCKS] == SENTINEL).all()) for c in layers)   # nothing outside the request
+        reader.shutdown()
+        writer.shutdown()
+    finally:
+        gate.open_all()
+        core.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_layered_and_staged_loads_leave_the_same_bits_and_a_miss_is_recomputed(node, kv_dtype):
+    ks = keys(kv_dtype, f"same-{kv_dtype}")
+    core = ConnectorCore(sock(node), timeout=10)
+    try:
+        writer = PagedKVWorker(core, kv_dtype=kv_dtype)
+        written = caches(seed=5)
+        writer.register_kv_caches(written)
+        saved(writer, Transfer("W", ks[:BLOCKS - 3], list(range(BLOCKS - 3))))      # the last 3 are misses
+        want = expected_layers(written, kv_dtype)
+        got = {}
+        for path in ("layered", "staged"):
+            reader = PagedKVWorker(core, kv_dtype=kv_dtype, load_path=path, staging_bytes=4 * writer.stored_nbytes)
+            kv = caches(SENTINEL)
+            reader.register_kv_caches(kv)
+            dst = list(range(BLOCKS, 2 * BLOCKS))
+            reader.start_load_kv([Transfer("R", ks, dst)])
+            for name in names():
+                reader.wait_for_layer_load(name)
+            reader.wait_for_save([])
+            assert reader.take_load_errors() == set(dst[BLOCKS - 3:]), path
+            assert reader.paths_used[path] == 1
+            got[path] = [c.clone() for c in kv.values()]
+            for layer, c in enumerate(kv.values()):
+                assert torch.equal(bits(c[:, dst[:BLOCKS - 3]]), bits(want[layer][:, :BLOCKS - 3])), (path, layer)
+                assert bool((c[:, dst[BLOCKS - 3:]] == SENTINEL).all()), (path, layer)
+            reader.shutdown()
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got["layered"], got["staged"]))
+        writer.shutdown()
+    finally:
+        core.close()
+
+
+def test_a_layered_load_over_tcp_falls_back_to_whole_blocks(node):
+    """No mapping (TCP): the staged path, the same bytes."""
+    ks = keys("auto", "tcp")
+    core = ConnectorCore(sock(node), timeout=10)
+    tcp = ConnectorCore(node.addr, timeout=10)
+    try:
+        writer = PagedKVWorker(core)
+        written = caches(seed=9)
+        writer.register_kv_caches(written)
+        saved(writer, Transfer("W", ks, list(range(BLOCKS))))
+        reader = PagedKVWorker(tcp)
+        kv = caches(SENTINEL)
+        reader.register_kv_caches(kv)
+        dst = list(range(BLOCKS, 2 * BLOCKS))
+        reader.start_load_kv([Transfer("R", ks, dst)])
+        reader.wait_for_layer_load(names()[0])
+        assert reader.take_load_errors() == set()
+        assert reader.paths_used == {"layered": 0, "staged": 1}
+        for layer, c in enumerate(kv.values()):
+            assert torch.equal(bits(c[:, dst]), bits(written[names()[layer]][:, :BLOCKS])), layer
+        reader.shutdown()
+        writer.shutdown()
+    finally:
+        tcp.close()
+        core.close()
+
+
+def test_gather_reads_each_extent_of_the_arena_wherever_it_lies(node):
+    """ArenaCopier.gather: bytes [off, off + n) per offset of stored values, against the values
+    themselves, at alignments from 1 to 4096 bytes."""
+    rng = random.Random(4)
+    values = [torch.randint(0, 256, (65536,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+              for i in range(4)]
+    ks = [KvBlockKey("gather", "tok", None, "", "", f"v{i}", 0, 1) for i in range(4)]
+    with Client(sock(node)) as c:
+        assert c.shm
+        c.put_many([(k, v.numpy()) for k, v in zip(ks, values)])
+        copier = ArenaCopier(c)
+        arena = copier.arena_tensor()
+        with c.get_many_located(ks) as views:
+            bases = [e[0] for e in views.extents]
+            for nbytes, align in [(4096, 4096), (24, 8), (6, 2), (7, 1), (64, 64)]:
+                picks = [(rng.randrange(4), rng.randrange(0, (65536 - nbytes) // align) * align) for _ in range(9)]
+                got = ArenaCopier.gather(arena, [bases[v] + at for v, at in picks], nbytes)
+                assert got.shape == (9, nbytes) and got.dtype == torch.uint8
+                for row, (v, at) in zip(got, picks):
+                    assert torch.equal(row, values[v][at:at + nbytes]), (nbytes, align, v, at)
+        with pytest.raises(Exception, match="outside"):
+            ArenaCopier.gather(arena, [arena.numel() - 8], 16)
+
+
+def test_two_requests_of_one_step_get_layer_0_before_either_gets_layer_1(node):
+    """One step, two loads: layer 0 of both is usable while layer 1 of both is held back; a
+    miss in the second request is its own (the first loads in full)."""
+    ka, kb = keys("auto", "two-a"), keys("auto", "two-b")
+    core = ConnectorCore(sock(node), timeout=10)
+    gate = Gate()
+    try:
+        writer = PagedKVWorker(core)
+        written = caches(seed=11)
+        writer.register_kv_caches(written)
+        half = BLOCKS // 2
+        saved(writer, Transfer("WA", ka[:half], list(range(half))))
+        saved(writer, Transfer("WB", kb[:half - 2], list(range(half, 2 * half - 2))))     # B: 2 misses at the end
+        reader = PagedKVWorker(core, staging_bytes=2 * writer.stored_nbytes, layer_gate=gate)
+        kv = caches(SENTINEL)
+        reader.register_kv_caches(kv)
+        layers = list(kv.values())
+        da, db = list(range(BLOCKS, BLOCKS + half)), list(range(BLOCKS + half, 2 * BLOCKS))
+        reader.start_load_kv([Transfer("A", ka[:half], da), Transfer("B", kb[:half], db)])
+        wait_in_thread(reader, names()[0])
+        time.sleep(HELD_S)
+        w0 = written[names()[0]]
+        assert torch.equal(bits(layers[0][:, da]), bits(w0[:, :half]))
+        assert torch.equal(bits(layers[0][:, db[:half - 2]]), bits(w0[:, half:2 * half - 2]))
+        assert all(bool((c[:, BLOCKS:] == SENTINEL).all()) for c in layers[1:])
+        assert gate.order == [0, 0, 1]              # A's layer 0, B's layer 0, then A's layer 1: held
+        gate.open_all()
+        for name in names():
+            reader.wait_for_layer_load(name)
+        reader.wait_for_save([])
+        assert reader.take_load_errors() == set(db[half - 2:])
+        for layer, c in enumerate(layers):
+            w = written[names()[layer]]
+            assert torch.equal(bits(c[:, da]), bits(w[:, :half])), layer
+            assert torch.equal(bits(c[:, db[:half - 2]]), bits(w[:, half:2 * half - 2])), layer
+        assert gate.order == [0, 0] + [layer for layer in range(1, LAYERS) for _ in "AB"]
+        reader.shutdown()
+        writer.shutdown()
+    finally:
+        gate.open_all()
+        core.close()
+
+
+@pytest.mark.parametrize("load_path", ["layered", "staged"])
+def test_a_request_of_more_small_blocks_than_one_located_get_may_name_loads_in_full(node, load_path):
+    """600 blocks of 4 KiB under the default 256 MiB of staging: the located GETs are cut at 256
+    keys (more overflow the node's 64 KiB header limit; the staged path once sent them all)."""
+    n = 600
+    scope = model_scope("tiny", dtype="bfloat16", block_size=BS, num_layers=LAYERS, layout="vllm-2nbhd")
+    ks = chain_keys(IdentityScope(scope, "tok", None, f"many-{load_path}"),
+                    [i.to_bytes(4, "big") * 8 for i in range(n)], block_size=BS)
+    core = ConnectorCore(sock(node), timeout=10)
+    try:
+        g = torch.Generator().manual_seed(2)
+        written = {name: torch.randn(2, 2 * n, BS, KVH, HD, generator=g).to(torch.bfloat16) for name in names()}
+        writer = PagedKVWorker(core)
+        writer.register_kv_caches(written)
+        saved(writer, Transfer("W", ks, list(range(n))))
+        reader = PagedKVWorker(core, load_path=load_path)
+        reader.register_kv_caches(written)
+        reader.start_load_kv([Transfer("R", ks, list(range(n, 2 * n)))])
+        for name in names():
+            reader.wait_for_layer_load(name)
+        assert reader.take_load_errors() == set()
+        assert reader.paths_used[load_path] == 1
+        for c in written.values():
+            assert torch.equal(bits(c[:, n:]), bits(c[:, :n]))
+        reader.shutdown()
+        writer.shutdown()
+    finally:
+        core.close()
+
+
+def test_a_load_that_stops_between_layers_for_another_reason_is_reported_not_counted_loaded(node):
+    """An error that is not the node's (here raised by the layer gate before layer 2, as device
+    memory running out would be) ends the job: every block of the request is reported for
+    recompute, none counted loaded, and the leases are released."""
+    ks = keys("auto", "stops")
+    core = ConnectorCore(sock(node), timeout=10)
+
+    def gate(req_id, layer):
+        if layer == 2:
+            raise RuntimeError("no device memory for layer 2")
+    try:
+        writer = PagedKVWorker(core)
+        written = caches(seed=13)
+        writer.register_kv_caches(written)
+        saved(writer, Transfer("W", ks, list(range(BLOCKS))))
+        reader = PagedKVWorker(core, layer_gate=gate)
+        reader.register_kv_caches(caches(SENTINEL))
+        dst = list(range(BLOCKS, 2 * BLOCKS))
+        before = core.stats()["loaded_blocks"]
+        reader.start_load_kv([Transfer("R", ks, dst)])
+        for name in names():
+            reader.wait_for_layer_load(name)
+        reader.wait_for_save([])
+        assert reader.take_load_errors() == set(dst)
+        assert core.stats()["loaded_blocks"] == before
+        with Client(sock(node)) as c:           # the leases were released, the blocks are still there
+            assert int(c.info("Server")["Server"]["located_leases"]) == 0
+            assert c.exists_many(ks)[0] == BLOCKS
+        reader.shutdown()
+        writer.shutdown()
+    finally:
+        core.close()
