@@ -376,3 +376,21 @@ def test_the_pages_a_request_takes_are_counted_until_it_ends():
     assert r.load("w0").new_blocks == 6                   # held while it decodes
     r.free("a")
     assert r.load("w0").new_blocks == 0
+
+
+def test_what_a_move_evicts_on_its_new_worker_is_counted_at_the_measured_device_share():
+    """w0 holds 8 of the request's 10 blocks behind 50 queued tokens: (50 + 8) x 45 = 2610 us;
+    w1 is idle and would recompute all 40 tokens: 1800 us.  Each page it takes evicts a block
+    found again at the device share s and recomputed at 4 x 45 = 180 us: w0 takes 2 pages
+    (+360 s), w1 10 (+1800 s).  s = 0: w1; s = 1 (every routed block was on the device): w0."""
+    def case(share):
+        r = router("quillcache", workers=("w0", "w1"))
+        h = chain_hashes(toks(10), BS)
+        r.indexer.add_blocks("w0", A, h[:8], DEVICE)
+        set_load(r, "w0", 50, 0, 0)
+        r.stats.request_blocks, r.stats.device_blocks = 100, int(100 * share)
+        return r.route(A, hashes=h, request_tokens=40, track=False)
+    assert case(0.0).worker == "w1"
+    d = case(1.0)
+    assert d.worker == "w0"
+    assert d.logits["w0"] == pytest.approx(2610 + 2 * 180) and d.logits["w1"] == pytest.approx(1800 + 10 * 180)

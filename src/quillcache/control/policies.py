@@ -163,7 +163,8 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2) -> 
 
 
 def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_tokens: int,
-                 pool_us_per_mb: float, kv_blocks: Optional[int] = None) -> Prediction:
+                 pool_us_per_mb: float, kv_blocks: Optional[int] = None,
+                 device_share: float = 0.0) -> Prediction:
     """The ``quillcache`` policy: per worker, in microseconds,
 
     * the prefill work admitted there and not yet done (the queue it waits behind) plus its
@@ -175,6 +176,9 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
       loading a block costs less than recomputing it;
     * the slowdown its prefill imposes on the decodes running there: its compute time, times
       that worker's share of the cluster's running decodes (the mean delay it adds to one);
+    * what its pages evict there: its blocks not on that device, times the share of routed
+      blocks found on the device (``device_share``, the router's measurement), times the cost
+      of loading (pool) or recomputing a block;
     * with ``kv_blocks`` (the engines' KV pages) and the pages the requests in flight took
       (``Candidates.held_blocks``): the workers whose memory it does not fit now rank after
       those it fits, by the pages it would wait for.
@@ -203,6 +207,14 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     # queue behind it; the mean prefill queue over the workers says how many that is.
     behind = float(c.prefill_requests.mean()) if len(own) else 0.0
     imposed = imposed + per_token * own * behind
+    # What it evicts: each page it takes (its blocks not on that device) pushes one cached block
+    # out, which later requests would have found there at the rate blocks are found on the
+    # device (``device_share``, measured over the router's decisions) and now load from the pool
+    # (where the prefix is there) or recompute.  A long context moved to a worker that lacks it
+    # costs its new worker that much of its cache; on its holder it takes only its new blocks.
+    need = -(-c.n_tokens // bs) - c.device
+    refill = pool_us if use_pool and c.pool.any() else bs * per_token
+    imposed = imposed + device_share * refill * need
     score = ttft + imposed
     if kv_blocks is not None and c.held_blocks is not None:
         # KV memory: where the pages the requests in flight took plus the pages this one needs
@@ -210,7 +222,6 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
         # like a recomputed one) exceed the engine's KV pages, it waits for running requests to
         # end, a wait the compute queue above does not see.  Ranked by the pages it would wait
         # for, then by the score: where it fits now comes first.
-        need = -(-c.n_tokens // bs) - c.device
         excess = np.maximum(c.held_blocks + need - kv_blocks, 0)
         if excess.any():
             score = excess * (float(score.max()) + 1.0) + score

@@ -151,6 +151,14 @@ class RouterStats:
     latencies_us: list = field(default_factory=list)    # the last LATENCY_WINDOW decisions
     cross_identity_credited_blocks: int = 0
     refused_blocks: int = 0
+    request_blocks: int = 0              # blocks of the requests routed ...
+    device_blocks: int = 0               # ... and of those, found on the chosen worker's device
+
+
+    @property
+    def device_share(self) -> float:
+        """The share of routed blocks found on the chosen worker's device."""
+        return self.device_blocks / self.request_blocks if self.request_blocks else 0.0
 
 
 LATENCY_WINDOW = 8192
@@ -293,7 +301,7 @@ class Router:
             elif policy == "quillcache":
                 pred = predict_ttft(cand, cfg.cost, block_bytes=self._block_bytes,
                                     batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
-                                    kv_blocks=cfg.kv_blocks)
+                                    kv_blocks=cfg.kv_blocks, device_share=self.stats.device_share)
                 if cfg.goodput_placement:
                     pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0)
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
@@ -345,6 +353,8 @@ class Router:
             latency = (time.perf_counter() - t0) * 1e6
             st = self.stats
             st.decisions += 1
+            st.request_blocks += len(hashes)
+            st.device_blocks += d
             if len(st.latencies_us) >= LATENCY_WINDOW:
                 del st.latencies_us[:LATENCY_WINDOW // 2]
             st.latencies_us.append(latency)
