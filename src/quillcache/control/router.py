@@ -16,8 +16,10 @@ Policies (``POLICIES``): ``round_robin``, ``least_loaded`` (the logit with no cr
 it: it credits a prefix whoever cached it, and knows no pool), the peers ``sglang``, ``llmd``
 and ``mooncake`` (``quillcache.control.policies``: identity-blind, as they ship) and
 ``quillcache``: the predicted time to first token on each worker from the ``CostModel``
-(queue, own uncached tokens, tier-by-tier loads, decode interference), with credit only for
-blocks cached under the request's identity, and the pool as a tier any worker can load from.
+(queue, own uncached tokens, tier-by-tier loads, decode interference, what its pages evict,
+KV memory where ``kv_blocks`` is known), with credit only for blocks cached under the request's
+identity, and the pool as a tier any worker can load from; a request predicted to miss its SLO
+everywhere is placed by ``goodput_placement`` (``control/policies.py``).
 With ``admission = "predict"`` a request whose predicted TTFT exceeds ``admission_k`` times
 its SLO is refused (``Decision.admitted`` False, nothing tracked): the caller answers it
 early (the gateway: 429 with ``Retry-After``).
