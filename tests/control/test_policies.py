@@ -330,6 +330,11 @@ def test_a_request_doomed_everywhere_goes_where_the_queue_already_misses_the_slo
     r, h = doomed_case()
     small = chain_hashes(toks(100), BS)
     assert r.route(A, hashes=small, request_tokens=400, track=False).worker == "w2"
+    # the only queue past the SLO is w0's, 1.35 s against a mean of 0.75 s (1.2 x: 0.9 s): sending
+    # it there would make it wait 80 % longer than an even spread; it takes its fastest worker
+    r, h = doomed_case()
+    set_load(r, "w1", 10_000, 1, 1)
+    assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker in ("w1", "w2")
 
 
 def test_a_doomed_request_is_not_moved_where_it_costs_more_than_twice_its_own_work():
