@@ -7,10 +7,12 @@ the JSON they come from.
         --limit 3000 --loads 0.3,0.6,0.85 --out docs/router_sweep
 
 Load is set by the speed-up and measured as the engines' busy share (the share of time an
-engine had prefill work running or queued): for each trace and target, the speed-up is found
-by replaying ``dynamo`` (the baseline the issue measures against) without a pool (steps, then
-bisection on log speed-up) until its measured load is within ``--load-tol`` of the target; every policy then replays at that speed-up and
-its own measured load is in the table.
+engine had prefill work running or queued): for each trace, target AND pool setting, the
+speed-up is found by replaying ``dynamo`` (the baseline the issue measures against) in that
+setting (steps, then bisection on log speed-up) until its measured load is within
+``--load-tol`` of the target; every policy then replays at that speed-up and its own measured
+load is in the table.  A pool takes work off the engines, so the same load needs a higher
+speed-up with one than without.
 
 Engines: ``bench/router_replay.py``'s (one H200 serving Llama-3-8B each).  The engines'
 caches hold ``--cache-share`` (default 0.15: under a fifth) of the trace's working set (its
@@ -89,13 +91,14 @@ def replay(task) -> tuple:
     return (name, target, pool, policy), out
 
 
-def calibrate(name: str, target: float, args, start: float) -> tuple[float, float]:
-    """The speed-up whose measured load (the probe policy, no pool) is closest to the target:
-    multiplicative steps until the target is bracketed, then bisection on log speed-up."""
+def calibrate(name: str, target: float, args, start: float, pool: bool = False) -> tuple[float, float]:
+    """The speed-up whose measured load (the probe policy, in this pool setting) is closest to
+    the target: multiplicative steps until the target is bracketed, then bisection on log
+    speed-up."""
     pts: list[tuple[float, float]] = []
     s = start
     for _ in range(args.probes):
-        load = replay((name, target, s, PROBE, False, args))[1]["load"]
+        load = replay((name, target, s, PROBE, pool, args))[1]["load"]
         pts.append((s, load))
         if abs(load - target) <= args.load_tol:
             break
@@ -110,41 +113,71 @@ def calibrate(name: str, target: float, args, start: float) -> tuple[float, floa
     return min(pts, key=lambda p: abs(p[1] - target))
 
 
+def _replay_tagged(task) -> tuple:
+    tag, inner = task
+    key, out = replay(inner)
+    return (tag, key), out
+
+
+def _calibrate(task) -> tuple:
+    (name, target, pool), args = task
+    return (name, target, pool), calibrate(name, target, args, args.start_speedup, pool)
+
+
+class _Serial:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _pool(args):
+    return multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else _Serial()
+
+
+def _map(mp, fn, tasks):
+    return mp.imap_unordered(fn, tasks, chunksize=1) if mp is not None else map(fn, tasks)
+
+
 def run(args) -> dict:
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
     loads = [float(x) for x in args.loads.split(",")]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    settings = [(name, target, pool) for name in traces for target in loads for pool in (False, True)]
     cal: dict = {}
-    for name in traces:
-        s = args.start_speedup
-        for target in loads:
-            s, measured = calibrate(name, target, args, s)
-            cal[(name, target)] = (s, measured)
-            kv, pool = sizes(name, args)
-            share = args.engines * kv / (working_set_blocks(_trace(name, args)) * BLOCK_BYTES / GiB)
-            print(f"{name} load {target}: speed-up {s:.3f} (measured {measured:.3f}); "
-                  f"KV {kv:.1f} GiB/engine ({share:.2f} of the working set), pool {pool:.0f} GiB", flush=True)
-    tasks = [(name, target, cal[(name, target)][0], policy, pool, args)
-             for name in traces for target in loads for pool in (False, True) for policy in policies]
-    results = {}
     t0 = time.perf_counter()
-    if args.jobs > 1:
-        with multiprocessing.get_context("fork").Pool(args.jobs) as mp:
-            for i, (key, out) in enumerate(mp.imap_unordered(replay, tasks, chunksize=1), 1):
-                results[key] = out
-                if i % 8 == 0:
-                    print(f"  {i}/{len(tasks)} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    else:
-        for task in tasks:
-            key, out = replay(task)
-            results[key] = out
+    with _pool(args) as mp:
+        for key, (s, measured) in _map(mp, _calibrate, [(k, args) for k in settings]):
+            cal[key] = (s, measured)
+            name, target, pool = key
+            kv, pool_gib = sizes(name, args)
+            share = args.engines * kv / (working_set_blocks(_trace(name, args)) * BLOCK_BYTES / GiB)
+            print(f"{name} load {target} {'pool' if pool else 'no pool'}: speed-up {s:.3f} (measured "
+                  f"{measured:.3f}); KV {kv:.1f} GiB/engine ({share:.2f} of the working set), pool "
+                  f"{pool_gib:.0f} GiB ({time.perf_counter() - t0:.0f} s)", flush=True)
+        tasks = [(name, target, cal[(name, target, pool)][0], policy, pool, args)
+                 for name, target, pool in settings for policy in policies]
+        # quillcache with the pool at the speed-up of the no-pool setting: the same offered
+        # traffic, for the "pool at 0.6" check at equal traffic as well as at equal load
+        same = [(name, target, cal[(name, target, False)][0], OURS, True, args)
+                for name, target, pool in settings if not pool and OURS in policies]
+        results, same_traffic = {}, {}
+        for i, (task_key, out) in enumerate(_map(mp, _replay_tagged, [(False, t) for t in tasks]
+                                                 + [(True, t) for t in same]), 1):
+            tagged, key = task_key
+            (same_traffic if tagged else results)[key] = out
+            if i % 8 == 0:
+                print(f"  {i}/{len(tasks) + len(same)} ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows = []
     for (name, target, pool, policy), out in sorted(results.items(), key=lambda kv: (
             traces.index(kv[0][0]), kv[0][1], kv[0][2], policies.index(kv[0][3]))):
-        rows.append({"trace": name, "target_load": target, "speedup": cal[(name, target)][0],
-                     "pool": pool, "policy": policy, **out})
+        rows.append({"trace": name, "target_load": target, "speedup": cal[(name, target, pool)][0],
+                     "calibrated_load": cal[(name, target, pool)][1], "pool": pool, "policy": policy, **out})
     kv = {name: sizes(name, args) for name in traces}
-    return {"rows": rows, "config": {
+    same_rows = [{"trace": k[0], "target_load": k[1], "speedup": cal[(k[0], k[1], False)][0], "pool": True,
+                  "policy": OURS, **out} for k, out in sorted(same_traffic.items())]
+    return {"rows": rows, "pool_at_no_pool_speedup": same_rows, "config": {
         "traces": traces, "loads": loads, "policies": policies, "engines": args.engines,
         "limit": args.limit, "seed": args.seed, "cache_share": args.cache_share,
         "pool_share": args.pool_share, "pool_link": args.pool_link,
@@ -177,8 +210,9 @@ def verdicts(doc: dict) -> list[str]:
                 checks.append(("with admission: goodput>=1.3xdynamo",
                                g[ADMIT]["goodput"] >= 1.3 * g["dynamo"]["goodput"]))
         line = ", ".join(f"{n} {'ok' if ok else 'NO'}" for n, ok in checks)
+        cal = f", dynamo's load {g['dynamo']['load']:.2f}" if "dynamo" in g else ""
         out.append(f"{name} load {load} {'pool' if pool else 'no pool'}: {line} "
-                   f"(quillcache p50 {q['ttft_p50_ms']:.0f} / best peer {p50:.0f} ms, p99 "
+                   f"({'calibrated' + cal + '; ' if cal else ''}quillcache p50 {q['ttft_p50_ms']:.0f} / best peer {p50:.0f} ms, p99 "
                    f"{q['ttft_p99_ms']:.0f} / {p99:.0f} ms, goodput {q['goodput']:.3f} / {good:.3f})")
     for (name, load, pool), g in by.items():
         if pool or abs(load - 0.6) > 0.05 or OURS not in g:
@@ -188,11 +222,24 @@ def verdicts(doc: dict) -> list[str]:
             continue
         qp, qn = with_pool[OURS], g[OURS]
         ratio = qp["ttft_p50_ms"] / qn["ttft_p50_ms"] if qn["ttft_p50_ms"] else float("nan")
+        same = next((r for r in doc.get("pool_at_no_pool_speedup", ())
+                     if r["trace"] == name and r["target_load"] == load), None)
+        at_same = ""
+        if same is not None:
+            r2 = same["ttft_p50_ms"] / qn["ttft_p50_ms"] if qn["ttft_p50_ms"] else float("nan")
+            at_same = (f"; at the same traffic (the no-pool speed-up {same['speedup']:.2f}, load "
+                       f"{same['load']:.2f} with the pool) {r2:.2f} ({'ok' if r2 <= 0.8 else 'NO'} <= 0.8)")
         beats = all(qp["ttft_p50_ms"] < with_pool[p]["ttft_p50_ms"] and qp["goodput"] >= with_pool[p]["goodput"]
                     for p in PEERS if p in with_pool)
-        out.append(f"{name} load {load}: quillcache p50 with pool / without {ratio:.2f} "
-                   f"({'ok' if ratio <= 0.8 else 'NO'} <= 0.8); beats every peer with the pool "
-                   f"(lower p50, goodput >=): {'ok' if beats else 'NO'}")
+        losers = ", ".join(f"{p} {with_pool[p]['ttft_p50_ms']:.0f} ms / {with_pool[p]['goodput']:.3f}"
+                           for p in PEERS if p in with_pool and not (
+                               qp["ttft_p50_ms"] < with_pool[p]["ttft_p50_ms"]
+                               and qp["goodput"] >= with_pool[p]["goodput"]))
+        out.append(f"{name} load {load}: quillcache p50 with pool / without at the same load {ratio:.2f} "
+                   f"({'ok' if ratio <= 0.8 else 'NO'} <= 0.8){at_same}; beats every peer with the pool "
+                   f"(lower p50, goodput >=): {'ok' if beats else 'NO'}"
+                   + (f" (quillcache {qp['ttft_p50_ms']:.0f} ms / {qp['goodput']:.3f}; not beaten: {losers})"
+                      if losers else ""))
     return out
 
 
@@ -243,7 +290,7 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=3000, help="requests per trace")
     ap.add_argument("--loads", default="0.3,0.6,0.85")
     ap.add_argument("--load-tol", type=float, default=0.03)
-    ap.add_argument("--probes", type=int, default=6, help="calibration replays per load at most")
+    ap.add_argument("--probes", type=int, default=8, help="calibration replays per load at most")
     ap.add_argument("--start-speedup", type=float, default=1.0)
     ap.add_argument("--policies", default=",".join(POLICIES + (ADMIT,)),
                     help=f"policies to replay; {ADMIT}: quillcache with admission = predict (k = 1)")

@@ -301,3 +301,101 @@ def test_quillcache_scores_match_a_brute_force_predictor(places, loads, qlen, ex
     assert d.logits == pytest.approx(brute_prediction(r, A, chain[:qlen], n_tokens))
     assert d.logits[d.worker] == min(d.logits.values())
     assert d.cross_identity_credited_blocks == 0
+
+
+def doomed_case(**kw):
+    """SLO 800 ms, 45 us a token, no decodes.  Queues: w0 30,000 tokens (1.35 s), w1 25,000
+    (1.125 s), w2 10,000 (0.45 s); mean wait 0.975 s, so 1.2 x the mean is 1.17 s.  The request:
+    20,000 tokens (0.9 s of its own work)."""
+    r = router("quillcache", slo_ttft_ms=800.0, **kw)
+    set_load(r, "w0", 30_000, 1, 1)
+    set_load(r, "w1", 25_000, 1, 1)
+    set_load(r, "w2", 10_000, 1, 1)
+    return r, chain_hashes(toks(5000), BS)
+
+
+def test_a_request_doomed_everywhere_goes_where_the_queue_already_misses_the_slo():
+    # w2 is its fastest worker (0.45 + 0.9 s) but still past 0.8 s: it would only take w2's
+    # capacity from requests that can meet theirs.  w1's queue alone misses the SLO and is within
+    # 1.2 x the mean wait; w0's is beyond that (the tail stays in view).
+    r, h = doomed_case()
+    d = r.route(A, hashes=h, request_tokens=20_000, track=False)
+    assert d.worker == "w1"
+    assert d.predicted_ttft_us == pytest.approx(45 * 45_000)
+    assert all(math.isfinite(v) for v in d.logits.values())
+    # without goodput placement it takes its fastest worker
+    r, h = doomed_case(goodput_placement=False)
+    assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w2"
+    # a request that can meet the SLO on w2 takes w2
+    r, h = doomed_case()
+    small = chain_hashes(toks(100), BS)
+    assert r.route(A, hashes=small, request_tokens=400, track=False).worker == "w2"
+    # the only queue past the SLO is w0's, 1.35 s against a mean of 0.75 s (1.2 x: 0.9 s): sending
+    # it there would make it wait 80 % longer than an even spread; it takes its fastest worker
+    r, h = doomed_case()
+    set_load(r, "w1", 10_000, 1, 1)
+    assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker in ("w1", "w2")
+
+
+def test_a_doomed_request_is_not_moved_where_it_costs_more_than_twice_its_own_work():
+    # w2 holds 3,000 of its 5,000 blocks: 8,000 tokens of its own there (0.36 s; 0.81 s with the
+    # queue: doomed), 20,000 on w1 (0.9 s).  Moving it would add 0.54 s of work to spare w2
+    # 0.36 s: it stays.
+    r, h = doomed_case()
+    r.indexer.add_blocks("w2", A, h[:3000], DEVICE)
+    d = r.route(A, hashes=h, request_tokens=20_000, track=False)
+    assert d.worker == "w2" and d.predicted_ttft_us > 800_000
+
+
+def test_a_worker_whose_kv_memory_it_does_not_fit_ranks_after_one_it_fits():
+    """Engines of 16 KV pages.  w0: an empty queue, but the requests in flight took 12 pages;
+    w1: 1,000 tokens queued (45 ms), no page taken.  The request is 8 blocks: on w0 it needs 8
+    pages (12 + 8 > 16: it would wait for running requests to end), on w1 8 (fits)."""
+    def case(**kw):
+        r = router("quillcache", workers=("w0", "w1"), **kw)
+        r.load("w0").new_blocks = 12
+        set_load(r, "w1", 1000, 1, 1)
+        return r
+    h = chain_hashes(toks(8), BS)
+    assert case().route(A, hashes=h, request_tokens=32, track=False).worker == "w0"   # memory not known
+    assert case(kv_blocks=16).route(A, hashes=h, request_tokens=32, track=False).worker == "w1"
+    # with 6 of its blocks on w0's device it needs 2 pages there (12 + 2 <= 16): w0 again
+    r = case(kv_blocks=16)
+    r.indexer.add_blocks("w0", A, h[:6], DEVICE)
+    assert r.route(A, hashes=h, request_tokens=32, track=False).worker == "w0"
+    # nowhere fits: the fewest pages to wait for first (w1 already took 14, w0 12)
+    r = case(kv_blocks=16)
+    r.load("w1").new_blocks = 14
+    assert r.route(A, hashes=h, request_tokens=32, track=False).worker == "w0"
+
+
+def test_the_pages_a_request_takes_are_counted_until_it_ends():
+    r = router("quillcache", workers=("w0",), kv_blocks=64)
+    h = chain_hashes(toks(10), BS)
+    r.indexer.add_blocks("w0", A, h[:4], DEVICE)
+    r.indexer.add_blocks("node", A, h[:7], POOL)
+    d = r.route(A, hashes=h, request_tokens=40, request_id="a")
+    assert d.overlap == (4, 0, 0, 3)
+    assert r.load("w0").new_blocks == 10 - 4             # pool blocks need pages like recomputed ones
+    r.first_token("a")
+    assert r.load("w0").new_blocks == 6                   # held while it decodes
+    r.free("a")
+    assert r.load("w0").new_blocks == 0
+
+
+def test_what_a_move_evicts_on_its_new_worker_is_counted_at_the_measured_device_share():
+    """w0 holds 8 of the request's 10 blocks behind 50 queued tokens: (50 + 8) x 45 = 2610 us;
+    w1 is idle and would recompute all 40 tokens: 1800 us.  Each page it takes evicts a block
+    found again at the device share s and recomputed at 4 x 45 = 180 us: w0 takes 2 pages
+    (+360 s), w1 10 (+1800 s).  s = 0: w1; s = 1 (every routed block was on the device): w0."""
+    def case(share):
+        r = router("quillcache", workers=("w0", "w1"))
+        h = chain_hashes(toks(10), BS)
+        r.indexer.add_blocks("w0", A, h[:8], DEVICE)
+        set_load(r, "w0", 50, 0, 0)
+        r.stats.request_blocks, r.stats.device_blocks = 100, int(100 * share)
+        return r.route(A, hashes=h, request_tokens=40, track=False)
+    assert case(0.0).worker == "w1"
+    d = case(1.0)
+    assert d.worker == "w0"
+    assert d.logits["w0"] == pytest.approx(2610 + 2 * 180) and d.logits["w1"] == pytest.approx(1800 + 10 * 180)

@@ -23,6 +23,7 @@ in microseconds, from the ``CostModel`` and measured link rates (``RouterConfig`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from quillcache.control.model import CostModel
 
 __all__ = ["Candidates", "Prediction", "SGLANG_BALANCE_ABS", "SGLANG_BALANCE_REL", "SGLANG_CACHE_THRESHOLD",
            "LLMD_QUEUE_WEIGHT", "LLMD_PREFIX_WEIGHT", "sglang_scores", "llmd_scores", "mooncake_scores",
-           "predict_ttft"]
+           "predict_ttft", "goodput_placement"]
 
 # SGLang model gateway, cache_aware defaults (sgl-router ``CacheAwareConfig``)
 SGLANG_BALANCE_ABS = 64           # requests
@@ -64,6 +65,7 @@ class Candidates:
     n_tokens: int
     n_blocks: int
     block_size: int
+    held_blocks: Optional[np.ndarray] = None     # KV pages the requests in flight took on each worker
 
     @property
     def local(self) -> np.ndarray:
@@ -124,10 +126,45 @@ class Prediction:
     score: np.ndarray          # what the router minimises: TTFT + the slowdown imposed, us
     ttft_us: np.ndarray        # predicted time to first token, us
     pool_blocks: np.ndarray    # blocks each worker would load from the pool (0 where recompute is cheaper)
+    wait_us: np.ndarray        # the part of ttft_us spent behind the work already queued there
+    doomed: bool = False       # predicted to miss the SLO everywhere: placed by goodput_placement
+
+
+def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2) -> Prediction:
+    """Where a request goes that is predicted to miss its SLO on every worker.
+
+    It misses wherever it goes; what its placement still decides is whom it delays.  Its work
+    delays the requests queued behind it, and behind a queue that alone already exceeds the SLO
+    those miss theirs anyway; on its fastest worker, whose queue is short, it would take
+    capacity from requests that can still meet theirs.  So it goes to the best-scored worker
+    whose queue is already past the SLO, provided that
+
+    * moving there costs no more work than it spares its fastest worker (its own work there,
+      queue excluded, at most twice what it is on the fastest: a long context it would
+      recompute stays with the worker that holds it), and
+    * that queue is at most ``1 + tail_slack`` times the mean queue over the workers: a doomed
+      request waits at most that much longer than an even spread would make it wait, which is
+      what keeps the tail (p99) in view.  ``tail_slack`` 0.2 is the issue's tail budget
+      (p99 <= 1.2 x the best peer's), not a number fitted to a trace.
+
+    Where no worker qualifies (a request doomed by its own size, or queues all alike) the
+    placement is unchanged."""
+    if not len(p.ttft_us) or float(p.ttft_us.min()) <= slo_us:
+        return p
+    own = p.ttft_us - p.wait_us
+    best = int(np.argmin(p.score))
+    past = ((p.wait_us >= slo_us) & (own - own[best] <= own[best])
+            & (p.wait_us <= (1.0 + tail_slack) * float(p.wait_us.mean())))
+    if not past.any():
+        return p
+    # The others rank after every doomed worker, in their own order (finite: logits go out as JSON).
+    return Prediction(np.where(past, p.score, p.score + float(p.score.max()) + 1.0), p.ttft_us, p.pool_blocks,
+                      p.wait_us, True)
 
 
 def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_tokens: int,
-                 pool_us_per_mb: float) -> Prediction:
+                 pool_us_per_mb: float, kv_blocks: Optional[int] = None,
+                 device_share: float = 0.0) -> Prediction:
     """The ``quillcache`` policy: per worker, in microseconds,
 
     * the prefill work admitted there and not yet done (the queue it waits behind) plus its
@@ -138,7 +175,13 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
       the local-SSD cost, the pool at ``pool_us_per_mb`` (the pool's link), the pool only where
       loading a block costs less than recomputing it;
     * the slowdown its prefill imposes on the decodes running there: its compute time, times
-      that worker's share of the cluster's running decodes (the mean delay it adds to one).
+      that worker's share of the cluster's running decodes (the mean delay it adds to one);
+    * what its pages evict there: its blocks not on that device, times the share of routed
+      blocks found on the device (``device_share``, the router's measurement), times the cost
+      of loading (pool) or recomputing a block;
+    * with ``kv_blocks`` (the engines' KV pages) and the pages the requests in flight took
+      (``Candidates.held_blocks``): the workers whose memory it does not fit now rank after
+      those it fits, by the pages it would wait for.
     """
     per_token = cost.prefill_us_per_token
     bs = c.block_size
@@ -156,10 +199,30 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     iters = np.ceil(work / np.maximum(batch_tokens - decodes, 1))
     load = c.host * host_us + c.disk * disk_us + pool * pool_us
     ttft = per_token * work + iters * per_iter + load
+    queued = c.prefill_tokens.astype(float)
+    wait = per_token * queued + np.ceil(queued / np.maximum(batch_tokens - decodes, 1)) * per_iter
     total = float(decodes.sum())
     imposed = per_token * own * (decodes / total) if total else np.zeros(len(own))
     # Each microsecond of compute it adds is one more of waiting for the requests that will
     # queue behind it; the mean prefill queue over the workers says how many that is.
     behind = float(c.prefill_requests.mean()) if len(own) else 0.0
     imposed = imposed + per_token * own * behind
-    return Prediction(ttft + imposed, ttft, pool)
+    # What it evicts: each page it takes (its blocks not on that device) pushes one cached block
+    # out, which later requests would have found there at the rate blocks are found on the
+    # device (``device_share``, measured over the router's decisions) and now load from the pool
+    # (where the prefix is there) or recompute.  A long context moved to a worker that lacks it
+    # costs its new worker that much of its cache; on its holder it takes only its new blocks.
+    need = -(-c.n_tokens // bs) - c.device
+    refill = pool_us if use_pool and c.pool.any() else bs * per_token
+    imposed = imposed + device_share * refill * need
+    score = ttft + imposed
+    if kv_blocks is not None and c.held_blocks is not None:
+        # KV memory: where the pages the requests in flight took plus the pages this one needs
+        # (its blocks not on that device: a block loaded from host, disk or the pool needs a page
+        # like a recomputed one) exceed the engine's KV pages, it waits for running requests to
+        # end, a wait the compute queue above does not see.  Ranked by the pages it would wait
+        # for, then by the score: where it fits now comes first.
+        excess = np.maximum(c.held_blocks + need - kv_blocks, 0)
+        if excess.any():
+            score = excess * (float(score.max()) + 1.0) + score
+    return Prediction(score, ttft, pool, wait)

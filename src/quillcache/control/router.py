@@ -16,8 +16,10 @@ Policies (``POLICIES``): ``round_robin``, ``least_loaded`` (the logit with no cr
 it: it credits a prefix whoever cached it, and knows no pool), the peers ``sglang``, ``llmd``
 and ``mooncake`` (``quillcache.control.policies``: identity-blind, as they ship) and
 ``quillcache``: the predicted time to first token on each worker from the ``CostModel``
-(queue, own uncached tokens, tier-by-tier loads, decode interference), with credit only for
-blocks cached under the request's identity, and the pool as a tier any worker can load from.
+(queue, own uncached tokens, tier-by-tier loads, decode interference, what its pages evict,
+KV memory where ``kv_blocks`` is known), with credit only for blocks cached under the request's
+identity, and the pool as a tier any worker can load from; a request predicted to miss its SLO
+everywhere is placed by ``goodput_placement`` (``control/policies.py``).
 With ``admission = "predict"`` a request whose predicted TTFT exceeds ``admission_k`` times
 its SLO is refused (``Decision.admitted`` False, nothing tracked): the caller answers it
 early (the gateway: 429 with ``Retry-After``).
@@ -43,7 +45,7 @@ import numpy as np
 from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
 from quillcache.control.model import H200_LLAMA3_8B, TCP_BYTES_PER_S, CostModel, us_per_mib
 from quillcache.control.policies import (
-    Candidates, llmd_scores, mooncake_scores, predict_ttft, sglang_scores,
+    Candidates, goodput_placement, llmd_scores, mooncake_scores, predict_ttft, sglang_scores,
 )
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sketch import CountMinSketch
@@ -89,6 +91,8 @@ class RouterConfig:
     admission: str = "off"                   # "predict": refuse what is predicted to miss k x SLO
     admission_k: float = 1.0
     slo_ttft_ms: float = 800.0
+    kv_blocks: Optional[int] = None          # KV pages (of block_size tokens) per engine; None: not known
+    goodput_placement: bool = True           # quillcache: a request doomed everywhere goes where queues already miss
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -109,6 +113,7 @@ class RouterConfig:
 class WorkerLoad:
     active_prefill_tokens: int = 0
     decode_blocks: int = 0
+    new_blocks: int = 0                  # KV pages taken: request blocks not on the worker's device
     active_requests: int = 0
     prefill_requests: int = 0            # routed, first token not yet out
 
@@ -119,6 +124,7 @@ class _Active:
     prefill_tokens: int
     blocks: int
     prefilling: bool = True
+    new_blocks: int = 0
 
 
 @dataclass
@@ -147,6 +153,14 @@ class RouterStats:
     latencies_us: list = field(default_factory=list)    # the last LATENCY_WINDOW decisions
     cross_identity_credited_blocks: int = 0
     refused_blocks: int = 0
+    request_blocks: int = 0              # blocks of the requests routed ...
+    device_blocks: int = 0               # ... and of those, found on the chosen worker's device
+
+
+    @property
+    def device_share(self) -> float:
+        """The share of routed blocks found on the chosen worker's device."""
+        return self.device_blocks / self.request_blocks if self.request_blocks else 0.0
 
 
 LATENCY_WINDOW = 8192
@@ -268,8 +282,8 @@ class Router:
             elif policy != "quillcache":
                 pool = np.zeros(len(names), np.int64)
             loads = [self._loads[n] for n in names]
-            lt = np.array([(ld.active_prefill_tokens, ld.prefill_requests, ld.active_requests, ld.decode_blocks)
-                           for ld in loads], dtype=np.int64).reshape(len(loads), 4)
+            lt = np.array([(ld.active_prefill_tokens, ld.prefill_requests, ld.active_requests, ld.decode_blocks,
+                            ld.new_blocks) for ld in loads], dtype=np.int64).reshape(len(loads), 5)
             raw = (lt[:, 0] + n_tokens) / cfg.block_size
             decode = lt[:, 3].astype(float)
             active = lt[:, 2].astype(float)
@@ -281,14 +295,17 @@ class Router:
                 trees = np.array(self.indexer.tree_blocks(names) if policy == "sglang" else [0] * len(names),
                                  dtype=np.int64)
                 cand = Candidates(tuple(names), dev, host, disk, pool, lt[:, 0], lt[:, 1], lt[:, 2], trees,
-                                  n_tokens, len(hashes), cfg.block_size)
+                                  n_tokens, len(hashes), cfg.block_size, lt[:, 4])
             if policy == "dynamo":
                 logits = cfg.prefill_load_scale * np.maximum(raw - credit, 0.0) + decode \
                     + cfg.active_request_weight * active
                 choice = self._select(logits)
             elif policy == "quillcache":
                 pred = predict_ttft(cand, cfg.cost, block_bytes=self._block_bytes,
-                                    batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb)
+                                    batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
+                                    kv_blocks=cfg.kv_blocks, device_share=self.stats.device_share)
+                if cfg.goodput_placement:
+                    pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0)
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
                 choice = self._select(logits)
             elif policy == "mooncake":
@@ -330,7 +347,7 @@ class Router:
             track = track and admitted
             rid = request_id if request_id is not None else f"r{next(self._ids)}"
             if track:
-                self._start(rid, worker, n_tokens, d + h + k + p, self._load_tokens(policy, h, k, p))
+                self._start(rid, worker, n_tokens, d + h + k + p, self._load_tokens(policy, h, k, p), d)
             if cfg.approximate:
                 self._predict(worker, scope, hashes)
             for hh in hashes[:1]:
@@ -338,6 +355,8 @@ class Router:
             latency = (time.perf_counter() - t0) * 1e6
             st = self.stats
             st.decisions += 1
+            st.request_blocks += len(hashes)
+            st.device_blocks += d
             if len(st.latencies_us) >= LATENCY_WINDOW:
                 del st.latencies_us[:LATENCY_WINDOW // 2]
             st.latencies_us.append(latency)
@@ -389,17 +408,20 @@ class Router:
         us = mib * (host * cfg.cost.cpu_dram_us_per_mb + disk * cfg.cost.local_ssd_us_per_mb + fetched * fetch_us)
         return round(us / max(cfg.cost.prefill_us_per_token, 1))
 
-    def _start(self, rid: str, worker: str, n_tokens: int, cached_blocks: int, load_tokens: int = 0) -> None:
+    def _start(self, rid: str, worker: str, n_tokens: int, cached_blocks: int, load_tokens: int = 0,
+               device_blocks: int = 0) -> None:
         old = self._active.pop(rid, None)
         if old is not None:
             self._release(old)
         bs = self.config.block_size
         prefill = max(n_tokens - cached_blocks * bs, 0) + load_tokens
         blocks = math.ceil(n_tokens / bs)
-        self._active[rid] = _Active(worker, prefill, blocks)
+        new = max(blocks - device_blocks, 0)
+        self._active[rid] = _Active(worker, prefill, blocks, new_blocks=new)
         ld = self._loads[worker]
         ld.active_prefill_tokens += prefill
         ld.decode_blocks += blocks
+        ld.new_blocks += new
         ld.active_requests += 1
         ld.prefill_requests += 1
 
@@ -411,6 +433,7 @@ class Router:
             ld.active_prefill_tokens -= a.prefill_tokens
             ld.prefill_requests -= 1
         ld.decode_blocks -= a.blocks
+        ld.new_blocks -= a.new_blocks
         ld.active_requests -= 1
 
     def first_token(self, request_id: str) -> bool:

@@ -141,7 +141,7 @@ def replay_router_config(policy: str, config: EngineConfig, seed: int = 0, **kno
     return RouterConfig(policy=policy, block_size=config.block_size, seed=seed, cost=config.cost,
                         kv_bytes_per_token=config.kv_bytes_per_token,
                         batch_tokens=config.max_batched_tokens,
-                        pool_us_per_mb=config.cost.cpu_dram_us_per_mb, **knobs)
+                        pool_us_per_mb=config.cost.cpu_dram_us_per_mb, kv_blocks=config.capacity_blocks, **knobs)
 
 
 def _pool_events(pool: LruPool, bs: int) -> list:
