@@ -105,8 +105,10 @@ class RouterConfig:
             raise ValueError("kv_bytes_per_token and batch_tokens must be positive")
 
 
-# the columns of the load table, in the order a decision reads them
+# The columns of the load table, in the order a decision reads them (a counter added here is
+# one more column of every row and one more property of WorkerLoad).
 _PREFILL_TOKENS, _PREFILL_REQUESTS, _REQUESTS, _DECODE_BLOCKS = range(4)
+_LOAD_COLUMNS = 4
 
 
 class _LoadTable:
@@ -115,7 +117,7 @@ class _LoadTable:
     its row (slot) while it is known; a removed worker's row is zeroed and reused."""
 
     def __init__(self, capacity: int = 16) -> None:
-        self.rows = np.zeros((capacity, 4), np.int64)
+        self.rows = np.zeros((capacity, _LOAD_COLUMNS), np.int64)
         self._free: list[int] = []
         self._next = 0
 
@@ -123,7 +125,7 @@ class _LoadTable:
         if self._free:
             return self._free.pop()
         if self._next == len(self.rows):
-            grown = np.zeros((2 * len(self.rows), 4), np.int64)
+            grown = np.zeros((2 * len(self.rows), _LOAD_COLUMNS), np.int64)
             grown[:self._next] = self.rows
             self.rows = grown
         self._next += 1
