@@ -29,8 +29,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,7 +51,9 @@ from quillcache.settings.convert import hash_token  # noqa: E402
 from quillcache.control.model import SloTarget  # noqa: E402
 from quillcache.protocol.route import POLICIES  # noqa: E402
 from quillcache.control.sim.engine import H200_LLAMA3_8B  # noqa: E402
-from quillcache.control.sim.replay import REPLAY_MODEL, PolicyResult, block_token_ids, build_requests  # noqa: E402
+from quillcache.control.sim.replay import (  # noqa: E402
+    REPLAY_MODEL, PolicyResult, block_token_ids, build_requests, run_policy,
+)
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, assign_tenants, load_trace  # noqa: E402
 
 START_TIMEOUT_S = 60.0          # seconds each process has to come up
@@ -240,6 +244,9 @@ class Run:
         summary = res.summary(slo.ttft_ms, slo.tpot_ms)
         summary.update(errors=len(errors), error_samples=errors[:3], wall_s=span_s,
                        credited_hit_rate=decision_hits / prompt_blocks if prompt_blocks else 0.0,
+                       engine_late_ms=sum(st.get("late_us", 0) for st in stats) / 1e3,
+                       engine_late_max_ms=max((st.get("late_max_us", 0) for st in stats), default=0) / 1e3,
+                       engine_slipped_ms=sum(st.get("slipped_us", 0) for st in stats) / 1e3,
                        retries=int(scrape(metrics, "quillcache_gateway_retries_total")),
                        upstream_errors=int(scrape(metrics, "quillcache_gateway_upstream_errors_total")))
         return summary
@@ -254,22 +261,114 @@ def prepare(args):
     return requests, bodies, tenants
 
 
+# What the two clocks are compared on: (summary key, True when higher is better)
+RANK_METRICS = (("ttft_p50_ms", False), ("goodput", True))
+
+
+def separated(a: list[float], b: list[float]) -> int:
+    """-1 when ``a`` is below ``b`` beyond the run-to-run noise, +1 above, 0 a tie within it.
+    Beyond the noise: every run of one is below every run of the other, and their medians
+    differ by more than the larger spread (max - min) of the two.  One run each has no
+    noise measured: its values are compared as they are."""
+    gap = statistics.median(b) - statistics.median(a)
+    spread = max(max(a) - min(a), max(b) - min(b))
+    if max(a) < min(b) and gap > spread:
+        return -1
+    if min(a) > max(b) and -gap > spread:
+        return 1
+    return 0
+
+
+def ranks(values: dict[str, float]) -> dict[str, float]:
+    """1 for the smallest; tied values share their mean rank."""
+    order = sorted(values, key=values.get)
+    out: dict[str, float] = {}
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(x: dict[str, float], y: dict[str, float]) -> float:
+    rx, ry = ranks(x), ranks(y)
+    names = list(x)
+    mx, my = statistics.mean(rx.values()), statistics.mean(ry.values())
+    cov = sum((rx[n] - mx) * (ry[n] - my) for n in names)
+    vx = sum((rx[n] - mx) ** 2 for n in names)
+    vy = sum((ry[n] - my) ** 2 for n in names)
+    return cov / math.sqrt(vx * vy) if vx and vy else float("nan")
+
+
+def agreement(live: dict[str, list[float]], virtual: dict[str, list[float]]) -> dict:
+    """Pairs of policies ordered on both clocks: judged where both clocks separate them beyond
+    their run-to-run noise (``separated``), concordant when they order them the same way."""
+    names = list(live)
+    judged, discordant, live_only, virtual_only = 0, [], [], []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            s_live, s_virt = separated(live[a], live[b]), separated(virtual[a], virtual[b])
+            if s_live and s_virt:
+                judged += 1
+                if s_live != s_virt:
+                    discordant.append((a, b))
+            elif s_live:
+                live_only.append((a, b))
+            elif s_virt:
+                virtual_only.append((a, b))
+    med_live = {n: statistics.median(v) for n, v in live.items()}
+    med_virt = {n: statistics.median(v) for n, v in virtual.items()}
+    return {"pairs": len(names) * (len(names) - 1) // 2, "judged": judged, "concordant": judged - len(discordant),
+            "discordant": discordant, "live_only": live_only, "virtual_only": virtual_only,
+            "spearman_medians": spearman(med_live, med_virt),
+            "live_ranking": sorted(names, key=med_live.get), "virtual_ranking": sorted(names, key=med_virt.get)}
+
+
+def virtual_runs(args, requests, policies: list[str]) -> dict[str, list[dict]]:
+    """The same requests on the virtual clock (router_replay's engines), once per router seed
+    (its tie breaks are what varies between runs there)."""
+    slo = SloTarget()
+    cfg = router_replay.engine_config(args.kv_gib)
+    return {p: [run_policy(requests, p, args.engines, cfg, seed=seed).summary(slo.ttft_ms, slo.tpot_ms)
+                for seed in range(args.repeats)] for p in policies}
+
+
+def compare(live_runs: dict[str, list[dict]], virtual: dict[str, list[dict]]) -> dict:
+    out = {}
+    for key, higher_better in RANK_METRICS:
+        sign = -1.0 if higher_better else 1.0       # rank so that 1 is the best
+        out[key] = agreement({p: [sign * r[key] for r in rs] for p, rs in live_runs.items()},
+                             {p: [sign * r[key] for r in rs] for p, rs in virtual.items()})
+    return out
+
+
 def run(args) -> dict:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise SystemExit(f"gateway_replay: unknown policies {unknown} (known: {', '.join(POLICIES)})")
     requests, bodies, tenants = prepare(args)
-    results = {}
-    for policy in policies:
-        r = Run(args, policy, requests, bodies, tenants)
-        try:
-            results[policy] = asyncio.run(r.replay())
-        finally:
-            r.stop()
-        print(f"  {policy}: {results[policy]['requests']} requests, {results[policy]['errors']} errors, "
-              f"{results[policy]['wall_s']:.0f} s", file=sys.stderr, flush=True)
-    return {"policies": results,
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    for rep in range(args.repeats):
+        # each repeat starts one policy later, so a drift in the machine's load spreads over all
+        for policy in policies[rep % len(policies):] + policies[:rep % len(policies)]:
+            r = Run(args, policy, requests, bodies, tenants)
+            try:
+                got = asyncio.run(r.replay())
+            finally:
+                r.stop()
+            got["loadavg"] = os.getloadavg()[0]
+            runs[policy].append(got)
+            print(f"  {policy} (run {rep + 1}/{args.repeats}): {got['requests']} requests, {got['errors']} errors, "
+                  f"TTFT p50 {got['ttft_p50_ms']:.0f} ms, goodput {got['goodput']:.3f}, engines late "
+                  f"{got['engine_late_ms']:.0f} ms (max {got['engine_late_max_ms']:.1f}), slipped "
+                  f"{got['engine_slipped_ms']:.0f} ms, load average {got['loadavg']:.1f}", file=sys.stderr, flush=True)
+    results = {p: median_run(rs) for p, rs in runs.items()}
+    doc = {"policies": results, "runs": runs,
             "config": {"trace": args.trace, "engines": args.engines, "speedup": args.speedup,
                        "tenants": args.tenants, "seed": args.seed, "kv_gib": args.kv_gib, "limit": args.limit,
                        "time_scale": args.time_scale, "through": "quillcache-gateway",
@@ -277,7 +376,31 @@ def run(args) -> dict:
                        "cost_model": {"prefill_us_per_token": H200_LLAMA3_8B.prefill_us_per_token,
                                       "decode_us_per_token": H200_LLAMA3_8B.decode_us_per_token,
                                       "running_decode_penalty_us": H200_LLAMA3_8B.running_decode_penalty_us},
-                       "capacity_blocks_per_engine": router_replay.engine_config(args.kv_gib).capacity_blocks}}
+                       "capacity_blocks_per_engine": router_replay.engine_config(args.kv_gib).capacity_blocks,
+                       "repeats": args.repeats}}
+    if args.virtual:
+        virtual = virtual_runs(args, requests, policies)
+        doc["virtual"] = {p: median_run(rs) for p, rs in virtual.items()}
+        doc["virtual_runs"] = virtual
+        doc["agreement"] = compare(runs, virtual)
+    return doc
+
+
+def median_run(rs: list[dict]) -> dict:
+    """The run whose TTFT p50 is the median of the repeats (the table shows one real run)."""
+    return sorted(rs, key=lambda r: r["ttft_p50_ms"])[(len(rs) - 1) // 2]
+
+
+def agreement_text(doc: dict) -> str:
+    lines = []
+    for key, a in doc["agreement"].items():
+        lines.append(f"{key}: live {' < '.join(a['live_ranking'])}")
+        lines.append(f"{' ' * len(key)}  virtual {' < '.join(a['virtual_ranking'])}")
+        lines.append(f"{' ' * len(key)}  pairs separated beyond the noise on both clocks {a['judged']} of "
+                     f"{a['pairs']}: {a['concordant']} in the same order, discordant {a['discordant'] or 'none'}; "
+                     f"separated live only {len(a['live_only'])}, virtual only {len(a['virtual_only'])}; "
+                     f"Spearman of the medians {a['spearman_medians']:.2f}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -292,13 +415,22 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=160, help="replay only the first N requests (0: all)")
     ap.add_argument("--time-scale", type=float, default=1.0,
                     help="wall seconds per modelled second (< 1: faster than the modelled GPU)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="live runs per policy (the run-to-run noise), and router seeds on the virtual clock")
+    ap.add_argument("--virtual", action="store_true",
+                    help="also replay on the virtual clock and compare the rankings beyond the noise")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
-    if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or not args.time_scale > 0:
-        ap.error("--engines and --tenants must be >= 1, --speedup and --time-scale > 0")
+    if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or not args.time_scale > 0 \
+            or args.repeats < 1:
+        ap.error("--engines, --tenants and --repeats must be >= 1, --speedup and --time-scale > 0")
     t0 = time.perf_counter()
     doc = run(args)
     print(router_replay.table(doc))
+    if "virtual" in doc:
+        print("the same requests on the virtual clock:")
+        print(router_replay.table({"policies": doc["virtual"], "config": doc["config"]}))
+        print(agreement_text(doc))
     errors = sum(r["errors"] for r in doc["policies"].values())
     print(f"through quillcache-gateway: {args.engines} engines, {args.limit or 'all'} requests, speed-up "
           f"{args.speedup}, {args.tenants} tenant(s), time scale {args.time_scale}; client errors {errors} "

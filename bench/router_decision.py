@@ -7,6 +7,7 @@ per-decision work grows with the blocks indexed; the absolute time is the machin
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -64,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="quillcache,dynamo,mooncake")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    print("load average %.2f %.2f %.2f" % os.getloadavg())
     t0 = time.perf_counter()
     big, big_chains = build(args.blocks, args.workers, args.seed)
     small, small_chains = build(args.small, args.workers, args.seed)
@@ -75,8 +77,9 @@ def main(argv=None) -> int:
         b = measure(big, big_chains, args.decisions, policy, args.seed + 1)
         s = measure(small, small_chains, args.decisions, policy, args.seed + 1)
         print(f"{policy:<11} p50 {np.percentile(b, 50):7.1f} us  p99 {np.percentile(b, 99):7.1f} us at "
-              f"{len(big.indexer)} blocks; p50 {np.percentile(s, 50):7.1f} us at {len(small.indexer)}: "
-              f"ratio {np.percentile(b, 50) / np.percentile(s, 50):.2f}")
+              f"{len(big.indexer)} blocks; p50 {np.percentile(s, 50):7.1f} us  p99 {np.percentile(s, 99):7.1f} us "
+              f"at {len(small.indexer)}: ratio p50 {np.percentile(b, 50) / np.percentile(s, 50):.2f}")
+    print("load average %.2f %.2f %.2f" % os.getloadavg())
     return 0
 
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from quillcache.control.indexer import _KEY, DEVICE, DISK, HOST, POOL, DictIndexer, chain_hashes
+from quillcache.control.model import H200_LLAMA3_8B as H200
 from quillcache.protocol.route import POLICIES
 from quillcache.control.router import NoWorkers, Router, RouterConfig
 from quillcache.model import IdentityScope
@@ -203,3 +204,171 @@ def test_decision_latency_is_exported_to_prometheus():
     assert reg.get_sample_value("quillcache_router_decision_seconds_count") == 5
     assert reg.get_sample_value("quillcache_router_decision_seconds_sum") > 0
     assert router.latency_percentile(50) > 0
+
+
+# ---- the router's fast path (native match, load table, candidate columns) against the
+# straightforward scorer: the dict indexer, one worker at a time, the loads as given
+
+
+def straight(router, ref, loads, scope, hashes, n_tokens, policy, names):
+    """(logits, choices allowed, per-worker facts) computed worker by worker from the dict
+    indexer's match and the loads as the test set them."""
+    from quillcache.control.policies import (Candidates, goodput_placement, llmd_scores, mooncake_scores, predict_ttft,
+                                             sglang_scores)
+    from quillcache.control.router import BLIND_POLICIES
+    cfg = router.config
+    scoped = ref.find_matches(scope, hashes).as_dict()
+    blind = ref.find_matches(None, hashes).as_dict()
+    zero = (0, 0, 0, 0, 0)
+    facts = {}
+    for n in names:
+        d, h, k, p, refused = scoped.get(n, zero)
+        cross = 0
+        if policy in BLIND_POLICIES:
+            bd, bh, bk, _, _ = blind.get(n, zero)
+            cross, refused, p = max(bd + bh + bk - (d + h + k), 0), 0, 0
+            d, h, k = bd, bh, bk
+        elif policy != "quillcache":
+            p = 0
+        facts[n] = dict(tiers=(d, h, k, p), refused=refused, cross=cross, offered=p, predicted=0.0, moved=0)
+    apt, preq, req, dec = ([loads[n][i] for n in names] for i in range(4))
+    logits = []
+    for i, n in enumerate(names):
+        d, h, k, p = facts[n]["tiers"]
+        raw = (apt[i] + n_tokens) / cfg.block_size
+        if policy == "dynamo":
+            credit = cfg.device_weight * d + cfg.host_weight * h + cfg.disk_weight * k + cfg.pool_weight * p
+            logits.append(cfg.prefill_load_scale * max(raw - credit, 0.0) + dec[i]
+                          + cfg.active_request_weight * req[i])
+        elif policy == "least_loaded":
+            logits.append(cfg.prefill_load_scale * raw + dec[i] + cfg.active_request_weight * req[i])
+        elif policy in ("prefix", "round_robin"):
+            logits.append(-float(d + h + k) if policy == "prefix" else 0.0)
+    allowed = None
+    if policy in ("sglang", "llmd", "mooncake", "quillcache"):
+        col = [np.array([facts[n]["tiers"][t] for n in names], np.int64) for t in range(4)]
+        trees = np.array(ref.tree_blocks(names) if policy == "sglang" else [0] * len(names), np.int64)
+        a = lambda v: np.array(v, np.int64)
+        held = a([loads[n][4] if len(loads[n]) > 4 else 0 for n in names])
+        cand = Candidates(tuple(names), *col, a(apt), a(preq), a(req), trees, n_tokens, len(hashes), cfg.block_size,
+                          held)
+        if policy == "quillcache":
+            pred = predict_ttft(cand, cfg.cost, block_bytes=router._block_bytes, batch_tokens=cfg.batch_tokens,
+                                pool_us_per_mb=router._pool_us_per_mb, kv_blocks=cfg.kv_blocks,
+                                device_share=router.stats.device_share)
+            if cfg.goodput_placement:
+                pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0)
+            logits = pred.score.tolist()
+            for i, n in enumerate(names):
+                facts[n]["predicted"] = float(pred.ttft_us[i])
+                facts[n]["tiers"] = facts[n]["tiers"][:3] + (int(pred.pool_blocks[i]),)
+        elif policy == "mooncake":
+            score, moved = mooncake_scores(cand, cfg.cost, cfg.transfer_us_per_mb, router._block_bytes)
+            logits = score.tolist()
+            for i, n in enumerate(names):
+                facts[n]["predicted"], facts[n]["moved"] = float(score[i]), int(moved[i])
+        elif policy == "llmd":
+            logits = llmd_scores(cand).tolist()
+        else:
+            score, eligible = sglang_scores(cand)
+            logits = score.tolist()
+            allowed = {n for n, e in zip(names, eligible) if e}
+    if allowed is None and policy == "prefix":
+        depth = {n: sum(facts[n]["tiers"][:3]) for n in names}
+        deep = [n for n in names if depth[n] == max(depth.values())]
+        load = {n: cfg.prefill_load_scale * (loads[n][0] + n_tokens) / cfg.block_size + loads[n][3] for n in deep}
+        allowed = {n for n in deep if load[n] == min(load.values())}
+    elif allowed is None:
+        allowed = {n for n, v in zip(names, logits) if v == min(logits)} if policy != "round_robin" else set(names)
+    return dict(zip(names, logits)), allowed, facts
+
+
+fast_place = st.tuples(st.integers(0, 6), st.integers(0, 1), st.integers(0, 3), st.integers(0, 7),
+                       st.integers(1, 8))
+load_st = st.tuples(st.integers(0, 5000), st.integers(0, 6), st.integers(0, 9), st.integers(0, 300))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(fast_place, max_size=30), st.lists(load_st, min_size=6, max_size=6), st.integers(0, 9),
+       st.sampled_from(POLICIES), st.booleans(), st.one_of(st.none(), st.permutations(range(6))),
+       st.integers(1, 6), st.integers(0, 3))
+def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, policy, pool_first, order,
+                                                         n_cand, extra_tokens):
+    """Random residency (2 identities, every tier, a pool node registered before or after
+    the workers), random loads, random candidate subsets in any order, every policy: the
+    router's logits, choice, overlap, plan and counters are the straightforward scorer's."""
+    names = [f"w{i}" for i in range(6)]
+    cfg = RouterConfig(policy=policy, block_size=BS, seed=5, cost=H200, kv_bytes_per_token=131072,
+                       batch_tokens=64)
+    router = Router(cfg)
+    ref = DictIndexer()
+    if pool_first:
+        router.indexer.worker("pool", pool=True)
+    ref.worker("pool", pool=True)
+    for n in names:
+        router.add_worker(n)
+        ref.worker(n)
+    chain = chain_hashes(tokens(10), BS)
+    for w, s, tier, start, n in places:
+        worker = "pool" if w == 6 else names[w]
+        tier = POOL if w == 6 else min(tier, DISK)
+        for idx in (router.indexer, ref):
+            idx.add_blocks(worker, (A, B)[s], chain[start:start + n], tier)
+    given_loads = {}
+    for n, (apt, preq, req, dec) in zip(names, loads):
+        ld = router.load(n)
+        ld.active_prefill_tokens, ld.prefill_requests, ld.active_requests, ld.decode_blocks = apt, preq, req, dec
+        given_loads[n] = (apt, preq, req, dec)
+    cands = None if order is None else [names[i] for i in order[:n_cand]]
+    hashes = chain[:qlen] if qlen else [12345]
+    n_tokens = len(hashes) * BS + extra_tokens
+    d = router.route(A, hashes=hashes, request_tokens=n_tokens, track=False, candidates=cands)
+    logits, allowed, facts = straight(router, ref, given_loads, A, hashes, n_tokens, policy, cands or names)
+    assert d.logits == logits                   # exactly: the same numbers, not close ones
+    assert d.worker in allowed
+    f = facts[d.worker]
+    dd, hh, kk, pp = f["tiers"]
+    if f["moved"]:
+        pp = f["moved"]
+        local = {n: sum(facts[n]["tiers"][:3]) for n in (cands or names)}
+        assert d.transfer_from in {n for n, v in local.items() if v == max(local.values())}
+    assert d.overlap == (dd, hh, kk, pp) and d.transfer_blocks == f["moved"]
+    assert d.plan_names() == (["device"] * dd + ["host"] * hh + ["disk"] * kk + ["pool"] * pp
+                              + ["recompute"] * (len(hashes) - dd - hh - kk - pp))
+    assert d.credited_blocks == (cfg.device_weight * dd + cfg.host_weight * hh + cfg.disk_weight * kk
+                                 + cfg.pool_weight * f["offered"])
+    assert (d.refused_blocks, d.cross_identity_credited_blocks) == (f["refused"], f["cross"])
+    assert d.predicted_ttft_us == f["predicted"]
+
+
+op_load = st.tuples(st.sampled_from(["route", "first", "free", "remove", "add"]), st.integers(0, 5),
+                    st.integers(1, 40))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(op_load, max_size=40))
+def test_load_table_equals_the_sum_over_requests_in_flight(ops):
+    """The per-worker load rows after any sequence of routes, first tokens, frees, removals
+    and re-additions equal the plain sum over the router's requests in flight."""
+    names = [f"w{i}" for i in range(6)]
+    router = Router(RouterConfig(policy="least_loaded", block_size=BS, seed=0), workers=names[:4])
+    rids = []
+    for kind, w, n in ops:
+        if kind == "route":
+            rids.append(router.route(A, tokens(1 + n % 8, salt=n), request_tokens=n * BS).request_id)
+        elif kind == "first" and rids:
+            router.first_token(rids[w % len(rids)])
+        elif kind == "free" and rids:
+            router.free(rids.pop(w % len(rids)))
+        elif kind == "remove" and len(router.workers) > 1:
+            router.remove_worker(router.workers[w % len(router.workers)])
+        elif kind == "add":
+            router.add_worker(names[w])
+    for name in router.workers:
+        mine = [a for a in router._active.values() if a.worker == name]
+        ld = router.load(name)
+        assert ld.active_prefill_tokens == sum(a.prefill_tokens for a in mine if a.prefilling)
+        assert ld.prefill_requests == sum(1 for a in mine if a.prefilling)
+        assert ld.active_requests == len(mine)
+        assert ld.decode_blocks == sum(a.blocks for a in mine)
+        assert ld.new_blocks == sum(a.new_blocks for a in mine)

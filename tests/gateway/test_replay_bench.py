@@ -25,3 +25,40 @@ def test_gateway_replay_prints_the_table_with_every_request_answered(tmp_path, c
     assert doc["config"]["through"] == "quillcache-gateway"
     printed = capsys.readouterr().out
     assert "p50/rr" in printed and "round_robin" in printed and "client errors 0" in printed
+
+
+def test_two_runs_each_and_the_virtual_clock_give_a_judged_comparison(tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(synthetic_trace(conversations=6, turns=2)) + "\n")
+    out = tmp_path / "out.json"
+    assert gateway_replay.main(["--trace", str(path), "--engines", "2", "--speedup", "240",
+                                "--tenants", "1", "--policies", "round_robin,quillcache", "--kv-gib", "3",
+                                "--time-scale", "0.02", "--limit", "0", "--repeats", "2", "--virtual",
+                                "--json-out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [len(doc["runs"][p]) for p in ("round_robin", "quillcache")] == [2, 2]
+    assert [len(doc["virtual_runs"][p]) for p in ("round_robin", "quillcache")] == [2, 2]
+    for key in ("ttft_p50_ms", "goodput"):
+        a = doc["agreement"][key]
+        assert a["pairs"] == 1 and a["judged"] == a["concordant"] + len(a["discordant"]) <= 1
+        assert sorted(a["live_ranking"]) == sorted(a["virtual_ranking"]) == ["quillcache", "round_robin"]
+    for run in doc["runs"]["quillcache"]:
+        assert run["engine_late_ms"] >= 0 and run["engine_slipped_ms"] >= 0
+    assert "pairs separated beyond the noise on both clocks" in capsys.readouterr().out
+
+
+def test_pairs_within_the_noise_are_not_judged():
+    sep = gateway_replay.separated
+    assert sep([1, 2, 3], [10, 11, 12]) == -1 and sep([10, 11, 12], [1, 2, 3]) == 1
+    assert sep([1, 5, 9], [10, 11, 12]) == 0            # apart, but the medians differ by 6 < the spread 8
+    assert sep([1, 5, 12], [10, 11, 12]) == 0           # the runs overlap
+    assert sep([4.0], [4.0]) == 0 and sep([3.0], [4.0]) == -1
+    live = {"a": [1, 1.1, 1.2], "b": [5, 5.1, 5.2], "c": [5.05, 5.1, 5.3], "d": [9, 9.1, 9.2]}
+    virt = {"a": [2, 2, 2], "b": [3, 3, 3], "c": [1, 1, 1], "d": [7, 7, 7]}
+    got = gateway_replay.agreement(live, virt)
+    # b and c are a tie live (within the noise): not judged, though the virtual clock orders them
+    assert got["pairs"] == 6 and got["judged"] == 5 and got["discordant"] == [("a", "c")]
+    assert got["virtual_only"] == [("b", "c")] and got["live_only"] == []
+    assert got["live_ranking"][0] == "a" and got["virtual_ranking"][0] == "c"
+    assert gateway_replay.spearman({"x": 1, "y": 2, "z": 3}, {"x": 10, "y": 20, "z": 30}) == 1.0
+    assert gateway_replay.ranks({"x": 1, "y": 1, "z": 3}) == {"x": 1.5, "y": 1.5, "z": 3}

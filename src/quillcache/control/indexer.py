@@ -12,8 +12,9 @@ node: any worker can load from it).  A match reports, per worker, the contiguous
 on the device, then how far host, disk and the pool each extend it.
 
 ``ArtIndexer`` keeps ``scope id (4 bytes) + hash (8 bytes)`` -> slot in the native ART and a
-per-slot bitmask of workers for each tier in a numpy array; a lookup is one batched
-``get_many`` and a few vector operations.  ``DictIndexer`` is the simple reference (a dict of
+per-slot bitmask of workers for each tier in a numpy array; a lookup is one native call
+(``kvindex.match_levels``: the keys built, looked up in one batch, the masks walked row by
+row), per request block and per scope, whatever the index holds.  ``DictIndexer`` is the simple reference (a dict of
 sets) that the tests use as an oracle and the benchmark as a baseline.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from quillcache._native.art import AdaptiveRadixTree
-from quillcache._native.kvindex import chain_hashes, mask_add, mask_remove
+from quillcache._native.kvindex import chain_hashes, mask_add, mask_remove, match_levels
 from quillcache.control.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from quillcache.model import IdentityScope
 
@@ -46,7 +47,6 @@ _MEDIUM_TIER = {
 }
 
 _KEY = struct.Struct(">Iq")  # scope id, hash
-_MASK64 = (1 << 64) - 1
 
 
 def engine_hash_text(h: BlockHash) -> bytes:
@@ -339,6 +339,7 @@ class ArtIndexer(_Base):
         self._free: list[int] = []
         self._next = 0
         self._pool_mask = np.zeros(self._words, dtype=np.uint64)
+        self.lookups = 0          # keys find_matches asked the tree for (the decision's work)
 
     def __len__(self) -> int:
         return len(self._tree)
@@ -366,32 +367,10 @@ class ArtIndexer(_Base):
     def _remove_keys(self, keys, w, tier):
         mask_remove(self._tree, keys, self._masks, tier, w, self._free)
 
-    def _rows(self, sids: Sequence[int], hashes: Sequence[int]) -> np.ndarray:
-        """Masks of the blocks of ``hashes`` under the scopes ``sids`` (OR-ed), cut at the
-        first block that no worker of any tier holds: shape (depth, tiers, words)."""
-        pack = _KEY.pack
-        acc = None
-        for sid in sids:
-            got = self._tree.get_many([pack(sid, h) for h in hashes], -1)
-            if len(sids) == 1:
-                try:
-                    n = got.index(-1)
-                except ValueError:
-                    n = len(got)
-                return self._masks[np.fromiter(got[:n], dtype=np.int64, count=n)]
-            idx = np.fromiter(got, dtype=np.int64, count=len(got))
-            rows = self._masks[np.maximum(idx, 0)]
-            rows[idx < 0] = 0
-            acc = rows if acc is None else acc | rows
-        if acc is None:
-            return np.zeros((0, _N_TIERS, self._words), np.uint64)
-        held = acc.reshape(len(acc), _N_TIERS * self._words).any(axis=1)   # -1 fails on 0 rows
-        n = len(held) if held.all() else int(np.argmin(held))
-        return acc[:n]
-
     def find_matches(self, scope: Optional[IdentityScope], hashes: Sequence[int]) -> Match:
         """Per-worker overlap of ``hashes`` under ``scope`` (None: identity-blind, every
-        scope's blocks as if one)."""
+        scope's blocks as if one): one native call looks the blocks up and walks the masks
+        (``kvindex.match_levels``); ``lookups`` counts the keys it asked the tree for."""
         nw = len(self._worker_names)
         all_sids = list(self._scope_ids.values())
         if scope is None:
@@ -399,27 +378,14 @@ class ArtIndexer(_Base):
         else:
             sid = self._scope_ids.get(scope)
             sids = [] if sid is None else [sid]
-        m = self._rows(sids, hashes)
-        dev = m[:, DEVICE]
-        host = dev | m[:, HOST]
-        disk = host | m[:, DISK]
-        pool_any = (m[:, POOL] & self._pool_mask).any(axis=1)
-        pool = disk | np.where(pool_any, np.uint64(_MASK64), np.uint64(0))[:, None]
-        depth = _prefix_depth(np.stack([dev, host, disk, pool]), nw)
-        pool_depth = len(pool_any) if pool_any.all() else int(np.argmin(pool_any))
+        depth = np.empty((4, nw), np.int64)
+        pool_depth = match_levels(self._tree, sids, hashes, self._masks, self._pool_mask, depth)
+        self.lookups += len(sids) * len(hashes)
         refused = np.zeros(nw, np.int64)
         if scope is not None and all_sids and all_sids != sids:
-            r = self._rows(all_sids, hashes)
-            local = (r[:, DEVICE] | r[:, HOST] | r[:, DISK]) & ~self._pool_mask
-            refused = np.maximum(_prefix_depth(local[None], nw)[0] - depth[2], 0)
-        return Match(self.workers, depth[0], depth[1] - depth[0], depth[2] - depth[1],
-                     depth[3] - depth[2], refused, pool_depth)
-
-
-def _prefix_depth(levels: np.ndarray, n_workers: int) -> np.ndarray:
-    """levels: (L, depth, words) uint64 bit rows -> (L, n_workers) contiguous-prefix depths."""
-    if levels.shape[1] == 0 or n_workers == 0:
-        return np.zeros((levels.shape[0], n_workers), np.int64)
-    run = np.bitwise_and.accumulate(levels, axis=1)
-    bits = np.unpackbits(run.view(np.uint8), axis=-1, bitorder="little")  # (L, depth, words*64)
-    return bits[:, :, :n_workers].sum(axis=1, dtype=np.int64)
+            local = np.empty((1, nw), np.int64)
+            match_levels(self._tree, all_sids, hashes, self._masks, self._pool_mask, local, True)
+            self.lookups += len(all_sids) * len(hashes)
+            refused = np.maximum(local[0] - depth[2], 0)
+        step = np.diff(depth, axis=0)
+        return Match(self.workers, depth[0], step[0], step[1], step[2], refused, pool_depth)

@@ -109,13 +109,68 @@ class RouterConfig:
             raise ValueError("kv_bytes_per_token and batch_tokens must be positive")
 
 
-@dataclass
+# The columns of the load table, in the order a decision reads them (a counter added here is
+# one more column of every row and one more property of WorkerLoad).
+_PREFILL_TOKENS, _PREFILL_REQUESTS, _REQUESTS, _DECODE_BLOCKS, _NEW_BLOCKS = range(5)
+_LOAD_COLUMNS = 5
+
+
+class _LoadTable:
+    """Every worker's load counters as one row of an int64 array, so a decision reads the
+    candidates' loads with one indexing, not one Python object per worker.  A worker keeps
+    its row (slot) while it is known; a removed worker's row is zeroed and reused."""
+
+    def __init__(self, capacity: int = 16) -> None:
+        self.rows = np.zeros((capacity, _LOAD_COLUMNS), np.int64)
+        self._free: list[int] = []
+        self._next = 0
+
+    def alloc(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._next == len(self.rows):
+            grown = np.zeros((2 * len(self.rows), _LOAD_COLUMNS), np.int64)
+            grown[:self._next] = self.rows
+            self.rows = grown
+        self._next += 1
+        return self._next - 1
+
+    def release(self, slot: int) -> None:
+        self.rows[slot] = 0
+        self._free.append(slot)
+
+
+def _column(col: int, doc: str) -> property:
+    def get(self) -> int:
+        return int(self._table.rows[self._slot, col])
+
+    def set(self, value: int) -> None:
+        self._table.rows[self._slot, col] = value
+    return property(get, set, doc=doc)
+
+
 class WorkerLoad:
-    active_prefill_tokens: int = 0
-    decode_blocks: int = 0
-    new_blocks: int = 0                  # KV pages taken: request blocks not on the worker's device
-    active_requests: int = 0
-    prefill_requests: int = 0            # routed, first token not yet out
+    """One worker's load counters: a live view of its row in the router's load table (a
+    ``WorkerLoad()`` of its own has a table of one row)."""
+
+    __slots__ = ("_table", "_slot")
+
+    def __init__(self, table: Optional[_LoadTable] = None, slot: Optional[int] = None) -> None:
+        if table is None:
+            table = _LoadTable(1)
+            slot = table.alloc()
+        self._table, self._slot = table, slot
+
+    active_prefill_tokens = _column(_PREFILL_TOKENS, "uncached prompt tokens routed, first token not yet out")
+    prefill_requests = _column(_PREFILL_REQUESTS, "requests routed, first token not yet out")
+    active_requests = _column(_REQUESTS, "requests in flight")
+    decode_blocks = _column(_DECODE_BLOCKS, "blocks of the requests in flight")
+    new_blocks = _column(_NEW_BLOCKS, "KV pages taken: request blocks not on the worker's device")
+
+    def __repr__(self) -> str:
+        return (f"WorkerLoad(active_prefill_tokens={self.active_prefill_tokens}, decode_blocks="
+                f"{self.decode_blocks}, active_requests={self.active_requests}, "
+                f"prefill_requests={self.prefill_requests}, new_blocks={self.new_blocks})")
 
 
 @dataclass
@@ -177,11 +232,16 @@ class Router:
         self.indexer = indexer if indexer is not None else ArtIndexer()
         self._rng = random.Random(config.seed)
         self._lock = threading.RLock()
+        self._table = _LoadTable()
         self._loads: dict[str, WorkerLoad] = {}
+        self._slot_of: dict[str, int] = {}    # a worker's row in the load table
+        self._names: tuple[str, ...] = ()     # the workers, in the order they were added
         self._active: dict[str, _Active] = {}
         self._rr = 0
         self._idx_key: Optional[tuple] = None
-        self._idx = np.zeros(0, dtype=np.intp)
+        self._idx: "slice | np.ndarray" = slice(0, 0)   # the candidates' columns in a Match
+        self._slots = np.zeros(0, dtype=np.intp)        # ... and their rows in the load table
+        self._no_trees: dict[int, np.ndarray] = {}
         self._ids = itertools.count()
         self._approx: dict[tuple[str, IdentityScope, int], float] = {}
         self._approx_heap: list[tuple[float, str, IdentityScope, int]] = []
@@ -195,19 +255,29 @@ class Router:
     # ---- workers and metrics
     def add_worker(self, name: str) -> None:
         with self._lock:
-            self._loads.setdefault(name, WorkerLoad())
+            self._add_load(name)
             self.indexer.worker(name)
+
+    def _add_load(self, name: str) -> None:
+        if name not in self._loads:
+            slot = self._slot_of[name] = self._table.alloc()
+            self._loads[name] = WorkerLoad(self._table, slot)
+            self._names = tuple(self._loads)
+            self._idx_key = None
 
     def remove_worker(self, name: str) -> None:
         with self._lock:
-            self._loads.pop(name, None)
+            if self._loads.pop(name, None) is not None:
+                self._table.release(self._slot_of.pop(name))
+                self._names = tuple(self._loads)
+                self._idx_key = None
             self.indexer.clear_worker(name)
             for rid in [r for r, a in self._active.items() if a.worker == name]:
                 del self._active[rid]
 
     @property
     def workers(self) -> list[str]:
-        return list(self._loads)
+        return list(self._names)
 
     def load(self, worker: str) -> WorkerLoad:
         return self._loads[worker]
@@ -227,7 +297,7 @@ class Router:
     def apply_events(self, worker: str, batch, scope: IdentityScope, *, pool: bool = False) -> int:
         with self._lock:
             if not pool:
-                self._loads.setdefault(worker, WorkerLoad())
+                self._add_load(worker)
             return self.indexer.apply(worker, batch, scope, pool=pool)
 
     def clear_source(self, worker: str) -> None:
@@ -260,43 +330,42 @@ class Router:
         with self._lock:
             if cfg.approximate:
                 self._expire(time.monotonic())
-            names = list(self._loads) if candidates is None else [n for n in candidates if n in self._loads]
+            names = self._names if candidates is None else tuple(n for n in candidates if n in self._loads)
             if not names:
                 raise NoWorkers("no worker to route to")
             scoped = self.indexer.find_matches(scope, hashes)
-            key = (scoped.workers, tuple(names))
+            key = (scoped.workers, names)
             if self._idx_key != key:             # the columns of the candidates, kept while they hold
-                col = {name: i for i, name in enumerate(scoped.workers)}
-                self._idx_key, self._idx = key, np.array([col[n] for n in names], dtype=np.intp)
-            idx = self._idx
+                self._index_candidates(key)
+            idx, k = self._idx, len(names)
             dev, host, disk = scoped.device[idx], scoped.host[idx], scoped.disk[idx]
             pool, refused = scoped.pool[idx], scoped.refused[idx]
-            cross = np.zeros(len(names), np.int64)
+            cross = np.zeros(k, np.int64)
             if policy in BLIND_POLICIES:
                 blind = self._blind(hashes, names)
                 dev, host, disk = blind.device[idx], blind.host[idx], blind.disk[idx]
-                pool = np.zeros(len(names), np.int64)
+                pool = np.zeros(k, np.int64)
                 cross = np.maximum(dev + host + disk - (scoped.device[idx] + scoped.host[idx]
                                                         + scoped.disk[idx]), 0)
-                refused = np.zeros(len(names), np.int64)
+                refused = np.zeros(k, np.int64)
             elif policy != "quillcache":
-                pool = np.zeros(len(names), np.int64)
-            loads = [self._loads[n] for n in names]
-            lt = np.array([(ld.active_prefill_tokens, ld.prefill_requests, ld.active_requests, ld.decode_blocks,
-                            ld.new_blocks) for ld in loads], dtype=np.int64).reshape(len(loads), 5)
-            raw = (lt[:, 0] + n_tokens) / cfg.block_size
-            decode = lt[:, 3].astype(float)
-            active = lt[:, 2].astype(float)
-            credit = (cfg.device_weight * dev + cfg.host_weight * host + cfg.disk_weight * disk
-                      + cfg.pool_weight * pool)
-            predicted = np.zeros(len(names))
-            transfer = np.zeros(len(names), np.int64)
+                pool = np.zeros(k, np.int64)
+            lt = self._table.rows[self._slots]
+            offered = pool                       # what credited_blocks counts (before the plan caps it)
+            if policy in ("dynamo", "least_loaded", "prefix"):
+                raw = (lt[:, 0] + n_tokens) / cfg.block_size
+                decode = lt[:, 3].astype(float)
+                active = lt[:, 2].astype(float)
+            predicted = np.zeros(k)
+            transfer = np.zeros(k, np.int64)
             if policy in PEERS or policy == "quillcache":
-                trees = np.array(self.indexer.tree_blocks(names) if policy == "sglang" else [0] * len(names),
-                                 dtype=np.int64)
+                trees = (np.array(self.indexer.tree_blocks(names), dtype=np.int64) if policy == "sglang"
+                         else self._zeros(k))
                 cand = Candidates(tuple(names), dev, host, disk, pool, lt[:, 0], lt[:, 1], lt[:, 2], trees,
                                   n_tokens, len(hashes), cfg.block_size, lt[:, 4])
             if policy == "dynamo":
+                credit = (cfg.device_weight * dev + cfg.host_weight * host + cfg.disk_weight * disk
+                          + cfg.pool_weight * pool)
                 logits = cfg.prefill_load_scale * np.maximum(raw - credit, 0.0) + decode \
                     + cfg.active_request_weight * active
                 choice = self._select(logits)
@@ -329,11 +398,13 @@ class Router:
                 lmin = load[best].min()
                 choice = int(self._rng.choice([int(b) for b in best if load[b] == lmin]))
             else:  # round_robin
-                logits = np.zeros(len(names))
-                choice = self._rr % len(names)
+                logits = np.zeros(k)
+                choice = self._rr % k
                 self._rr += 1
             worker = names[choice]
             d, h, k, p = (int(dev[choice]), int(host[choice]), int(disk[choice]), int(pool[choice]))
+            credited = (cfg.device_weight * d + cfg.host_weight * h + cfg.disk_weight * k
+                        + cfg.pool_weight * int(offered[choice]))
             moved = int(transfer[choice])
             source = None
             if moved:
@@ -366,9 +437,28 @@ class Router:
                 self._histogram.observe(latency / 1e6)
                 self._refused_counter.inc(int(refused[choice]))
             return Decision(worker, rid, plan, dict(zip(names, logits.tolist())),
-                            float(credit[choice]), (d, h, k, p), int(refused[choice]),
+                            credited, (d, h, k, p), int(refused[choice]),
                             int(cross[choice]), latency, float(predicted[choice]), admitted,
                             source, moved)
+
+    def _index_candidates(self, key: tuple) -> None:
+        """Where the candidates' columns are in the indexer's Match (a slice when they are its
+        first workers in order: views, no copies) and their rows in the load table."""
+        workers, names = key
+        if workers[:len(names)] == names:
+            idx: "slice | np.ndarray" = slice(0, len(names))
+        else:
+            col = {name: i for i, name in enumerate(workers)}
+            idx = np.array([col[n] for n in names], dtype=np.intp)
+        self._idx_key, self._idx = key, idx
+        self._slots = np.array([self._slot_of[n] for n in names], dtype=np.intp)
+
+    def _zeros(self, n: int) -> np.ndarray:
+        z = self._no_trees.get(n)
+        if z is None:
+            z = self._no_trees[n] = np.zeros(n, np.int64)
+            z.flags.writeable = False
+        return z
 
     @property
     def _block_bytes(self) -> int:
@@ -418,12 +508,12 @@ class Router:
         blocks = math.ceil(n_tokens / bs)
         new = max(blocks - device_blocks, 0)
         self._active[rid] = _Active(worker, prefill, blocks, new_blocks=new)
-        ld = self._loads[worker]
-        ld.active_prefill_tokens += prefill
-        ld.decode_blocks += blocks
-        ld.new_blocks += new
-        ld.active_requests += 1
-        ld.prefill_requests += 1
+        row = self._table.rows[self._slot_of[worker]]
+        row[_PREFILL_TOKENS] += prefill
+        row[_DECODE_BLOCKS] += blocks
+        row[_NEW_BLOCKS] += new
+        row[_REQUESTS] += 1
+        row[_PREFILL_REQUESTS] += 1
 
     def _release(self, a: _Active) -> None:
         ld = self._loads.get(a.worker)

@@ -10,6 +10,7 @@ cdef extern from * nogil:
     void __builtin_prefetch(const void* addr, int rw, int locality)
     # count of trailing zero bits; undefined for 0 (callers test first)
     int __builtin_ctz(unsigned int x)
+    int __builtin_ctzll(unsigned long long x)
     # branch hint: returns exp, tells the compiler that exp == c is the likely case
     long __builtin_expect(long exp, long c)
 

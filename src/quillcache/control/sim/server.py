@@ -20,9 +20,20 @@ carries ``kv_transfer_params`` (``do_remote_prefill``, ``remote_engine_id``,
 that brings those back (``do_remote_prefill``) loads the named prompt blocks instead of
 computing them (``SimRequest.remote_blocks``).
 
-The engine loop (``EngineRunner``) runs one iteration at a time: it plans, sleeps the planned
-duration, applies it, then wakes the requests that got tokens and hands the KV events to the
-``on_events`` callback (the ZMQ publisher).  Client disconnects abort between iterations.
+The engine loop (``EngineRunner``) runs one iteration at a time: it plans, sleeps until the
+iteration's modelled end, applies it, then wakes the requests that got tokens and hands the KV
+events to the ``on_events`` callback (the ZMQ publisher).  Client disconnects abort between
+iterations.
+
+Its clock does not drift: while the engine runs back to back, the next iteration starts at the
+modelled end of the last one (as a GPU's would), not at the moment this process got round to
+planning it, so the loop's own Python work (applying a step, publishing events, streaming
+tokens, a core shared with other processes) does not slow the modelled GPU down; a request that
+arrived in that gap moves the start to its arrival (no step includes a request before it came).
+A loop that falls more than ``MAX_LATE_US`` behind starts again from the wall clock.
+``/sim/stats`` reports how late the loop ran (``late_us`` in all, ``late_max_us``) and the
+modelled time given up by restarting (``slipped_us``): a replay whose engines slipped did not
+run the modelled GPU.
 """
 from __future__ import annotations
 
@@ -47,6 +58,8 @@ __all__ = ["EngineRunner", "SimServerConfig", "build_app", "tokenize", "render_c
            "block_contents", "TENANT_HEADER", "OUTPUT_WORDS"]
 
 log = logging.getLogger("quillcache.sim")
+
+MAX_LATE_US = 1_000_000          # modelled us the engine loop may run behind before it restarts its clock
 
 TENANT_HEADER = "X-Tenant-Id"
 MAX_BODY_BYTES = 8 << 20            # bytes of request JSON
@@ -113,7 +126,11 @@ class EngineRunner:
         self._aborts: list[_Pending] = []
         self._task: Optional[asyncio.Task] = None
         self._t0 = time.monotonic()
+        self._last_submit_us = 0
         self.steps = 0
+        self.late_us = 0                 # wall lag of back-to-back iterations behind their modelled start
+        self.late_max_us = 0
+        self.slipped_us = 0              # modelled time given up when the loop fell MAX_LATE_US behind
 
     def now_us(self) -> int:
         """Modelled microseconds since start (wall time divided by the time scale)."""
@@ -132,7 +149,7 @@ class EngineRunner:
             self._task = None
 
     def submit(self, sim: SimRequest) -> _Pending:
-        sim.arrival_us = self.now_us()
+        sim.arrival_us = self._last_submit_us = self.now_us()
         self.engine.submit(sim)         # raises SimEngineError before anything is held
         p = _Pending(sim)
         self._pending[id(sim)] = p
@@ -145,20 +162,39 @@ class EngineRunner:
             self._aborts.append(p)
             self._wake.set()
 
+    def _start_us(self, end: Optional[int]) -> int:
+        """When the next iteration starts, in modelled us: now after idling; back to back, the
+        last one's end, or the newest arrival since (a step never includes a request before it
+        came); now again when the loop is more than MAX_LATE_US behind."""
+        now = self.now_us()
+        if end is None or end >= now:
+            return now if end is None else end
+        late = now - end
+        if late > MAX_LATE_US:
+            self.slipped_us += late
+            return now
+        self.late_us += late
+        self.late_max_us = max(self.late_max_us, late)
+        return max(end, self._last_submit_us)
+
     async def _run(self) -> None:
         eng = self.engine
+        end: Optional[int] = None            # modelled end of the last iteration (None: idle since)
         while True:
             for p in self._aborts:
                 if p.sim.state != "finished":
                     eng.abort(p.sim, self.now_us())
                 self._pending.pop(id(p.sim), None)
             self._aborts.clear()
-            plan = eng.plan_step(self.now_us())
+            start = self._start_us(end)
+            plan = eng.plan_step(start)
             if plan is None:
+                end = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await asyncio.sleep(plan.duration_us / 1e6 * self.time_scale)
+            end = start + plan.duration_us
+            await asyncio.sleep(max(0.0, self._t0 + end / 1e6 * self.time_scale - time.monotonic()))
             res = eng.finish_step()
             self.steps += 1
             if self.on_events is not None and (res.stored or res.removed):
@@ -212,7 +248,8 @@ class _Api:
             "hit_tokens": e.hit_tokens_total, "pool_tokens": e.pool_tokens_total,
             "remote_tokens": e.remote_tokens_total, "aborted": e.aborted,
             "busy_us": e.busy_us, "prefill_busy_us": e.prefill_busy_us, "now_us": self.runner.now_us(),
-            "cross_identity_hits": e.cross_identity_hits,
+            "cross_identity_hits": e.cross_identity_hits, "late_us": self.runner.late_us,
+            "late_max_us": self.runner.late_max_us, "slipped_us": self.runner.slipped_us,
         })
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
