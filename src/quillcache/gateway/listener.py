@@ -118,10 +118,12 @@ class _Counted(asyncio.Protocol):
 class _Refused(asyncio.Protocol):
     """Past the limit: one 503, then the connection is closed.  What the client sends meanwhile
     is discarded for ``REFUSED_LINGER_S`` at most, so that the close does not reset the
-    connection before the client has read the answer; past ``MAX_LINGERING`` refused
-    connections lingering at once, the close is immediate (a flood keeps no descriptors)."""
+    connection before the client has read the answer.  At most ``MAX_LINGERING`` refused
+    connections linger at once (a flood keeps no descriptors): past it the one that has
+    lingered longest is closed, so the newest refused client (likely a real one arriving
+    behind a flood of silent connections) still reads its 503 rather than a reset."""
 
-    lingering = 0
+    lingering: "dict[_Refused, None]" = {}      # in the order they started lingering
 
     def __init__(self) -> None:
         self._transport = None
@@ -129,13 +131,23 @@ class _Refused(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         transport.write(_BUSY_RESPONSE)
-        if _Refused.lingering >= MAX_LINGERING or not transport.can_write_eof():
+        if not transport.can_write_eof():
             transport.close()
             return
         transport.write_eof()
-        _Refused.lingering += 1
+        while len(_Refused.lingering) >= MAX_LINGERING:
+            next(iter(_Refused.lingering))._stop()
+        _Refused.lingering[self] = None
         self._transport = transport
-        self._timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
+        self._timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self._stop)
+
+    def _stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        _Refused.lingering.pop(self, None)
+        if self._transport is not None:
+            self._transport.close()
 
     def data_received(self, data: bytes) -> None:
         pass                                       # discarded
@@ -147,7 +159,7 @@ class _Refused(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-            _Refused.lingering -= 1
+        _Refused.lingering.pop(self, None)
 
 
 class Listener:
