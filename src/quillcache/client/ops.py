@@ -67,6 +67,18 @@ class Ops:
             cache[key] = raw
         return raw
 
+    def encoded_keys(self, keys) -> list[bytes]:
+        """``encoded_key`` of each of ``keys``: the cached ones in one pass, the others one by one."""
+        keys = keys if type(keys) is list else list(keys)
+        get = self._keys.get
+        try:
+            out = [get(k) for k in keys]            # only a KvBlockKey equals a cached key
+        except TypeError:                           # unhashable: encoded_key names the bad key
+            out = [None] * len(keys)
+        if None in out:
+            out = [self.encoded_key(k) if raw is None else raw for k, raw in zip(keys, out)]
+        return out
+
     def get_header(self, key) -> bytes:
         """The GET request body of ``key`` within the server's limits (the codec's format)."""
         return encode_key_body(self.encoded_key(key), self.limits.max_key_bytes)

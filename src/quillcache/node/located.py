@@ -155,8 +155,7 @@ class LocatedMixin:
         if batch is not None and len(batch) == len(got):          # every key found, all under the batch
             lease_id = next(self._ids)
             self._located[lease_id] = [batch]
-            body = located.encode_located_hits(lease_id, int(batch.expires_at * NS), [s.offset for s in got],
-                                               [s.size for s in got])
+            body = located.encode_located_reply(lease_id, int(batch.expires_at * NS), got)   # Slots: hits
             self._ok(rid, Opcode.GET_LOCATED, body)
             return
         held = []
@@ -169,14 +168,14 @@ class LocatedMixin:
             if type(g) is int:
                 items.append((g, 0, 0))
             elif type(g) is Slot:              # held by the batch's lease
-                items.append((0, g.offset, g.size))
+                items.append(g)
             elif g.offset is None:             # served from an SSD buffer (no room): not in the arena
                 g.release()
                 items.append((NotFound.status, 0, 0))
             else:
                 held.append(g)
                 expires = min(expires, g.expires_at)
-                items.append((0, g.offset, g.size))
+                items.append(g)                # a Lease of its own: offset and size
         lease_id = 0
         if held:
             lease_id = next(self._ids)
@@ -200,8 +199,8 @@ class LocatedMixin:
     def _reserve(self, frame) -> None:
         self._need_mapped()
         durable = bool(frame.flags & FLAG_DURABLE)
-        reqs = messages.decode_put_many_request(frame.header, None, self.limits)
-        items = list(zip(self._keys_of([i.key for i in reqs]), [i.nbytes for i in reqs]))
+        raws, sizes = messages.decode_put_many_columns(frame.header, None, self.limits, "RESERVE")
+        items = list(zip(self._keys_of(raws), sizes))
         handles = self.store.reserve_nowait(items, durable)        # all or nothing
         if handles is None:              # room needs demotions (SSD writes): wait for them
             self._spawn(self._reserve_waiting(frame.request_id, items, durable))

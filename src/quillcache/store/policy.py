@@ -34,6 +34,13 @@ class LruPolicy:
         if key in self._order:
             self._order.move_to_end(key)
 
+    @property
+    def touch_tracked(self):
+        """``touch`` as one C call for a batch loop (store/batchlease.py): refreshes a key
+        the order tracks, raises KeyError for one it does not (the loop skips that key, as
+        ``touch`` would); None where reads do not refresh."""
+        return self._order.move_to_end
+
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
 
@@ -58,6 +65,7 @@ class FifoPolicy(LruPolicy):
     """First in, first out: reads do not refresh (the baseline in the trace table)."""
 
     name = "fifo"
+    touch_tracked = None
 
     def touch(self, key: Hashable) -> None:
         pass
