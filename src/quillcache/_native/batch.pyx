@@ -14,8 +14,12 @@ Nothing here knows the store's types beyond the attributes it reads and writes (
 state: it passes its own maps in and gets back which keys it must still resolve.
 """
 from cpython.dict cimport PyDict_GetItem
+from cpython.exc cimport PyErr_Occurred
+from cpython.object cimport PyObject_Hash
 from cpython.list cimport PyList_Append
 from cpython.ref cimport PyObject
+
+from quillcache._native.includes.pydict cimport QC_DictGetKnownHash
 
 __all__ = ["cached_values", "hold_published", "drop_refs"]
 
@@ -53,6 +57,10 @@ def drop_refs(list slots not None, object retired):
     return free
 
 
+cdef int _raise_set() except -1:
+    return -1           # an exception is set (by a lookup's __eq__): returning -1 raises it
+
+
 def hold_published(list keys not None, type key_type not None, dict entries not None, dict published not None,
                    object now, object touch):
     """For each of ``keys`` (each must be of ``key_type``; TypeError names the first that
@@ -67,6 +75,7 @@ def hold_published(list keys not None, type key_type not None, dict entries not 
     cdef Py_ssize_t i, n = len(keys)
     cdef PyObject* e
     cdef PyObject* s
+    cdef Py_hash_t h
     cdef list held = []
     cdef list got = [None] * n
     cdef object key, entry, served, slot
@@ -75,13 +84,20 @@ def hold_published(list keys not None, type key_type not None, dict entries not 
             key = keys[i]
             if type(key) is not key_type:
                 raise TypeError(i)
-            e = PyDict_GetItem(entries, key)
+            h = PyObject_Hash(key)      # once: KvBlockKey's __hash__ is Python code
+            e = QC_DictGetKnownHash(entries, key, h)
             if e is NULL:
+                if PyErr_Occurred():
+                    _raise_set()
                 continue
             entry = <object>e
             served = entry.key
-            s = PyDict_GetItem(published, served)
+            if served is not key:       # another identity's block (guard modes tenant/off)
+                h = PyObject_Hash(served)
+            s = QC_DictGetKnownHash(published, served, h)
             if s is NULL:
+                if PyErr_Occurred():
+                    _raise_set()
                 continue
             slot = <object>s
             slot.refs += 1              # dram.hold: the slot stays in place while held
