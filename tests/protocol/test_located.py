@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from quillcache.errors import Busy, InvalidArgument, NotFound, ProtocolError, UnsafeReuse
-from quillcache.protocol import located
+from quillcache.protocol import located, messages
 from quillcache.protocol.opcodes import ProtocolLimits
 
 LIMITS = ProtocolLimits(max_batch=8)
@@ -112,3 +112,51 @@ def test_round_trips():
     assert located.decode_map_reply(located.encode_map_reply(m)) == m
     assert located.decode_id(located.encode_id(2**64 - 1), "ABORT") == 2**64 - 1
     assert located.decode_release_count(located.encode_release_count(4)) == 4
+
+
+# ---------------------------------------------------------------- key lists (GET_LOCATED, RESERVE bodies)
+
+_raw = st.binary(min_size=1, max_size=40)
+LIST_LIMITS = ProtocolLimits(max_batch=16, max_key_bytes=40)
+
+
+def _key_list_oracle(keys):
+    return struct.pack("<I", len(keys)) + b"".join(struct.pack("<H", len(k)) + k for k in keys)
+
+
+def _sized_list_oracle(items):
+    return struct.pack("<I", len(items)) + b"".join(struct.pack("<QH", n, len(k)) + k for k, n in items)
+
+
+@given(st.lists(_raw, max_size=16))
+def test_key_list_body_is_the_spec_and_decodes_back(keys):
+    body = messages.encode_keys_request(keys, LIST_LIMITS, "GET_LOCATED")
+    assert body == _key_list_oracle(keys)
+    assert messages.decode_keys_request(body, LIST_LIMITS, "GET_LOCATED") == keys
+
+
+@given(st.lists(st.tuples(_raw, st.integers(0, 1 << 20)), max_size=16))
+def test_sized_key_list_body_is_the_spec_and_decodes_back(items):
+    body = messages.encode_put_many_request(items, LIST_LIMITS)
+    assert body == _sized_list_oracle(items)
+    total = sum(n for _, n in items)
+    assert messages.decode_put_many_columns(body, total, LIST_LIMITS, "RESERVE") == \
+        ([k for k, _ in items], [n for _, n in items])
+    assert messages.decode_put_many_request(body, total, LIST_LIMITS) == [messages.PutItem(k, n) for k, n in items]
+    for cut in range(len(body)):                            # every truncation is refused, never misread
+        with pytest.raises(InvalidArgument):
+            messages.decode_put_many_columns(body[:cut], None, LIST_LIMITS, "RESERVE")
+
+
+def test_sized_key_lists_over_a_limit_are_refused_before_building_anything():
+    with pytest.raises(InvalidArgument, match="at most 16"):
+        messages.encode_put_many_request([(b"k", 1)] * 17, LIST_LIMITS)
+    with pytest.raises(InvalidArgument, match="at most 16"):
+        messages.decode_put_many_columns(struct.pack("<I", 17) + b"\0" * 11 * 17, None, LIST_LIMITS)
+    with pytest.raises(InvalidArgument, match="needs at least"):
+        messages.decode_put_many_columns(struct.pack("<I", 16), None, LIST_LIMITS)
+    with pytest.raises(InvalidArgument, match="bytes in all"):
+        messages.encode_put_many_request([(b"k", 1 << 62), (b"j", 1 << 62), (b"l", 1 << 62)],
+                                         ProtocolLimits(max_payload_bytes=(1 << 63) - 1))
+    with pytest.raises(InvalidArgument, match="payload"):
+        messages.decode_put_many_columns(messages.encode_put_many_request([(b"k", 5)], LIST_LIMITS), 4, LIST_LIMITS)

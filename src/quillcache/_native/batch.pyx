@@ -24,10 +24,12 @@ from quillcache._native.includes.pydict cimport QC_DictGetKnownHash
 __all__ = ["cached_values", "hold_published", "drop_refs"]
 
 
-def cached_values(list raws not None, object recent, object refresh):
-    """``recent.get(raw)`` of each of ``raws`` (None for a miss), calling ``refresh(raw)``
-    for each hit (an OrderedDict's ``move_to_end``: the cache's LRU order).  Returns
-    ``(values, hits)``."""
+def cached_values(list raws not None, object recent, object refresh, object compute):
+    """Per raw, in order: ``recent[raw]`` where present (a hit: ``refresh(raw)`` then, an
+    OrderedDict's ``move_to_end``: the cache's LRU order), else ``compute(raw)`` (the
+    cache's own miss path, which may insert and evict).  Returns ``(values, hits, error)``:
+    ``error`` is None, or the Exception ``compute`` raised, where the loop stopped (the
+    caller counts the hits before it and raises it)."""
     cdef Py_ssize_t i, n = len(raws), hits = 0
     cdef PyObject* v
     cdef list out = [None] * n
@@ -38,11 +40,15 @@ def cached_values(list raws not None, object recent, object refresh):
         raw = raws[i]
         v = PyDict_GetItem(recent, raw)
         if v is NULL:
+            try:
+                out[i] = compute(raw)
+            except Exception as exc:
+                return out, hits, exc
             continue
         out[i] = <object>v
         refresh(raw)
         hits += 1
-    return out, hits
+    return out, hits, None
 
 
 def drop_refs(list slots not None, object retired):

@@ -88,13 +88,11 @@ class KeyCache:
         return key
 
     def decode_many(self, raws: list) -> list[KvBlockKey]:
-        """``decode`` of each of ``raws`` (a batch request's keys): the hits in one native
-        pass (``cached_values``), the misses one by one."""
+        """``decode`` of each of ``raws`` (a batch request's keys), in order: the hits in
+        one native pass (``cached_values``), each miss through ``decode``."""
         m = self._map
-        out, hits = cached_values(raws if type(raws) is list else list(raws), m, m.move_to_end)
+        out, hits, error = cached_values(raws if type(raws) is list else list(raws), m, m.move_to_end, self.decode)
         self.hits += hits
-        if hits < len(out):
-            for i, key in enumerate(out):
-                if key is None:
-                    out[i] = self.decode(raws[i])
+        if error is not None:
+            raise error
         return out

@@ -20,6 +20,7 @@ import math
 import os
 import socket
 import time
+from typing import Optional
 
 from quillcache._native.codec import encode_frame_header
 from quillcache.errors import Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse
@@ -232,19 +233,43 @@ class LocatedMixin:
         if handles is None:
             raise InvalidArgument(f"COMMIT: reserve {reserve_id} is not held by this connection "
                                   "(committed, aborted, or never made)")
-        self._spawn(self._finish_commit(frame.request_id, handles))
+        # Published in order; a put that needs I/O first (durable: fsync before visible) and
+        # every one after it are finished off the event loop, still in order.
+        statuses = self._commit_items(handles, 0, None)
+        if len(statuses) < len(handles):
+            self._spawn(self._finish_commit(frame.request_id, handles, statuses))
+        else:
+            self._ok(frame.request_id, Opcode.COMMIT, messages.encode_status_list(statuses, self.limits))
 
-    async def _finish_commit(self, rid: int, handles: list) -> None:
-        statuses = []
-        for h in handles:
+    def _commit_items(self, handles: list, start: int, statuses: Optional[list]) -> list:
+        """Publish ``handles[start:]`` that need no I/O, in order, up to the first that does;
+        returns the statuses so far (one per handle done)."""
+        statuses = [] if statuses is None else statuses
+        end_nowait = self.store.put_end_nowait
+        for h in handles[start:]:
             try:
-                await self.store.put_end(h)          # a durable reserve: fsync before visible
+                if not end_nowait(h):
+                    break
                 statuses.append(0)
             except QuillCacheError as exc:
                 statuses.append(exc.status)         # e.g. reaped after put_timeout
             except Exception:
                 log.exception("internal error in COMMIT item from %s", self.peer)
                 statuses.append(1)
+        return statuses
+
+    async def _finish_commit(self, rid: int, handles: list, statuses: list) -> None:
+        while len(statuses) < len(handles):
+            h = handles[len(statuses)]
+            try:
+                await self.store.put_end(h)          # a durable reserve: fsync before visible
+                statuses.append(0)
+            except QuillCacheError as exc:
+                statuses.append(exc.status)
+            except Exception:
+                log.exception("internal error in COMMIT item from %s", self.peer)
+                statuses.append(1)
+            self._commit_items(handles, len(statuses), statuses)
         self._ok(rid, Opcode.COMMIT, messages.encode_status_list(statuses, self.limits))
 
     def _abort(self, frame) -> None:
