@@ -160,3 +160,23 @@ def test_sized_key_lists_over_a_limit_are_refused_before_building_anything():
                                          ProtocolLimits(max_payload_bytes=(1 << 63) - 1))
     with pytest.raises(InvalidArgument, match="payload"):
         messages.decode_put_many_columns(messages.encode_put_many_request([(b"k", 5)], LIST_LIMITS), 4, LIST_LIMITS)
+
+
+@given(st.lists(st.tuples(st.integers(0, ARENA + 10), st.integers(1, ARENA + 10)), max_size=20),
+       st.sampled_from([None, (1 << 64) - 1]))
+def test_reserved_slots_are_checked_against_the_arena_and_viewed_in_place(slots, wrap):
+    if wrap is not None:
+        slots = slots + [(wrap, 2)]                                 # u64 wrap: outside, never a tiny slot
+    offsets, sizes = [o for o, _ in slots], [n for _, n in slots]
+    outside = [i for i, (o, n) in enumerate(slots) if o + n > ARENA]
+    if outside:
+        with pytest.raises(ProtocolError, match=f"slot {offsets[outside[0]]}\\+{sizes[outside[0]]} outside"):
+            located.check_slots(offsets, sizes, ARENA)
+        return
+    located.check_slots(offsets, sizes, ARENA)
+    arena = memoryview(bytearray(ARENA))
+    views = located.slot_views(arena, offsets, sizes)
+    for v, (o, n) in zip(views, slots):
+        assert not v.readonly and v.nbytes == n
+        v[:1] = b"\x07"
+        assert arena[o] == 7

@@ -222,3 +222,39 @@ def release_views(views):
                 (<memoryview>view).release()
             except BufferError:
                 pass
+
+
+def first_slot_outside(offsets, sizes, uint64_t arena_bytes):
+    """-1 when each reserved slot (``offsets[i]``, ``sizes[i]``: the RESERVE reply's
+    offsets, the sizes asked for) lies inside an arena of ``arena_bytes``; else the first
+    that does not (the caller names the error)."""
+    cdef list offs = offsets if type(offsets) is list else list(offsets)
+    cdef list lens = sizes if type(sizes) is list else list(sizes)
+    cdef Py_ssize_t i, n = len(offs)
+    cdef uint64_t off, length
+    if len(lens) != n:
+        raise InvalidArgument(f"RESERVE: {n} slots for {len(lens)} sizes")
+    for i in range(n):
+        off = offs[i]
+        length = lens[i]
+        if off > arena_bytes or length > arena_bytes - off:      # no u64 wrap
+            return i
+    return -1
+
+
+def slot_views(arena, offsets, sizes):
+    """``arena[offset:offset + size]`` per reserved slot (checked by ``first_slot_outside``
+    first): one slice of the writable view of the mapping per slot, in one pass."""
+    cdef list offs = offsets if type(offsets) is list else list(offsets)
+    cdef list lens = sizes if type(sizes) is list else list(sizes)
+    cdef Py_ssize_t i, n = len(offs), off
+    cdef list out = PyList_New(n)
+    cdef object view
+    if len(lens) != n:
+        raise InvalidArgument(f"RESERVE: {n} slots for {len(lens)} sizes")
+    for i in range(n):
+        off = offs[i]
+        view = PySequence_GetSlice(arena, off, off + <Py_ssize_t>lens[i])
+        Py_INCREF(view)
+        PyList_SET_ITEM(out, i, view)
+    return out

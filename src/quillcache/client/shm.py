@@ -239,7 +239,8 @@ def reserve_flow(c, items: Sequence[tuple[Any, int]], durable: bool):
     """RESERVE (batches of max_batch) -> [(reserve id, expires_ns, [offsets])]; all or
     nothing: on an error every batch already reserved is aborted."""
     lim = c.limits
-    prepared = list(zip(c.encoded_keys([k for k, _ in items]), [n for _, n in items]))
+    sizes = [n for _, n in items]
+    prepared = list(zip(c.encoded_keys([k for k, _ in items]), sizes))
     out: list = []
     try:
         for start in range(0, len(prepared), lim.max_batch) if prepared else ():
@@ -250,9 +251,7 @@ def reserve_flow(c, items: Sequence[tuple[Any, int]], durable: bool):
             if len(rep.offsets) != len(chunk):
                 raise ProtocolError(f"RESERVE reply has {len(rep.offsets)} slots for {len(chunk)} keys")
             out.append(rep)
-            for off, (_, n) in zip(rep.offsets, chunk):
-                if off + n > c.arena.size:
-                    raise ProtocolError(f"RESERVE: slot {off}+{n} outside the {c.arena.size}-byte arena")
+            located.check_slots(rep.offsets, sizes[start:start + lim.max_batch], c.arena.size)
     except BaseException:
         yield from abort_flow(c, [r.reserve_id for r in out])
         raise
@@ -299,10 +298,10 @@ def put_many_flow(c, items: Sequence[tuple[Any, memoryview]], durable: bool):
     yield from commit_flow(c, reserves)
 
 
-def slot_views(c, reserves: list, sizes: Iterable[int]) -> list[memoryview]:
-    view = c.arena.view
-    offsets = [off for rep in reserves for off in rep.offsets]
-    return [view[off:off + n] for off, n in zip(offsets, sizes)]
+def slot_views(c, reserves: list, sizes: list[int]) -> list[memoryview]:
+    """Writable views of the reserved slots (checked by ``reserve_flow``), in key order."""
+    offsets = reserves[0].offsets if len(reserves) == 1 else [off for rep in reserves for off in rep.offsets]
+    return located.slot_views(c.arena.view, offsets, sizes)
 
 
 # --------------------------------------------------------------------------- the two context managers

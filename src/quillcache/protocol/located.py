@@ -17,7 +17,7 @@ import numpy as np
 
 from quillcache._native.codec import encode_located_items, first_bad_located_item
 from quillcache._native.codec import located_views as _located_views
-from quillcache._native.codec import release_views
+from quillcache._native.codec import first_slot_outside, release_views, slot_views
 from quillcache.errors import (
     STATUS_CLASSES, InvalidArgument, NotFound, ProtocolError, QuillCacheError, UnsafeReuse, error_for_status,
 )
@@ -25,9 +25,9 @@ from quillcache.protocol.opcodes import ProtocolLimits
 
 __all__ = ["MapReply", "LocatedReply", "ReserveReply", "encode_map_reply", "decode_map_reply",
            "encode_located_reply", "decode_located_reply", "check_located_items", "located_views",
-           "release_views", "encode_release_request", "decode_release_request", "encode_release_count",
-           "decode_release_count", "encode_reserve_reply", "decode_reserve_reply", "encode_id", "decode_id",
-           "LOCATED_ITEM", "MAP_REPLY_BYTES"]
+           "release_views", "check_slots", "slot_views", "encode_release_request", "decode_release_request",
+           "encode_release_count", "decode_release_count", "encode_reserve_reply", "decode_reserve_reply",
+           "encode_id", "decode_id", "LOCATED_ITEM", "MAP_REPLY_BYTES"]
 
 _MAP = struct.Struct("<QQQQ")         # arena_bytes, arena_id, lease_ns, put_timeout_ns
 _LEASE = struct.Struct("<QQI")        # lease id, expires (monotonic ns), count
@@ -151,6 +151,14 @@ def decode_reserve_reply(body, limits: ProtocolLimits) -> ReserveReply:
     if n > limits.max_batch or len(body) != _RESERVE.size + 8 * n:
         raise InvalidArgument(f"RESERVE reply: {len(body)} bytes for {n} slots")
     return ReserveReply(rid, expires, list(struct.unpack_from(f"<{n}Q", body, _RESERVE.size)))
+
+
+def check_slots(offsets: list[int], sizes: list[int], arena_bytes: int) -> None:
+    """Every reserved slot (a RESERVE reply's offsets, the sizes asked for) lies inside an
+    arena of ``arena_bytes``; else ProtocolError naming the first that does not."""
+    i = first_slot_outside(offsets, sizes, arena_bytes)
+    if i >= 0:
+        raise ProtocolError(f"RESERVE: slot {offsets[i]}+{sizes[i]} outside the {arena_bytes}-byte arena")
 
 
 def encode_id(value: int) -> bytes:
