@@ -1,7 +1,7 @@
 # cython: language_level=3
-"""The per-key loops of a batch request on the node, one call each: the decoded-key
-cache's lookups (node/keys.py), the store's hold of a located batch and its release
-(store/batchlease.py, store/dram.py).
+"""The per-key loops of a batch request, one call each: the key caches' lookups (the
+node's decoded keys, node/keys.py; the client's encoded keys, client/ops.py), the store's
+hold of a located batch and its release (store/batchlease.py, store/dram.py).
 
 ``hold_published`` does for each key what ``BatchLeases.located_batch`` does for a key
 whose exact entry has a published DRAM slot: take a reference on the slot, stamp the
@@ -26,7 +26,7 @@ __all__ = ["cached_values", "hold_published", "drop_refs"]
 
 def cached_values(list raws not None, object recent, object refresh, object compute):
     """Per raw, in order: ``recent[raw]`` where present (a hit: ``refresh(raw)`` then, an
-    OrderedDict's ``move_to_end``: the cache's LRU order), else ``compute(raw)`` (the
+    OrderedDict's ``move_to_end``: the cache's LRU order; None: no refresh), else ``compute(raw)`` (the
     cache's own miss path, which may insert and evict).  Returns ``(values, hits, error)``:
     ``error`` is None, or the Exception ``compute`` raised, where the loop stopped (the
     caller counts the hits before it and raises it)."""
@@ -46,7 +46,8 @@ def cached_values(list raws not None, object recent, object refresh, object comp
                 return out, hits, exc
             continue
         out[i] = <object>v
-        refresh(raw)
+        if refresh is not None:
+            refresh(raw)
         hits += 1
     return out, hits, None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Optional, Sequence
 
+from quillcache._native.batch import cached_values
 from quillcache._native.codec import (
     encode_key_body,
 )
@@ -68,15 +69,12 @@ class Ops:
         return raw
 
     def encoded_keys(self, keys) -> list[bytes]:
-        """``encoded_key`` of each of ``keys``: the cached ones in one pass, the others one by one."""
-        keys = keys if type(keys) is list else list(keys)
-        get = self._keys.get
-        try:
-            out = [get(k) for k in keys]            # only a KvBlockKey equals a cached key
-        except TypeError:                           # unhashable: encoded_key names the bad key
-            out = [None] * len(keys)
-        if None in out:
-            out = [self.encoded_key(k) if raw is None else raw for k, raw in zip(keys, out)]
+        """``encoded_key`` of each of ``keys``: the cached ones in one native pass, the others
+        through ``encoded_key`` (which checks them), in order."""
+        out, _, error = cached_values(keys if type(keys) is list else list(keys), self._keys, None,
+                                      self.encoded_key)
+        if error is not None:
+            raise error
         return out
 
     def get_header(self, key) -> bytes:
