@@ -183,7 +183,8 @@ def main() -> int:
         with Client(node.tcp, timeout=120) as tcp, Client(node.unix, timeout=120) as uni:
             if not uni.shm:
                 raise SystemExit(f"the Unix client did not map the arena: {uni.shm_refused}")
-            print(f"local_path: batches of {BATCH}, one DRAM-only node, {placement}")
+            load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+            print(f"local_path: batches of {BATCH}, one DRAM-only node, {placement}; load average {load}")
             results = {}
             for size in SIZES:
                 results[size] = run_size(tcp, uni, size, args.rounds or ROUNDS[size])

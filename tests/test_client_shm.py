@@ -79,6 +79,19 @@ def test_unix_client_maps_the_arena_and_every_call_round_trips_with_tcp(node):
     assert server_info(node)["located_leases"] == 0
 
 
+def test_encoded_keys_of_a_batch_are_encoded_key_of_each_and_a_bad_key_is_named(node):
+    from quillcache.errors import InvalidArgument
+    from quillcache.model import encode_key
+    with Client(node.addr) as c:
+        keys = [key(i) for i in (1, 2, 1, 3)]
+        c.encoded_key(key(2))                                    # one cached, the others not yet
+        assert c.encoded_keys(keys) == [encode_key(k) for k in keys]
+        assert c.encoded_keys(iter(keys)) == [encode_key(k) for k in keys]   # all cached now
+        for bad in ("k", ["unhashable"]):
+            with pytest.raises(InvalidArgument, match="must be a KvBlockKey"):
+                c.encoded_keys([key(1), bad])
+
+
 def test_located_views_are_read_only_and_leaving_releases_the_lease(node):
     with Client(unix_addr(node)) as u:
         u.put_many([(key(i), content(i)) for i in range(4)])

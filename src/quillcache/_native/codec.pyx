@@ -41,7 +41,9 @@ __all__ = [
     "EV_NEED_DATA", "EV_FRAME", "EV_PAYLOAD_START", "EV_PAYLOAD_CHUNK", "EV_PAYLOAD_END",
     "REASONS", "CRC32C_IMPL",
     "encode_key_body", "decode_key_body", "decode_key_field", "decode_key_list", "encode_put_body",
-    "decode_put_body", "uninitialised_bytearray",
+    "decode_put_body", "uninitialised_bytearray", "encode_key_list", "encode_sized_key_list",
+    "decode_sized_key_list", "encode_located_items", "first_bad_located_item", "located_views",
+    "release_views", "first_slot_outside", "slot_views",
 ]
 
 # ----------------------------------------------------------------------------- constants
@@ -207,6 +209,7 @@ def encode_frame_header(opcode, request_id, *, flags=0, header=b"", payload_leng
 # ----------------------------------------------------------------------------- request bodies
 
 include "codec_bodies.pxi"
+include "codec_located.pxi"
 
 
 # ----------------------------------------------------------------------------- frames

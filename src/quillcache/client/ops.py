@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Optional, Sequence
 
+from quillcache._native.batch import cached_values
 from quillcache._native.codec import (
     encode_key_body,
 )
@@ -66,6 +67,15 @@ class Ops:
                 del cache[next(iter(cache))]       # the oldest insertion
             cache[key] = raw
         return raw
+
+    def encoded_keys(self, keys) -> list[bytes]:
+        """``encoded_key`` of each of ``keys``: the cached ones in one native pass, the others
+        through ``encoded_key`` (which checks them), in order."""
+        out, _, error = cached_values(keys if type(keys) is list else list(keys), self._keys, None,
+                                      self.encoded_key)
+        if error is not None:
+            raise error
+        return out
 
     def get_header(self, key) -> bytes:
         """The GET request body of ``key`` within the server's limits (the codec's format)."""

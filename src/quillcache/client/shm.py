@@ -26,8 +26,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from quillcache.errors import (
-    STATUS_CLASSES, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout, UnsafeReuse,
-    error_for_status,
+    STATUS_CLASSES, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout, error_for_status,
 )
 from quillcache.client.calls import Req
 from quillcache.protocol import located, messages
@@ -37,7 +36,6 @@ __all__ = ["Arena", "Located", "LocatedViews", "recv_with_fds", "located_flow", 
            "get_many_into_flow", "get_flow", "put_many_flow", "reserve_flow", "commit_flow", "abort_flow",
            "check_lease", "LocatedRead", "ReservedWrite"]
 
-_MISS_STATUSES = (NotFound.status, UnsafeReuse.status)
 _MAX_FDS = 4                       # fds accepted in one MAP reply (one is sent; more is an error)
 
 
@@ -54,6 +52,7 @@ class Arena:
         self.put_timeout_ns = info.put_timeout_ns
         self.map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.map)
+        self.readonly = self.view.toreadonly()     # what located views are sliced from
         self.array = np.frombuffer(self.map, dtype=np.uint8)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))   # for cudaHostRegister
         self.closed = False
@@ -65,6 +64,7 @@ class Arena:
         self.closed = True
         self.array = None
         try:
+            self.readonly.release()
             self.view.release()
             self.map.close()
         except BufferError:
@@ -90,55 +90,53 @@ def recv_with_fds(sock: socket.socket, buf: memoryview) -> tuple[int, list[int]]
 class Located(NamedTuple):
     lease_ids: list[int]                         # what to RELEASE (0s left out)
     expires_ns: int                              # the earliest expiry of the batches
-    extents: list[Optional[tuple[int, int]]]     # (offset, length) per key, None for a miss
+    items: np.ndarray                            # LOCATED_ITEM per key, in order, checked
+
+    @property
+    def extents(self) -> list[Optional[tuple[int, int]]]:
+        """(offset, length) per key, None for a miss."""
+        return _extents(self.items)
+
+
+def _extents(items: np.ndarray) -> list:
+    return [(off, n) if status == 0 else None for status, off, n in items.tolist()]
+
+
+_NO_ITEMS = np.zeros(0, located.LOCATED_ITEM)
 
 
 class LocatedViews(list):
     """The views ``get_many_located`` yields (None for a miss), with ``extents``
     ((offset, length) per key) for callers that address the arena themselves (gpu.py)."""
 
-    extents: list
+    _extents: Optional[list] = None
+
+    def __init__(self, views=(), items: Optional[np.ndarray] = None) -> None:
+        super().__init__(views)
+        self._items = items                       # LOCATED_ITEM per key (None: copies)
+
+    @property
+    def extents(self) -> list:
+        """(offset, length) per key, None for a miss (and for every key of ``copies``);
+        made on first use: the views alone need no Python object per block but the view."""
+        if self._extents is None:
+            self._extents = [None] * len(self) if self._items is None else _extents(self._items)
+        return self._extents
 
     @classmethod
     def copies(cls, blocks) -> "LocatedViews":
         """The TCP fallback: read-only views of ``get_many``'s copies, no extents."""
-        out = cls(None if v is None else v.toreadonly() for v in blocks)
-        out.extents = [None] * len(out)
-        return out
+        return cls(None if v is None else v.toreadonly() for v in blocks)
 
     @classmethod
-    def of_arena(cls, arena_view: memoryview, extents) -> "LocatedViews":
-        """Read-only views into the mapped arena at the leased extents: slices of one
-        read-only view of the arena, one memoryview per block and nothing else."""
-        ro = arena_view if arena_view.readonly else arena_view.toreadonly()
-        out = cls([None if e is None else ro[e[0]:e[0] + e[1]] for e in extents])
-        out.extents = extents
-        return out
+    def of_arena(cls, arena: memoryview, items: np.ndarray) -> "LocatedViews":
+        """Read-only views into the mapped arena at the leased extents (``items``, checked):
+        slices of ``arena``, one read-only view of the whole mapping, made in one pass."""
+        return cls(located.located_views(arena, items), items)
 
     def release_views(self) -> None:
         """Invalidate every view: one used after its lease ends raises ValueError."""
-        _release(v for v in self if v is not None)
-
-
-def _extents(items: np.ndarray, size: int):
-    """(offset, length) per LOCATED_ITEM, None for a miss; checked for the batch at once
-    (every extent inside the arena, every status 0 or a miss) before any is used."""
-    st = items["status"]
-    offs = items["offset"]
-    lens = items["length"]
-    hit = st == 0
-    if not hit.all():
-        bad = ~hit & (st != _MISS_STATUSES[0]) & (st != _MISS_STATUSES[1])
-        if bad.any():
-            raise _status_error(int(st[bad.argmax()]), "get_located item")
-    out_of = hit & ((offs > size) | (lens > size - offs))     # no u64 wrap: offs <= size where checked
-    if out_of.any():
-        i = int(out_of.argmax())
-        raise ProtocolError(f"GET_LOCATED: extent {int(offs[i])}+{int(lens[i])} outside the {size}-byte arena")
-    pairs = zip(offs.tolist(), lens.tolist())
-    if hit.all():
-        return pairs
-    return (p if h else None for p, h in zip(pairs, hit.tolist()))
+        located.release_views(self)
 
 
 def check_lease(expires_ns: int, what: str) -> None:
@@ -158,9 +156,9 @@ def _status_error(status: int, what: str) -> QuillCacheError:
 def located_flow(c, keys: Sequence):
     """GET_LOCATED of every key (batches of max_batch) -> Located."""
     lim = c.limits
-    ekeys = [c.encoded_key(k) for k in keys]
+    ekeys = c.encoded_keys(keys)
     ids: list[int] = []
-    extents: list = []
+    parts: list = []
     expires = 1 << 63
     try:
         for start in range(0, len(ekeys), lim.max_batch):
@@ -172,12 +170,14 @@ def located_flow(c, keys: Sequence):
             if rep.lease_id:
                 ids.append(rep.lease_id)
                 expires = min(expires, rep.expires_ns)
-            extents.extend(_extents(rep.items, c.arena.size))
+            located.check_located_items(rep.items, c.arena.size)     # before any extent is used
+            parts.append(rep.items)
     except BaseException:
         if ids:
             yield from release_flow(c, ids)
         raise
-    return Located(ids, expires, extents)
+    items = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _NO_ITEMS
+    return Located(ids, expires, items)
 
 
 def release_flow(c, ids: list[int]):
@@ -239,7 +239,8 @@ def reserve_flow(c, items: Sequence[tuple[Any, int]], durable: bool):
     """RESERVE (batches of max_batch) -> [(reserve id, expires_ns, [offsets])]; all or
     nothing: on an error every batch already reserved is aborted."""
     lim = c.limits
-    prepared = [(c.encoded_key(k), n) for k, n in items]
+    sizes = [n for _, n in items]
+    prepared = list(zip(c.encoded_keys([k for k, _ in items]), sizes))
     out: list = []
     try:
         for start in range(0, len(prepared), lim.max_batch) if prepared else ():
@@ -250,9 +251,7 @@ def reserve_flow(c, items: Sequence[tuple[Any, int]], durable: bool):
             if len(rep.offsets) != len(chunk):
                 raise ProtocolError(f"RESERVE reply has {len(rep.offsets)} slots for {len(chunk)} keys")
             out.append(rep)
-            for off, (_, n) in zip(rep.offsets, chunk):
-                if off + n > c.arena.size:
-                    raise ProtocolError(f"RESERVE: slot {off}+{n} outside the {c.arena.size}-byte arena")
+            located.check_slots(rep.offsets, sizes[start:start + lim.max_batch], c.arena.size)
     except BaseException:
         yield from abort_flow(c, [r.reserve_id for r in out])
         raise
@@ -299,21 +298,13 @@ def put_many_flow(c, items: Sequence[tuple[Any, memoryview]], durable: bool):
     yield from commit_flow(c, reserves)
 
 
-def slot_views(c, reserves: list, sizes: Iterable[int]) -> list[memoryview]:
-    view = c.arena.view
-    offsets = [off for rep in reserves for off in rep.offsets]
-    return [view[off:off + n] for off, n in zip(offsets, sizes)]
+def slot_views(c, reserves: list, sizes: list[int]) -> list[memoryview]:
+    """Writable views of the reserved slots (checked by ``reserve_flow``), in key order."""
+    offsets = reserves[0].offsets if len(reserves) == 1 else [off for rep in reserves for off in rep.offsets]
+    return located.slot_views(c.arena.view, offsets, sizes)
 
 
 # --------------------------------------------------------------------------- the two context managers
-
-
-def _release(views) -> None:
-    for v in views:
-        try:
-            v.release()
-        except BufferError:
-            pass          # the caller kept a derived view: its own hazard (docs/shm.md)
 
 
 class LocatedRead:
@@ -335,7 +326,7 @@ class LocatedRead:
             blocks = yield c.get_many_requests(self.keys, None)
             return LocatedViews.copies(blocks)
         self.loc = yield from located_flow(c, self.keys)
-        self.views = LocatedViews.of_arena(c.arena.view, self.loc.extents)
+        self.views = LocatedViews.of_arena(c.arena.readonly, self.loc.items)
         return self.views
 
     def exit(self, ok: bool):
@@ -376,11 +367,11 @@ class ReservedWrite:
         if self.reserves is None:
             yield self.c.put_many_requests([(k, v) for (k, _), v in zip(self.items, self.views)], self.durable)
             return
-        _release(self.views)
+        located.release_views(self.views)
         yield from commit_flow(self.c, self.reserves)
 
     def abort(self):
         if self.reserves is None:
             return
-        _release(self.views)
+        located.release_views(self.views)
         yield from abort_flow(self.c, [r.reserve_id for r in self.reserves])

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
+from quillcache._native.batch import cached_values
 from quillcache.errors import InvalidArgument
 from quillcache.model import KEY_FORMAT_VERSION, IdentityScope, KeyError_, KvBlockKey, decode_key
 from quillcache.node.limits import KEY_CACHE_ENTRIES
@@ -87,18 +88,11 @@ class KeyCache:
         return key
 
     def decode_many(self, raws: list) -> list[KvBlockKey]:
-        """``decode`` of each of ``raws`` (a batch request's keys), the hits inline."""
+        """``decode`` of each of ``raws`` (a batch request's keys), in order: the hits in
+        one native pass (``cached_values``), each miss through ``decode``."""
         m = self._map
-        get, move = m.get, m.move_to_end
-        out = []
-        hits = 0
-        for raw in raws:
-            key = get(raw)
-            if key is None:
-                key = self.decode(raw)
-            else:
-                move(raw)
-                hits += 1
-            out.append(key)
+        out, hits, error = cached_values(raws if type(raws) is list else list(raws), m, m.move_to_end, self.decode)
         self.hits += hits
+        if error is not None:
+            raise error
         return out

@@ -20,6 +20,7 @@ import math
 import os
 import socket
 import time
+from typing import Optional
 
 from quillcache._native.codec import encode_frame_header
 from quillcache.errors import Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse
@@ -116,7 +117,9 @@ class LocatedMixin:
         keys = self._keys_of(messages.decode_keys_request(frame.header, self.limits, "GET_LOCATED"))
         # per key: a held Slot, a miss status, or None (read the SSD first); one lease for the batch
         batch, got = self.store.located_batch(keys)
-        if None in got or (NotFound.status in got and self.node.cluster is not None and not self.peer_node):
+        if batch is not None and len(batch) == len(got):           # every key held: nothing to wait for
+            self._reply_located(frame.request_id, batch, got)
+        elif None in got or (NotFound.status in got and self.node.cluster is not None and not self.peer_node):
             self._spawn(self._located_later(frame.request_id, keys, batch, got))
         else:
             self._reply_located(frame.request_id, batch, got)
@@ -155,8 +158,7 @@ class LocatedMixin:
         if batch is not None and len(batch) == len(got):          # every key found, all under the batch
             lease_id = next(self._ids)
             self._located[lease_id] = [batch]
-            body = located.encode_located_hits(lease_id, int(batch.expires_at * NS), [s.offset for s in got],
-                                               [s.size for s in got])
+            body = located.encode_located_reply(lease_id, int(batch.expires_at * NS), got)   # Slots: hits
             self._ok(rid, Opcode.GET_LOCATED, body)
             return
         held = []
@@ -169,14 +171,14 @@ class LocatedMixin:
             if type(g) is int:
                 items.append((g, 0, 0))
             elif type(g) is Slot:              # held by the batch's lease
-                items.append((0, g.offset, g.size))
+                items.append(g)
             elif g.offset is None:             # served from an SSD buffer (no room): not in the arena
                 g.release()
                 items.append((NotFound.status, 0, 0))
             else:
                 held.append(g)
                 expires = min(expires, g.expires_at)
-                items.append((0, g.offset, g.size))
+                items.append(g)                # a Lease of its own: offset and size
         lease_id = 0
         if held:
             lease_id = next(self._ids)
@@ -200,8 +202,8 @@ class LocatedMixin:
     def _reserve(self, frame) -> None:
         self._need_mapped()
         durable = bool(frame.flags & FLAG_DURABLE)
-        reqs = messages.decode_put_many_request(frame.header, None, self.limits)
-        items = list(zip(self._keys_of([i.key for i in reqs]), [i.nbytes for i in reqs]))
+        raws, sizes = messages.decode_put_many_columns(frame.header, None, self.limits, "RESERVE")
+        items = list(zip(self._keys_of(raws), sizes))
         handles = self.store.reserve_nowait(items, durable)        # all or nothing
         if handles is None:              # room needs demotions (SSD writes): wait for them
             self._spawn(self._reserve_waiting(frame.request_id, items, durable))
@@ -233,19 +235,43 @@ class LocatedMixin:
         if handles is None:
             raise InvalidArgument(f"COMMIT: reserve {reserve_id} is not held by this connection "
                                   "(committed, aborted, or never made)")
-        self._spawn(self._finish_commit(frame.request_id, handles))
+        # Published in order; a put that needs I/O first (durable: fsync before visible) and
+        # every one after it are finished off the event loop, still in order.
+        statuses = self._commit_items(handles, 0, None)
+        if len(statuses) < len(handles):
+            self._spawn(self._finish_commit(frame.request_id, handles, statuses))
+        else:
+            self._ok(frame.request_id, Opcode.COMMIT, messages.encode_status_list(statuses, self.limits))
 
-    async def _finish_commit(self, rid: int, handles: list) -> None:
-        statuses = []
-        for h in handles:
+    def _commit_items(self, handles: list, start: int, statuses: Optional[list]) -> list:
+        """Publish ``handles[start:]`` that need no I/O, in order, up to the first that does;
+        returns the statuses so far (one per handle done)."""
+        statuses = [] if statuses is None else statuses
+        end_nowait = self.store.put_end_nowait
+        for h in handles[start:]:
             try:
-                await self.store.put_end(h)          # a durable reserve: fsync before visible
+                if not end_nowait(h):
+                    break
                 statuses.append(0)
             except QuillCacheError as exc:
                 statuses.append(exc.status)         # e.g. reaped after put_timeout
             except Exception:
                 log.exception("internal error in COMMIT item from %s", self.peer)
                 statuses.append(1)
+        return statuses
+
+    async def _finish_commit(self, rid: int, handles: list, statuses: list) -> None:
+        while len(statuses) < len(handles):
+            h = handles[len(statuses)]
+            try:
+                await self.store.put_end(h)          # a durable reserve: fsync before visible
+                statuses.append(0)
+            except QuillCacheError as exc:
+                statuses.append(exc.status)
+            except Exception:
+                log.exception("internal error in COMMIT item from %s", self.peer)
+                statuses.append(1)
+            self._commit_items(handles, len(statuses), statuses)
         self._ok(rid, Opcode.COMMIT, messages.encode_status_list(statuses, self.limits))
 
     def _abort(self, frame) -> None:

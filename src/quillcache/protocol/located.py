@@ -10,20 +10,24 @@ so a client can tell by itself whether a lease or a reserve has run out.
 """
 from __future__ import annotations
 
-import functools
 import struct
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from quillcache.errors import InvalidArgument
+from quillcache._native.codec import encode_located_items, first_bad_located_item
+from quillcache._native.codec import located_views as _located_views
+from quillcache._native.codec import first_slot_outside, release_views, slot_views
+from quillcache.errors import (
+    STATUS_CLASSES, InvalidArgument, NotFound, ProtocolError, QuillCacheError, UnsafeReuse, error_for_status,
+)
 from quillcache.protocol.opcodes import ProtocolLimits
 
 __all__ = ["MapReply", "LocatedReply", "ReserveReply", "encode_map_reply", "decode_map_reply",
-           "encode_located_reply", "encode_located_hits", "decode_located_reply", "encode_release_request",
-           "decode_release_request", "encode_release_count", "decode_release_count",
-           "encode_reserve_reply", "decode_reserve_reply", "encode_id", "decode_id", "LOCATED_ITEM",
-           "MAP_REPLY_BYTES"]
+           "encode_located_reply", "decode_located_reply", "check_located_items", "located_views",
+           "release_views", "check_slots", "slot_views", "encode_release_request", "decode_release_request",
+           "encode_release_count", "decode_release_count", "encode_reserve_reply", "decode_reserve_reply",
+           "encode_id", "decode_id", "LOCATED_ITEM", "MAP_REPLY_BYTES"]
 
 _MAP = struct.Struct("<QQQQ")         # arena_bytes, arena_id, lease_ns, put_timeout_ns
 _LEASE = struct.Struct("<QQI")        # lease id, expires (monotonic ns), count
@@ -69,23 +73,13 @@ def decode_map_reply(body) -> MapReply:
     return MapReply(*_MAP.unpack(body))
 
 
-@functools.lru_cache(maxsize=64)
-def _items(n: int) -> struct.Struct:
-    return struct.Struct("<" + "HQQ" * n)       # n LOCATED_ITEM records, packed
-
-
-def encode_located_reply(lease_id: int, expires_ns: int, items: Sequence[tuple[int, int, int]]) -> bytes:
-    flat = [x for item in items for x in item]
-    return _LEASE.pack(lease_id, expires_ns, len(items)) + _items(len(items)).pack(*flat)
-
-
-def encode_located_hits(lease_id: int, expires_ns: int, offsets: Sequence[int], lengths: Sequence[int]) -> bytes:
-    """``encode_located_reply`` of a batch where every key was found (status 0 each), filled
-    column by column: no tuple per item."""
-    items = np.zeros(len(offsets), LOCATED_ITEM)
-    items["offset"] = offsets
-    items["length"] = lengths
-    return _LEASE.pack(lease_id, expires_ns, len(offsets)) + items.tobytes()
+def encode_located_reply(lease_id: int, expires_ns: int, items: Sequence) -> bytes:
+    """The GET_LOCATED reply: per key, in order, a ``(status, offset, length)`` tuple, or
+    the object that holds a hit (status 0: a store ``Slot`` or ``Lease``, read for its
+    ``offset`` and ``size``), so a batch of hits is encoded with no tuple per item.  The
+    items are packed by the codec (``encode_located_items``), in one pass."""
+    items = items if type(items) is list else list(items)
+    return _LEASE.pack(lease_id, expires_ns, len(items)) + encode_located_items(items)
 
 
 def decode_located_reply(body, limits: ProtocolLimits) -> LocatedReply:
@@ -97,6 +91,27 @@ def decode_located_reply(body, limits: ProtocolLimits) -> LocatedReply:
         raise InvalidArgument(f"GET_LOCATED reply: {len(body)} bytes for {n} items")
     items = np.frombuffer(body, LOCATED_ITEM, n, _LEASE.size)
     return LocatedReply(lease_id, expires, items)
+
+
+def check_located_items(items: np.ndarray, arena_bytes: int) -> None:
+    """Every item is a hit whose extent lies inside an arena of ``arena_bytes``, or a miss
+    (NotFound, UnsafeReuse); the first that is neither raises: its status's error, or
+    ProtocolError for an extent outside the arena.  Checked for the batch in one pass."""
+    i = first_bad_located_item(items, len(items), arena_bytes, NotFound.status, UnsafeReuse.status)
+    if i < 0:
+        return
+    status, offset, length = (int(x) for x in items[i].tolist())
+    if status:
+        name = STATUS_CLASSES.get(status, QuillCacheError).__name__
+        raise error_for_status(status, f"get_located item: status {status} ({name})")
+    raise ProtocolError(f"GET_LOCATED: extent {offset}+{length} outside the {arena_bytes}-byte arena")
+
+
+def located_views(arena: memoryview, items: np.ndarray) -> list:
+    """Per item (checked by ``check_located_items``): the slice of ``arena`` (a read-only
+    view of the whole mapping) at its extent, None for a miss; one slice per hit, in one
+    pass (the codec's ``located_views``)."""
+    return _located_views(arena, items, len(items))
 
 
 def encode_release_request(ids: Sequence[int], limits: ProtocolLimits) -> bytes:
@@ -136,6 +151,14 @@ def decode_reserve_reply(body, limits: ProtocolLimits) -> ReserveReply:
     if n > limits.max_batch or len(body) != _RESERVE.size + 8 * n:
         raise InvalidArgument(f"RESERVE reply: {len(body)} bytes for {n} slots")
     return ReserveReply(rid, expires, list(struct.unpack_from(f"<{n}Q", body, _RESERVE.size)))
+
+
+def check_slots(offsets: list[int], sizes: list[int], arena_bytes: int) -> None:
+    """Every reserved slot (a RESERVE reply's offsets, the sizes asked for) lies inside an
+    arena of ``arena_bytes``; else ProtocolError naming the first that does not."""
+    i = first_slot_outside(offsets, sizes, arena_bytes)
+    if i >= 0:
+        raise ProtocolError(f"RESERVE: slot {offsets[i]}+{sizes[i]} outside the {arena_bytes}-byte arena")
 
 
 def encode_id(value: int) -> bytes:

@@ -18,9 +18,10 @@ import struct
 from typing import NamedTuple, Sequence
 
 from quillcache._native.codec import (
-    decode_key_body, decode_key_field, decode_key_list, decode_put_body, encode_key_body, encode_put_body,
+    decode_key_body, decode_key_list, decode_put_body, decode_sized_key_list, encode_key_body,
+    encode_key_list, encode_put_body, encode_sized_key_list,
 )
-from quillcache.protocol.body import DEFAULT_LIMITS, U16, U32, U64, BodyReader, BytesLike, write_text16
+from quillcache.protocol.body import DEFAULT_LIMITS, U16, U32, BodyReader, BytesLike, write_text16
 # ROUTE's bodies live in protocol.route; they are named here too, beside every other body.
 from quillcache.protocol.route import (
     MAX_ROUTE_TEXT, ROUTE_FIRST_TOKEN, ROUTE_FREE, ROUTE_HASHES, ROUTE_POLICIES, ROUTE_TOKENS, ROUTE_TRACK,
@@ -41,7 +42,8 @@ __all__ = [
     "encode_hello_request", "decode_hello_request", "negotiate_version",
     "encode_hello_reply", "decode_hello_reply",
     "encode_put_request", "decode_put_request", "encode_get_request", "decode_get_request",
-    "encode_put_many_request", "decode_put_many_request", "encode_status_list", "decode_status_list",
+    "encode_put_many_request", "decode_put_many_request", "decode_put_many_columns", "encode_status_list",
+    "decode_status_list",
     "encode_keys_request", "decode_keys_request", "BodyReader",
     "encode_get_many_reply", "decode_get_many_reply",
     "encode_exists_reply", "decode_exists_reply", "encode_bitmap_reply", "decode_bitmap_reply",
@@ -215,38 +217,25 @@ def decode_get_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS)
 
 def encode_put_many_request(items: Sequence[tuple[BytesLike, int]],
                             limits: ProtocolLimits = DEFAULT_LIMITS) -> bytes:
-    """``u32 count, count * (u64 nbytes, key)``; the payload is the blocks concatenated in order."""
-    items = list(items)
-    out = bytearray()
-    _count(out, len(items), limits, "PUT_MANY")
-    total = 0
-    for key, nbytes in items:
-        total += _nbytes(nbytes, "PUT_MANY")
-        out += U64.pack(nbytes)
-        _key(out, key, limits, "PUT_MANY")
-    if total > limits.max_payload_bytes:
-        raise InvalidArgument(f"PUT_MANY: {total} bytes in all, at most {limits.max_payload_bytes}")
-    return bytes(out)
+    """``u32 count, count * (u64 nbytes, key)``; the payload is the blocks concatenated in order.
+    The RESERVE body too (the codec's sized key list)."""
+    return encode_sized_key_list(items, limits.max_batch, limits.max_key_bytes, limits.max_payload_bytes,
+                                 "PUT_MANY")
+
+
+def decode_put_many_columns(body: BytesLike, payload_length: int | None = None,
+                            limits: ProtocolLimits = DEFAULT_LIMITS,
+                            what: str = "PUT_MANY") -> tuple[list[bytes], list[int]]:
+    """``decode_put_many_request`` as two lists, keys and sizes (no record per item)."""
+    keys, sizes, total = decode_sized_key_list(body, limits.max_batch, limits.max_key_bytes, what)
+    _check_payload(total, payload_length, what)
+    return keys, sizes
 
 
 def decode_put_many_request(body: BytesLike, payload_length: int | None = None,
                             limits: ProtocolLimits = DEFAULT_LIMITS) -> list[PutItem]:
-    r = BodyReader(body, "PUT_MANY")
-    n = r.count(limits, 8 + 3)
-    buf, pos, end, max_key = r.buf, r.pos, len(r.buf), limits.max_key_bytes
-    unpack = U64.unpack_from
-    items = []
-    for _ in range(n):                  # _Reader's u64 and key, inline (a RESERVE of 256 keys)
-        if end - pos < 8:
-            r.pos = pos
-            r.u64("nbytes")             # raises: body truncated
-        nbytes = unpack(buf, pos)[0]
-        key, pos = decode_key_field(buf, pos + 8, max_key, "PUT_MANY")
-        items.append(PutItem(key, nbytes))
-    r.pos = pos
-    r.end()
-    _check_payload(sum(i.nbytes for i in items), payload_length, "PUT_MANY")
-    return items
+    keys, sizes = decode_put_many_columns(body, payload_length, limits)
+    return list(map(PutItem, keys, sizes))
 
 
 def encode_status_list(statuses: Sequence[int], limits: ProtocolLimits = DEFAULT_LIMITS) -> bytes:
@@ -274,13 +263,8 @@ def decode_status_list(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS)
 
 def encode_keys_request(keys: Sequence[BytesLike], limits: ProtocolLimits = DEFAULT_LIMITS,
                         what: str = "request") -> bytes:
-    """GET_MANY, EXISTS, REMOVE: ``keys`` (u32 count + count * key)."""
-    keys = list(keys)
-    out = bytearray()
-    _count(out, len(keys), limits, what)
-    for k in keys:
-        _key(out, k, limits, what)
-    return bytes(out)
+    """GET_MANY, EXISTS, REMOVE, GET_LOCATED: ``keys`` (u32 count + count * key)."""
+    return encode_key_list(keys, limits.max_batch, limits.max_key_bytes, what)
 
 
 def decode_keys_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS,

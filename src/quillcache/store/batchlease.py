@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from quillcache._native.batch import hold_published
 from quillcache.errors import Busy, InvalidArgument, NotFound, UnsafeReuse
 from quillcache.model import KvBlockKey
 
@@ -65,41 +66,54 @@ class BatchLeases:
         self._check_open()
         if len(self._leases) >= self.max_leases:
             raise Busy(f"{len(self._leases)} leases alive (max_leases={self.max_leases})")
+        if type(keys) is not list:
+            keys = list(keys)
         now = self._clock()
-        locate = self._locate
-        published = self._dram.lookup
-        touch = self._dram_lru.touch
-        slots: list = []
-        got: list = []
         try:
-            for key in keys:
-                if type(key) is not KvBlockKey:
-                    raise InvalidArgument(f"key {key!r}: must be a KvBlockKey")
-                try:
-                    entry = locate(key)
-                except _MISS as exc:
-                    got.append(exc.status)
-                    continue
-                served = entry.key
-                slot = published(served)
-                if slot is None:
-                    got.append(None)
-                    continue
-                entry.last_access = now
-                touch(served)
-                slot.refs += 1           # dram.hold: the slot stays in place while held
-                slots.append(slot)
-                got.append(slot)
-        except BaseException:
-            for slot in slots:
-                self._dram.release(slot)
-            raise
+            # the keys whose exact entry has a published DRAM slot, in one native pass
+            slots, got = hold_published(keys, KvBlockKey,
+                                        self._entries, self._dram.published, now, self._dram_lru.touch_tracked)
+        except TypeError as exc:
+            if not exc.args or type(exc.args[0]) is not int:
+                raise
+            raise InvalidArgument(f"key {keys[exc.args[0]]!r}: must be a KvBlockKey") from None
+        if len(slots) < len(got):
+            self._located_rest(keys, slots, got, now)
         if not slots:
             return None, got
         self._stats["dram"]["hits"] += len(slots)
         lease = BatchLease(self, slots, now + self.lease_s, next(self._lease_ids))
         self._leases[lease._id] = lease
         return lease, got
+
+    def _located_rest(self, keys, slots: list, got: list, now: float) -> None:
+        """The keys ``hold_published`` left (None in ``got``), per key: the guard decides
+        where no entry of the exact key exists, the SSD tier where no DRAM copy is."""
+        locate = self._locate
+        published = self._dram.lookup
+        touch = self._dram_lru.touch
+        try:
+            for i, g in enumerate(got):
+                if g is not None:
+                    continue
+                try:
+                    entry = locate(keys[i])
+                except _MISS as exc:
+                    got[i] = exc.status
+                    continue
+                served = entry.key
+                slot = published(served)
+                if slot is None:
+                    continue                 # only on SSD: None, ``await get_async`` promotes it
+                entry.last_access = now
+                touch(served)
+                slot.refs += 1               # dram.hold: the slot stays in place while held
+                slots.append(slot)
+                got[i] = slot
+        except BaseException:
+            for slot in slots:
+                self._dram.release(slot)
+            raise
 
     def release_batch(self, lease: BatchLease) -> None:
         """End ``lease`` (what ``BatchLease.release`` calls): its slots are let go, once."""
@@ -108,7 +122,6 @@ class BatchLeases:
         dram = self._dram
         if dram.closed:
             return
-        for slot in lease.slots:
-            dram.release(slot)
+        dram.release_many(lease.slots)
         if self._waiting:
             self._wake()                 # a block may be evictable (or its slot freed) now

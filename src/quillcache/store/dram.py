@@ -251,6 +251,12 @@ class DramTier:
     def lookup(self, key: KvBlockKey) -> Optional[Slot]:
         return self._published.get(key)
 
+    @property
+    def published(self) -> dict:
+        """key -> published Slot, for a batch of lookups in one pass (store/batchlease.py);
+        read it, never change it: only this tier publishes and retires."""
+        return self._published
+
     def contains(self, key: KvBlockKey) -> bool:
         return key in self._published
 
@@ -268,6 +274,13 @@ class DramTier:
     def release(self, slot: Slot) -> None:
         slot.refs -= 1
         if slot.refs <= 0 and slot.state == RETIRED:
+            del self._retired[slot]
+            self._free(slot)
+
+    def release_many(self, slots: list) -> None:
+        """``release`` of each of ``slots`` (a batch lease's), the references dropped in one pass."""
+        from quillcache._native.batch import drop_refs      # lazily, as the allocator
+        for slot in drop_refs(slots, RETIRED):
             del self._retired[slot]
             self._free(slot)
 

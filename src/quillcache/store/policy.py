@@ -40,6 +40,17 @@ class LruPolicy:
         if order.pop(key, 0) is None:
             order[key] = None
 
+    @property
+    def touch_tracked(self):
+        """``touch`` as one C call for a batch loop (store/batchlease.py): refreshes a key
+        the order tracks, raises KeyError for one it does not (the loop skips that key, as
+        ``touch`` would); None where reads do not refresh."""
+        return self._refresh
+
+    def _refresh(self, key: Hashable) -> None:
+        order = self._order
+        order[key] = order.pop(key)         # KeyError for a key the order does not track
+
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
 
@@ -64,6 +75,7 @@ class FifoPolicy(LruPolicy):
     """First in, first out: reads do not refresh (the baseline in the trace table)."""
 
     name = "fifo"
+    touch_tracked = None
 
     def touch(self, key: Hashable) -> None:
         pass

@@ -137,9 +137,7 @@ class Writes:
 
     async def put_end(self, handle: PutHandle) -> None:
         """Publish the put.  Durable puts return after the SSD tier's durable publish."""
-        pending = handle._pending
-        if self._handles.get(pending.slot) is not handle or not self._dram.is_pending(pending):
-            raise InvalidArgument("put handle is not in flight (already ended, aborted or reaped)")
+        pending = self._in_flight(handle)
         key = handle.key
         ssd_written = False
         if handle.durable:
@@ -156,6 +154,38 @@ class Writes:
                 raise
             finally:
                 self._busy.discard(key)
+        entry, stale_ssd = self._publish(handle, pending, ssd_written)
+        if stale_ssd:
+            # The SSD holds older bytes of the key: drop them so they are never served.
+            entry.ssd_version = None
+            self._ssd_lru.remove(key)
+            self._record(entry)
+            await self._ssd_remove_if_unowned(key)
+            return
+        self._record(entry)
+
+    def put_end_nowait(self, handle: PutHandle) -> bool:
+        """``put_end`` of a put that needs no I/O: published now, True.  False, and nothing
+        done, for one that does (durable: the SSD write first; older bytes of the key on
+        the SSD tier: their removal): ``await put_end(handle)`` finishes it."""
+        pending = self._in_flight(handle)
+        if handle.durable:
+            return False
+        entry = self._entries.get(handle.key)
+        if entry.ssd_version is not None if entry is not None else self._untouched:
+            return False                            # an SSD copy (maybe a recovered one) to drop
+        self._record(self._publish(handle, pending, False)[0])
+        return True
+
+    def _in_flight(self, handle: PutHandle) -> PendingPut:
+        pending = handle._pending
+        if self._handles.get(pending.slot) is not handle or not self._dram.is_pending(pending):
+            raise InvalidArgument("put handle is not in flight (already ended, aborted or reaped)")
+        return pending
+
+    def _publish(self, handle: PutHandle, pending: PendingPut, ssd_written: bool) -> tuple[Entry, bool]:
+        """The slot becomes the key's bytes; returns (entry, whether an older SSD copy is now stale)."""
+        key = handle.key
         del self._handles[pending.slot]
         self._dram.put_end(pending)
         now = self._clock()
@@ -168,7 +198,7 @@ class Writes:
         stale_ssd = False
         if entry is None:
             entry = Entry(key, handle.size, version, now, ek)
-            self._entries[key] = entry                 # recorded in the index below
+            self._entries[key] = entry                 # recorded in the index by the caller
             self._tell_added(entry)
         else:
             stale_ssd = entry.ssd_version is not None and not ssd_written
@@ -185,14 +215,7 @@ class Writes:
             self._wake()                            # a replaced slot was freed, or a clean block came
         if self._ssd is not None and self._dram.used > self.high_watermark * self._dram.capacity:
             self._pressure()                        # demote ahead of the next puts
-        if stale_ssd:
-            # The SSD holds older bytes of the key: drop them so they are never served.
-            entry.ssd_version = None
-            self._ssd_lru.remove(key)
-            self._record(entry)
-            await self._ssd_remove_if_unowned(key)
-            return
-        self._record(entry)
+        return entry, stale_ssd
 
     def put_abort(self, handle: PutHandle) -> bool:
         pending = handle._pending
