@@ -42,7 +42,8 @@ from tests._support.etcd import EtcdServer  # noqa: E402
 
 KINDS = {"tcp": ("tcp", None, {}), "nixl": ("nixl", None, {}), "nixl-ucx-tcp": ("nixl", "tcp", {}),
          "nixl-no-reuse": ("nixl", None, {"grant_reuse": "0s"}),
-         "nixl-ucx-tcp-no-reuse": ("nixl", "tcp", {"grant_reuse": "0s"})}
+         "nixl-ucx-tcp-no-reuse": ("nixl", "tcp", {"grant_reuse": "0s"}),
+         "auto-ucx-tcp": ("auto", "tcp", {})}
 
 
 def cpu_by_thread(pid: int) -> dict[str, int]:

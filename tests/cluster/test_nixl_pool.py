@@ -442,3 +442,17 @@ def test_a_node_on_nixl_stops_on_term_with_exit_0(tmp_path, etcd, monkeypatch):
         pool.wait_members(1)
         assert pool["a"].stop(signal.SIGTERM) == 0
         assert "transport nixl" in pool["a"].log() and pool["a"].log().rstrip().endswith("stopped")
+
+
+def test_auto_under_ucx_tls_tcp_reads_over_fetch_and_says_so(tmp_path, etcd, monkeypatch):
+    """auto with UCX_TLS=tcp: UCX could reach peers over TCP only, where FETCH is faster; both
+    nodes run on TCP, INFO says so, a cross-node GET hits, the log gives the reason."""
+    _tls(monkeypatch, "tcp")
+    with Pool(tmp_path, etcd.endpoint, 2, lease_ttl=f"{TTL_S}s", transport="auto") as pool:
+        pool.wait_members(2)
+        with Client(pool["a"].addr) as a, Client(pool["b"].addr) as b:
+            a.put(key(1), content(1, 256 << 10))
+            assert get_retry(b, key(1)) == content(1, 256 << 10)
+        for n in ("a", "b"):
+            assert _cluster(pool.info(n))["transport_transport"] == "tcp"
+            assert "transport auto -> tcp (UCX_TLS tcp" in pool[n].log()

@@ -59,3 +59,15 @@ def test_the_scenario_runner_reports_a_failed_check():
     """The runner itself: a scenario that does not exist fails (exit 1, no OK line)."""
     with pytest.raises(AssertionError):
         _scenario("no_such_scenario")
+
+
+def test_auto_takes_tcp_when_ucx_tls_names_only_tcp(monkeypatch):
+    """auto: UCX_TLS naming only tcp (and self) means FETCH, made without an agent; shared memory,
+    CMA, RDMA, a negated list or UCX's default keep NIXL possible; "nixl" is not affected."""
+    from quillcache.transfer.nixl import ucx_tcp_only
+    from quillcache.transfer.nixl_transport import make_endpoint
+    assert ucx_tcp_only("tcp") and ucx_tcp_only("tcp,self") and ucx_tcp_only(" TCP ")
+    for tls in ("default", "", "sm,tcp", "shm,cma,tcp", "rc,tcp", "^shm", "all"):
+        assert not ucx_tcp_only(tls), tls
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    assert make_endpoint("auto", arena=None, node_id="n", staging_bytes=1 << 20) is None

@@ -421,3 +421,11 @@ def ucx_tls() -> str:
     """The UCX transports asked for (``UCX_TLS``), or "default"."""
     return os.environ.get("UCX_TLS") or "default"
 
+
+def ucx_tcp_only(tls: str) -> bool:
+    """Whether ``UCX_TLS`` as set leaves UCX only TCP between nodes (every name is ``tcp`` or
+    ``self``, none negated): such a READ loses to FETCH (docs/nixl.md). "default" and lists naming
+    shared memory, CMA or RDMA are not TCP-only; nor is a negated list (UCX picks from the rest)."""
+    names = [n.strip().lower() for n in tls.split(",") if n.strip()]
+    return bool(names) and all(n in ("tcp", "self") for n in names)
+

@@ -43,7 +43,7 @@ from quillcache.errors import Busy, ConfigError, ConnectionLost, InvalidArgument
 from quillcache.protocol import grants as wire
 from quillcache.protocol.opcodes import Opcode
 from quillcache.transfer.base import FetchResult, Peer
-from quillcache.transfer.nixl import TransferFailed, nixl_missing, ucx_tls
+from quillcache.transfer.nixl import TransferFailed, nixl_missing, ucx_tcp_only, ucx_tls
 from quillcache.transfer.tcp import TcpTransport
 
 log = logging.getLogger("quillcache.cluster")
@@ -361,6 +361,10 @@ def make_endpoint(choice: str, *, arena, node_id: str, staging_bytes: int):
     if choice not in TRANSPORT_CHOICES:
         raise ConfigError(f"[cluster] transport = {choice!r}: one of {', '.join(TRANSPORT_CHOICES)}")
     if choice == "tcp":
+        return None
+    if choice == "auto" and ucx_tcp_only(ucx_tls()):
+        log.info("cluster: transport auto -> tcp (UCX_TLS %s: UCX would reach peers over TCP only, "
+                 "where FETCH is faster; transport = \"nixl\" forces NIXL)", ucx_tls())
         return None
     missing = nixl_missing()
     if missing:
