@@ -208,7 +208,7 @@ class RouterStats:
     latencies_us: list = field(default_factory=list)    # the last LATENCY_WINDOW decisions
     cross_identity_credited_blocks: int = 0
     refused_blocks: int = 0
-    request_blocks: int = 0              # blocks of the requests routed ...
+    request_blocks: int = 0              # blocks of the requests routed and tracked ...
     device_blocks: int = 0               # ... and of those, found on the chosen worker's device
 
 
@@ -426,8 +426,9 @@ class Router:
             latency = (time.perf_counter() - t0) * 1e6
             st = self.stats
             st.decisions += 1
-            st.request_blocks += len(hashes)
-            st.device_blocks += d
+            if track:       # a probe (track=False) changes nothing a later decision reads
+                st.request_blocks += len(hashes)
+                st.device_blocks += d
             if len(st.latencies_us) >= LATENCY_WINDOW:
                 del st.latencies_us[:LATENCY_WINDOW // 2]
             st.latencies_us.append(latency)

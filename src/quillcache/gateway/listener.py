@@ -136,12 +136,12 @@ class _Refused(asyncio.Protocol):
             return
         transport.write_eof()
         while len(_Refused.lingering) >= MAX_LINGERING:
-            next(iter(_Refused.lingering))._stop()
+            next(iter(_Refused.lingering)).close()
         _Refused.lingering[self] = None
         self._transport = transport
-        self._timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self._stop)
+        self._timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self.close)
 
-    def _stop(self) -> None:
+    def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
