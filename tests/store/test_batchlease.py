@@ -200,3 +200,22 @@ def test_a_batch_lease_holds_exactly_what_per_key_leases_would(ops):
         b, k = batch_store.stats(), key_store.stats()
         assert b["dram"]["used"] == k["dram"]["used"] and b["dram"]["evictions"] == k["dram"]["evictions"]
         assert [batch_store.exists(key(i)) for i in range(6)] == [key_store.exists(key(i)) for i in range(6)]
+
+
+def test_a_located_batch_refreshes_the_eviction_order_as_per_key_reads_do():
+    """The batch loop's LRU refresh (native, by the hash taken once) leaves the DRAM eviction
+    order exactly as a read of each key in turn does; a key the order does not hold is not
+    added, and under FIFO reads refresh nothing."""
+    for policy in ("lru", "fifo"):
+        batch, single = make(blocks=8, eviction=policy), make(blocks=8, eviction=policy)
+        for store in (batch, single):
+            fill(store, [1, 2, 3, 4, 5])
+        lease, _ = batch.located_batch([key(4), key(2), key(9), key(1)])
+        lease.release()
+        for i in (4, 2, 1):
+            single.get(key(i)).release()
+        order = list(batch._dram_lru.candidates())
+        assert order == list(single._dram_lru.candidates())
+        assert key(9) not in batch._dram_lru
+        expected = [1, 2, 3, 4, 5] if policy == "fifo" else [3, 5, 4, 2, 1]
+        assert order == [key(i) for i in expected]

@@ -1,5 +1,4 @@
 """store/policy.py: the eviction order against a list kept the slow way."""
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,16 +43,3 @@ def test_fifo_ignores_reads():
         fifo.insert(k)
     fifo.touch("a")
     assert list(fifo.candidates()) == ["a", "b", "c"]
-
-
-def test_touch_tracked_refreshes_a_tracked_key_and_raises_keyerror_for_another():
-    """The batch loop's touch (store/batchlease.py) moves a tracked key to the MRU end, as
-    ``touch`` does, and raises KeyError for a key the order does not track (never adds it)."""
-    lru = LruPolicy()
-    for k in "abc":
-        lru.insert(k)
-    lru.touch_tracked("a")
-    assert list(lru.candidates()) == ["b", "c", "a"]
-    with pytest.raises(KeyError):
-        lru.touch_tracked("z")
-    assert "z" not in lru and len(lru) == 3

@@ -19,7 +19,7 @@ from cpython.object cimport PyObject_Hash
 from cpython.list cimport PyList_Append
 from cpython.ref cimport PyObject
 
-from quillcache._native.includes.pydict cimport QC_DictGetKnownHash
+from quillcache._native.includes.pydict cimport QC_DictDelKnownHash, QC_DictGetKnownHash, QC_DictSetKnownHash
 
 __all__ = ["cached_values", "hold_published", "drop_refs"]
 
@@ -69,12 +69,13 @@ cdef int _raise_set() except -1:
 
 
 def hold_published(list keys not None, type key_type not None, dict entries not None, dict published not None,
-                   object now, object touch):
+                   object now, dict order):
     """For each of ``keys`` (each must be of ``key_type``; TypeError names the first that
     is not): where ``entries[key]`` exists and ``published[entry.key]`` is a slot, take the
-    slot (``refs += 1``), set ``entry.last_access = now`` and call ``touch(entry.key)``
-    (``LruPolicy.touch_tracked``: a KeyError from it is a key it does not track, skipped;
-    None: reads refresh nothing).
+    slot (``refs += 1``), set ``entry.last_access = now`` and, where ``order`` (an eviction
+    order kept in insertion order: ``LruPolicy.order``) holds ``entry.key``, move it to the
+    most recent end (deleted and inserted again, with the hash already taken); None: reads
+    refresh nothing.
 
     Returns ``(held, got)``: ``held`` the slots taken, in key order; ``got`` per key the
     slot taken or None (the caller resolves that key itself).  On an exception nothing
@@ -111,11 +112,12 @@ def hold_published(list keys not None, type key_type not None, dict entries not 
             PyList_Append(held, slot)
             got[i] = slot
             entry.last_access = now
-            if touch is not None:
-                try:
-                    touch(served)
-                except KeyError:
-                    pass                # not in the eviction order: nothing to refresh
+            if order is not None:       # LruPolicy.touch: a key the order tracks goes to its end
+                if QC_DictGetKnownHash(order, served, h) is not NULL:
+                    QC_DictDelKnownHash(order, served, h)
+                    QC_DictSetKnownHash(order, served, None, h)
+                elif PyErr_Occurred():
+                    _raise_set()
     except BaseException:
         for slot in held:
             slot.refs -= 1

@@ -72,7 +72,7 @@ class BatchLeases:
         try:
             # the keys whose exact entry has a published DRAM slot, in one native pass
             slots, got = hold_published(keys, KvBlockKey,
-                                        self._entries, self._dram.published, now, self._dram_lru.touch_tracked)
+                                        self._entries, self._dram.published, now, self._dram_lru.order)
         except TypeError as exc:
             if not exc.args or type(exc.args[0]) is not int:
                 raise

@@ -41,15 +41,11 @@ class LruPolicy:
             order[key] = None
 
     @property
-    def touch_tracked(self):
-        """``touch`` as one C call for a batch loop (store/batchlease.py): refreshes a key
-        the order tracks, raises KeyError for one it does not (the loop skips that key, as
-        ``touch`` would); None where reads do not refresh."""
-        return self._refresh
-
-    def _refresh(self, key: Hashable) -> None:
-        order = self._order
-        order[key] = order.pop(key)         # KeyError for a key the order does not track
+    def order(self) -> "dict[Hashable, None] | None":
+        """The order itself, for a batch loop that refreshes keys in native code
+        (``_native.batch.hold_published``: what ``touch`` does, key by key); read it, change it
+        only as ``touch`` would.  None where reads do not refresh."""
+        return self._order
 
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
@@ -75,7 +71,7 @@ class FifoPolicy(LruPolicy):
     """First in, first out: reads do not refresh (the baseline in the trace table)."""
 
     name = "fifo"
-    touch_tracked = None
+    order = None
 
     def touch(self, key: Hashable) -> None:
         pass
