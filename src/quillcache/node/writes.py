@@ -39,8 +39,8 @@ class WritesMixin:
                 raw, nbytes = decode_put_body(frame.header, frame.payload_length, self.limits.max_key_bytes)
                 items = [(self._key(raw), nbytes)]
             else:
-                decoded = messages.decode_put_many_request(frame.header, frame.payload_length, self.limits)
-                items = list(zip(self._keys_of([i.key for i in decoded]), [i.nbytes for i in decoded]))
+                raws, sizes = messages.decode_put_many_columns(frame.header, frame.payload_length, self.limits)
+                items = list(zip(self._keys_of(raws), sizes))
             handles = self.store.reserve_nowait(items, durable)     # all or nothing
         except QuillCacheError as exc:
             self._done(rid, frame.opcode, exc.status)
