@@ -117,9 +117,9 @@ class LocatedMixin:
         keys = self._keys_of(messages.decode_keys_request(frame.header, self.limits, "GET_LOCATED"))
         # per key: a held Slot, a miss status, or None (read the SSD first); one lease for the batch
         batch, got = self.store.located_batch(keys)
-        if batch is not None and len(batch) == len(got):           # every key held: nothing to wait for
-            self._reply_located(frame.request_id, batch, got)
-        elif None in got or (NotFound.status in got and self.node.cluster is not None and not self.peer_node):
+        every_key_held = batch is not None and len(batch) == len(got)   # then no scan for misses
+        if not every_key_held and (None in got or (NotFound.status in got and self.node.cluster is not None
+                                                   and not self.peer_node)):
             self._spawn(self._located_later(frame.request_id, keys, batch, got))
         else:
             self._reply_located(frame.request_id, batch, got)
