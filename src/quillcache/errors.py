@@ -9,7 +9,7 @@ from __future__ import annotations
 __all__ = [
     "QuillCacheError", "NotFound", "UnsafeReuse", "PermissionDenied", "CapacityError",
     "ProtocolError", "ConnectionLost", "ConfigError", "ReadOnlyError", "InvalidArgument",
-    "Timeout", "Busy", "CorruptCheckpoint", "STATUS_CLASSES", "error_for_status",
+    "Timeout", "Busy", "CorruptCheckpoint", "STATUS_CLASSES", "error_for_status", "status_error",
 ]
 
 
@@ -129,3 +129,9 @@ def error_for_status(status: int, message: str, *, violation: str = "model",
     if cls is CapacityError:
         return CapacityError(*capacity, message=message)
     return cls(message)
+
+
+def status_error(status: int, what: str) -> QuillCacheError:
+    """``error_for_status`` of one item of a batch reply: ``"{what}: status N (ClassName)"``."""
+    name = STATUS_CLASSES.get(status, QuillCacheError).__name__
+    return error_for_status(status, f"{what}: status {status} ({name})")

@@ -25,9 +25,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from quillcache.errors import (
-    STATUS_CLASSES, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout, error_for_status,
-)
+from quillcache.errors import InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout, status_error
 from quillcache.client.calls import Req
 from quillcache.protocol import located, messages
 from quillcache.protocol.opcodes import FLAG_DURABLE, Opcode
@@ -143,11 +141,6 @@ def check_lease(expires_ns: int, what: str) -> None:
     if time.monotonic_ns() >= expires_ns:
         raise Timeout(f"{what}: the located lease ran out before the bytes were read; they may "
                       "belong to another block now, so they are not returned (retry)")
-
-
-def _status_error(status: int, what: str) -> QuillCacheError:
-    name = STATUS_CLASSES.get(status, QuillCacheError).__name__
-    return error_for_status(status, f"{what}: status {status} ({name})")
 
 
 # --------------------------------------------------------------------------- flows
@@ -267,7 +260,7 @@ def commit_flow(c, reserves: list):
                               lambda r: messages.decode_status_list(r.header, lim))
         for st in statuses:
             if st and first is None:
-                first = _status_error(st, f"put item {i}")
+                first = status_error(st, f"put item {i}")
             i += 1
     if first is not None:
         raise first

@@ -18,9 +18,7 @@ import numpy as np
 from quillcache._native.codec import encode_located_items, first_bad_located_item
 from quillcache._native.codec import located_views as _located_views
 from quillcache._native.codec import first_slot_outside, release_views, slot_views
-from quillcache.errors import (
-    STATUS_CLASSES, InvalidArgument, NotFound, ProtocolError, QuillCacheError, UnsafeReuse, error_for_status,
-)
+from quillcache.errors import InvalidArgument, NotFound, ProtocolError, UnsafeReuse, status_error
 from quillcache.protocol.opcodes import ProtocolLimits
 
 __all__ = ["MapReply", "LocatedReply", "ReserveReply", "encode_map_reply", "decode_map_reply",
@@ -102,8 +100,7 @@ def check_located_items(items: np.ndarray, arena_bytes: int) -> None:
         return
     status, offset, length = (int(x) for x in items[i].tolist())
     if status:
-        name = STATUS_CLASSES.get(status, QuillCacheError).__name__
-        raise error_for_status(status, f"get_located item: status {status} ({name})")
+        raise status_error(status, "get_located item")
     raise ProtocolError(f"GET_LOCATED: extent {offset}+{length} outside the {arena_bytes}-byte arena")
 
 
