@@ -351,6 +351,21 @@ def measure_prefix(torch, model, copier, tcp, P: int, timed, rounds: int, graphs
             "bytes": nbytes, "diff": (logits - ref_logits).abs().max().item()}
 
 
+def timed_load(worker, transfer, names: list, sync) -> tuple[float, float]:
+    """One load through the connector, in vLLM's call order: seconds until the first layer is
+    in place (``wait_for_layer_load`` of layer 0) and until every layer is."""
+    t0 = time.perf_counter()
+    worker.start_load_kv([transfer])
+    worker.wait_for_layer_load(names[0])
+    sync()
+    t1 = time.perf_counter()
+    worker.wait_for_layer_load(names[-1])
+    sync()
+    done = time.perf_counter()
+    worker.wait_for_save([])
+    return t1 - t0, done - t0
+
+
 def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes, paths, sync) -> list[dict]:
     """The vLLM connector's worker path (quillcache.connectors.paged.PagedKVWorker, which the
     vLLM adapter delegates to) on paged caches in vLLM's layout, in vLLM's call order: the
@@ -420,15 +435,7 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes,
             marks: list = []
 
             def load_only():
-                t0 = time.perf_counter()
-                worker.start_load_kv([Transfer("B", keys, table[:nb])])
-                worker.wait_for_layer_load(names[0])
-                sync()
-                t1 = time.perf_counter()
-                worker.wait_for_layer_load(names[-1])
-                sync()
-                marks.append((t1 - t0, time.perf_counter() - t0))
-                worker.wait_for_save([])
+                marks.append(timed_load(worker, Transfer("B", keys, table[:nb]), names, sync))
             conn_s = timed(reload_and_suffix, rounds)
             load_s = timed(load_only, rounds)
             first = statistics.median(m[0] for m in marks[1:] or marks)
@@ -615,15 +622,7 @@ def measure_load_only(torch, shape: Shape, P: int, dev, core, rounds: int, kv_dt
             marks = []
             for _ in range(rounds + 1):
                 sync()
-                t0 = time.perf_counter()
-                worker.start_load_kv([Transfer("B", keys, list(range(nb, 2 * nb)))])
-                worker.wait_for_layer_load(names[0])
-                sync()
-                t1 = time.perf_counter()
-                worker.wait_for_layer_load(names[-1])
-                sync()
-                marks.append((t1 - t0, time.perf_counter() - t0))
-                worker.wait_for_save([])
+                marks.append(timed_load(worker, Transfer("B", keys, list(range(nb, 2 * nb))), names, sync))
                 if worker.take_load_errors():
                     raise SystemExit("load-only: blocks were reported missing")
             if kv_dtype == "auto" and not all(torch.equal(c[:, nb:], c[:, :nb]) for c in layers):
