@@ -11,16 +11,9 @@ from quillcache.model import KvBlockKey
 from quillcache.store.batchlease import BatchLease
 from quillcache.store.dram import Slot
 from quillcache.store.tiers import LocalKvStore, StoreOptions
+from tests._support.clock import Clock
 
 BLOCK = 1024
-
-
-class Clock:
-    def __init__(self, t=1000.0):
-        self.t = t
-
-    def __call__(self):
-        return self.t
 
 
 def key(i, model="m"):

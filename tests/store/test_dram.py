@@ -6,14 +6,7 @@ from hypothesis import given, settings, strategies as st
 from quillcache.errors import CapacityError, InvalidArgument
 from quillcache.model import KvBlockKey
 from quillcache.store.dram import ARENA_UNIT, DramTier
-
-
-class Clock:
-    def __init__(self, t=1000.0):
-        self.t = t
-
-    def __call__(self):
-        return self.t
+from tests._support.clock import Clock
 
 
 def key(i, tenant="t"):

@@ -10,17 +10,10 @@ import pytest
 from quillcache.errors import Busy, CapacityError, InvalidArgument, NotFound
 from quillcache.model import IdentityScope, KvBlockKey
 from quillcache.store.tiers import LocalKvStore, StoreOptions
+from tests._support.clock import Clock
 
 BLOCK = 1024
 SCOPE = IdentityScope("m", "tok", None, "t")
-
-
-class Clock:
-    def __init__(self, t=1000.0):
-        self.t = t
-
-    def __call__(self):
-        return self.t
 
 
 def key(i, prefix="root"):
