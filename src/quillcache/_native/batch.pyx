@@ -19,9 +19,15 @@ from cpython.object cimport PyObject_Hash
 from cpython.list cimport PyList_Append
 from cpython.ref cimport PyObject
 
-from quillcache._native.includes.pydict cimport QC_DictDelKnownHash, QC_DictGetKnownHash, QC_DictSetKnownHash
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport uint64_t
 
-__all__ = ["cached_values", "hold_published", "drop_refs"]
+from quillcache._native.alloc cimport ALLOC_OK, OffsetAllocator
+from quillcache._native.blocks cimport Entry, PutHandle, Slot, new_handle
+from quillcache._native.includes.pydict cimport QC_DictDelKnownHash, QC_DictGetKnownHash, QC_DictSetKnownHash
+from quillcache.model import encode_key
+
+__all__ = ["cached_values", "hold_published", "drop_refs", "check_columns", "place_many", "commit_many"]
 
 
 def cached_values(list raws not None, object recent, object refresh, object compute):
@@ -123,3 +129,164 @@ def hold_published(list keys not None, type key_type not None, dict entries not 
             slot.refs -= 1
         raise
     return held, got
+
+
+# ---- the put path of a batch: reserve, publish (store/writes.py, store/dram.py) ---------------
+
+def check_columns(list keys not None, list sizes not None, type key_type not None, Py_ssize_t max_size):
+    """Total bytes of a batch's ``sizes``; TypeError(i) names the first key not of
+    ``key_type`` or size not an int, ValueError(i) the first size outside 1..max_size."""
+    cdef Py_ssize_t i, n = len(keys), size, total = 0
+    cdef object s
+    if len(sizes) != n:
+        raise ValueError(-1)
+    for i in range(n):
+        if type(keys[i]) is not key_type:
+            raise TypeError(i)
+        s = sizes[i]
+        if type(s) is not int:
+            raise TypeError(i)
+        size = s
+        if size < 1 or size > max_size:
+            raise ValueError(i)
+        total += size
+    return total
+
+
+def place_many(OffsetAllocator alloc not None, list keys not None, list sizes not None, double now,
+               dict pending not None, object buf, bint durable, dict register):
+    """A slot for each of ``keys`` (sizes checked: ``check_columns``), all or nothing: the
+    ``PutHandle``s in order, each slot entered in ``pending`` (slot -> slot) and, where
+    ``register`` is a dict, in it (slot -> handle).  None when the allocator has no room
+    for all of them: nothing placed (the caller evicts, or waits)."""
+    cdef Py_ssize_t i, n = len(keys), failed = 0
+    cdef uint64_t* cols
+    cdef int rc
+    cdef list out
+    cdef Slot slot
+    cdef PutHandle h
+    if n == 0:
+        return []
+    cols = <uint64_t*>PyMem_Malloc(3 * n * sizeof(uint64_t))
+    if cols == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            cols[i] = <uint64_t><Py_ssize_t>sizes[i]
+        alloc._enter()
+        rc = alloc.c_allocate_many(cols, n, cols + n, cols + 2 * n, &failed)
+        if rc != ALLOC_OK:
+            return None
+        out = [None] * n
+        try:
+            for i in range(n):
+                slot = Slot.__new__(Slot)
+                slot.key = keys[i]
+                slot.offset = <Py_ssize_t>cols[n + i]
+                slot.size = <Py_ssize_t>cols[i]
+                slot.handle = cols[2 * n + i]
+                slot.refs = 0
+                slot.state = 0                  # PENDING
+                slot.started = now
+                h = new_handle(slot, buf, durable)
+                out[i] = h
+                pending[slot] = slot
+                if register is not None:
+                    register[slot] = h
+        except BaseException:
+            for i in range(n):
+                h = out[i]
+                if h is not None:
+                    pending.pop(h.slot, None)
+                    if register is not None:
+                        register.pop(h.slot, None)
+            alloc.c_free_many(cols + 2 * n, n, &failed)
+            raise
+        return out
+    finally:
+        PyMem_Free(cols)
+
+
+def commit_many(list handles not None, Py_ssize_t start, store, dram, dict lru, type entry_type not None,
+                object versions, double now):
+    """Publish ``handles[start:]`` in order, each exactly as ``put_end_nowait`` would, up to
+    the first that this loop leaves to it: one not in flight (reaped: its error is the
+    store's to give), durable (the SSD write first), or whose key has an SSD copy or may
+    have one (the store still holds untouched recovered blocks).  Returns how many it
+    published.
+
+    Per handle: the slot leaves the in-flight maps, becomes its key's published slot (the
+    one it replaces is retired: freed now, or when its last reference goes), the entry is
+    made or updated (version, size, last access), the key goes to the most recent end of
+    ``lru`` (the DRAM eviction order's dict; None: no order kept).  The residency index
+    and the listeners hear of a new key (``store._added(entry)``) or of a changed record
+    (``store._record(entry)``); a DRAM block rewritten at the same size changes no record."""
+    cdef Py_ssize_t i, n = len(handles), done = 0, delta = 0
+    cdef PutHandle h
+    cdef Slot slot, old
+    cdef Entry entry
+    cdef object key, e, o
+    cdef dict inflight = store._handles
+    cdef dict entries = store._entries
+    cdef bint untouched = bool(store._untouched)
+    cdef dict pending = dram._pending
+    cdef dict published = dram._published
+    cdef dict retired = dram._retired
+    cdef OffsetAllocator alloc = dram._alloc
+    cdef object added = store._added
+    cdef object record = store._record
+    cdef bint changed
+    try:
+        for i in range(start, n):
+            h = handles[i]
+            slot = h.slot
+            if h.durable or inflight.get(slot) is not h or slot not in pending:
+                break
+            key = slot.key
+            e = entries.get(key)
+            if e is None:
+                if untouched:
+                    break
+            elif (<Entry>e).ssd_version is not None:
+                break
+            # -- the DRAM tier: publish the slot (dram.put_end)
+            del inflight[slot]
+            del pending[slot]
+            h.close_view()
+            o = published.get(key)
+            slot.state = 1                      # PUBLISHED
+            slot.started = 0.0
+            published[key] = slot
+            delta += slot.size
+            changed = True
+            if o is not None:                   # retired: the key now names the new slot
+                old = <Slot>o
+                delta -= old.size
+                changed = old.size != slot.size
+                if old.refs > 0:
+                    old.state = 2               # RETIRED
+                    retired[old] = old
+                else:
+                    old.state = 3               # FREED
+                    alloc._enter()
+                    alloc.c_free(old.handle)
+            # -- the store: the entry, the eviction order, the records
+            if e is None:
+                entry = entry_type(key, slot.size, next(versions), now, encode_key(key))
+                entries[key] = entry
+            else:
+                entry = <Entry>e
+                entry.size = slot.size
+                entry.version = next(versions)
+                entry.last_access = now
+            if lru is not None:
+                lru.pop(key, None)
+                lru[key] = None
+            done += 1
+            if e is None:
+                added(entry)
+            elif changed:
+                record(entry)
+    finally:
+        dram.published_bytes += delta
+    return done

@@ -203,10 +203,10 @@ class LocatedMixin:
         self._need_mapped()
         durable = bool(frame.flags & FLAG_DURABLE)
         raws, sizes = messages.decode_put_many_columns(frame.header, None, self.limits, "RESERVE")
-        items = list(zip(self._keys_of(raws), sizes))
-        handles = self.store.reserve_nowait(items, durable)        # all or nothing
+        keys = self._keys_of(raws)
+        handles = self.store.reserve_columns_nowait(keys, sizes, durable)     # all or nothing
         if handles is None:              # room needs demotions (SSD writes): wait for them
-            self._spawn(self._reserve_waiting(frame.request_id, items, durable))
+            self._spawn(self._reserve_waiting(frame.request_id, list(zip(keys, sizes)), durable))
         else:
             self._reply_reserved(frame.request_id, handles)
 
@@ -247,10 +247,16 @@ class LocatedMixin:
         """Publish ``handles[start:]`` that need no I/O, in order, up to the first that does;
         returns the statuses so far (one per handle done)."""
         statuses = [] if statuses is None else statuses
-        end_nowait = self.store.put_end_nowait
-        for h in handles[start:]:
-            try:
-                if not end_nowait(h):
+        store = self.store
+        i, n = start, len(handles)
+        while i < n:
+            done = store.put_end_many_nowait(handles, i)     # the common case, in one native pass
+            statuses.extend([0] * done)
+            i += done
+            if i == n:
+                break
+            try:                             # the one it left: its error, or it needs I/O
+                if not store.put_end_nowait(handles[i]):
                     break
                 statuses.append(0)
             except QuillCacheError as exc:
@@ -258,6 +264,7 @@ class LocatedMixin:
             except Exception:
                 log.exception("internal error in COMMIT item from %s", self.peer)
                 statuses.append(1)
+            i += 1
         return statuses
 
     async def _finish_commit(self, rid: int, handles: list, statuses: list) -> None:

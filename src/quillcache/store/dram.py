@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
+from quillcache._native import blocks as _blocks
 from quillcache.errors import InvalidArgument, NotFound
 from quillcache.model import KvBlockKey
 
@@ -42,12 +43,8 @@ HUGETLB_BYTES = 2 << 20              # bytes: the hugetlb page size asked for (t
 ARENA_NAME = "quillcache-arena"      # the memfd's name (shown in /proc/PID/maps)
 _SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
-# Slot states
-PENDING = 0      # reserved by put_start, invisible to readers
-PUBLISHED = 1    # the current version of its key
-RETIRED = 2      # replaced or removed; freed when the last reference goes
-FREED = 3
-
+# Slot states (a Slot's ``state``)
+PENDING, PUBLISHED, RETIRED, FREED = _blocks.PENDING, _blocks.PUBLISHED, _blocks.RETIRED, _blocks.FREED
 
 def _load_allocator():
     # Imported lazily so this module imports (and its docs build) without the native build.
@@ -100,40 +97,10 @@ def _map_memfd(capacity: int, hugepages: bool, prefault: bool) -> tuple[int, mma
     return fd, m, backing
 
 
-class Slot:
-    """One placed block: where it is in the arena and who still holds it."""
-
-    __slots__ = ("key", "offset", "size", "handle", "refs", "state", "started")
-
-    def __init__(self, key: KvBlockKey, offset: int, size: int, handle: int, started: float):
-        self.key = key
-        self.offset = offset
-        self.size = size            # the block's bytes (the allocation is rounded up to the unit)
-        self.handle = handle
-        self.refs = 0               # leases and in-flight copies (demotion) holding the slot
-        self.state = PENDING
-        self.started = started
-
-    def __repr__(self) -> str:
-        return f"Slot({self.key.block_hash!r}, offset={self.offset}, size={self.size}, state={self.state})"
-
-
-class PendingPut:
-    """A reserved, not yet published slot; ``view`` is writable and exactly ``size`` bytes."""
-
-    __slots__ = ("slot", "view")
-
-    def __init__(self, slot: Slot, view: memoryview):
-        self.slot = slot
-        self.view = view
-
-    @property
-    def key(self) -> KvBlockKey:
-        return self.slot.key
-
-    @property
-    def size(self) -> int:
-        return self.slot.size
+# One placed block (key, offset, size, allocator handle, references, state) and a
+# reservation of one (its ``slot`` and a writable ``view``): native records (_native/blocks.pyx).
+Slot = _blocks.Slot
+PendingPut = _blocks.PutHandle
 
 
 class DramTier:
@@ -199,17 +166,24 @@ class DramTier:
         alloc = self._alloc.allocate(size)          # CapacityError when full: nothing reserved
         slot = Slot(key, alloc.offset, size, alloc.handle, self._clock())
         self._pending[slot] = slot
-        return PendingPut(slot, self._buf[slot.offset:slot.offset + size])
+        return PendingPut(slot, self._buf)
+
+    def put_start_many(self, keys: list, sizes: list, durable: bool = False,
+                       register: Optional[dict] = None) -> Optional[list[PendingPut]]:
+        """``put_start`` of each ``(keys[i], sizes[i])`` (sizes already checked), all or
+        nothing, in one native pass; each reservation's ``durable`` set, and entered in
+        ``register`` (slot -> reservation) where given.  None when the arena has no room
+        for all of them: nothing reserved."""
+        self._check_open()
+        from quillcache._native.batch import place_many     # lazily, as the allocator
+        return place_many(self._alloc, keys, sizes, self._clock(), self._pending, self._buf, durable, register)
 
     def put_end(self, pending: PendingPut) -> Optional[Slot]:
         """Publish; returns the replaced slot (already retired or freed) or None."""
         slot = pending.slot
         if self._pending.pop(slot, None) is None:
             raise InvalidArgument("put handle is not in flight (already ended, aborted or reaped)")
-        try:
-            pending.view.release()      # the writer's view stops working: no writes after publish
-        except BufferError:
-            pass                        # the writer kept a derived view; its problem, documented
+        pending.close_view()            # the writer's view stops working: no writes after publish
         old = self._published.get(slot.key)
         slot.state = PUBLISHED
         slot.started = 0.0              # read only while pending (the reaper): no float kept per block
@@ -223,10 +197,7 @@ class DramTier:
         slot = pending.slot
         if self._pending.pop(slot, None) is None:
             return False
-        try:
-            pending.view.release()
-        except BufferError:
-            pass            # the writer kept a derived view: the slot is freed anyway
+        pending.close_view()            # the slot is freed even if the writer kept a derived view
         self._free(slot)
         return True
 

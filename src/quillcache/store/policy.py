@@ -47,6 +47,12 @@ class LruPolicy:
         only as ``touch`` would.  None where reads do not refresh."""
         return self._order
 
+    @property
+    def insert_order(self) -> "dict[Hashable, None]":
+        """The order, for a batch loop that does what ``insert`` does key by key in native
+        code (``_native.batch.commit_many``): delete the key, add it at the most recent end."""
+        return self._order
+
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Optional
 
-from quillcache.model import KvBlockKey, encode_key
+from quillcache._native import blocks as _blocks
+from quillcache.model import KvBlockKey
 from quillcache.store.dram import PendingPut, Slot
 
 if TYPE_CHECKING:
@@ -42,22 +43,11 @@ STORE_COUNTERS = {
 }
 
 
-class Entry:
-    """The hot per-key state of a resident block (the version of its bytes, pins, last
-    access), cached by exact key for GET/PUT.  What is resident where (tier, size,
-    identity) is recorded in the residency index; ``_record`` keeps the two in step."""
-
-    __slots__ = ("key", "ek", "size", "version", "ssd_version", "pin_until", "hard", "last_access")
-
-    def __init__(self, key: KvBlockKey, size: int, version: int, now: float, ek: Optional[bytes] = None):
-        self.key = key
-        self.ek = encode_key(key) if ek is None else ek    # the index key, encoded once
-        self.size = size
-        self.version = version           # bumped by every publish of new bytes for the key
-        self.ssd_version: Optional[int] = None   # the version the SSD copy holds, or None
-        self.pin_until = 0.0             # clock time; 0 = not pinned
-        self.hard = False
-        self.last_access = now
+# The hot per-key state of a resident block (its key, encoded key, size, version of its
+# bytes, SSD version, pins, last access), cached by exact key for GET/PUT: a native record
+# (_native/blocks.pyx).  What is resident where (tier, size, identity) is recorded in the
+# residency index; ``_record`` keeps the two in step.
+Entry = _blocks.Entry
 
 
 class Waiter:
@@ -70,22 +60,9 @@ class Waiter:
         self.fut: Optional[asyncio.Future] = None
 
 
-class PutHandle:
-    """A put between start and end: write exactly ``size`` bytes into ``view``."""
-
-    __slots__ = ("_pending", "key", "size", "durable", "view")
-
-    def __init__(self, pending: PendingPut, durable: bool):
-        self._pending = pending
-        self.key = pending.key
-        self.size = pending.size
-        self.durable = durable
-        self.view = pending.view
-
-    @property
-    def offset(self) -> int:
-        """Where the reserved slot starts in the DRAM arena (for a client that mapped it)."""
-        return self._pending.slot.offset
+# A put between start and end: write exactly ``size`` bytes into ``view``; ``offset`` is
+# where its slot starts in the arena.  The DRAM tier's reservation itself (store/dram.py).
+PutHandle = PendingPut
 
 
 class Lease:

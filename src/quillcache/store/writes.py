@@ -11,6 +11,7 @@ import math
 import time
 from typing import Optional
 
+from quillcache._native.batch import check_columns, commit_many
 from quillcache.errors import Busy, CapacityError, InvalidArgument
 from quillcache.model import KvBlockKey, encode_key
 from quillcache.store.dram import PendingPut
@@ -40,20 +41,38 @@ class Writes:
         SSD tier).  Returns None when only demotions (SSD writes) can make the room, or when
         earlier puts already wait for them: then ``await reserve(...)``.  CapacityError when
         nothing could ever make the room; nothing changes then."""
-        self._check_open()
         items = list(items)
-        if not items:
+        return self.reserve_columns_nowait([k for k, _ in items], [s for _, s in items], durable)
+
+    def reserve_columns_nowait(self, keys: list, sizes: list, durable: bool = False) -> Optional[list[PutHandle]]:
+        """``reserve_nowait`` of ``zip(keys, sizes)``: a batch request's columns as they were decoded."""
+        self._check_open()
+        if not keys:
             return []
-        for key, size in items:
-            self._check_key(key)
-            self._dram.check_size(size)
+        total = self._check_columns(keys, sizes)
         if durable and self._ssd is None:
             raise InvalidArgument("durable put needs an SSD tier (this store is DRAM only)")
-        if len(self._handles) + len(items) > self.max_inflight_puts:
+        if len(self._handles) + len(keys) > self.max_inflight_puts:
             raise Busy(f"{len(self._handles)} puts in flight (max_inflight_puts={self.max_inflight_puts})")
         if self._waiting:
             return None                     # first come, first served: queue behind the waiters
-        return self._reserve_all(items, durable)
+        return self._reserve_all(keys, sizes, total, durable)
+
+    def _check_columns(self, keys: list, sizes: list) -> int:
+        """The batch's total bytes; InvalidArgument naming the first bad key or size."""
+        if type(keys) is not list or type(sizes) is not list:
+            keys, sizes = list(keys), list(sizes)
+        try:
+            return check_columns(keys, sizes, KvBlockKey, self._dram.max_block_bytes)
+        except (TypeError, ValueError) as exc:
+            i = exc.args[0] if exc.args and type(exc.args[0]) is int else None
+            if i is None:
+                raise
+            if i < 0:
+                raise InvalidArgument(f"{len(keys)} keys and {len(sizes)} sizes") from None
+            self._check_key(keys[i])
+            self._dram.check_size(sizes[i])
+            raise                           # not reached: one of the two raised
 
     async def reserve(self, items, durable: bool = False) -> list[PutHandle]:
         """``reserve_nowait``, waiting (up to ``put_timeout_s``) while demotions make room."""
@@ -61,7 +80,8 @@ class Writes:
         if handles is not None:
             return handles
         items = list(items)
-        waiter = Waiter(sum(size for _, size in items))
+        keys, sizes = [k for k, _ in items], [s for _, s in items]
+        waiter = Waiter(self._check_columns(keys, sizes))
         self._waiting.append(waiter)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
@@ -79,7 +99,7 @@ class Writes:
                     raise Busy(f"dram full: waited {self.put_timeout_s:g} s for demotions to the SSD "
                                f"tier to make room for {waiter.size} bytes") from None
                 self._check_open()
-                handles = self._reserve_all(items, durable)
+                handles = self._reserve_all(keys, sizes, waiter.size, durable)
                 if handles is not None:
                     return handles
         finally:
@@ -88,15 +108,19 @@ class Writes:
             if self._waiting:
                 self._wake()                # the room this waiter did not take is for the next
 
-    def _reserve_all(self, items: list, durable: bool) -> Optional[list[PutHandle]]:
-        total = sum(size for _, size in items)
+    def _reserve_all(self, keys: list, sizes: list, total: int, durable: bool) -> Optional[list[PutHandle]]:
         if total > self._dram.capacity:
             raise CapacityError(total, *self._dram.report(),
                                 f"{total} bytes in one request: more than the dram capacity "
                                 f"({self._dram.capacity})")
+        durable = durable or self.policy == "write_through"
+        # the whole batch in one native pass where the arena has room now
+        handles = self._dram.put_start_many(keys, sizes, durable, self._handles)
+        if handles is not None:
+            return handles
         placed: list[PendingPut] = []
         try:
-            for key, size in items:
+            for key, size in zip(keys, sizes):
                 pending = self._place(key, size)
                 if pending is None:
                     for p in placed:
@@ -107,11 +131,10 @@ class Writes:
             for p in placed:
                 self._dram.put_abort(p)
             raise
-        durable = durable or self.policy == "write_through"
-        handles = [PutHandle(p, durable) for p in placed]
-        for h in handles:
-            self._handles[h._pending.slot] = h
-        return handles
+        for h in placed:
+            h.durable = durable
+            self._handles[h.slot] = h
+        return placed
 
     def _place(self, key: KvBlockKey, size: int) -> Optional[PendingPut]:
         """One slot now, evicting what can go without I/O; None when a demotion must come first."""
@@ -177,6 +200,28 @@ class Writes:
         self._record(self._publish(handle, pending, False)[0])
         return True
 
+    def put_end_many_nowait(self, handles: list, start: int = 0) -> int:
+        """``put_end_nowait`` of ``handles[start:]`` in order, in one native pass, up to the
+        first that needs I/O or is not in flight; returns how many were published (the
+        caller finishes the one it stopped at with ``put_end_nowait`` or ``await put_end``,
+        which give that handle's error, and goes on from the next)."""
+        if self.closed or start >= len(handles):
+            return 0
+        done = commit_many(handles, start, self, self._dram, self._dram_lru.insert_order, Entry,
+                           self._versions, self._clock())
+        if done:
+            self._counters["puts"] += done
+            if self._waiting:
+                self._wake()                        # a replaced slot was freed
+            if self._ssd is not None and self._dram.used > self.high_watermark * self._dram.capacity:
+                self._pressure()                    # demote ahead of the next puts
+        return done
+
+    def _added(self, entry: Entry) -> None:
+        """A published put made a new entry (commit_many): the index and the listeners hear of it."""
+        self._tell_added(entry)
+        self._record(entry)
+
     def _in_flight(self, handle: PutHandle) -> PendingPut:
         pending = handle._pending
         if self._handles.get(pending.slot) is not handle or not self._dram.is_pending(pending):
@@ -197,7 +242,7 @@ class Writes:
         version = next(self._versions)
         stale_ssd = False
         if entry is None:
-            entry = Entry(key, handle.size, version, now, ek)
+            entry = Entry(key, handle.size, version, now, encode_key(key) if ek is None else ek)
             self._entries[key] = entry                 # recorded in the index by the caller
             self._tell_added(entry)
         else:

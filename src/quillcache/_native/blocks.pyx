@@ -1,0 +1,118 @@
+# cython: language_level=3
+"""The store's per-block records as native objects: a DRAM slot (``Slot``), a put between
+reserve and publish (``PutHandle``), a resident block's hot state (``Entry``).
+
+Python code reads and writes their attributes as it did when they were classes with
+``__slots__``; what changes is their cost.  Numbers are C fields (no int or float object
+per block), and none of them takes part in the cyclic garbage collector (``no_gc``: each
+refers only to keys, bytes and views, none of which can refer back), so a node holding
+millions of blocks neither pays for them on every collection nor keeps a GC header each.
+The batch loops of batch.pyx read and write the fields directly.
+
+``PutHandle`` is the one object of a reserved block, for the DRAM tier and the store alike:
+its writable ``view`` of the slot is made when first asked for (a client writing through
+the mapped arena never asks) and stops working when the put is published or aborted.
+"""
+cimport cython
+
+__all__ = ["Slot", "PutHandle", "Entry", "PENDING", "PUBLISHED", "RETIRED", "FREED"]
+
+# Slot states
+PENDING = 0      # reserved by a put, invisible to readers
+PUBLISHED = 1    # the current version of its key
+RETIRED = 2      # replaced or removed; freed when the last reference goes
+FREED = 3
+
+cdef object _RELEASED = memoryview(b"")
+_RELEASED.release()                    # what a closed handle's view is: any use raises ValueError
+
+
+@cython.no_gc
+cdef class Slot:
+    """One placed block: where it is in the arena and who still holds it."""
+
+    def __init__(self, object key, Py_ssize_t offset, Py_ssize_t size, unsigned long long handle,
+                 double started):
+        self.key = key
+        self.offset = offset
+        self.size = size            # the block's bytes (the allocation is rounded up to the unit)
+        self.handle = handle
+        self.refs = 0               # leases and in-flight copies (demotion) holding the slot
+        self.state = PENDING
+        self.started = started
+
+    def __repr__(self):
+        return f"Slot({self.key.block_hash!r}, offset={self.offset}, size={self.size}, state={self.state})"
+
+
+@cython.no_gc
+@cython.freelist(256)
+cdef class PutHandle:
+    """A reserved, not yet published slot: write exactly ``size`` bytes into ``view``."""
+
+    def __init__(self, Slot slot not None, object buf, bint durable=False):
+        self.slot = slot
+        self._buf = buf
+        self.durable = durable
+
+    @property
+    def key(self):
+        return self.slot.key
+
+    @property
+    def size(self):
+        return self.slot.size
+
+    @property
+    def offset(self):
+        """Where the reserved slot starts in the DRAM arena (for a client that mapped it)."""
+        return self.slot.offset
+
+    @property
+    def _pending(self):
+        return self                 # the DRAM tier's reservation and the store's put are one object
+
+    @property
+    def view(self):
+        """Writable, exactly ``size`` bytes; released once the put is published or aborted."""
+        if self._view is None:
+            if self._closed:
+                return _RELEASED
+            self._view = self._buf[self.slot.offset:self.slot.offset + self.slot.size]
+        return self._view
+
+    def close_view(self):
+        """The writer's view stops working (publish, abort): no writes after it."""
+        self._closed = True
+        view, self._view = self._view, None
+        if view is not None:
+            try:
+                view.release()
+            except BufferError:
+                pass                # the writer kept a derived view; its problem, documented
+            self._view = _RELEASED
+
+
+cdef PutHandle new_handle(Slot slot, object buf, bint durable):
+    cdef PutHandle h = PutHandle.__new__(PutHandle)
+    h.slot = slot
+    h._buf = buf
+    h.durable = durable
+    return h
+
+
+@cython.no_gc
+cdef class Entry:
+    """The hot per-key state of a resident block (the version of its bytes, pins, last
+    access), cached by exact key for GET/PUT.  What is resident where (tier, size,
+    identity) is recorded in the residency index; the store keeps the two in step."""
+
+    def __init__(self, object key, Py_ssize_t size, long long version, double now, object ek):
+        self.key = key
+        self.ek = ek                # the index key, encoded once
+        self.size = size
+        self.version = version      # bumped by every publish of new bytes for the key
+        self.ssd_version = None     # the version the SSD copy holds, or None
+        self.pin_until = 0.0        # clock time; 0 = not pinned
+        self.hard = False
+        self.last_access = now
