@@ -78,6 +78,9 @@ class KvBlockKey:
     # the hash, computed once: a key is looked up in several dicts per request on the node
     # (key cache, entries, slots, eviction order, index) and the client (encoded keys)
     _hash: int = field(init=False, repr=False, compare=False, hash=False, default=0)
+    # the encoding (``encode_key``), kept once made or decoded from: the node's entry, its
+    # key cache and the index share this one bytes object
+    _ek: Optional[bytes] = field(init=False, repr=False, compare=False, hash=False, default=None)
 
     def __hash__(self) -> int:
         return self._hash
@@ -104,6 +107,15 @@ class KvBlockKey:
     @property
     def scope(self) -> IdentityScope:
         return IdentityScope(self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id)
+
+    def encoded(self) -> bytes:
+        """``encode_key(self)``: made at the first call (or kept from the bytes the key was
+        decoded from) and kept."""
+        ek = self._ek
+        if ek is None:
+            ek = _encode(self)
+            object.__setattr__(self, "_ek", ek)
+        return ek
 
 
 def _check_id(name: str, value: object) -> None:
@@ -160,8 +172,16 @@ _SCOPE_CACHE_MAX = 4096         # scopes remembered (a node serves few; cleared 
 
 
 def encode_key(key: KvBlockKey) -> bytes:
-    """The index key of ``key`` (layout above).  Its fields were checked when the key was
-    made, and the scope's bytes are remembered: this runs once per put of a new key."""
+    """The index key of ``key`` (layout above), made once per key and kept on it."""
+    try:
+        return key.encoded()
+    except AttributeError:
+        raise KeyError_(f"{key!r} is not a KvBlockKey") from None
+
+
+def _encode(key: KvBlockKey) -> bytes:
+    """The encoding itself.  The key's fields were checked when it was made, and the
+    scope's bytes are remembered: this runs once per key."""
     ident = (key.tenant_id, key.model_id, key.tokenizer_id, key.adapter_id)
     scope = _SCOPE_CACHE.get(ident)
     if scope is None:
@@ -220,7 +240,9 @@ def decode_key(data: bytes | bytearray | memoryview) -> KvBlockKey:
     (tokens,) = _U32.unpack(take(4, "token_count"))
     if pos != n:
         raise KeyError_(f"encoded key has {n - pos} trailing bytes")
-    return KvBlockKey(model, tokenizer, adapter, tenant, prefix, block, index, tokens)
+    key = KvBlockKey(model, tokenizer, adapter, tenant, prefix, block, index, tokens)
+    object.__setattr__(key, "_ek", buf)      # the layout is canonical: buf is its encoding
+    return key
 
 
 # --------------------------------------------------------------------------- tiers

@@ -5,6 +5,7 @@ from collections import OrderedDict
 from typing import Optional
 
 from quillcache._native.batch import cached_values
+from quillcache._native.keys import decode_key_fast
 from quillcache.errors import InvalidArgument
 from quillcache.model import KEY_FORMAT_VERSION, IdentityScope, KeyError_, KvBlockKey, decode_key
 from quillcache.node.limits import KEY_CACHE_ENTRIES
@@ -77,10 +78,12 @@ class KeyCache:
             self.hits += 1
             return key
         self.misses += 1
-        try:
-            key = decode_key(raw)
-        except KeyError_ as exc:
-            raise InvalidArgument(f"bad key: {exc}") from None
+        key = decode_key_fast(raw, KvBlockKey)     # None: malformed, decode_key names why
+        if key is None:
+            try:
+                key = decode_key(raw)
+            except KeyError_ as exc:
+                raise InvalidArgument(f"bad key: {exc}") from None
         if self.capacity:
             m[raw] = key
             if len(m) > self.capacity:

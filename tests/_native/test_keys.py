@@ -1,0 +1,64 @@
+"""_native/keys.pyx: ``decode_key_fast`` decodes exactly what ``model.decode_key`` decodes
+(equal key, equal hash, the bytes kept as its encoding) and declines, with None, every byte
+string that ``decode_key`` refuses, so the caller's error is always decode_key's."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from quillcache._native.keys import decode_key_fast
+from quillcache.model import KeyError_, KvBlockKey, decode_key, encode_key
+
+ids = st.text(min_size=0, max_size=12)
+ints = st.integers(0, (1 << 32) - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids, ids, st.none() | ids, ids, ids, ids, ints, ints)
+def test_it_decodes_what_decode_key_decodes(model, tok, adapter, tenant, prefix, block, index, tokens):
+    raw = encode_key(KvBlockKey(model, tok, adapter, tenant, prefix, block, index, tokens))
+    fast = decode_key_fast(raw, KvBlockKey)
+    slow = decode_key(raw)
+    assert fast == slow and hash(fast) == hash(slow)
+    assert fast.encoded() is raw and slow.encoded() == raw
+    assert repr(fast) == repr(slow)
+    assert {fast: 1}[slow] == 1
+
+
+def _refused(raw) -> bool:
+    try:
+        decode_key(raw)
+    except KeyError_:
+        return True
+    return False
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=40))
+def test_random_bytes_decode_the_same_or_are_declined(raw):
+    fast = decode_key_fast(raw, KvBlockKey)
+    if _refused(raw):
+        assert fast is None
+    else:
+        assert fast == decode_key(raw)
+
+
+def test_every_malformed_form_is_declined():
+    raw = encode_key(KvBlockKey("model", "tok", "lora", "tenant", "p", "b", 7, 16))
+    for cut in range(len(raw)):
+        assert decode_key_fast(raw[:cut], KvBlockKey) is None          # truncated anywhere
+    assert decode_key_fast(raw + b"\x00", KvBlockKey) is None          # trailing bytes
+    assert decode_key_fast(b"\x02" + raw[1:], KvBlockKey) is None      # another version
+    flag = 1 + 1 + 6 + 1 + 5 + 1 + 3                                   # the adapter flag's offset
+    assert raw[flag] == 1
+    assert decode_key_fast(raw[:flag] + b"\x02" + raw[flag + 1:], KvBlockKey) is None
+    bad_utf8 = raw[:2] + b"\xff" + raw[3:]                             # in the tenant
+    assert decode_key_fast(bad_utf8, KvBlockKey) is None
+    assert decode_key_fast(bytearray(raw), KvBlockKey) is None         # bytes only
+    for bad in (raw[:5], raw + b"\x00", bad_utf8):
+        with pytest.raises(KeyError_):
+            decode_key(bad)
+
+
+def test_the_scope_strings_are_shared_between_keys():
+    a = decode_key_fast(encode_key(KvBlockKey("model-x", "tok-x", None, "ten-x", "p", "b1")), KvBlockKey)
+    b = decode_key_fast(encode_key(KvBlockKey("model-x", "tok-x", None, "ten-x", "p", "b2")), KvBlockKey)
+    assert a.model_id is b.model_id and a.tenant_id is b.tenant_id and a.tokenizer_id is b.tokenizer_id
