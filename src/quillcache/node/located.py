@@ -20,10 +20,9 @@ import math
 import os
 import socket
 import time
-from typing import Optional
 
 from quillcache._native.codec import encode_frame_header
-from quillcache.errors import Busy, InvalidArgument, NotFound, PermissionDenied, QuillCacheError, UnsafeReuse
+from quillcache.errors import Busy, InvalidArgument, NotFound, PermissionDenied, UnsafeReuse
 from quillcache.protocol import located, messages
 from quillcache.protocol.opcodes import FLAG_DURABLE, FLAG_REPLY, Opcode
 from quillcache.store.batchlease import BatchLease
@@ -237,48 +236,14 @@ class LocatedMixin:
                                   "(committed, aborted, or never made)")
         # Published in order; a put that needs I/O first (durable: fsync before visible) and
         # every one after it are finished off the event loop, still in order.
-        statuses = self._commit_items(handles, 0, None)
+        statuses = self._publish_nowait(handles, 0, None, "COMMIT")
         if len(statuses) < len(handles):
             self._spawn(self._finish_commit(frame.request_id, handles, statuses))
         else:
             self._ok(frame.request_id, Opcode.COMMIT, messages.encode_status_list(statuses, self.limits))
 
-    def _commit_items(self, handles: list, start: int, statuses: Optional[list]) -> list:
-        """Publish ``handles[start:]`` that need no I/O, in order, up to the first that does;
-        returns the statuses so far (one per handle done)."""
-        statuses = [] if statuses is None else statuses
-        store = self.store
-        i, n = start, len(handles)
-        while i < n:
-            done = store.put_end_many_nowait(handles, i)     # the common case, in one native pass
-            statuses.extend([0] * done)
-            i += done
-            if i == n:
-                break
-            try:                             # the one it left: its error, or it needs I/O
-                if not store.put_end_nowait(handles[i]):
-                    break
-                statuses.append(0)
-            except QuillCacheError as exc:
-                statuses.append(exc.status)         # e.g. reaped after put_timeout
-            except Exception:
-                log.exception("internal error in COMMIT item from %s", self.peer)
-                statuses.append(1)
-            i += 1
-        return statuses
-
     async def _finish_commit(self, rid: int, handles: list, statuses: list) -> None:
-        while len(statuses) < len(handles):
-            h = handles[len(statuses)]
-            try:
-                await self.store.put_end(h)          # a durable reserve: fsync before visible
-                statuses.append(0)
-            except QuillCacheError as exc:
-                statuses.append(exc.status)
-            except Exception:
-                log.exception("internal error in COMMIT item from %s", self.peer)
-                statuses.append(1)
-            self._commit_items(handles, len(statuses), statuses)
+        await self._publish_rest(handles, statuses, "COMMIT")
         self._ok(rid, Opcode.COMMIT, messages.encode_status_list(statuses, self.limits))
 
     def _abort(self, frame) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Optional
 
 from quillcache._native.codec import decode_put_body
 from quillcache.errors import InvalidArgument, QuillCacheError
@@ -37,16 +38,16 @@ class WritesMixin:
             durable = bool(frame.flags & FLAG_DURABLE)
             if frame.opcode == Opcode.PUT:
                 raw, nbytes = decode_put_body(frame.header, frame.payload_length, self.limits.max_key_bytes)
-                items = [(self._key(raw), nbytes)]
+                keys, sizes = [self._key(raw)], [nbytes]
             else:
                 raws, sizes = messages.decode_put_many_columns(frame.header, frame.payload_length, self.limits)
-                items = list(zip(self._keys_of(raws), sizes))
-            handles = self.store.reserve_nowait(items, durable)     # all or nothing
+                keys = self._keys_of(raws)
+            handles = self.store.reserve_columns_nowait(keys, sizes, durable)     # all or nothing
         except QuillCacheError as exc:
             self._done(rid, frame.opcode, exc.status)
             raise                           # the connection replies it and skips the payload
         if handles is None:                 # DRAM is full of blocks that must be demoted first
-            self._defer_put(frame, items, durable)
+            self._defer_put(frame, list(zip(keys, sizes)), durable)
             return DEFER
         return self._put_destination(frame, handles)
 
@@ -112,19 +113,52 @@ class WritesMixin:
                 if self.node.cluster is not None and not self.peer_node:
                     self.node.cluster.after_put([handles[0].key])
             return
-        statuses = []
-        for h in handles:
+        statuses = self._publish_nowait(handles, 0, None, "PUT_MANY")
+        await self._publish_rest(handles, statuses, "PUT_MANY")
+        self._ok(rid, opcode, messages.encode_status_list(statuses, self.limits))
+        if self.node.cluster is not None and not self.peer_node:
+            self.node.cluster.after_put([h.key for h, st in zip(handles, statuses) if st == 0])
+
+    # ---- publishing a batch (PUT_MANY here, COMMIT in located.py), in order
+
+    def _publish_nowait(self, handles: list, start: int, statuses: Optional[list], what: str) -> list:
+        """Publish ``handles[start:]`` that need no I/O, in order, up to the first that does;
+        returns the statuses so far (one per handle done)."""
+        statuses = [] if statuses is None else statuses
+        store = self.store
+        i, n = start, len(handles)
+        while i < n:
+            done = store.put_end_many_nowait(handles, i)     # the common case, in one native pass
+            statuses.extend([0] * done)
+            i += done
+            if i == n:
+                break
+            try:                             # the one it left: its error, or it needs I/O
+                if not store.put_end_nowait(handles[i]):
+                    break
+                statuses.append(0)
+            except QuillCacheError as exc:
+                statuses.append(exc.status)         # e.g. reaped after put_timeout
+            except Exception:
+                log.exception("internal error in %s item from %s", what, self.peer)
+                statuses.append(1)
+            i += 1
+        return statuses
+
+    async def _publish_rest(self, handles: list, statuses: list, what: str) -> None:
+        """Publish the rest of ``handles`` after ``statuses``: each that needs I/O (durable:
+        fsync before visible) awaited, those after it published at once, in order."""
+        while len(statuses) < len(handles):
+            h = handles[len(statuses)]
             try:
                 await self.store.put_end(h)
                 statuses.append(0)
             except QuillCacheError as exc:
                 statuses.append(exc.status)
             except Exception:
-                log.exception("internal error in PUT_MANY item from %s", self.peer)
+                log.exception("internal error in %s item from %s", what, self.peer)
                 statuses.append(1)
-        self._ok(rid, opcode, messages.encode_status_list(statuses, self.limits))
-        if self.node.cluster is not None and not self.peer_node:
-            self.node.cluster.after_put([h.key for h, st in zip(handles, statuses) if st == 0])
+            self._publish_nowait(handles, len(statuses), statuses, what)
 
     def _put_empty(self, frame) -> None:
         """A PUT/PUT_MANY whose payload is empty arrives as a complete frame."""
