@@ -63,7 +63,7 @@ class IdentityScope:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class KvBlockKey:
     """One KV block: its identity scope, its place in a prefix chain and its size in tokens."""
 
@@ -84,6 +84,16 @@ class KvBlockKey:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        # The encoding is canonical (one key, one byte string), so equal encodings are
+        # equal keys: one bytes comparison instead of eight fields (a dict lookup of a
+        # decoded key runs this against the stored one).
+        if self is other:
+            return True
+        if type(other) is not KvBlockKey:
+            return NotImplemented
+        return self.encoded() == other.encoded()
 
     def __reduce__(self):
         # rebuilt through __init__: a str's hash differs between processes, so a pickled

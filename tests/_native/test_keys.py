@@ -62,3 +62,15 @@ def test_the_scope_strings_are_shared_between_keys():
     a = decode_key_fast(encode_key(KvBlockKey("model-x", "tok-x", None, "ten-x", "p", "b1")), KvBlockKey)
     b = decode_key_fast(encode_key(KvBlockKey("model-x", "tok-x", None, "ten-x", "p", "b2")), KvBlockKey)
     assert a.model_id is b.model_id and a.tenant_id is b.tenant_id and a.tokenizer_id is b.tokenizer_id
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.tuples(ids, ids, st.none() | ids, ids, ids, ids, ints, ints),
+       st.tuples(ids, ids, st.none() | ids, ids, ids, ids, ints, ints))
+def test_keys_are_equal_exactly_when_their_fields_are(a, b):
+    """``__eq__`` compares the (canonical) encodings: the same verdict as the fields."""
+    ka, kb = KvBlockKey(*a), KvBlockKey(*b)
+    assert (ka == kb) == (a == b)
+    assert (ka == KvBlockKey(*a)) and (decode_key_fast(encode_key(ka), KvBlockKey) == ka)
+    assert (ka != kb) == (a != b)
+    assert ka != a                                      # another type is never equal

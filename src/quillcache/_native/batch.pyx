@@ -1,7 +1,8 @@
 # cython: language_level=3
 """The per-key loops of a batch request, one call each: the key caches' lookups (the
 node's decoded keys, node/keys.py; the client's encoded keys, client/ops.py), the store's
-hold of a located batch and its release (store/batchlease.py, store/dram.py).
+hold of a located batch and its release (store/batchlease.py, store/dram.py), and the
+put path of a batch: its reserve (``place_many``) and its publish (``commit_many``).
 
 ``hold_published`` does for each key what ``BatchLeases.located_batch`` does for a key
 whose exact entry has a published DRAM slot: take a reference on the slot, stamp the
@@ -9,9 +10,9 @@ entry's last access, refresh the key in the DRAM eviction order.  Every other ke
 entry of that exact key: the identity guard decides; an entry with no DRAM copy: the SSD
 tier) is left to the store's per-key path, which is the same code it always ran.
 
-Nothing here knows the store's types beyond the attributes it reads and writes (``key``,
-``last_access`` of an entry; ``refs`` of a slot), so the store stays the one owner of its
-state: it passes its own maps in and gets back which keys it must still resolve.
+The store's per-block records are the native ones of blocks.pyx, read and written here
+field by field; the maps they live in stay the store's (it passes them in, and gets back
+which keys, or which puts, it must still handle itself).
 """
 from cpython.dict cimport PyDict_GetItem
 from cpython.exc cimport PyErr_Occurred
@@ -62,10 +63,12 @@ def drop_refs(list slots not None, object retired):
     """``refs -= 1`` on each of ``slots``; returns those no reference holds any more whose
     ``state`` is ``retired`` (replaced or removed while held: the caller frees them)."""
     cdef list free = []
-    cdef object slot
-    for slot in slots:
+    cdef Slot slot
+    cdef int state = retired
+    for s in slots:
+        slot = <Slot?>s
         slot.refs -= 1
-        if slot.refs <= 0 and slot.state == retired:
+        if slot.refs <= 0 and slot.state == state:
             PyList_Append(free, slot)
     return free
 
@@ -92,7 +95,9 @@ def hold_published(list keys not None, type key_type not None, dict entries not 
     cdef Py_hash_t h
     cdef list held = []
     cdef list got = [None] * n
-    cdef object key, entry, served, slot
+    cdef object key, served
+    cdef Entry entry
+    cdef Slot slot
     try:
         for i in range(n):
             key = keys[i]
@@ -104,7 +109,7 @@ def hold_published(list keys not None, type key_type not None, dict entries not 
                 if PyErr_Occurred():
                     _raise_set()
                 continue
-            entry = <object>e
+            entry = <Entry?><object>e
             served = entry.key
             if served is not key:       # another identity's block (guard modes tenant/off)
                 h = PyObject_Hash(served)
@@ -113,7 +118,7 @@ def hold_published(list keys not None, type key_type not None, dict entries not 
                 if PyErr_Occurred():
                     _raise_set()
                 continue
-            slot = <object>s
+            slot = <Slot?><object>s
             slot.refs += 1              # dram.hold: the slot stays in place while held
             PyList_Append(held, slot)
             got[i] = slot
@@ -125,8 +130,8 @@ def hold_published(list keys not None, type key_type not None, dict entries not 
                 elif PyErr_Occurred():
                     _raise_set()
     except BaseException:
-        for slot in held:
-            slot.refs -= 1
+        for s2 in held:
+            (<Slot>s2).refs -= 1
         raise
     return held, got
 
