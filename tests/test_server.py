@@ -512,3 +512,34 @@ def test_put_with_a_size_field_that_disagrees_with_the_payload_is_refused(daemon
     with Client(daemon.addr) as c:
         with pytest.raises(NotFound):
             c.get(key(1, prefix="bad-put"))
+
+
+def test_a_get_many_reply_keeps_its_bytes_while_the_reader_is_slow(daemon):
+    """GET_MANY holds its DRAM hits under one lease until the transport has handed every
+    byte to the kernel: a reader that reads its reply late still gets exactly the bytes
+    that were current when it asked, though they were rewritten and removed meanwhile; a
+    miss and another tenant's block in the same batch are both exactly a miss."""
+    n, size = 24, 256 << 10                      # 6 MiB of reply: more than the socket buffers
+    keys = [key(i, prefix="slow-many") for i in range(n)]
+    with Client(daemon.addr) as c:
+        c.put_many([(k, content(i, size)) for i, k in enumerate(keys)])
+        c.put(key(0, tenant="alice", prefix="slow-many-other"), b"alice's")
+    asked = keys + [key(99, prefix="slow-many"), key(0, tenant="t0", prefix="slow-many-other")]
+    s = raw_connect(daemon.port)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    s.sendall(encode_frame_header(Opcode.GET_MANY, 5, header=messages.encode_keys_request(
+        [encode_key(k) for k in asked])))
+    time.sleep(0.3)                             # the reply is queued on the node, unread
+    with Client(daemon.addr) as c:
+        c.put_many([(k, content(1000 + i, size)) for i, k in enumerate(keys[:n // 2])])
+        c.remove_many(keys[n // 2:])
+    (r,) = read_frames(s, 1, timeout=30)
+    s.close()
+    items = messages.decode_get_many_reply(r.header, r.payload_length)
+    assert [st for st, _ in items[:n]] == [0] * n
+    assert items[n][0] == NotFound.status and items[n + 1][0] == NotFound.status
+    assert bytes(r.payload) == b"".join(content(i, size) for i in range(n))
+    with Client(daemon.addr) as c:
+        assert c.get(keys[0]) == content(1000, size)         # the rewrite is what is current now
+        with pytest.raises(NotFound):
+            c.get(keys[-1])

@@ -156,6 +156,20 @@ class ReadsMixin:
 
     def _get_many(self, frame) -> None:
         keys = self._keys_of(messages.decode_keys_request(frame.header, self.limits, "GET_MANY"))
+        # The DRAM hits under one lease for the batch (the located path's), each miss as its
+        # status; only where a key must be read from the SSD tier (None), or fetched from
+        # another node, does the per-key path below run.
+        try:
+            batch, located = self.store.located_batch(keys)
+        except Busy:
+            batch, located = None, None             # the per-key path reports Busy per key
+        if located is not None:
+            if None not in located and (NotFound.status not in located or self.peer_node
+                                        or self.node.cluster is None):
+                self._reply_get_many_batch(frame.request_id, batch, located, frame.flags)
+                return
+            if batch is not None:
+                batch.release()
         got = []
         try:
             for key in keys:
@@ -189,6 +203,20 @@ class ReadsMixin:
                 self._err(rid, Opcode.GET_MANY, exc)
             return
         self._reply_get_many(rid, got, flags, keys)
+
+    def _reply_get_many_batch(self, rid: int, batch, located: list, flags: int) -> None:
+        """The reply of a GET_MANY whose every key is a DRAM hit held by ``batch`` or a miss
+        status in ``located``."""
+        held = [] if batch is None else [batch]
+        try:
+            if not self.is_in_flight(rid):
+                return
+            items = [(0, g.size) if type(g) is not int else (g, 0) for g in located]
+            body = messages.encode_get_many_reply(items, self.limits)
+            views = self.store.held_views(batch) if batch is not None else []
+            self._ok(rid, Opcode.GET_MANY, body, views, crc=bool(flags & FLAG_PAYLOAD_CRC))
+        finally:
+            self._hold(held)
 
     def _reply_get_many(self, rid: int, got: list, flags: int, keys: list) -> None:
         """``got``: per key, its lease or the miss (NotFound, UnsafeReuse, Busy) to report."""

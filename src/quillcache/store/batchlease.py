@@ -115,6 +115,10 @@ class BatchLeases:
                 self._dram.release(slot)
             raise
 
+    def held_views(self, lease: BatchLease) -> list:
+        """A read-only view of each slot ``lease`` holds, in order (valid while it is held)."""
+        return self._dram.views(lease.slots)
+
     def release_batch(self, lease: BatchLease) -> None:
         """End ``lease`` (what ``BatchLease.release`` calls): its slots are let go, once."""
         if self._leases.pop(lease._id, None) is not lease:

@@ -127,6 +127,7 @@ class DramTier:
         self.fd, self._map, self.backing = _map_memfd(capacity, hugepages, prefault)
         self.hugepages = self.backing != "memfd"
         self._buf = memoryview(self._map)
+        self._ro = self._buf.toreadonly()         # what read-only views are sliced from
         self.array = np.frombuffer(self._map, dtype=np.uint8)   # numpy view of the whole arena
         if prefault and not hasattr(mmap, "MAP_POPULATE"):
             self.array[::PAGE_BYTES] = 0                          # touch every page once
@@ -238,6 +239,11 @@ class DramTier:
         slot.refs += 1
         return self._buf[slot.offset:slot.offset + slot.size].toreadonly()
 
+    def views(self, slots: list) -> list:
+        """A read-only view of each of ``slots`` (held by the caller), in order."""
+        ro = self._ro
+        return [ro[s.offset:s.offset + s.size] for s in slots]
+
     def hold(self, slot: Slot) -> None:
         """Take a reference without a view (an in-flight copy, e.g. a demotion)."""
         slot.refs += 1
@@ -303,6 +309,7 @@ class DramTier:
         self._retired.clear()
         self.array = None
         try:
+            self._ro.release()
             self._buf.release()
             self._map.close()
         except BufferError:
