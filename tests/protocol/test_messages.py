@@ -211,3 +211,20 @@ def test_random_bodies_only_ever_raise_invalid_argument(body):
         except InvalidArgument:
             pass
     assert isinstance(m.decode_error(2, body), QuillCacheError)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just(0), st.integers(0, (1 << 64) - 1)),
+                          st.tuples(st.integers(1, 0xFFFF), st.just(0))), max_size=40))
+def test_the_get_many_reply_is_the_same_bytes_as_its_layout_packed_by_hand(items):
+    """The native encoder and decoder (``encode_status_sizes``/``decode_status_sizes``)
+    write and read exactly ``u32 count, count * (u16 status, u64 nbytes)``."""
+    import struct
+    body = m.encode_get_many_reply(items)
+    assert body == struct.pack("<I", len(items)) + b"".join(struct.pack("<HQ", s, n) for s, n in items)
+    assert m.decode_get_many_reply(body, payload_length=sum(n for _, n in items)) == items
+    for cut in range(len(body)):                   # truncated anywhere: a named error, no crash
+        with pytest.raises(InvalidArgument):
+            m.decode_get_many_reply(body[:cut])
+    with pytest.raises(InvalidArgument):
+        m.decode_get_many_reply(body + b"\x00")

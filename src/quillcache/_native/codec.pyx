@@ -43,7 +43,7 @@ __all__ = [
     "encode_key_body", "decode_key_body", "decode_key_field", "decode_key_list", "encode_put_body",
     "decode_put_body", "uninitialised_bytearray", "encode_key_list", "encode_sized_key_list",
     "decode_sized_key_list", "encode_located_items", "first_bad_located_item", "located_views",
-    "release_views", "first_slot_outside", "slot_views",
+    "release_views", "first_slot_outside", "slot_views", "encode_status_sizes", "decode_status_sizes",
 ]
 
 # ----------------------------------------------------------------------------- constants

@@ -258,3 +258,71 @@ def slot_views(arena, offsets, sizes):
         Py_INCREF(view)
         PyList_SET_ITEM(out, i, view)
     return out
+
+
+cdef enum:
+    STATUS_SIZE_BYTES = 10      # GET_MANY reply item: u16 status + u64 nbytes
+
+
+def encode_status_sizes(items, Py_ssize_t max_batch):
+    """The GET_MANY reply body ``u32 count, count * (u16 status, u64 nbytes)`` of a list of
+    ``(status, nbytes)`` tuples, in one pass; None when an item is not that (or a miss
+    carries bytes, or the batch is over ``max_batch``): the caller's checks name it."""
+    cdef list seq = items if type(items) is list else list(items)
+    cdef Py_ssize_t n = len(seq), i
+    cdef object item, status, nbytes
+    cdef bytes out
+    cdef unsigned char* p
+    if n > max_batch:
+        return None
+    out = PyBytes_FromStringAndSize(NULL, 4 + n * STATUS_SIZE_BYTES)
+    p = <unsigned char*>PyBytes_AS_STRING(out)
+    _put32(p, <uint32_t>n)
+    p += 4
+    for i in range(n):
+        item = seq[i]
+        if type(item) is not tuple or len(<tuple>item) != 2:
+            return None
+        status, nbytes = <tuple>item
+        if type(status) is not int or type(nbytes) is not int or not 0 <= status <= 0xFFFF \
+                or not 0 <= nbytes <= _U64_MAX or (status and nbytes):
+            return None
+        _put16(p, <uint16_t>status)
+        _put64(p + 2, <uint64_t>nbytes)
+        p += STATUS_SIZE_BYTES
+    return out
+
+
+def decode_status_sizes(body, Py_ssize_t max_batch):
+    """``(items, total bytes)`` of a GET_MANY reply body, in one pass: ``items`` a list of
+    ``(status, nbytes)``; None when the body is anything but well formed (the caller's
+    reader names what is wrong)."""
+    cdef Py_buffer v
+    cdef const unsigned char* p
+    cdef Py_ssize_t n, i
+    cdef uint16_t status
+    cdef uint64_t nbytes, total = 0
+    cdef list out
+    PyObject_GetBuffer(body, &v, PyBUF_SIMPLE)
+    try:
+        if v.len < 4:
+            return None
+        p = <const unsigned char*>v.buf
+        n = _get32(p)
+        if n > max_batch or v.len != 4 + n * STATUS_SIZE_BYTES:
+            return None
+        p += 4
+        out = PyList_New(n)
+        for i in range(n):
+            status = _get16(p)
+            nbytes = _get64(p + 2)
+            if status and nbytes:
+                return None
+            total += nbytes
+            item = (status, nbytes)
+            Py_INCREF(item)
+            PyList_SET_ITEM(out, i, item)
+            p += STATUS_SIZE_BYTES
+        return out, total
+    finally:
+        PyBuffer_Release(&v)

@@ -18,8 +18,8 @@ import struct
 from typing import NamedTuple, Sequence
 
 from quillcache._native.codec import (
-    decode_key_body, decode_key_list, decode_put_body, decode_sized_key_list, encode_key_body,
-    encode_key_list, encode_put_body, encode_sized_key_list,
+    decode_key_body, decode_key_list, decode_put_body, decode_sized_key_list, decode_status_sizes, encode_key_body,
+    encode_key_list, encode_put_body, encode_sized_key_list, encode_status_sizes,
 )
 from quillcache.protocol.body import DEFAULT_LIMITS, U16, U32, BodyReader, BytesLike, write_text16
 # ROUTE's bodies live in protocol.route; they are named here too, beside every other body.
@@ -276,6 +276,9 @@ def encode_get_many_reply(items: Sequence[tuple[int, int]], limits: ProtocolLimi
     """``u32 count, count * (u16 status, u64 nbytes)``; the payload is the blocks with
     status 0 concatenated in request order (nbytes is 0 for the others)."""
     items = list(items)
+    body = encode_status_sizes(items, limits.max_batch)     # one native pass; None: named below
+    if body is not None:
+        return body
     out = bytearray()
     _count(out, len(items), limits, "GET_MANY reply")
     for status, nbytes in items:
@@ -289,6 +292,11 @@ def encode_get_many_reply(items: Sequence[tuple[int, int]], limits: ProtocolLimi
 
 def decode_get_many_reply(body: BytesLike, payload_length: int | None = None,
                           limits: ProtocolLimits = DEFAULT_LIMITS) -> list[tuple[int, int]]:
+    fast = decode_status_sizes(body, limits.max_batch)      # one native pass; None: named below
+    if fast is not None:
+        items, total = fast
+        _check_payload(total, payload_length, "GET_MANY reply")
+        return items
     r = BodyReader(body, "GET_MANY reply")
     n = r.count(limits, _GET_MANY_ITEM.size)
     items = [r.unpack(_GET_MANY_ITEM, "item") for _ in range(n)]
