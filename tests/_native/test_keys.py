@@ -1,6 +1,8 @@
 """_native/keys.pyx: ``decode_key_fast`` decodes exactly what ``model.decode_key`` decodes
 (equal key, equal hash, the bytes kept as its encoding) and declines, with None, every byte
 string that ``decode_key`` refuses, so the caller's error is always decode_key's."""
+import gc
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -19,6 +21,7 @@ def test_it_decodes_what_decode_key_decodes(model, tok, adapter, tenant, prefix,
     slow = decode_key(raw)
     assert fast == slow and hash(fast) == hash(slow)
     assert fast.encoded() is raw and slow.encoded() == raw
+    assert not gc.is_tracked(fast)                      # it can hold no cycle: off the GC
     assert repr(fast) == repr(slow)
     assert {fast: 1}[slow] == 1
 

@@ -14,8 +14,14 @@ its writable ``view`` of the slot is made when first asked for (a client writing
 the mapped arena never asks) and stops working when the put is published or aborted.
 """
 cimport cython
+from cpython.object cimport PyObject
 
-__all__ = ["Slot", "PutHandle", "Entry", "PENDING", "PUBLISHED", "RETIRED", "FREED"]
+__all__ = ["Slot", "PutHandle", "Entry", "untrack", "PENDING", "PUBLISHED", "RETIRED", "FREED"]
+
+cdef extern from "Python.h":
+    int PyObject_IS_GC(object o)
+    void PyObject_GC_UnTrack(void* op)
+    int PyObject_GC_IsTracked(object o)
 
 # Slot states
 PENDING = 0      # reserved by a put, invisible to readers
@@ -116,3 +122,16 @@ cdef class Entry:
         self.pin_until = 0.0        # clock time; 0 = not pinned
         self.hard = False
         self.last_access = now
+
+
+def untrack(obj):
+    """Take ``obj`` off the cyclic collector's lists and return it.  Only for an object
+    that can never be part of a reference cycle: a frozen key (strings, ints, bytes), a
+    residency record (a key, strings, an enum member), a list that only ever holds such
+    records.  A node holding millions of blocks then does not walk them on every full
+    collection (at a million blocks a full collection of their keys and records took
+    ~0.5 s, and the collections ~3 us per put).  Tracked again by nothing: a list the
+    caller appends to later stays untracked, so it must only ever hold such objects."""
+    if PyObject_IS_GC(obj) and PyObject_GC_IsTracked(obj):
+        PyObject_GC_UnTrack(<void*><PyObject*>obj)
+    return obj

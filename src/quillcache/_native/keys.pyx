@@ -18,6 +18,8 @@ from cpython.object cimport PyObject_GenericSetAttr
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from sys import intern
 
+from quillcache._native.blocks import untrack
+
 __all__ = ["decode_key_fast", "SCOPE_CACHE_MAX"]
 
 SCOPE_CACHE_MAX = 4096          # identity scopes remembered (a node serves few; cleared when full)
@@ -123,4 +125,4 @@ def decode_key_fast(object raw, type key_type not None):
     # the hash KvBlockKey.__post_init__ computes, from the same fields in the same order
     PyObject_GenericSetAttr(key, _hash_name, hash((model, tokenizer, adapter, tenant, prefix, block, idx, tok)))
     PyObject_GenericSetAttr(key, _ek, b)
-    return key
+    return untrack(key)         # strings, ints and bytes only: it can hold no cycle

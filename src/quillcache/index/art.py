@@ -29,6 +29,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from quillcache._native.art import AdaptiveRadixTree
+from quillcache._native.blocks import untrack
 from quillcache.model import (
     CacheResidency, CacheTier, IdentityScope, IndexMetrics, KvBlockKey, decode_key, encode_key,
     encode_scope_prefix,
@@ -138,9 +139,10 @@ class ArtIndex:
         ``ek``: encode_key(residency.key) when the caller has it already."""
         if ek is None:
             ek = encode_key(residency.key)   # validates the key before anything changes
+        untrack(residency)                   # records and their lists can hold no cycle: off the GC
         slot = self._tree.get(ek)
         if slot is None:
-            slot = self._new_slot([residency])
+            slot = self._new_slot(untrack([residency]))
             try:
                 self._tree.insert(ek, slot)
             except BaseException:
@@ -189,7 +191,7 @@ class ArtIndex:
             if not keys:
                 del self._by_worker[worker_id]
         if keep:
-            self._slots[slot] = keep
+            self._slots[slot] = untrack(keep)
         else:
             key = records[0].key
             self._tree.delete(ek)
