@@ -316,7 +316,7 @@ def decode_status_sizes(body, Py_ssize_t max_batch):
         for i in range(n):
             status = _get16(p)
             nbytes = _get64(p + 2)
-            if status and nbytes:
+            if (status and nbytes) or total + nbytes < total:     # a miss with bytes; a sum past u64
                 return None
             total += nbytes
             item = (status, nbytes)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import struct
 from typing import Any, Callable, NamedTuple, Sequence
 
-from quillcache._native.codec import uninitialised_bytearray
+from quillcache._native import bufpool
 from quillcache.net import parse_hostport
 from quillcache.errors import (
     STATUS_CLASSES, InvalidArgument, QuillCacheError, error_for_status,
@@ -84,16 +84,18 @@ def timeval(seconds: float) -> bytes:
     return struct.pack("@ll", sec, int((seconds - sec) * 1e6))
 
 
-def pack_buffers(sizes: list[int]) -> list[tuple[bytearray, list[memoryview]]]:
+def pack_buffers(sizes: list[int]) -> list[tuple[Any, list[memoryview]]]:
     """Consecutive values packed into buffers of at most GET_MANY_BUFFER_BYTES (a larger
     value gets its own): ``[(buffer, [view of each value in it])]``, in order.  The buffers
-    are not zero-filled: the reply is received into every byte of them."""
+    are not zero-filled: the reply is received into every byte of them.  They come from the
+    process's pool of receive buffers (``_native/bufpool.pyx``): memory an earlier reply
+    already touched, given back when the last view of it goes."""
     out: list = []
     group: list[int] = []
     total = 0
 
     def close() -> None:
-        buf = uninitialised_bytearray(total)
+        buf = bufpool.take(total)
         mv = memoryview(buf)
         views, pos = [], 0
         for n in group:
