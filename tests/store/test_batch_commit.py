@@ -197,3 +197,23 @@ def test_a_handles_view_stops_working_once_published():
         h2.view[:1] = b"y"                              # never asked for before the abort: none now
     with store.get(key(1)) as lease:
         assert bytes(lease.view) == b"x" * 10
+
+
+def test_a_reaped_puts_view_stops_working_before_its_slot_is_another_puts():
+    """A writer later than put_timeout must not write into a slot the store gave to
+    another put since: its view is released when its put is reaped."""
+    clock = Clock()
+    store = LocalKvStore(StoreOptions(BLOCK, max_block_bytes=BLOCK, put_timeout_s=5.0), clock=clock)
+    (late,) = store.reserve_columns_nowait([key(1)], [BLOCK])
+    view = late.view                                   # a TCP put receives into this
+    view[:4] = b"late"
+    clock.t += 6
+    asyncio.run(store.maintenance())                   # reaped: its slot is free again
+    (h,) = store.reserve_columns_nowait([key(2)], [BLOCK])
+    assert h.offset == late.offset                     # the same bytes of the arena
+    h.view[:] = data(2)
+    assert store.put_end_many_nowait([h]) == 1
+    with pytest.raises(ValueError):
+        view[:4] = b"oops"                             # the late writer is refused
+    with store.get(key(2)) as lease:
+        assert bytes(lease.view) == data(2)

@@ -61,6 +61,8 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
         self.source = "?"                         # what per-source limits count by (node.admission)
         self.tenant: Optional[str] = None
         self._puts: dict[int, list] = {}          # request id -> put handles in their payload phase
+        self._reaps_seen = 0                      # the store's puts_reaped when they were checked
+        self._put_reaped = False                  # a put of this connection was reaped: fail it
         self._started: dict[int, float] = {}      # request id -> perf_counter at arrival
         self._held: list = []                     # leases whose bytes may still sit in the transport
         self._writing_paused = False

@@ -17,7 +17,7 @@ import time
 from typing import Optional
 
 from quillcache._native.codec import decode_put_body
-from quillcache.errors import InvalidArgument, QuillCacheError
+from quillcache.errors import InvalidArgument, QuillCacheError, Timeout
 from quillcache.protocol import messages
 from quillcache.protocol.connection import DEFER
 from quillcache.protocol.opcodes import FLAG_DURABLE, Opcode
@@ -53,6 +53,7 @@ class WritesMixin:
 
     def _put_destination(self, frame, handles: list):
         self._puts[frame.request_id] = handles
+        self._reaps_seen = self.store.puts_reaped
         views = [h.view for h in handles if h.size]
         if frame.opcode == Opcode.PUT:
             return views[0] if views else None
@@ -91,6 +92,29 @@ class WritesMixin:
         elif not self.put_deferred and not self._reading_paused and self.transport is not None \
                 and not self.transport.is_closing():
             self.transport.resume_reading()
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the socket's next bytes go.  A put whose payload comes later than
+        ``put_timeout`` has had its slot reaped, and the slot may be another put's now: not
+        another byte goes into it (scratch instead), and the connection fails once the
+        transport has handed the bytes over (``buffer_updated``: the transport's read is
+        still under way here)."""
+        if self._puts and self.store.puts_reaped != self._reaps_seen:
+            self._reaps_seen = self.store.puts_reaped
+            in_flight = self.store.put_in_flight
+            if not all(in_flight(h) for handles in self._puts.values() for h in handles):
+                self._put_reaped = True
+        if self._put_reaped:
+            return self.scratch_buffer()
+        return super().get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._put_reaped:
+            self._put_reaped = False
+            self._fail(Timeout(f"a put's payload did not arrive within put_timeout "
+                               f"({self.store.put_timeout_s:g} s): it was dropped and the connection is closed"))
+            return
+        super().buffer_updated(nbytes)
 
     def _on_put_end(self, frame) -> None:
         handles = self._puts.pop(frame.request_id, None)

@@ -121,10 +121,14 @@ class _Base:
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self.failed is not None or self.closed or self.put_deferred:
-            if self._scratch is None:
-                self._scratch = bytearray(_SCRATCH)
-            return memoryview(self._scratch)
+            return self.scratch_buffer()
         return self._parser.get_buffer(sizehint)
+
+    def scratch_buffer(self) -> memoryview:
+        """A buffer for bytes nobody will parse (a failed connection's, a deferred put's)."""
+        if self._scratch is None:
+            self._scratch = bytearray(_SCRATCH)
+        return memoryview(self._scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.failed is not None or self.closed:

@@ -193,7 +193,8 @@ class LocalKvStore(Residency, Eviction, Demotion, Writes, Reads, Pins, BatchLeas
             self._wake()
         if done["reaped"]:
             for slot in [s for s, h in self._handles.items() if not self._dram.is_pending(h._pending)]:
-                del self._handles[slot]
+                # the late writer's view stops working: the slot may be another put's already
+                self._handles.pop(slot).close_view()
             self._counters["puts_reaped"] += done["reaped"]
         for lease in [l for l in self._leases.values() if l.expires_at <= now]:
             lease.release()

@@ -262,6 +262,16 @@ class Writes:
             self._pressure()                        # demote ahead of the next puts
         return entry, stale_ssd
 
+    @property
+    def puts_reaped(self) -> int:
+        """Puts the reaper has freed so far (``put_timeout``): a writer that saw this number
+        change checks ``put_in_flight`` before writing on."""
+        return self._counters["puts_reaped"]
+
+    def put_in_flight(self, handle: PutHandle) -> bool:
+        """``handle``'s slot is still its own to write (not ended, aborted or reaped)."""
+        return self._handles.get(handle.slot) is handle
+
     def put_abort(self, handle: PutHandle) -> bool:
         pending = handle._pending
         if self._handles.pop(pending.slot, None) is None:
