@@ -253,7 +253,7 @@ class PoolReads:
         if block is None:
             conn.finish_error(rid, Opcode.GET, miss)
         else:
-            conn.finish(rid, Opcode.GET, b"", (block,), crc=bool(flags & FLAG_PAYLOAD_CRC))
+            conn.finish_get(rid, block, flags)
 
     async def serve_get_many(self, conn, rid: int, keys: Sequence[KvBlockKey], leases: list, items: list,
                              flags: int, encode_reply) -> None:

@@ -95,20 +95,32 @@ class ReadsMixin:
                 self._started[rid] = t0
                 self._ok(rid, _GET, b"", [lease.view], crc=bool(flags & FLAG_PAYLOAD_CRC))
                 return
-            self.take_request(rid)
-            size = lease.size
-            head = encode_frame_header(_GET, rid, flags=_GET_REPLY_FLAGS, payload_length=size)
-            t = self.transport
-            if t is not None and not t.is_closing():
-                t.writelines([head, lease.view])
-                self._counters.sent_bytes += len(head) + size
-                if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
-                    self._reading_paused = True
-                    t.pause_reading()
-            node.requests += 1
-            self._counters.observe(_GET, 0, time.perf_counter() - t0)
+            self._write_get(rid, lease.view, lease.size, t0)
         finally:
             self._hold((lease,))
+
+    def finish_get(self, rid: int, view, flags: int) -> None:
+        """The GET reply of a block another node sent (the cluster hook's call): the write of
+        ``_reply_get``, or ``finish`` where the client asked for a payload CRC."""
+        if flags & FLAG_PAYLOAD_CRC or self.failed is not None or self.closed:
+            self.finish(rid, _GET, b"", (view,), crc=bool(flags & FLAG_PAYLOAD_CRC))
+            return
+        t0 = self._started.pop(rid, None)
+        self._write_get(rid, view, view.nbytes, time.perf_counter() if t0 is None else t0)
+
+    def _write_get(self, rid: int, view, size: int, t0: float) -> None:
+        """GET's reply without a payload CRC: header and ``view`` in one writelines."""
+        self.take_request(rid)
+        head = encode_frame_header(_GET, rid, flags=_GET_REPLY_FLAGS, payload_length=size)
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.writelines([head, view])
+            self._counters.sent_bytes += len(head) + size
+            if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
+                self._reading_paused = True
+                t.pause_reading()
+        self.node.requests += 1
+        self._counters.observe(_GET, 0, time.perf_counter() - t0)
 
     def _send_extent(self, rid: int, fd: int, offset: int, length: int, crc: int) -> None:
         """The GET reply for a verified SSD extent: header, sendfile, then whatever the socket
