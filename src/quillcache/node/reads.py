@@ -14,6 +14,7 @@ import logging
 import os
 import struct
 import time
+from typing import Optional
 
 from quillcache._native.codec import decode_key_body, encode_frame_header
 from quillcache.errors import Busy, NotFound, UnsafeReuse
@@ -167,7 +168,8 @@ class ReadsMixin:
         counters.sendfile_bytes += sent
 
     def _get_many(self, frame) -> None:
-        keys = self._keys_of(messages.decode_keys_request(frame.header, self.limits, "GET_MANY"))
+        raws = messages.decode_keys_request(frame.header, self.limits, "GET_MANY")
+        keys = self._keys_of(raws)
         got = []
         try:
             for key in keys:
@@ -185,7 +187,7 @@ class ReadsMixin:
             release_leases(got)
             self._spawn(self._get_many_async(frame.request_id, keys, frame.flags))
             return
-        self._reply_get_many(frame.request_id, got, frame.flags, keys)
+        self._reply_get_many(frame.request_id, got, frame.flags, keys, raws)
 
     async def _get_many_async(self, rid: int, keys: list, flags: int) -> None:
         got = []
@@ -202,15 +204,16 @@ class ReadsMixin:
             return
         self._reply_get_many(rid, got, flags, keys)
 
-    def _reply_get_many(self, rid: int, got: list, flags: int, keys: list) -> None:
-        """``got``: per key, its lease or the miss (NotFound, UnsafeReuse, Busy) to report."""
+    def _reply_get_many(self, rid: int, got: list, flags: int, keys: list, raws: Optional[list] = None) -> None:
+        """``got``: per key, its lease or the miss (NotFound, UnsafeReuse, Busy) to report;
+        ``raws``: the keys as the request encoded them, where the caller has them."""
         cluster = self.node.cluster
         if cluster is not None and not self.peer_node and any(type(g) is NotFound for g in got):
             # other nodes may hold the local misses: the hook owns the leases and replies
             self._spawn(cluster.serve_get_many(
                 self, rid, keys, [None if isinstance(g, Exception) else g for g in got],
                 [(g.status, 0) if isinstance(g, Exception) else (0, g.size) for g in got], flags,
-                lambda it: messages.encode_get_many_reply(it, self.limits)))
+                lambda it: messages.encode_get_many_reply(it, self.limits), raws))
             return
         leases = [g for g in got if not isinstance(g, Exception)]
         try:
