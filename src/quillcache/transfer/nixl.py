@@ -157,7 +157,7 @@ class StagedRead:
         if self._alloc is None:
             raise InvalidArgument("NIXL read: its staging was given back already")
         out = self.blocks
-        self._endpoint._own(self._array, self._alloc)
+        self._endpoint.own_staging(self._array, self._alloc)
         self._alloc, self._array, self.blocks = None, None, []
         return out
 
@@ -382,7 +382,7 @@ class NixlEndpoint:
         """Give a read's staging extent back (``StagedRead.release`` calls it)."""
         self._staging_alloc.free(alloc[2])          # (offset, size, handle)
 
-    def _own(self, array: np.ndarray, alloc) -> None:
+    def own_staging(self, array: np.ndarray, alloc) -> None:
         """``alloc`` is given back when ``array`` (which every view of a kept read refers to) is
         gone: a weak reference's callback, cheaper than ``weakref.finalize`` on the read path."""
         ref = weakref.ref(array, self._owner_gone)
