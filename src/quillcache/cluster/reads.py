@@ -253,15 +253,17 @@ class PoolReads:
         if block is None:
             conn.finish_error(rid, Opcode.GET, miss)
         else:
-            conn.finish(rid, Opcode.GET, b"", (block,), crc=bool(flags & FLAG_PAYLOAD_CRC))
+            conn.finish_get(rid, block, flags)
 
     async def serve_get_many(self, conn, rid: int, keys: Sequence[KvBlockKey], leases: list, items: list,
-                             flags: int, encode_reply) -> None:
+                             flags: int, encode_reply, ekeys: Optional[Sequence[bytes]] = None) -> None:
         """GET_MANY with local misses: ``leases[i]``/``items[i]`` are the local results
-        (lease or None, (status, size)); the NotFound ones are fetched."""
+        (lease or None, (status, size)); the NotFound ones are fetched.  ``ekeys``: the keys
+        as the request encoded them, where the caller has them (not encoded again)."""
         try:
             missing = [i for i, (status, _) in enumerate(items) if status == NotFound.status]
-            blocks = await self.fetch_many(conn.tenant or "", [keys[i] for i in missing])
+            blocks = await self.fetch_many(conn.tenant or "", [keys[i] for i in missing],
+                                           None if ekeys is None else [ekeys[i] for i in missing])
             views: list[Any] = [lease.view if lease is not None else None for lease in leases]
             for i, block in zip(missing, blocks):
                 if block is not None:

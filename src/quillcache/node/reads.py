@@ -14,6 +14,7 @@ import logging
 import os
 import struct
 import time
+from typing import Optional
 
 from quillcache._native.codec import decode_key_body, encode_frame_header
 from quillcache.errors import Busy, NotFound, UnsafeReuse
@@ -95,20 +96,32 @@ class ReadsMixin:
                 self._started[rid] = t0
                 self._ok(rid, _GET, b"", [lease.view], crc=bool(flags & FLAG_PAYLOAD_CRC))
                 return
-            self.take_request(rid)
-            size = lease.size
-            head = encode_frame_header(_GET, rid, flags=_GET_REPLY_FLAGS, payload_length=size)
-            t = self.transport
-            if t is not None and not t.is_closing():
-                t.writelines([head, lease.view])
-                self._counters.sent_bytes += len(head) + size
-                if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
-                    self._reading_paused = True
-                    t.pause_reading()
-            node.requests += 1
-            self._counters.observe(_GET, 0, time.perf_counter() - t0)
+            self._write_get(rid, lease.view, lease.size, t0)
         finally:
             self._hold((lease,))
+
+    def finish_get(self, rid: int, view, flags: int) -> None:
+        """The GET reply of a block another node sent (the cluster hook's call): the write of
+        ``_reply_get``, or ``finish`` where the client asked for a payload CRC."""
+        if flags & FLAG_PAYLOAD_CRC or self.failed is not None or self.closed:
+            self.finish(rid, _GET, b"", (view,), crc=bool(flags & FLAG_PAYLOAD_CRC))
+            return
+        t0 = self._started.pop(rid, None)
+        self._write_get(rid, view, view.nbytes, time.perf_counter() if t0 is None else t0)
+
+    def _write_get(self, rid: int, view, size: int, t0: float) -> None:
+        """GET's reply without a payload CRC: header and ``view`` in one writelines."""
+        self.take_request(rid)
+        head = encode_frame_header(_GET, rid, flags=_GET_REPLY_FLAGS, payload_length=size)
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.writelines([head, view])
+            self._counters.sent_bytes += len(head) + size
+            if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
+                self._reading_paused = True
+                t.pause_reading()
+        self.node.requests += 1
+        self._counters.observe(_GET, 0, time.perf_counter() - t0)
 
     def _send_extent(self, rid: int, fd: int, offset: int, length: int, crc: int) -> None:
         """The GET reply for a verified SSD extent: header, sendfile, then whatever the socket
@@ -155,7 +168,8 @@ class ReadsMixin:
         counters.sendfile_bytes += sent
 
     def _get_many(self, frame) -> None:
-        keys = self._keys_of(messages.decode_keys_request(frame.header, self.limits, "GET_MANY"))
+        raws = messages.decode_keys_request(frame.header, self.limits, "GET_MANY")
+        keys = self._keys_of(raws)
         # The DRAM hits under one lease for the batch (the located path's), each miss as its
         # status; only where a key must be read from the SSD tier (None), or fetched from
         # another node, does the per-key path below run.
@@ -187,7 +201,7 @@ class ReadsMixin:
             release_leases(got)
             self._spawn(self._get_many_async(frame.request_id, keys, frame.flags))
             return
-        self._reply_get_many(frame.request_id, got, frame.flags, keys)
+        self._reply_get_many(frame.request_id, got, frame.flags, keys, raws)
 
     async def _get_many_async(self, rid: int, keys: list, flags: int) -> None:
         got = []
@@ -218,15 +232,16 @@ class ReadsMixin:
         finally:
             self._hold(held)
 
-    def _reply_get_many(self, rid: int, got: list, flags: int, keys: list) -> None:
-        """``got``: per key, its lease or the miss (NotFound, UnsafeReuse, Busy) to report."""
+    def _reply_get_many(self, rid: int, got: list, flags: int, keys: list, raws: Optional[list] = None) -> None:
+        """``got``: per key, its lease or the miss (NotFound, UnsafeReuse, Busy) to report;
+        ``raws``: the keys as the request encoded them, where the caller has them."""
         cluster = self.node.cluster
         if cluster is not None and not self.peer_node and any(type(g) is NotFound for g in got):
             # other nodes may hold the local misses: the hook owns the leases and replies
             self._spawn(cluster.serve_get_many(
                 self, rid, keys, [None if isinstance(g, Exception) else g for g in got],
                 [(g.status, 0) if isinstance(g, Exception) else (0, g.size) for g in got], flags,
-                lambda it: messages.encode_get_many_reply(it, self.limits)))
+                lambda it: messages.encode_get_many_reply(it, self.limits), raws))
             return
         leases = [g for g in got if not isinstance(g, Exception)]
         try:

@@ -133,9 +133,9 @@ def _strict(api):
 
 
 class StagedRead:
-    """The blocks of one read, as views of this endpoint's staging area.  Either ``release()``
-    gives the staging extent back (the views must not be used after), or ``keep()`` hands the
-    blocks out as read-only views that own the extent: it is given back when the last of them
+    """The blocks of one read, as read-only views of this endpoint's staging area.  Either
+    ``release()`` gives the staging extent back (the views must not be used after), or ``keep()``
+    hands the blocks out as views that own the extent: it is given back when the last of them
     (and of every view made from one) is gone, so a block is served from staging without a copy
     and its extent can never be read into while anything still refers to it."""
 
@@ -152,12 +152,12 @@ class StagedRead:
             self._array = None
 
     def keep(self) -> list[memoryview]:
-        """The blocks, read-only, each keeping the staging extent taken until it is unreferenced
-        (``weakref.finalize`` on the array every view refers to); ``release()`` does nothing after."""
+        """The blocks, each keeping the staging extent taken until it is unreferenced (a weak
+        reference to the array every view refers to); ``release()`` does nothing after."""
         if self._alloc is None:
             raise InvalidArgument("NIXL read: its staging was given back already")
-        out = [b.toreadonly() for b in self.blocks]
-        weakref.finalize(self._array, self._endpoint.free_staging_later, self._alloc)
+        out = self.blocks
+        self._endpoint.own_staging(self._array, self._alloc)
         self._alloc, self._array, self.blocks = None, None, []
         return out
 
@@ -198,6 +198,7 @@ class NixlEndpoint:
         self._staging_address = int(self._staging.ctypes.data)
         self._staging_reg = self._agent.register_memory([(self._staging_address, staging_bytes, 0, "")], "DRAM")
         self._staging_alloc = OffsetAllocator(staging_bytes, unit=STAGING_UNIT)
+        self._owned: dict[int, tuple] = {}  # id(weak ref to a kept read's array) -> (the ref, its extent)
         self.metadata: bytes = self._holder.get_agent_metadata()
         self._peers: dict[str, tuple[int, str, int, int]] = {}  # node id -> (epoch, agent, arena addr, bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-progress")
@@ -283,13 +284,16 @@ class NixlEndpoint:
         peer = self._peers.get(node_id)
         if peer is None or peer[0] != epoch:
             raise InvalidArgument(f"NIXL: no agent of {node_id} at epoch {epoch:x}")
-        sizes = [int(n) for _, n in extents]
-        if not sizes or any(n <= 0 for n in sizes):
+        if not extents:
             raise InvalidArgument("NIXL read: extents must be non-empty and of positive size")
+        limit = peer[3]
+        total = 0
         for off, n in extents:      # within what the peer registered: checked here, not by UCX
-            if not 0 <= int(off) <= peer[3] - n:
-                raise InvalidArgument(f"NIXL read: extent {off}+{n} outside {node_id}'s {peer[3]}-byte arena")
-        total = sum(sizes)
+            if n <= 0:
+                raise InvalidArgument("NIXL read: extents must be non-empty and of positive size")
+            if not 0 <= off <= limit - n:
+                raise InvalidArgument(f"NIXL read: extent {off}+{n} outside {node_id}'s {limit}-byte arena")
+            total += n
         if not self._loop_thread:
             self._loop = asyncio.get_running_loop()
             self._loop_thread = threading.get_ident()
@@ -298,7 +302,7 @@ class NixlEndpoint:
         except (CapacityError, MemoryError):   # no room now: this read becomes a miss
             self.counters["staging_full"] += 1
             raise InvalidArgument(f"NIXL read: {total} bytes do not fit the free staging area now") from None
-        base = int(alloc[0])
+        base = alloc[0]
         try:
             # Posted from the loop (posting does not wait: the agent is thread-safe); a READ that
             # UCX finished at once (shared memory / CMA usually does) ends here, without a hop
@@ -306,10 +310,10 @@ class NixlEndpoint:
             # Not while the thread adds or removes an agent: that holds the agent's lock for as
             # long as UCX takes to wire up, and the loop must not wait for it.
             if self._slow_calls:
-                await self._run(self._read_on_thread, peer[1], peer[2], extents, sizes, base, deadline)
+                await self._run(self._read_on_thread, peer[1], peer[2], extents, base, deadline)
             else:
-                handle, state = self._post(peer[1], peer[2], extents, sizes, base)
-                if state in ("DONE", "ERR"):
+                handle, state = self._post(peer[1], peer[2], extents, base)
+                if state == "DONE" or state == "ERR":
                     self.counters["reads_inline"] += 1
                     self._end(handle, state, peer[1])
                 else:
@@ -318,38 +322,41 @@ class NixlEndpoint:
             self.free_staging(alloc)
             raise
         array = self._staging[base:base + total]      # one object every block's view refers to
-        whole = memoryview(array)
-        views, off = [], 0
-        for n in sizes:
-            views.append(whole[off:off + n])
-            off += n
-        self.counters["reads"] += 1
-        self.counters["read_bytes"] += total
+        whole = memoryview(array).toreadonly()        # slices of it are read-only too
+        if len(extents) == 1:
+            views = [whole]
+        else:
+            views, off = [], 0
+            for _, n in extents:
+                views.append(whole[off:off + n])
+                off += n
+        counters = self.counters
+        counters["reads"] += 1
+        counters["read_bytes"] += total
         return StagedRead(self, alloc, array, views)
 
-    def _post(self, agent_name: str, arena: int, extents, sizes: list[int], base: int) -> tuple[Any, str]:
+    def _post(self, agent_name: str, arena: int, extents, base: int) -> tuple[Any, str]:
         if self.closed:
             raise TransferFailed("NIXL endpoint is closed")
-        local, off = [], self._staging_address + base
-        for n in sizes:
-            local.append((off, n, 0))
-            off += n
-        remote = [(arena + int(o), int(n), 0) for o, n in extents]
-        ldesc = self._agent.get_xfer_descs(local, "DRAM")
-        rdesc = self._agent.get_xfer_descs(remote, "DRAM")
+        local, remote, at = [], [], self._staging_address + base
+        for off, n in extents:
+            local.append((at, n, 0))
+            remote.append((arena + off, n, 0))
+            at += n
+        agent = self._agent
         # No notification: the holder's agent would receive and keep one per READ (its progress
         # thread's work, and a list nothing here ever drains); its grant table, not NIXL, says
         # when the bytes may move.
-        handle = self._agent.initialize_xfer("READ", ldesc, rdesc, agent_name)
+        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
+                                       agent.get_xfer_descs(remote, "DRAM"), agent_name)
         try:
-            return handle, self._agent.transfer(handle)
+            return handle, agent.transfer(handle)
         except BaseException:
-            self._agent.release_xfer_handle(handle)
+            agent.release_xfer_handle(handle)
             raise
 
-    def _read_on_thread(self, agent_name: str, arena: int, extents, sizes: list[int], base: int,
-                        deadline: float) -> None:
-        handle, state = self._post(agent_name, arena, extents, sizes, base)
+    def _read_on_thread(self, agent_name: str, arena: int, extents, base: int, deadline: float) -> None:
+        handle, state = self._post(agent_name, arena, extents, base)
         self._wait(handle, state, agent_name, deadline)
 
     def _wait(self, handle, state: str, agent_name: str, deadline: float) -> None:
@@ -374,6 +381,17 @@ class NixlEndpoint:
     def free_staging(self, alloc) -> None:
         """Give a read's staging extent back (``StagedRead.release`` calls it)."""
         self._staging_alloc.free(alloc[2])          # (offset, size, handle)
+
+    def own_staging(self, array: np.ndarray, alloc) -> None:
+        """``alloc`` is given back when ``array`` (which every view of a kept read refers to) is
+        gone: a weak reference's callback, cheaper than ``weakref.finalize`` on the read path."""
+        ref = weakref.ref(array, self._owner_gone)
+        self._owned[id(ref)] = (ref, alloc)     # keeps the ref (and so its callback) alive
+
+    def _owner_gone(self, ref: weakref.ref) -> None:
+        entry = self._owned.pop(id(ref), None)
+        if entry is not None:
+            self.free_staging_later(entry[1])
 
     def free_staging_later(self, alloc) -> None:
         """``free_staging`` from wherever the last view of a kept read went away: on the thread

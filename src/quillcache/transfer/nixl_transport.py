@@ -130,13 +130,17 @@ class NixlTransport:
                 self._spawn(self._know(peer))
             return await self._tcp_fetch(peer, tenant, keys, deadline)
         blocks: list[Optional[memoryview]] = [None] * len(keys)
-        reads: dict[int, tuple[int, int, float]] = {}       # key index -> (offset, size, READ done by)
+        # The blocks to READ: key indexes, (offset, size) extents, and the earliest moment a
+        # READ of them must be done by (the grants' ends).
+        idx: list[int] = []
+        extents: list[tuple[int, int]] = []
         reused: set[int] = set()                            # ids of the held grants this read uses
-        ask = self._reuse(peer, tenant, keys, reads, reused)
+        ask, until = self._reuse(peer, tenant, keys, idx, extents, reused)
         later: list[int] = []
         grant: Optional[_Grant] = None
         reusable = False
-        self._use(peer, reused, 1)          # from now: their release waits for this READ
+        if reused:
+            self._use(peer, reused, 1)      # from now: their release waits for this READ
         try:
             if ask:
                 grant = await self._grant(peer, tenant, [keys[i] for i in ask], deadline)
@@ -144,13 +148,15 @@ class NixlTransport:
                     return FetchResult(grant.epoch, blocks)     # another run: not the copy recorded
                 for i, it in zip(ask, grant.items):
                     if it.status == 0 and it.size > 0:
-                        reads[i] = (it.offset, it.size, grant.until)
+                        idx.append(i)
+                        extents.append((it.offset, it.size))
+                        if grant.until < until:
+                            until = grant.until
                     elif it.status == wire.STATUS_FETCH:
                         later.append(i)
-            if reads:
-                idx = sorted(reads)
+            if idx:
                 try:
-                    reusable = await self._read(peer, idx, reads, blocks, deadline)
+                    reusable = await self._read(peer, idx, extents, min(until, deadline), blocks)
                 except (TransferFailed, InvalidArgument) as exc:
                     # The agent erred or staging is full: the same keys once over FETCH, and no
                     # grant of this holder is read again before it is asked anew.
@@ -159,7 +165,8 @@ class NixlTransport:
                     self._drop_held(peer)
                     later += idx
         finally:
-            self._use(peer, reused, -1)
+            if reused:
+                self._use(peer, reused, -1)
             if grant is not None and grant.grant_id:    # after the READ, never while it may run
                 if reusable and grant.epoch == peer.epoch:
                     self._granted(peer, tenant, keys, ask, grant)
@@ -215,23 +222,30 @@ class NixlTransport:
         return _Grant(grant.epoch, grant.grant_id, grant.items, sent + ttl - TTL_MARGIN_S,
                       sent + min(self.reuse_s, ttl / 2))
 
-    def _reuse(self, peer: Peer, tenant: str, keys: Sequence[bytes], reads: dict, reused: set) -> list[int]:
-        """Fill ``reads`` with the keys this reader holds a grant on still good for reuse (their
-        grant ids in ``reused``); the indexes of the others (to ask GRANT for)."""
+    def _reuse(self, peer: Peer, tenant: str, keys: Sequence[bytes], idx: list, extents: list,
+               reused: set) -> tuple[list[int], float]:
+        """Append to ``idx``/``extents`` the keys this reader holds a grant on still good for reuse
+        (their grant ids in ``reused``); the indexes of the others (to ask GRANT for), and the
+        earliest end of the grants used (``inf`` if none)."""
+        until = float("inf")
         held = self._held.get(peer)
         if not held:
-            return list(range(len(keys)))
+            return list(range(len(keys))), until
         now = time.monotonic()
         ask = []
         for i, k in enumerate(keys):
             h = held.get((tenant, k))
             if h is not None and now < h[4]:
-                reads[i] = (h[1], h[2], h[3])
+                idx.append(i)
+                extents.append((h[1], h[2]))
+                if h[3] < until:
+                    until = h[3]
                 reused.add(h[0])
-                self.counters["nixl_grant_reuses"] += 1
             else:
                 ask.append(i)
-        return ask
+        if reused:
+            self.counters["nixl_grant_reuses"] += len(idx)
+        return ask, until
 
     def _granted(self, peer: Peer, tenant: str, keys: Sequence[bytes], ask: list[int], grant: "_Grant") -> None:
         """Keep a grant's blocks for reuse until its reuse ends, then release it; without reuse
@@ -293,17 +307,17 @@ class NixlTransport:
             del self._by_grant[k]
         self._retired = {k for k in self._retired if k[0] != peer}
 
-    async def _read(self, peer: Peer, idx: list[int], reads: dict, blocks: list, deadline: float) -> bool:
-        """One READ of the blocks ``reads`` names (granted now or held for reuse) into staging;
-        each lands in ``blocks`` as a view that owns its staging extent (no copy).  A READ not done
-        by the earliest grant's end is a miss: the holder may have let the slot go.  True when the
-        READ was done in time (its grant may be read again)."""
-        until = min([deadline] + [reads[i][2] for i in idx])
+    async def _read(self, peer: Peer, idx: list[int], extents: list, until: float, blocks: list) -> bool:
+        """One READ of ``extents`` (granted now or held for reuse) into staging; the block of key
+        ``idx[j]`` lands in ``blocks`` as a view that owns its staging extent (no copy).  A READ
+        not done by ``until`` (the earliest grant's end, or the hop's deadline) is a miss: the
+        holder may have let the slot go.  True when the READ was done in time (its grant may be
+        read again)."""
         if time.monotonic() >= until:
             self.counters["nixl_late"] += len(idx)
             return False
         try:
-            staged = await self.endpoint.read(peer.node_id, peer.epoch, [reads[i][:2] for i in idx], until)
+            staged = await self.endpoint.read(peer.node_id, peer.epoch, extents, until)
         except Timeout:
             self.counters["nixl_late"] += len(idx)          # past the grant: the slots may have moved
             return False
@@ -314,10 +328,13 @@ class NixlTransport:
         # No CRC pass here: the reader (cluster/reads.py) checks every block against the CRC32C
         # its writer recorded, whatever carried it, so a block that is not the writer's, a READ
         # that raced its slot included, is a miss there.
+        nbytes = 0
         for i, view in zip(idx, staged.keep()):
             blocks[i] = view
-        self.counters["nixl_reads"] += 1
-        self.counters["nixl_bytes"] += sum(reads[i][1] for i in idx)
+            nbytes += view.nbytes
+        counters = self.counters
+        counters["nixl_reads"] += 1
+        counters["nixl_bytes"] += nbytes
         return True
 
     async def _tcp_fetch(self, peer: Peer, tenant: str, keys: Sequence[bytes], deadline: float) -> FetchResult:
