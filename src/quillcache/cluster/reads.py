@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from quillcache._native.crc import crc32c
 from quillcache.protocol import cluster as wire
@@ -255,27 +255,28 @@ class PoolReads:
         else:
             conn.finish_get(rid, block, flags)
 
-    async def serve_get_many(self, conn, rid: int, keys: Sequence[KvBlockKey], leases: list, items: list,
-                             flags: int, encode_reply, ekeys: Optional[Sequence[bytes]] = None) -> None:
-        """GET_MANY with local misses: ``leases[i]``/``items[i]`` are the local results
-        (lease or None, (status, size)); the NotFound ones are fetched.  ``ekeys``: the keys
-        as the request encoded them, where the caller has them (not encoded again)."""
+    async def serve_get_many(self, conn, rid: int, keys: Sequence[KvBlockKey], views: list, items: list,
+                             held: list, flags: int, encode_reply, ekeys: Optional[Sequence[bytes]] = None) -> None:
+        """GET_MANY with local misses: ``views[i]``/``items[i]`` are the local results (the
+        block's bytes or None, (status, size)), ``held`` the leases that keep those bytes in
+        place (released once the reply is written, or on an error); the NotFound ones are
+        fetched.  ``ekeys``: the keys as the request encoded them, where the caller has them
+        (not encoded again)."""
         try:
             missing = [i for i, (status, _) in enumerate(items) if status == NotFound.status]
             blocks = await self.fetch_many(conn.tenant or "", [keys[i] for i in missing],
                                            None if ekeys is None else [ekeys[i] for i in missing])
-            views: list[Any] = [lease.view if lease is not None else None for lease in leases]
+            views = list(views)
             for i, block in zip(missing, blocks):
                 if block is not None:
                     items[i] = (0, block.nbytes)
                     views[i] = block
             body = encode_reply(items)
             conn.finish(rid, Opcode.GET_MANY, body, [v for v in views if v is not None],
-                        crc=bool(flags & FLAG_PAYLOAD_CRC), leases=[x for x in leases if x is not None])
+                        crc=bool(flags & FLAG_PAYLOAD_CRC), leases=held)
         except Exception as exc:
-            for lease in leases:
-                if lease is not None:
-                    lease.release()
+            for lease in held:
+                lease.release()
             conn.finish_error(rid, Opcode.GET_MANY, exc)
 
     async def serve_located(self, tenant: str, keys: Sequence[KvBlockKey]) -> list:

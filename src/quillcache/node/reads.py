@@ -178,9 +178,8 @@ class ReadsMixin:
         except Busy:
             batch, located = None, None             # the per-key path reports Busy per key
         if located is not None:
-            if None not in located and (NotFound.status not in located or self.peer_node
-                                        or self.node.cluster is None):
-                self._reply_get_many_batch(frame.request_id, batch, located, frame.flags)
+            if None not in located:                 # no SSD read: answered now (or by the pool)
+                self._reply_get_many_batch(frame.request_id, batch, located, frame.flags, keys, raws)
                 return
             if batch is not None:
                 batch.release()
@@ -218,16 +217,26 @@ class ReadsMixin:
             return
         self._reply_get_many(rid, got, flags, keys)
 
-    def _reply_get_many_batch(self, rid: int, batch, located: list, flags: int) -> None:
+    def _reply_get_many_batch(self, rid: int, batch, located: list, flags: int, keys: list, raws: list) -> None:
         """The reply of a GET_MANY whose every key is a DRAM hit held by ``batch`` or a miss
-        status in ``located``."""
+        status in ``located``; in a pool, the local NotFound ones are fetched first."""
         held = [] if batch is None else [batch]
+        views = self.store.held_views(batch) if batch is not None else []
+        items = [(0, g.size) if type(g) is not int else (g, 0) for g in located]
+        cluster = self.node.cluster
+        if cluster is not None and not self.peer_node and NotFound.status in located:
+            per_key, hits = [None] * len(items), iter(views)
+            for i, (status, _) in enumerate(items):
+                if status == 0:
+                    per_key[i] = next(hits)
+            # other nodes may hold the local misses: the hook owns the lease and replies
+            self._spawn(cluster.serve_get_many(self, rid, keys, per_key, items, held, flags,
+                                               lambda it: messages.encode_get_many_reply(it, self.limits), raws))
+            return
         try:
             if not self.is_in_flight(rid):
                 return
-            items = [(0, g.size) if type(g) is not int else (g, 0) for g in located]
             body = messages.encode_get_many_reply(items, self.limits)
-            views = self.store.held_views(batch) if batch is not None else []
             self._ok(rid, Opcode.GET_MANY, body, views, crc=bool(flags & FLAG_PAYLOAD_CRC))
         finally:
             self._hold(held)
@@ -239,8 +248,9 @@ class ReadsMixin:
         if cluster is not None and not self.peer_node and any(type(g) is NotFound for g in got):
             # other nodes may hold the local misses: the hook owns the leases and replies
             self._spawn(cluster.serve_get_many(
-                self, rid, keys, [None if isinstance(g, Exception) else g for g in got],
-                [(g.status, 0) if isinstance(g, Exception) else (0, g.size) for g in got], flags,
+                self, rid, keys, [None if isinstance(g, Exception) else g.view for g in got],
+                [(g.status, 0) if isinstance(g, Exception) else (0, g.size) for g in got],
+                [g for g in got if not isinstance(g, Exception)], flags,
                 lambda it: messages.encode_get_many_reply(it, self.limits), raws))
             return
         leases = [g for g in got if not isinstance(g, Exception)]
