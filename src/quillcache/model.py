@@ -25,6 +25,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 MAX_ID_BYTES = 255          # bytes of UTF-8 per identity/hash field of a key
+_SHORT_ID = MAX_ID_BYTES // 4   # characters: a str this short is within MAX_ID_BYTES whatever it holds
 MAX_BLOCK_INDEX = (1 << 32) - 1
 MAX_TOKEN_COUNT = (1 << 32) - 1
 KEY_FORMAT_VERSION = 1      # first byte of every encoded key
@@ -102,9 +103,18 @@ class KvBlockKey:
                              self.prefix_hash, self.block_hash, self.block_index, self.token_count))
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id,
-                                                self.prefix_hash, self.block_hash, self.block_index,
-                                                self.token_count)))
+        m, t, a, te, p, b = (self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id,
+                             self.prefix_hash, self.block_hash)
+        i, n = self.block_index, self.token_count
+        object.__setattr__(self, "_hash", hash((m, t, a, te, p, b, i, n)))
+        # The common key, checked without encoding a string: a str of at most 63 characters
+        # is at most 252 bytes of UTF-8; anything else takes the exact checks below.
+        if (type(m) is str and type(t) is str and type(te) is str and type(p) is str and type(b) is str
+                and len(m) <= _SHORT_ID and len(t) <= _SHORT_ID and len(te) <= _SHORT_ID
+                and len(p) <= _SHORT_ID and len(b) <= _SHORT_ID
+                and (a is None or (type(a) is str and len(a) <= _SHORT_ID))
+                and type(i) is int and 0 <= i <= MAX_BLOCK_INDEX and type(n) is int and 0 <= n <= MAX_TOKEN_COUNT):
+            return
         for name in ("model_id", "tokenizer_id", "tenant_id", "prefix_hash", "block_hash"):
             _check_id(name, getattr(self, name))
         if self.adapter_id is not None:

@@ -77,3 +77,28 @@ def test_keys_are_equal_exactly_when_their_fields_are(a, b):
     assert (ka == KvBlockKey(*a)) and (decode_key_fast(encode_key(ka), KvBlockKey) == ka)
     assert (ka != kb) == (a != b)
     assert ka != a                                      # another type is never equal
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=300), st.sampled_from(["model_id", "tokenizer_id", "adapter_id", "tenant_id",
+                                               "prefix_hash", "block_hash"]))
+def test_a_key_field_is_refused_exactly_when_it_is_over_255_bytes_of_utf8(value, field):
+    """The short-string fast path of KvBlockKey's checks refuses and accepts what the exact
+    check does."""
+    fields = dict(model_id="m", tokenizer_id="t", adapter_id=None, tenant_id="x", prefix_hash="p", block_hash="b")
+    fields[field] = value
+    too_long = len(value.encode("utf-8", "surrogatepass")) > 255
+    try:
+        KvBlockKey(**fields)
+    except KeyError_:
+        assert too_long
+    else:
+        assert not too_long
+
+
+def test_non_strings_and_out_of_range_integers_are_still_refused():
+    for bad in (dict(model_id=3), dict(block_index=-1), dict(token_count=1 << 32), dict(block_index="1")):
+        fields = dict(model_id="m", tokenizer_id="t", adapter_id=None, tenant_id="x", prefix_hash="p", block_hash="b")
+        fields.update(bad)
+        with pytest.raises((KeyError_, TypeError)):
+            KvBlockKey(**fields)
