@@ -26,8 +26,9 @@ def toks(n_blocks, salt=0):
 
 
 def router(policy, workers=("w0", "w1", "w2"), **kw):
-    return Router(RouterConfig(policy=policy, block_size=BS, seed=0, cost=COST, kv_bytes_per_token=KV,
-                               batch_tokens=8192, **kw), workers=list(workers))
+    kw.setdefault("batch_tokens", 8192)
+    return Router(RouterConfig(policy=policy, block_size=BS, seed=0, cost=COST, kv_bytes_per_token=KV, **kw),
+                  workers=list(workers))
 
 
 def set_load(r, name, prefill_tokens, prefill_requests, requests):
@@ -391,3 +392,27 @@ def test_what_a_move_evicts_on_its_new_worker_is_counted_at_the_measured_device_
     d = case(1.0)
     assert d.worker == "w0"
     assert d.logits["w0"] == pytest.approx(2610 + 2 * 180) and d.logits["w1"] == pytest.approx(1800 + 10 * 180)
+
+
+def test_a_request_behind_one_in_prefill_is_credited_the_blocks_that_one_computes():
+    """Chunks of 16 tokens.  "a" (10 blocks, 40 tokens, nothing cached) is routed to w0 and is
+    in prefill: no event shows its blocks yet.  It computes them in chunks of 16, 16 and 8
+    tokens; the engine admits the next request in the iteration of the last chunk, so a request
+    queued behind it finds its first 8 blocks.  The next turn (12 blocks, 48 tokens, the same
+    first 10): on w0, 40 tokens queued + 16 of its own = 2520 us, plus its own 16 tokens x the
+    mean prefill queue 0.5 = 360 us; on w1 (idle) 48 x 45 = 2160 us + 1080 us.  Without the
+    credit w0 would be 3960 + 1080 us: it would go to w1 and compute the 10 blocks again."""
+    r = router("quillcache", workers=("w0", "w1"), batch_tokens=16)
+    h = chain_hashes(toks(12), BS)
+    r.route(A, hashes=h[:10], request_tokens=40, request_id="a", candidates=["w0"])
+    d = r.route(A, hashes=h, request_tokens=48, track=False)
+    assert d.worker == "w0" and d.overlap == (8, 0, 0, 0)
+    assert d.predicted_ttft_us == pytest.approx(2520)
+    assert d.logits == pytest.approx({"w0": 2520 + 360, "w1": 2160 + 1080})
+    # another identity's request finds nothing of it
+    other = IdentityScope("m", "t", None, "globex")
+    assert r.route(other, hashes=h, request_tokens=48, track=False).overlap == (0, 0, 0, 0)
+    # past its first token its blocks are the engine's events' to report: no credit is left
+    r.first_token("a")
+    assert r.route(A, hashes=h, request_tokens=48, track=False).overlap == (0, 0, 0, 0)
+    assert not r._ahead

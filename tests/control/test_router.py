@@ -210,9 +210,26 @@ def test_decision_latency_is_exported_to_prometheus():
 # straightforward scorer: the dict indexer, one worker at a time, the loads as given
 
 
-def straight(router, ref, loads, scope, hashes, n_tokens, policy, names):
+def ahead_depth(inflight, name, scope, hashes, batch_tokens):
+    """The prefix of ``hashes`` that the requests in prefill on ``name`` (worker, scope, hashes,
+    tokens, uncached tokens) will have computed: each its common prefix with the request, less
+    its last chunk of prefill."""
+    best = 0
+    for w, s, hs, n, uncached in inflight:
+        if w != name or s != scope:
+            continue
+        last = (max(uncached, 1) - 1) % batch_tokens + 1
+        done = min(len(hs), max(n - last, 0) // BS)
+        common = 0
+        while common < min(len(hs), len(hashes)) and hs[common] == hashes[common]:
+            common += 1
+        best = max(best, min(common, done))
+    return best
+
+
+def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, inflight=()):
     """(logits, choices allowed, per-worker facts) computed worker by worker from the dict
-    indexer's match and the loads as the test set them."""
+    indexer's match, the requests in prefill and the loads as the test set them."""
     from quillcache.control.policies import (Candidates, goodput_placement, llmd_scores, mooncake_scores, predict_ttft,
                                              sglang_scores)
     from quillcache.control.router import BLIND_POLICIES
@@ -230,6 +247,11 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names):
             d, h, k = bd, bh, bk
         elif policy != "quillcache":
             p = 0
+        else:      # the blocks the requests in prefill there compute first are on its device
+            a = ahead_depth(inflight, n, scope, hashes, cfg.batch_tokens)
+            c1 = max(d, a)
+            c2, c3, c4 = max(d + h, c1), max(d + h + k, c1), max(d + h + k + p, c1)
+            d, h, k, p = c1, c2 - c1, c3 - c2, c4 - c3
         facts[n] = dict(tiers=(d, h, k, p), refused=refused, cross=cross, offered=p, predicted=0.0, moved=0)
     apt, preq, req, dec = ([loads[n][i] for n in names] for i in range(4))
     logits = []
@@ -291,12 +313,15 @@ load_st = st.tuples(st.integers(0, 5000), st.integers(0, 6), st.integers(0, 9), 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(fast_place, max_size=30), st.lists(load_st, min_size=6, max_size=6), st.integers(0, 9),
        st.sampled_from(POLICIES), st.booleans(), st.one_of(st.none(), st.permutations(range(6))),
-       st.integers(1, 6), st.integers(0, 3))
+       st.integers(1, 6), st.integers(0, 3),
+       st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1), st.integers(1, 10), st.integers(0, 100)),
+                max_size=4))
 def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, policy, pool_first, order,
-                                                         n_cand, extra_tokens):
+                                                         n_cand, extra_tokens, inflight):
     """Random residency (2 identities, every tier, a pool node registered before or after
-    the workers), random loads, random candidate subsets in any order, every policy: the
-    router's logits, choice, overlap, plan and counters are the straightforward scorer's."""
+    the workers), requests in prefill, random loads, random candidate subsets in any order,
+    every policy: the router's logits, choice, overlap, plan and counters are the
+    straightforward scorer's."""
     names = [f"w{i}" for i in range(6)]
     cfg = RouterConfig(policy=policy, block_size=BS, seed=5, cost=H200, kv_bytes_per_token=131072,
                        batch_tokens=64)
@@ -314,6 +339,12 @@ def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, po
         tier = POOL if w == 6 else min(tier, DISK)
         for idx in (router.indexer, ref):
             idx.add_blocks(worker, (A, B)[s], chain[start:start + n], tier)
+    routed = []
+    for w, s, q, extra in inflight:      # requests in prefill: their blocks are in no event yet
+        n_in = q * BS + extra
+        di = router.route((A, B)[s], hashes=chain[:q], request_tokens=n_in, candidates=[names[w]],
+                          policy="round_robin")
+        routed.append((names[w], (A, B)[s], chain[:q], n_in, n_in - sum(di.overlap) * BS))
     given_loads = {}
     for n, (apt, preq, req, dec) in zip(names, loads):
         ld = router.load(n)
@@ -323,7 +354,8 @@ def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, po
     hashes = chain[:qlen] if qlen else [12345]
     n_tokens = len(hashes) * BS + extra_tokens
     d = router.route(A, hashes=hashes, request_tokens=n_tokens, track=False, candidates=cands)
-    logits, allowed, facts = straight(router, ref, given_loads, A, hashes, n_tokens, policy, cands or names)
+    logits, allowed, facts = straight(router, ref, given_loads, A, hashes, n_tokens, policy, cands or names,
+                                      routed)
     assert d.logits == logits                   # exactly: the same numbers, not close ones
     assert d.worker in allowed
     f = facts[d.worker]
@@ -351,7 +383,7 @@ def test_load_table_equals_the_sum_over_requests_in_flight(ops):
     """The per-worker load rows after any sequence of routes, first tokens, frees, removals
     and re-additions equal the plain sum over the router's requests in flight."""
     names = [f"w{i}" for i in range(6)]
-    router = Router(RouterConfig(policy="least_loaded", block_size=BS, seed=0), workers=names[:4])
+    router = Router(RouterConfig(policy="least_loaded", block_size=BS, seed=0, batch_tokens=8), workers=names[:4])
     rids = []
     for kind, w, n in ops:
         if kind == "route":
@@ -372,3 +404,8 @@ def test_load_table_equals_the_sum_over_requests_in_flight(ops):
         assert ld.active_requests == len(mine)
         assert ld.decode_blocks == sum(a.blocks for a in mine)
         assert ld.new_blocks == sum(a.new_blocks for a in mine)
+    # the blocks credited to requests behind one in prefill: exactly those of the requests in prefill
+    want = Counter((key, a.worker) for a in router._active.values() if a.prefilling for key in a.ahead)
+    have = Counter({(key, w): n for key, holders in router._ahead.items() for w, n in holders.items()})
+    assert have == want
+    assert all(not a.ahead for a in router._active.values() if not a.prefilling)

@@ -140,6 +140,17 @@ class _LoadTable:
         self._free.append(slot)
 
 
+def extend_device(ahead: np.ndarray, dev: np.ndarray, host: np.ndarray, disk: np.ndarray,
+                  pool: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The per-tier prefix with the device prefix at least ``ahead`` blocks deep: each tier
+    extends the one before, so a tier the deeper device prefix covers shrinks."""
+    d = np.maximum(dev, ahead)
+    h = np.maximum(dev + host, d)
+    k = np.maximum(dev + host + disk, d)
+    p = np.maximum(dev + host + disk + pool, d)
+    return d, h - d, k - h, p - k
+
+
 def _column(col: int, doc: str) -> property:
     def get(self) -> int:
         return int(self._table.rows[self._slot, col])
@@ -180,6 +191,7 @@ class _Active:
     blocks: int
     prefilling: bool = True
     new_blocks: int = 0
+    ahead: tuple = ()                    # (scope, hash) of the blocks it computes for those behind it
 
 
 @dataclass
@@ -245,6 +257,10 @@ class Router:
         self._ids = itertools.count()
         self._approx: dict[tuple[str, IdentityScope, int], float] = {}
         self._approx_heap: list[tuple[float, str, IdentityScope, int]] = []
+        # The blocks the requests in prefill will have computed for a request queued behind them
+        # on the same worker: (scope, hash) -> {worker: requests}, and requests per worker.
+        self._ahead: dict[tuple[IdentityScope, int], dict[str, int]] = {}
+        self._ahead_workers: dict[str, int] = {}
         self.sketch = CountMinSketch.for_error(config.sketch_epsilon, config.sketch_delta,
                                                seed=config.seed or 0)
         self.stats = RouterStats()
@@ -273,7 +289,7 @@ class Router:
                 self._idx_key = None
             self.indexer.clear_worker(name)
             for rid in [r for r, a in self._active.items() if a.worker == name]:
-                del self._active[rid]
+                self._drop_ahead(self._active.pop(rid))
 
     @property
     def workers(self) -> list[str]:
@@ -350,6 +366,10 @@ class Router:
                 refused = np.zeros(k, np.int64)
             elif policy != "quillcache":
                 pool = np.zeros(k, np.int64)
+            else:
+                ahead = self._ahead_depths(scope, hashes, names)
+                if ahead is not None:
+                    dev, host, disk, pool = extend_device(ahead, dev, host, disk, pool)
             lt = self._table.rows[self._slots]
             offered = pool                       # what credited_blocks counts (before the plan caps it)
             if policy in ("dynamo", "least_loaded", "prefix"):
@@ -419,6 +439,8 @@ class Router:
             rid = request_id if request_id is not None else f"r{next(self._ids)}"
             if track:
                 self._start(rid, worker, n_tokens, d + h + k + p, self._load_tokens(policy, h, k, p), d)
+                self._add_ahead(self._active[rid], scope, hashes, n_tokens,
+                                n_tokens - (d + h + k + p) * cfg.block_size)
             if cfg.approximate:
                 self._predict(worker, scope, hashes)
             for hh in hashes[:1]:
@@ -453,6 +475,70 @@ class Router:
             idx = np.array([col[n] for n in names], dtype=np.intp)
         self._idx_key, self._idx = key, idx
         self._slots = np.array([self._slot_of[n] for n in names], dtype=np.intp)
+
+    # ---- the blocks the requests in prefill compute for those queued behind them
+    def _add_ahead(self, a: _Active, scope: IdentityScope, hashes: Sequence[int], n_tokens: int,
+                   uncached: int) -> None:
+        """A request routed to a worker computes its prompt's blocks there before a request
+        routed after it to the same worker is admitted (the engine admits in arrival order),
+        except those of its last chunk of prefill: with chunked prefill the engine admits the
+        next request in the iteration that computes that chunk (its uncached tokens modulo the
+        batch budget), before those blocks are stored, and recomputes them for it."""
+        cfg = self.config
+        last = (max(uncached, 1) - 1) % cfg.batch_tokens + 1
+        done = min(len(hashes), max(n_tokens - last, 0) // cfg.block_size)
+        if not done:
+            return
+        a.ahead = tuple((scope, h) for h in hashes[:done])
+        for key in a.ahead:
+            holders = self._ahead.setdefault(key, {})
+            holders[a.worker] = holders.get(a.worker, 0) + 1
+        self._ahead_workers[a.worker] = self._ahead_workers.get(a.worker, 0) + 1
+
+    def _drop_ahead(self, a: _Active) -> None:
+        if not a.ahead:
+            return
+        for key in a.ahead:
+            holders = self._ahead[key]
+            if holders[a.worker] == 1:
+                del holders[a.worker]
+                if not holders:
+                    del self._ahead[key]
+            else:
+                holders[a.worker] -= 1
+        left = self._ahead_workers[a.worker] - 1
+        if left:
+            self._ahead_workers[a.worker] = left
+        else:
+            del self._ahead_workers[a.worker]
+        a.ahead = ()
+
+    def _ahead_depths(self, scope: IdentityScope, hashes: Sequence[int], names: Sequence[str]) -> Optional[np.ndarray]:
+        """Per candidate, the prefix of ``hashes`` that the requests in prefill there will have
+        computed (None: none anywhere).  Block hashes chain, so a request that computes block i
+        computed every block before it: the deepest such block is found by bisection, then each
+        worker's deepest by walking down from it (the request's blocks at most, and no further
+        once every worker with requests in prefill is placed)."""
+        ahead = self._ahead
+        if not ahead or not hashes:
+            return None
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if (scope, hashes[mid - 1]) in ahead:
+                lo = mid
+            else:
+                hi = mid - 1
+        if not lo:
+            return None
+        depth: dict[str, int] = {}
+        want = len(self._ahead_workers)
+        for i in range(lo, 0, -1):
+            for w in ahead.get((scope, hashes[i - 1]), ()):
+                depth.setdefault(w, i)
+            if len(depth) == want:
+                break
+        return np.fromiter((depth.get(n, 0) for n in names), np.int64, len(names))
 
     def _zeros(self, n: int) -> np.ndarray:
         z = self._no_trees.get(n)
@@ -517,6 +603,7 @@ class Router:
         row[_PREFILL_REQUESTS] += 1
 
     def _release(self, a: _Active) -> None:
+        self._drop_ahead(a)
         ld = self._loads.get(a.worker)
         if ld is None:
             return
@@ -534,6 +621,7 @@ class Router:
             if a is None or not a.prefilling:
                 return False
             a.prefilling = False
+            self._drop_ahead(a)
             ld = self._loads.get(a.worker)
             if ld is not None:
                 ld.active_prefill_tokens -= a.prefill_tokens
