@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from quillcache.control.indexer import _KEY, DEVICE, DISK, HOST, POOL, DictIndexer, chain_hashes
+from quillcache.control.inflight import page_wait_us
 from quillcache.control.model import H200_LLAMA3_8B as H200
 from quillcache.protocol.route import POLICIES
 from quillcache.control.router import NoWorkers, Router, RouterConfig
@@ -227,6 +228,25 @@ def ahead_depth(inflight, name, scope, hashes, batch_tokens):
     return best
 
 
+def memory_wait(cfg, inflight, name, scope, hashes, n_tokens, decodes):
+    """The wait for KV pages on ``name``, from the requests in flight as routed: the pages they
+    hold (their distinct blocks, each one's partial last), what of the request they hold."""
+    mine = [(s, hs, n, unc) for w, s, hs, n, unc in inflight if w == name]
+    held = len({(s, h) for s, hs, _, _ in mine for h in hs}) + sum(math.ceil(n / BS) - len(hs) for _, hs, n, _ in mine)
+    pinned = 0
+    for s, hs, _, _ in mine:
+        common = 0
+        while s == scope and common < min(len(hs), len(hashes)) and hs[common] == hashes[common]:
+            common += 1
+        pinned = max(pinned, common)
+    need = math.ceil(n_tokens / BS) - pinned
+    if held + need <= cfg.kv_blocks or not mine:
+        return 0.0
+    return page_wait_us([(True, unc, 0, math.ceil(n / BS)) for _, _, n, unc in mine], need, cfg.kv_blocks, held,
+                        cfg.cost.prefill_us_per_token,
+                        cfg.cost.decode_us_per_token + cfg.cost.running_decode_penalty_us * decodes)
+
+
 def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, inflight=()):
     """(logits, choices allowed, per-worker facts) computed worker by worker from the dict
     indexer's match, the requests in prefill and the loads as the test set them."""
@@ -271,13 +291,15 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, infligh
         col = [np.array([facts[n]["tiers"][t] for n in names], np.int64) for t in range(4)]
         trees = np.array(ref.tree_blocks(names) if policy == "sglang" else [0] * len(names), np.int64)
         a = lambda v: np.array(v, np.int64)
-        held = a([loads[n][4] if len(loads[n]) > 4 else 0 for n in names])
+        waits = None
+        if policy == "quillcache" and cfg.kv_blocks is not None:
+            waits = np.array([memory_wait(cfg, inflight, n, scope, hashes, n_tokens, max(req[i] - preq[i], 0))
+                              for i, n in enumerate(names)])
         cand = Candidates(tuple(names), *col, a(apt), a(preq), a(req), trees, n_tokens, len(hashes), cfg.block_size,
-                          held)
+                          waits)
         if policy == "quillcache":
             pred = predict_ttft(cand, cfg.cost, block_bytes=router._block_bytes, batch_tokens=cfg.batch_tokens,
-                                pool_us_per_mb=router._pool_us_per_mb, kv_blocks=cfg.kv_blocks,
-                                device_share=router.stats.device_share)
+                                pool_us_per_mb=router._pool_us_per_mb, device_share=router.stats.device_share)
             if cfg.goodput_placement:
                 pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0)
             logits = pred.score.tolist()
@@ -315,16 +337,16 @@ load_st = st.tuples(st.integers(0, 5000), st.integers(0, 6), st.integers(0, 9), 
        st.sampled_from(POLICIES), st.booleans(), st.one_of(st.none(), st.permutations(range(6))),
        st.integers(1, 6), st.integers(0, 3),
        st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1), st.integers(1, 10), st.integers(0, 100)),
-                max_size=4))
+                max_size=4), st.sampled_from([None, 8, 30]))
 def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, policy, pool_first, order,
-                                                         n_cand, extra_tokens, inflight):
+                                                         n_cand, extra_tokens, inflight, kv_blocks):
     """Random residency (2 identities, every tier, a pool node registered before or after
     the workers), requests in prefill, random loads, random candidate subsets in any order,
     every policy: the router's logits, choice, overlap, plan and counters are the
     straightforward scorer's."""
     names = [f"w{i}" for i in range(6)]
     cfg = RouterConfig(policy=policy, block_size=BS, seed=5, cost=H200, kv_bytes_per_token=131072,
-                       batch_tokens=64)
+                       batch_tokens=64, kv_blocks=kv_blocks)
     router = Router(cfg)
     ref = DictIndexer()
     if pool_first:
@@ -403,9 +425,21 @@ def test_load_table_equals_the_sum_over_requests_in_flight(ops):
         assert ld.prefill_requests == sum(1 for a in mine if a.prefilling)
         assert ld.active_requests == len(mine)
         assert ld.decode_blocks == sum(a.blocks for a in mine)
-        assert ld.new_blocks == sum(a.new_blocks for a in mine)
+        assert ld.pages == len({key for a in mine for key in a.pinned}) + sum(a.private_pages for a in mine)
     # the blocks credited to requests behind one in prefill: exactly those of the requests in prefill
-    want = Counter((key, a.worker) for a in router._active.values() if a.prefilling for key in a.ahead)
-    have = Counter({(key, w): n for key, holders in router._ahead.items() for w, n in holders.items()})
-    assert have == want
+    assert router._ahead.counts() == Counter((key, a.worker) for a in router._active.values() for key in a.ahead)
+    assert router._pinned.counts() == Counter((key, a.worker) for a in router._active.values() for key in a.pinned)
     assert all(not a.ahead for a in router._active.values() if not a.prefilling)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(fast_place, max_size=30), st.lists(load_st, min_size=6, max_size=6), st.integers(1, 9),
+       st.integers(0, 3), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1), st.integers(1, 10),
+                                             st.integers(0, 100)), min_size=1, max_size=6),
+       st.sampled_from([4, 8, 30]))
+def test_quillcache_memory_waits_equal_the_straightforward_scorer(places, loads, qlen, extra_tokens, inflight,
+                                                                  kv_blocks):
+    """The same, for quillcache with KV memory known and requests in flight on small engines:
+    the pages they hold and the wait for them."""
+    test_fast_decisions_equal_the_straightforward_scorer.hypothesis.inner_test(
+        places, loads, qlen, "quillcache", False, None, 6, extra_tokens, inflight, kv_blocks)

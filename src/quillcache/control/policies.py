@@ -65,7 +65,7 @@ class Candidates:
     n_tokens: int
     n_blocks: int
     block_size: int
-    held_blocks: Optional[np.ndarray] = None     # KV pages the requests in flight took on each worker
+    memory_wait_us: Optional[np.ndarray] = None  # until its KV pages fit there (``inflight.page_wait_us``)
 
     @property
     def local(self) -> np.ndarray:
@@ -163,8 +163,7 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2) -> 
 
 
 def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_tokens: int,
-                 pool_us_per_mb: float, kv_blocks: Optional[int] = None,
-                 device_share: float = 0.0) -> Prediction:
+                 pool_us_per_mb: float, device_share: float = 0.0) -> Prediction:
     """The ``quillcache`` policy: per worker, in microseconds,
 
     * the prefill work admitted there and not yet done (the queue it waits behind) plus its
@@ -179,9 +178,9 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     * what its pages evict there: its blocks not on that device, times the share of routed
       blocks found on the device (``device_share``, the router's measurement), times the cost
       of loading (pool) or recomputing a block;
-    * with ``kv_blocks`` (the engines' KV pages) and the pages the requests in flight took
-      (``Candidates.held_blocks``): the workers whose memory it does not fit now rank after
-      those it fits, by the pages it would wait for.
+    * with ``Candidates.memory_wait_us`` (the router's, where it knows the engines' KV pages):
+      the time until its pages fit in the engine's KV memory; it starts when both that and the
+      compute queue allow (the queue drains while it waits for pages).
     """
     per_token = cost.prefill_us_per_token
     bs = c.block_size
@@ -201,6 +200,9 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     ttft = per_token * work + iters * per_iter + load
     queued = c.prefill_tokens.astype(float)
     wait = per_token * queued + np.ceil(queued / np.maximum(batch_tokens - decodes, 1)) * per_iter
+    if c.memory_wait_us is not None:
+        longer = np.maximum(c.memory_wait_us - wait, 0.0)
+        ttft, wait = ttft + longer, wait + longer
     total = float(decodes.sum())
     imposed = per_token * own * (decodes / total) if total else np.zeros(len(own))
     # Each microsecond of compute it adds is one more of waiting for the requests that will
@@ -216,13 +218,4 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     refill = pool_us if use_pool and c.pool.any() else bs * per_token
     imposed = imposed + device_share * refill * need
     score = ttft + imposed
-    if kv_blocks is not None and c.held_blocks is not None:
-        # KV memory: where the pages the requests in flight took plus the pages this one needs
-        # (its blocks not on that device: a block loaded from host, disk or the pool needs a page
-        # like a recomputed one) exceed the engine's KV pages, it waits for running requests to
-        # end, a wait the compute queue above does not see.  Ranked by the pages it would wait
-        # for, then by the score: where it fits now comes first.
-        excess = np.maximum(c.held_blocks + need - kv_blocks, 0)
-        if excess.any():
-            score = excess * (float(score.max()) + 1.0) + score
     return Prediction(score, ttft, pool, wait)

@@ -205,7 +205,7 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
             r = requests[key]
             rid = f"r{r.trace.index}"
             d = router.route(r.scope, hashes=r.router_hashes, request_tokens=r.trace.input_length,
-                             request_id=rid)
+                             request_id=rid, decode_tokens=r.trace.output_length)
             if not d.admitted:
                 result.admission_refused += 1
                 continue
