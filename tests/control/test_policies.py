@@ -450,3 +450,22 @@ def test_a_request_behind_one_in_prefill_is_credited_the_blocks_that_one_compute
     r.first_token("a")
     assert r.route(A, hashes=h, request_tokens=48, track=False).overlap == (0, 0, 0, 0)
     assert not r._ahead
+
+
+def test_a_wait_for_kv_pages_counts_for_the_requests_behind_it_like_compute():
+    """Engines of 40 KV pages, 45 us a prefill token, no decodes.  w0: one request in prefill
+    (20 blocks, 80 tokens: 3,600 us) that will decode 100 tokens at 80 us an iteration, so it
+    holds its pages until 11,600 us.  w1: 400 tokens queued by four requests, no pages held.  The
+    request: 24 blocks (96 tokens, 4,320 us).  On w0 it needs 24 pages, 20 + 24 > 40: it starts at
+    11,600 us, 8,000 us after the compute before it is done, TTFT 3,600 + 4,320 + 8,000 = 15,920 us;
+    on w1 it fits, TTFT 18,000 + 4,320 = 22,320 us.  The mean prefill queue is (1 + 4) / 2 = 2.5:
+    its 4,320 us of compute delay 2.5 requests on either worker, and on w0 so do the 8,000 us
+    the engine's queue waits with it (no overtaking): w0 15,920 + 2.5 x 12,320 = 46,720, w1
+    22,320 + 2.5 x 4,320 = 33,120."""
+    r = router("quillcache", workers=("w0", "w1"), kv_blocks=40)
+    r.route(A, hashes=chain_hashes(toks(20, salt=1), BS), request_tokens=80, request_id="a",
+            candidates=["w0"], decode_tokens=100)
+    set_load(r, "w1", 400, 4, 4)
+    d = r.route(A, hashes=chain_hashes(toks(24), BS), request_tokens=96, track=False)
+    assert d.worker == "w1" and d.predicted_ttft_us == pytest.approx(22320)
+    assert d.logits == pytest.approx({"w0": 46720, "w1": 33120})

@@ -200,15 +200,18 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     ttft = per_token * work + iters * per_iter + load
     queued = c.prefill_tokens.astype(float)
     wait = per_token * queued + np.ceil(queued / np.maximum(batch_tokens - decodes, 1)) * per_iter
+    stall = np.zeros(len(own))
     if c.memory_wait_us is not None:
-        longer = np.maximum(c.memory_wait_us - wait, 0.0)
-        ttft, wait = ttft + longer, wait + longer
+        stall = np.maximum(c.memory_wait_us - wait, 0.0)
+        ttft, wait = ttft + stall, wait + stall
     total = float(decodes.sum())
     imposed = per_token * own * (decodes / total) if total else np.zeros(len(own))
     # Each microsecond of compute it adds is one more of waiting for the requests that will
-    # queue behind it; the mean prefill queue over the workers says how many that is.
+    # queue behind it; the mean prefill queue over the workers says how many that is.  So is
+    # each microsecond it waits for KV pages past the compute queue: the engine admits in order,
+    # so those behind it wait too while its compute idles.
     behind = float(c.prefill_requests.mean()) if len(own) else 0.0
-    imposed = imposed + per_token * own * behind
+    imposed = imposed + (per_token * own + stall) * behind
     # What it evicts: each page it takes (its blocks not on that device) pushes one cached block
     # out, which later requests would have found there at the rate blocks are found on the
     # device (``device_share``, measured over the router's decisions) and now load from the pool
