@@ -516,21 +516,27 @@ class Router:
         need = math.ceil(n_tokens / cfg.block_size) - (pinned if pinned is not None else 0)
         excess = held + need - cfg.kv_blocks
         waits = np.zeros(len(names))
+        full = np.flatnonzero(excess > 0)
+        if not len(full):
+            return waits
         cost = cfg.cost
-        for i in np.flatnonzero(excess > 0):
+        needs = np.broadcast_to(need, len(names))[full].tolist()
+        plans, by_worker = self._page_plans, self._by_worker
+        for i, nd in zip(full.tolist(), needs):
             name = names[i]
-            acts = self._by_worker.get(name)
-            if acts:
+            plan = plans.get(name)
+            if plan is None:
+                acts = by_worker.get(name)
+                if not acts:
+                    continue
                 # played forward once per change of the worker's requests in flight (the plan
                 # depends on nothing else), then a bisection per decision
-                plan = self._page_plans.get(name)
-                if plan is None:
-                    decodes = max(int(lt[i, _REQUESTS] - lt[i, _PREFILL_REQUESTS]), 0)
-                    plan = self._page_plans[name] = page_plan(
-                        ((a.prefilling, a.prefill_tokens, a.decode_tokens, a.blocks) for a in acts.values()),
-                        cfg.kv_blocks, float(held[i]), cost.prefill_us_per_token,
-                        cost.decode_us_per_token + cost.running_decode_penalty_us * decodes)
-                waits[i] = plan.wait(float(need[i] if np.ndim(need) else need))
+                decodes = max(int(lt[i, _REQUESTS] - lt[i, _PREFILL_REQUESTS]), 0)
+                plan = plans[name] = page_plan(
+                    ((a.prefilling, a.prefill_tokens, a.decode_tokens, a.blocks) for a in acts.values()),
+                    cfg.kv_blocks, float(held[i]), cost.prefill_us_per_token,
+                    cost.decode_us_per_token + cost.running_decode_penalty_us * decodes)
+            waits[i] = plan.wait(nd)
         return waits
 
     def _drop_ahead(self, a: _Active) -> None:
