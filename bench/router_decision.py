@@ -3,6 +3,10 @@ against the same decision over a small index in the same run (the ratio says whe
 per-decision work grows with the blocks indexed; the absolute time is the machine's).
 
     python bench/router_decision.py --blocks 1000000 --small 10000 --decisions 2000
+
+``--in-flight N --kv-blocks K``: first N requests in flight on every worker (tracked, half of
+them past their first token) and engines of K KV pages, so the decisions also read the blocks
+and pages of the requests in flight (``control/inflight.py``) and play the page waits forward.
 """
 from __future__ import annotations
 
@@ -22,12 +26,12 @@ from quillcache.protocol.route import POLICIES
 SCOPE = IdentityScope("llama-3-8b", "llama-3-8b", None, "t0")
 
 
-def build(total: int, workers: int, seed: int) -> tuple[Router, list[list[int]]]:
+def build(total: int, workers: int, seed: int, kv_blocks: "int | None" = None) -> tuple[Router, list[list[int]]]:
     """``total`` blocks spread over the workers as chains of 128 (device, some on host, and a
     pool node holding every fourth chain); returns the router and the chains."""
     idx = ArtIndexer()
     names = [f"w{i}" for i in range(workers)]
-    r = Router(RouterConfig(policy="quillcache", block_size=16, seed=seed), idx, names)
+    r = Router(RouterConfig(policy="quillcache", block_size=16, seed=seed, kv_blocks=kv_blocks), idx, names)
     chains = []
     rng = random.Random(seed)
     for c in range(total // 128):
@@ -41,6 +45,19 @@ def build(total: int, workers: int, seed: int) -> tuple[Router, list[list[int]]]
         if c % 4 == 0:
             idx.add_blocks("pool", SCOPE, chain, POOL)
     return r, chains
+
+
+def fill(r: Router, chains: list[list[int]], per_worker: int, seed: int) -> None:
+    """``per_worker`` requests in flight on every worker: a chain's prefix each, half of them
+    past their first token, each to decode 16-512 tokens."""
+    rng = random.Random(seed)
+    for w in r.workers:
+        for j in range(per_worker):
+            chain = chains[rng.randrange(len(chains))]
+            d = r.route(SCOPE, hashes=chain[:rng.randrange(1, 129)], request_tokens=rng.randrange(16, 129) * 16,
+                        candidates=[w], decode_tokens=rng.randrange(16, 513))
+            if j % 2:
+                r.first_token(d.request_id)
 
 
 def measure(r: Router, chains: list[list[int]], decisions: int, policy: str, seed: int) -> np.ndarray:
@@ -64,11 +81,18 @@ def main(argv=None) -> int:
     ap.add_argument("--decisions", type=int, default=2000)
     ap.add_argument("--policies", default="quillcache,dynamo,mooncake")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--in-flight", type=int, default=0, help="requests in flight per worker")
+    ap.add_argument("--kv-blocks", type=int, default=None, help="KV pages per engine (router blocks)")
     args = ap.parse_args(argv)
+    if args.in_flight < 0 or (args.kv_blocks is not None and args.kv_blocks <= 0):
+        ap.error("--in-flight must be >= 0 and --kv-blocks > 0")
     print("load average %.2f %.2f %.2f" % os.getloadavg())
     t0 = time.perf_counter()
-    big, big_chains = build(args.blocks, args.workers, args.seed)
-    small, small_chains = build(args.small, args.workers, args.seed)
+    big, big_chains = build(args.blocks, args.workers, args.seed, args.kv_blocks)
+    small, small_chains = build(args.small, args.workers, args.seed, args.kv_blocks)
+    if args.in_flight:
+        fill(big, big_chains, args.in_flight, args.seed)
+        fill(small, small_chains, args.in_flight, args.seed)
     print(f"indexed {len(big.indexer)} and {len(small.indexer)} blocks over {args.workers} workers "
           f"({time.perf_counter() - t0:.1f} s)")
     for policy in [p.strip() for p in args.policies.split(",") if p.strip() in POLICIES]:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from quillcache.control.indexer import DEVICE, POOL, ArtIndexer, chain_hashes
+from quillcache.control.inflight import page_wait_us
 from quillcache.control.model import TCP_BYTES_PER_S, CostModel, us_per_mib
 from quillcache.control.router import Router, RouterConfig
 from quillcache.control.sim.engine import EngineConfig, H200_LLAMA3_8B
@@ -26,8 +27,9 @@ def toks(n_blocks, salt=0):
 
 
 def router(policy, workers=("w0", "w1", "w2"), **kw):
-    return Router(RouterConfig(policy=policy, block_size=BS, seed=0, cost=COST, kv_bytes_per_token=KV,
-                               batch_tokens=8192, **kw), workers=list(workers))
+    kw.setdefault("batch_tokens", 8192)
+    return Router(RouterConfig(policy=policy, block_size=BS, seed=0, cost=COST, kv_bytes_per_token=KV, **kw),
+                  workers=list(workers))
 
 
 def set_load(r, name, prefill_tokens, prefill_requests, requests):
@@ -339,40 +341,73 @@ def test_a_doomed_request_is_not_moved_where_it_costs_more_than_twice_its_own_wo
     assert d.worker == "w2" and d.predicted_ttft_us > 800_000
 
 
-def test_a_worker_whose_kv_memory_it_does_not_fit_ranks_after_one_it_fits():
-    """Engines of 16 KV pages.  w0: an empty queue, but the requests in flight took 12 pages;
-    w1: 1,000 tokens queued (45 ms), no page taken.  The request is 8 blocks: on w0 it needs 8
-    pages (12 + 8 > 16: it would wait for running requests to end), on w1 8 (fits)."""
+def test_a_request_waits_on_a_worker_whose_kv_memory_it_does_not_fit_until_pages_free():
+    """Engines of 40 KV pages, 45 us a prefill token, decode iterations of 80 us + 1,500 us per
+    running decode.  w0: two requests decoding 1,000 tokens each (12 and 20 blocks: 32 pages),
+    iterations of 80 + 2 x 1,500 = 3,080 us, each on average half-way: they end in 1.54 s.
+    w1: one request of 30 blocks (120 tokens) in prefill, 5,400 us of compute.  The request is
+    10 blocks (40 tokens).  On w0 it needs 10 pages, 32 + 10 > 40: it starts when a decode
+    ends, 1.54 s.  On w1 30 + 10 <= 40 fits: 5,400 + 1,800 = 7,200 us.  Without the memory
+    term w0 wins (1,800 + one decode iteration 3,080 = 4,880 us, +1,800 for the two decodes it
+    delays, +900 for the mean prefill queue 0.5, against w1's 7,200 + 900)."""
     def case(**kw):
         r = router("quillcache", workers=("w0", "w1"), **kw)
-        r.load("w0").new_blocks = 12
-        set_load(r, "w1", 1000, 1, 1)
+        r.route(A, hashes=chain_hashes(toks(12, salt=1), BS), request_tokens=48, request_id="a",
+                candidates=["w0"], decode_tokens=1000)
+        r.route(A, hashes=chain_hashes(toks(20, salt=2), BS), request_tokens=80, request_id="a2",
+                candidates=["w0"], decode_tokens=1000)
+        r.first_token("a"), r.first_token("a2")
+        r.route(A, hashes=chain_hashes(toks(30, salt=3), BS), request_tokens=120, request_id="b",
+                candidates=["w1"], decode_tokens=1)
         return r
-    h = chain_hashes(toks(8), BS)
-    assert case().route(A, hashes=h, request_tokens=32, track=False).worker == "w0"   # memory not known
-    assert case(kv_blocks=16).route(A, hashes=h, request_tokens=32, track=False).worker == "w1"
-    # with 6 of its blocks on w0's device it needs 2 pages there (12 + 2 <= 16): w0 again
-    r = case(kv_blocks=16)
-    r.indexer.add_blocks("w0", A, h[:6], DEVICE)
-    assert r.route(A, hashes=h, request_tokens=32, track=False).worker == "w0"
-    # nowhere fits: the fewest pages to wait for first (w1 already took 14, w0 12)
-    r = case(kv_blocks=16)
-    r.load("w1").new_blocks = 14
-    assert r.route(A, hashes=h, request_tokens=32, track=False).worker == "w0"
+    h = chain_hashes(toks(10), BS)
+    d = case().route(A, hashes=h, request_tokens=40, track=False)           # memory not known
+    assert d.worker == "w0" and d.predicted_ttft_us == pytest.approx(4880)
+    r = case(kv_blocks=40)
+    assert r.load("w0").pages == 32 and r.load("w1").pages == 30
+    d = r.route(A, hashes=h, request_tokens=40, track=False)
+    assert d.worker == "w1" and d.predicted_ttft_us == pytest.approx(7200)
+    assert d.logits["w0"] > 1.54e6
+    # once "a" ends, w0 has 20 pages held: it fits there at once
+    r.free("a")
+    assert r.route(A, hashes=h, request_tokens=40, track=False).worker == "w0"
 
 
-def test_the_pages_a_request_takes_are_counted_until_it_ends():
+def test_page_wait_plays_the_engine_admission_forward():
+    """10 pages, 1 us a prefill token, 100 us a decode iteration.  In flight: one decoding
+    (10 tokens, 4 blocks: ends at 10 x 100 / 2 = 500 us) and one in prefill (1,000 tokens, 20
+    to decode, 6 blocks: admitted now into the 6 free pages, computed by 1,000 us, ends at
+    3,000 us)."""
+    reqs = [(False, 0, 10, 4), (True, 1000, 20, 6)]
+    # 3 pages: free when the decode ends, but the compute before it is done only at 1,000 us
+    assert page_wait_us(reqs, 3, 10, 10, 1.0, 100.0) == 1000
+    # 5 pages: the first end frees 4, it waits for the second
+    assert page_wait_us(reqs, 5, 10, 10, 1.0, 100.0) == 3000
+    # the engine holds 5 pages for their 10 blocks (shared ones): each frees half its blocks
+    assert page_wait_us(reqs, 5, 10, 5, 1.0, 100.0) == 1000
+    # a second request in prefill (8 blocks) waits for both: admitted at 3,000 us, computed by
+    # 3,500, ends at 3,500 + 1,000; the request (2 pages) then fits in what it left free
+    reqs.append((True, 500, 10, 8))
+    assert page_wait_us(reqs, 2, 10, 18, 1.0, 100.0) == 3500
+    assert page_wait_us([], 2, 10, 0, 1.0, 100.0) == 0
+
+
+def test_the_pages_requests_in_flight_hold_count_a_shared_block_once():
     r = router("quillcache", workers=("w0",), kv_blocks=64)
     h = chain_hashes(toks(10), BS)
     r.indexer.add_blocks("w0", A, h[:4], DEVICE)
     r.indexer.add_blocks("node", A, h[:7], POOL)
-    d = r.route(A, hashes=h, request_tokens=40, request_id="a")
+    d = r.route(A, hashes=h, request_tokens=42, request_id="a")
     assert d.overlap == (4, 0, 0, 3)
-    assert r.load("w0").new_blocks == 10 - 4             # pool blocks need pages like recomputed ones
+    assert r.load("w0").pages == 10 + 1                  # its hits are pinned too; its partial block
     r.first_token("a")
-    assert r.load("w0").new_blocks == 6                   # held while it decodes
+    assert r.load("w0").pages == 11                      # held while it decodes
+    r.route(A, hashes=h[:8], request_tokens=32, request_id="b")
+    assert r.load("w0").pages == 11                      # its 8 blocks are a's
     r.free("a")
-    assert r.load("w0").new_blocks == 0
+    assert r.load("w0").pages == 8
+    r.free("b")
+    assert r.load("w0").pages == 0 and not r._pinned
 
 
 def test_what_a_move_evicts_on_its_new_worker_is_counted_at_the_measured_device_share():
@@ -391,3 +426,46 @@ def test_what_a_move_evicts_on_its_new_worker_is_counted_at_the_measured_device_
     d = case(1.0)
     assert d.worker == "w0"
     assert d.logits["w0"] == pytest.approx(2610 + 2 * 180) and d.logits["w1"] == pytest.approx(1800 + 10 * 180)
+
+
+def test_a_request_behind_one_in_prefill_is_credited_the_blocks_that_one_computes():
+    """Chunks of 16 tokens.  "a" (10 blocks, 40 tokens, nothing cached) is routed to w0 and is
+    in prefill: no event shows its blocks yet.  It computes them in chunks of 16, 16 and 8
+    tokens; the engine admits the next request in the iteration of the last chunk, so a request
+    queued behind it finds its first 8 blocks.  The next turn (12 blocks, 48 tokens, the same
+    first 10): on w0, 40 tokens queued + 16 of its own = 2520 us, plus its own 16 tokens x the
+    mean prefill queue 0.5 = 360 us; on w1 (idle) 48 x 45 = 2160 us + 1080 us.  Without the
+    credit w0 would be 3960 + 1080 us: it would go to w1 and compute the 10 blocks again."""
+    r = router("quillcache", workers=("w0", "w1"), batch_tokens=16)
+    h = chain_hashes(toks(12), BS)
+    r.route(A, hashes=h[:10], request_tokens=40, request_id="a", candidates=["w0"])
+    d = r.route(A, hashes=h, request_tokens=48, track=False)
+    assert d.worker == "w0" and d.overlap == (8, 0, 0, 0)
+    assert d.predicted_ttft_us == pytest.approx(2520)
+    assert d.logits == pytest.approx({"w0": 2520 + 360, "w1": 2160 + 1080})
+    # another identity's request finds nothing of it
+    other = IdentityScope("m", "t", None, "globex")
+    assert r.route(other, hashes=h, request_tokens=48, track=False).overlap == (0, 0, 0, 0)
+    # past its first token its blocks are the engine's events' to report: no credit is left
+    r.first_token("a")
+    assert r.route(A, hashes=h, request_tokens=48, track=False).overlap == (0, 0, 0, 0)
+    assert not r._ahead
+
+
+def test_a_wait_for_kv_pages_counts_for_the_requests_behind_it_like_compute():
+    """Engines of 40 KV pages, 45 us a prefill token, no decodes.  w0: one request in prefill
+    (20 blocks, 80 tokens: 3,600 us) that will decode 100 tokens at 80 us an iteration, so it
+    holds its pages until 11,600 us.  w1: 400 tokens queued by four requests, no pages held.  The
+    request: 24 blocks (96 tokens, 4,320 us).  On w0 it needs 24 pages, 20 + 24 > 40: it starts at
+    11,600 us, 8,000 us after the compute before it is done, TTFT 3,600 + 4,320 + 8,000 = 15,920 us;
+    on w1 it fits, TTFT 18,000 + 4,320 = 22,320 us.  The mean prefill queue is (1 + 4) / 2 = 2.5:
+    its 4,320 us of compute delay 2.5 requests on either worker, and on w0 so do the 8,000 us
+    the engine's queue waits with it (no overtaking): w0 15,920 + 2.5 x 12,320 = 46,720, w1
+    22,320 + 2.5 x 4,320 = 33,120."""
+    r = router("quillcache", workers=("w0", "w1"), kv_blocks=40)
+    r.route(A, hashes=chain_hashes(toks(20, salt=1), BS), request_tokens=80, request_id="a",
+            candidates=["w0"], decode_tokens=100)
+    set_load(r, "w1", 400, 4, 4)
+    d = r.route(A, hashes=chain_hashes(toks(24), BS), request_tokens=96, track=False)
+    assert d.worker == "w1" and d.predicted_ttft_us == pytest.approx(22320)
+    assert d.logits == pytest.approx({"w0": 46720, "w1": 33120})

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from quillcache.control.indexer import _KEY, DEVICE, DISK, HOST, POOL, DictIndexer, chain_hashes
+from quillcache.control.inflight import page_wait_us
 from quillcache.control.model import H200_LLAMA3_8B as H200
 from quillcache.protocol.route import POLICIES
 from quillcache.control.router import NoWorkers, Router, RouterConfig
@@ -210,9 +211,45 @@ def test_decision_latency_is_exported_to_prometheus():
 # straightforward scorer: the dict indexer, one worker at a time, the loads as given
 
 
-def straight(router, ref, loads, scope, hashes, n_tokens, policy, names):
+def ahead_depth(inflight, name, scope, hashes, batch_tokens):
+    """The prefix of ``hashes`` that the requests in prefill on ``name`` (worker, scope, hashes,
+    tokens, uncached tokens) will have computed: each its common prefix with the request, less
+    its last chunk of prefill."""
+    best = 0
+    for w, s, hs, n, uncached in inflight:
+        if w != name or s != scope:
+            continue
+        last = (max(uncached, 1) - 1) % batch_tokens + 1
+        done = min(len(hs), max(n - last, 0) // BS)
+        common = 0
+        while common < min(len(hs), len(hashes)) and hs[common] == hashes[common]:
+            common += 1
+        best = max(best, min(common, done))
+    return best
+
+
+def memory_wait(cfg, inflight, name, scope, hashes, n_tokens, decodes):
+    """The wait for KV pages on ``name``, from the requests in flight as routed: the pages they
+    hold (their distinct blocks, each one's partial last), what of the request they hold."""
+    mine = [(s, hs, n, unc) for w, s, hs, n, unc in inflight if w == name]
+    held = len({(s, h) for s, hs, _, _ in mine for h in hs}) + sum(math.ceil(n / BS) - len(hs) for _, hs, n, _ in mine)
+    pinned = 0
+    for s, hs, _, _ in mine:
+        common = 0
+        while s == scope and common < min(len(hs), len(hashes)) and hs[common] == hashes[common]:
+            common += 1
+        pinned = max(pinned, common)
+    need = math.ceil(n_tokens / BS) - pinned
+    if held + need <= cfg.kv_blocks or not mine:
+        return 0.0
+    return page_wait_us([(True, unc, 0, math.ceil(n / BS)) for _, _, n, unc in mine], need, cfg.kv_blocks, held,
+                        cfg.cost.prefill_us_per_token,
+                        cfg.cost.decode_us_per_token + cfg.cost.running_decode_penalty_us * decodes)
+
+
+def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, inflight=()):
     """(logits, choices allowed, per-worker facts) computed worker by worker from the dict
-    indexer's match and the loads as the test set them."""
+    indexer's match, the requests in prefill and the loads as the test set them."""
     from quillcache.control.policies import (Candidates, goodput_placement, llmd_scores, mooncake_scores, predict_ttft,
                                              sglang_scores)
     from quillcache.control.router import BLIND_POLICIES
@@ -230,6 +267,11 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names):
             d, h, k = bd, bh, bk
         elif policy != "quillcache":
             p = 0
+        else:      # the blocks the requests in prefill there compute first are on its device
+            a = ahead_depth(inflight, n, scope, hashes, cfg.batch_tokens)
+            c1 = max(d, a)
+            c2, c3, c4 = max(d + h, c1), max(d + h + k, c1), max(d + h + k + p, c1)
+            d, h, k, p = c1, c2 - c1, c3 - c2, c4 - c3
         facts[n] = dict(tiers=(d, h, k, p), refused=refused, cross=cross, offered=p, predicted=0.0, moved=0)
     apt, preq, req, dec = ([loads[n][i] for n in names] for i in range(4))
     logits = []
@@ -249,13 +291,15 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names):
         col = [np.array([facts[n]["tiers"][t] for n in names], np.int64) for t in range(4)]
         trees = np.array(ref.tree_blocks(names) if policy == "sglang" else [0] * len(names), np.int64)
         a = lambda v: np.array(v, np.int64)
-        held = a([loads[n][4] if len(loads[n]) > 4 else 0 for n in names])
+        waits = None
+        if policy == "quillcache" and cfg.kv_blocks is not None:
+            waits = np.array([memory_wait(cfg, inflight, n, scope, hashes, n_tokens, max(req[i] - preq[i], 0))
+                              for i, n in enumerate(names)])
         cand = Candidates(tuple(names), *col, a(apt), a(preq), a(req), trees, n_tokens, len(hashes), cfg.block_size,
-                          held)
+                          waits)
         if policy == "quillcache":
             pred = predict_ttft(cand, cfg.cost, block_bytes=router._block_bytes, batch_tokens=cfg.batch_tokens,
-                                pool_us_per_mb=router._pool_us_per_mb, kv_blocks=cfg.kv_blocks,
-                                device_share=router.stats.device_share)
+                                pool_us_per_mb=router._pool_us_per_mb, device_share=router.stats.device_share)
             if cfg.goodput_placement:
                 pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0)
             logits = pred.score.tolist()
@@ -291,15 +335,18 @@ load_st = st.tuples(st.integers(0, 5000), st.integers(0, 6), st.integers(0, 9), 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(fast_place, max_size=30), st.lists(load_st, min_size=6, max_size=6), st.integers(0, 9),
        st.sampled_from(POLICIES), st.booleans(), st.one_of(st.none(), st.permutations(range(6))),
-       st.integers(1, 6), st.integers(0, 3))
+       st.integers(1, 6), st.integers(0, 3),
+       st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1), st.integers(1, 10), st.integers(0, 100)),
+                max_size=4), st.sampled_from([None, 8, 30]))
 def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, policy, pool_first, order,
-                                                         n_cand, extra_tokens):
+                                                         n_cand, extra_tokens, inflight, kv_blocks):
     """Random residency (2 identities, every tier, a pool node registered before or after
-    the workers), random loads, random candidate subsets in any order, every policy: the
-    router's logits, choice, overlap, plan and counters are the straightforward scorer's."""
+    the workers), requests in prefill, random loads, random candidate subsets in any order,
+    every policy: the router's logits, choice, overlap, plan and counters are the
+    straightforward scorer's."""
     names = [f"w{i}" for i in range(6)]
     cfg = RouterConfig(policy=policy, block_size=BS, seed=5, cost=H200, kv_bytes_per_token=131072,
-                       batch_tokens=64)
+                       batch_tokens=64, kv_blocks=kv_blocks)
     router = Router(cfg)
     ref = DictIndexer()
     if pool_first:
@@ -314,6 +361,12 @@ def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, po
         tier = POOL if w == 6 else min(tier, DISK)
         for idx in (router.indexer, ref):
             idx.add_blocks(worker, (A, B)[s], chain[start:start + n], tier)
+    routed = []
+    for w, s, q, extra in inflight:      # requests in prefill: their blocks are in no event yet
+        n_in = q * BS + extra
+        di = router.route((A, B)[s], hashes=chain[:q], request_tokens=n_in, candidates=[names[w]],
+                          policy="round_robin")
+        routed.append((names[w], (A, B)[s], chain[:q], n_in, n_in - sum(di.overlap) * BS))
     given_loads = {}
     for n, (apt, preq, req, dec) in zip(names, loads):
         ld = router.load(n)
@@ -323,7 +376,8 @@ def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, po
     hashes = chain[:qlen] if qlen else [12345]
     n_tokens = len(hashes) * BS + extra_tokens
     d = router.route(A, hashes=hashes, request_tokens=n_tokens, track=False, candidates=cands)
-    logits, allowed, facts = straight(router, ref, given_loads, A, hashes, n_tokens, policy, cands or names)
+    logits, allowed, facts = straight(router, ref, given_loads, A, hashes, n_tokens, policy, cands or names,
+                                      routed)
     assert d.logits == logits                   # exactly: the same numbers, not close ones
     assert d.worker in allowed
     f = facts[d.worker]
@@ -351,7 +405,7 @@ def test_load_table_equals_the_sum_over_requests_in_flight(ops):
     """The per-worker load rows after any sequence of routes, first tokens, frees, removals
     and re-additions equal the plain sum over the router's requests in flight."""
     names = [f"w{i}" for i in range(6)]
-    router = Router(RouterConfig(policy="least_loaded", block_size=BS, seed=0), workers=names[:4])
+    router = Router(RouterConfig(policy="least_loaded", block_size=BS, seed=0, batch_tokens=8), workers=names[:4])
     rids = []
     for kind, w, n in ops:
         if kind == "route":
@@ -371,4 +425,21 @@ def test_load_table_equals_the_sum_over_requests_in_flight(ops):
         assert ld.prefill_requests == sum(1 for a in mine if a.prefilling)
         assert ld.active_requests == len(mine)
         assert ld.decode_blocks == sum(a.blocks for a in mine)
-        assert ld.new_blocks == sum(a.new_blocks for a in mine)
+        assert ld.pages == len({key for a in mine for key in a.pinned}) + sum(a.private_pages for a in mine)
+    # the blocks credited to requests behind one in prefill: exactly those of the requests in prefill
+    assert router._ahead.counts() == Counter((key, a.worker) for a in router._active.values() for key in a.ahead)
+    assert router._pinned.counts() == Counter((key, a.worker) for a in router._active.values() for key in a.pinned)
+    assert all(not a.ahead for a in router._active.values() if not a.prefilling)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(fast_place, max_size=30), st.lists(load_st, min_size=6, max_size=6), st.integers(1, 9),
+       st.integers(0, 3), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1), st.integers(1, 10),
+                                             st.integers(0, 100)), min_size=1, max_size=6),
+       st.sampled_from([4, 8, 30]))
+def test_quillcache_memory_waits_equal_the_straightforward_scorer(places, loads, qlen, extra_tokens, inflight,
+                                                                  kv_blocks):
+    """The same, for quillcache with KV memory known and requests in flight on small engines:
+    the pages they hold and the wait for them."""
+    test_fast_decisions_equal_the_straightforward_scorer.hypothesis.inner_test(
+        places, loads, qlen, "quillcache", False, None, 6, extra_tokens, inflight, kv_blocks)

@@ -65,7 +65,7 @@ class Candidates:
     n_tokens: int
     n_blocks: int
     block_size: int
-    held_blocks: Optional[np.ndarray] = None     # KV pages the requests in flight took on each worker
+    memory_wait_us: Optional[np.ndarray] = None  # until its KV pages fit there (``inflight.page_wait_us``)
 
     @property
     def local(self) -> np.ndarray:
@@ -163,8 +163,7 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2) -> 
 
 
 def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_tokens: int,
-                 pool_us_per_mb: float, kv_blocks: Optional[int] = None,
-                 device_share: float = 0.0) -> Prediction:
+                 pool_us_per_mb: float, device_share: float = 0.0) -> Prediction:
     """The ``quillcache`` policy: per worker, in microseconds,
 
     * the prefill work admitted there and not yet done (the queue it waits behind) plus its
@@ -179,9 +178,9 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     * what its pages evict there: its blocks not on that device, times the share of routed
       blocks found on the device (``device_share``, the router's measurement), times the cost
       of loading (pool) or recomputing a block;
-    * with ``kv_blocks`` (the engines' KV pages) and the pages the requests in flight took
-      (``Candidates.held_blocks``): the workers whose memory it does not fit now rank after
-      those it fits, by the pages it would wait for.
+    * with ``Candidates.memory_wait_us`` (the router's, where it knows the engines' KV pages):
+      the time until its pages fit in the engine's KV memory; it starts when both that and the
+      compute queue allow (the queue drains while it waits for pages).
     """
     per_token = cost.prefill_us_per_token
     bs = c.block_size
@@ -201,12 +200,18 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     ttft = per_token * work + iters * per_iter + load
     queued = c.prefill_tokens.astype(float)
     wait = per_token * queued + np.ceil(queued / np.maximum(batch_tokens - decodes, 1)) * per_iter
+    stall = np.zeros(len(own))
+    if c.memory_wait_us is not None:
+        stall = np.maximum(c.memory_wait_us - wait, 0.0)
+        ttft, wait = ttft + stall, wait + stall
     total = float(decodes.sum())
     imposed = per_token * own * (decodes / total) if total else np.zeros(len(own))
     # Each microsecond of compute it adds is one more of waiting for the requests that will
-    # queue behind it; the mean prefill queue over the workers says how many that is.
+    # queue behind it; the mean prefill queue over the workers says how many that is.  So is
+    # each microsecond it waits for KV pages past the compute queue: the engine admits in order,
+    # so those behind it wait too while its compute idles.
     behind = float(c.prefill_requests.mean()) if len(own) else 0.0
-    imposed = imposed + per_token * own * behind
+    imposed = imposed + (per_token * own + stall) * behind
     # What it evicts: each page it takes (its blocks not on that device) pushes one cached block
     # out, which later requests would have found there at the rate blocks are found on the
     # device (``device_share``, measured over the router's decisions) and now load from the pool
@@ -216,13 +221,4 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     refill = pool_us if use_pool and c.pool.any() else bs * per_token
     imposed = imposed + device_share * refill * need
     score = ttft + imposed
-    if kv_blocks is not None and c.held_blocks is not None:
-        # KV memory: where the pages the requests in flight took plus the pages this one needs
-        # (its blocks not on that device: a block loaded from host, disk or the pool needs a page
-        # like a recomputed one) exceed the engine's KV pages, it waits for running requests to
-        # end, a wait the compute queue above does not see.  Ranked by the pages it would wait
-        # for, then by the score: where it fits now comes first.
-        excess = np.maximum(c.held_blocks + need - kv_blocks, 0)
-        if excess.any():
-            score = excess * (float(score.max()) + 1.0) + score
     return Prediction(score, ttft, pool, wait)

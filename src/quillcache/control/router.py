@@ -43,6 +43,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
+from quillcache.control.inflight import InFlightBlocks, PagePlan, page_plan
 from quillcache.control.model import H200_LLAMA3_8B, TCP_BYTES_PER_S, CostModel, us_per_mib
 from quillcache.control.policies import (
     Candidates, goodput_placement, llmd_scores, mooncake_scores, predict_ttft, sglang_scores,
@@ -111,7 +112,7 @@ class RouterConfig:
 
 # The columns of the load table, in the order a decision reads them (a counter added here is
 # one more column of every row and one more property of WorkerLoad).
-_PREFILL_TOKENS, _PREFILL_REQUESTS, _REQUESTS, _DECODE_BLOCKS, _NEW_BLOCKS = range(5)
+_PREFILL_TOKENS, _PREFILL_REQUESTS, _REQUESTS, _DECODE_BLOCKS, _PAGES = range(5)
 _LOAD_COLUMNS = 5
 
 
@@ -140,6 +141,17 @@ class _LoadTable:
         self._free.append(slot)
 
 
+def extend_device(ahead: np.ndarray, dev: np.ndarray, host: np.ndarray, disk: np.ndarray,
+                  pool: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The per-tier prefix with the device prefix at least ``ahead`` blocks deep: each tier
+    extends the one before, so a tier the deeper device prefix covers shrinks."""
+    d = np.maximum(dev, ahead)
+    h = np.maximum(dev + host, d)
+    k = np.maximum(dev + host + disk, d)
+    p = np.maximum(dev + host + disk + pool, d)
+    return d, h - d, k - h, p - k
+
+
 def _column(col: int, doc: str) -> property:
     def get(self) -> int:
         return int(self._table.rows[self._slot, col])
@@ -165,12 +177,12 @@ class WorkerLoad:
     prefill_requests = _column(_PREFILL_REQUESTS, "requests routed, first token not yet out")
     active_requests = _column(_REQUESTS, "requests in flight")
     decode_blocks = _column(_DECODE_BLOCKS, "blocks of the requests in flight")
-    new_blocks = _column(_NEW_BLOCKS, "KV pages taken: request blocks not on the worker's device")
+    pages = _column(_PAGES, "KV pages the requests in flight hold: their distinct blocks, each one's partial last")
 
     def __repr__(self) -> str:
         return (f"WorkerLoad(active_prefill_tokens={self.active_prefill_tokens}, decode_blocks="
                 f"{self.decode_blocks}, active_requests={self.active_requests}, "
-                f"prefill_requests={self.prefill_requests}, new_blocks={self.new_blocks})")
+                f"prefill_requests={self.prefill_requests}, pages={self.pages})")
 
 
 @dataclass
@@ -179,7 +191,11 @@ class _Active:
     prefill_tokens: int
     blocks: int
     prefilling: bool = True
-    new_blocks: int = 0
+    pinned: tuple = ()                   # (scope, hash) of its blocks, pinned in KV memory until it ends
+    private_pages: int = 0               # its partial last block's page
+    decode_tokens: int = 0               # the tokens it will generate (as its caller says; 0: not said)
+    ahead: tuple = ()                    # the blocks it computes for those behind it, until its first token
+    rid: str = ""
 
 
 @dataclass
@@ -245,6 +261,10 @@ class Router:
         self._ids = itertools.count()
         self._approx: dict[tuple[str, IdentityScope, int], float] = {}
         self._approx_heap: list[tuple[float, str, IdentityScope, int]] = []
+        self._ahead = InFlightBlocks()       # what the requests in prefill compute for those behind them
+        self._pinned = InFlightBlocks()      # what the requests in flight pin in KV memory
+        self._by_worker: dict[str, dict[str, _Active]] = {}    # the requests in flight, in arrival order
+        self._page_plans: dict[str, PagePlan] = {}              # their KV pages played forward, per worker
         self.sketch = CountMinSketch.for_error(config.sketch_epsilon, config.sketch_delta,
                                                seed=config.seed or 0)
         self.stats = RouterStats()
@@ -273,7 +293,7 @@ class Router:
                 self._idx_key = None
             self.indexer.clear_worker(name)
             for rid in [r for r, a in self._active.items() if a.worker == name]:
-                del self._active[rid]
+                self._release(self._active.pop(rid))
 
     @property
     def workers(self) -> list[str]:
@@ -311,11 +331,13 @@ class Router:
     def route(self, scope: IdentityScope, token_ids: Optional[Sequence[int]] = None, *,
               hashes: Optional[Sequence[int]] = None, request_tokens: Optional[int] = None,
               request_id: Optional[str] = None, policy: Optional[str] = None,
-              track: bool = True, candidates: Optional[Sequence[str]] = None) -> Decision:
+              track: bool = True, candidates: Optional[Sequence[str]] = None,
+              decode_tokens: Optional[int] = None) -> Decision:
         """Pick a worker for a request given by its tokens (or by the router's block hashes
         and its token count).  With ``track`` the load feedback starts: call ``first_token``
         and ``free`` with the returned ``request_id``.  ``candidates`` limits the choice to
-        those workers (healthy, under their queue limit)."""
+        those workers (healthy, under their queue limit).  ``decode_tokens``: the tokens it
+        will generate (its ``max_tokens``), for how long it holds its KV pages."""
         t0 = time.perf_counter()
         cfg = self.config
         if hashes is None:
@@ -350,6 +372,10 @@ class Router:
                 refused = np.zeros(k, np.int64)
             elif policy != "quillcache":
                 pool = np.zeros(k, np.int64)
+            else:
+                ahead = self._ahead.depths(scope, hashes, names)
+                if ahead is not None:
+                    dev, host, disk, pool = extend_device(ahead, dev, host, disk, pool)
             lt = self._table.rows[self._slots]
             offered = pool                       # what credited_blocks counts (before the plan caps it)
             if policy in ("dynamo", "least_loaded", "prefix"):
@@ -361,8 +387,10 @@ class Router:
             if policy in PEERS or policy == "quillcache":
                 trees = (np.array(self.indexer.tree_blocks(names), dtype=np.int64) if policy == "sglang"
                          else self._zeros(k))
+                waits = (self._memory_waits(scope, hashes, n_tokens, names, lt)
+                         if policy == "quillcache" and cfg.kv_blocks is not None else None)
                 cand = Candidates(tuple(names), dev, host, disk, pool, lt[:, 0], lt[:, 1], lt[:, 2], trees,
-                                  n_tokens, len(hashes), cfg.block_size, lt[:, 4])
+                                  n_tokens, len(hashes), cfg.block_size, waits)
             if policy == "dynamo":
                 credit = (cfg.device_weight * dev + cfg.host_weight * host + cfg.disk_weight * disk
                           + cfg.pool_weight * pool)
@@ -372,7 +400,7 @@ class Router:
             elif policy == "quillcache":
                 pred = predict_ttft(cand, cfg.cost, block_bytes=self._block_bytes,
                                     batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
-                                    kv_blocks=cfg.kv_blocks, device_share=self.stats.device_share)
+                                    device_share=self.stats.device_share)
                 if cfg.goodput_placement:
                     pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0)
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
@@ -418,7 +446,9 @@ class Router:
             track = track and admitted
             rid = request_id if request_id is not None else f"r{next(self._ids)}"
             if track:
-                self._start(rid, worker, n_tokens, d + h + k + p, self._load_tokens(policy, h, k, p), d)
+                self._start(rid, worker, n_tokens, d + h + k + p, self._load_tokens(policy, h, k, p),
+                            decode_tokens or 0)
+                self._hold(self._active[rid], scope, hashes, n_tokens, n_tokens - (d + h + k + p) * cfg.block_size)
             if cfg.approximate:
                 self._predict(worker, scope, hashes)
             for hh in hashes[:1]:
@@ -453,6 +483,65 @@ class Router:
             idx = np.array([col[n] for n in names], dtype=np.intp)
         self._idx_key, self._idx = key, idx
         self._slots = np.array([self._slot_of[n] for n in names], dtype=np.intp)
+
+    # ---- the blocks of the requests in flight
+    def _hold(self, a: _Active, scope: IdentityScope, hashes: Sequence[int], n_tokens: int, uncached: int) -> None:
+        """A request in flight pins its blocks in its engine's KV memory until it ends (a block
+        two requests share, once), and its partial last block too.  Until its first token it
+        also computes its prompt's blocks there before a request routed after it to the same
+        worker is admitted (the engine admits in arrival order), except those of its last chunk
+        of prefill: with chunked prefill the engine admits the next request in the iteration
+        that computes that chunk (its uncached tokens modulo the batch budget), before those
+        blocks are stored, and recomputes them for it."""
+        cfg = self.config
+        keys = tuple((scope, h) for h in hashes)
+        a.pinned = keys
+        a.private_pages = max(math.ceil(n_tokens / cfg.block_size) - len(keys), 0)
+        pages = self._pinned.add(a.worker, keys) + a.private_pages
+        self._table.rows[self._slot_of[a.worker], _PAGES] += pages
+        last = (max(uncached, 1) - 1) % cfg.batch_tokens + 1
+        done = min(len(keys), max(n_tokens - last, 0) // cfg.block_size)
+        a.ahead = keys[:done]
+        self._ahead.add(a.worker, a.ahead)
+
+    def _memory_waits(self, scope: IdentityScope, hashes: Sequence[int], n_tokens: int, names: Sequence[str],
+                      lt: np.ndarray) -> np.ndarray:
+        """Per candidate, how long the request would wait there for its KV pages (``kv_blocks``
+        per engine): the engine admits it when every block of it is pinned, its hits too (an
+        evictable cached block it reuses is no longer free), so it needs a page for each of its
+        blocks the requests in flight there do not already hold (``inflight.page_wait_us``)."""
+        cfg = self.config
+        held = lt[:, _PAGES]
+        pinned = self._pinned.depths(scope, hashes, names)
+        need = math.ceil(n_tokens / cfg.block_size) - (pinned if pinned is not None else 0)
+        excess = held + need - cfg.kv_blocks
+        waits = np.zeros(len(names))
+        full = np.flatnonzero(excess > 0)
+        if not len(full):
+            return waits
+        cost = cfg.cost
+        needs = np.broadcast_to(need, len(names))[full].tolist()
+        plans, by_worker = self._page_plans, self._by_worker
+        for i, nd in zip(full.tolist(), needs):
+            name = names[i]
+            plan = plans.get(name)
+            if plan is None:
+                acts = by_worker.get(name)
+                if not acts:
+                    continue
+                # played forward once per change of the worker's requests in flight (the plan
+                # depends on nothing else), then a bisection per decision
+                decodes = max(int(lt[i, _REQUESTS] - lt[i, _PREFILL_REQUESTS]), 0)
+                plan = plans[name] = page_plan(
+                    ((a.prefilling, a.prefill_tokens, a.decode_tokens, a.blocks) for a in acts.values()),
+                    cfg.kv_blocks, float(held[i]), cost.prefill_us_per_token,
+                    cost.decode_us_per_token + cost.running_decode_penalty_us * decodes)
+            waits[i] = plan.wait(nd)
+        return waits
+
+    def _drop_ahead(self, a: _Active) -> None:
+        self._ahead.drop(a.worker, a.ahead)
+        a.ahead = ()
 
     def _zeros(self, n: int) -> np.ndarray:
         z = self._no_trees.get(n)
@@ -500,31 +589,38 @@ class Router:
         return round(us / max(cfg.cost.prefill_us_per_token, 1))
 
     def _start(self, rid: str, worker: str, n_tokens: int, cached_blocks: int, load_tokens: int = 0,
-               device_blocks: int = 0) -> None:
+               decode_tokens: int = 0) -> None:
         old = self._active.pop(rid, None)
         if old is not None:
             self._release(old)
         bs = self.config.block_size
         prefill = max(n_tokens - cached_blocks * bs, 0) + load_tokens
         blocks = math.ceil(n_tokens / bs)
-        new = max(blocks - device_blocks, 0)
-        self._active[rid] = _Active(worker, prefill, blocks, new_blocks=new)
+        a = self._active[rid] = _Active(worker, prefill, blocks, rid=rid, decode_tokens=decode_tokens)
+        self._by_worker.setdefault(worker, {})[rid] = a
+        self._page_plans.pop(worker, None)
         row = self._table.rows[self._slot_of[worker]]
         row[_PREFILL_TOKENS] += prefill
         row[_DECODE_BLOCKS] += blocks
-        row[_NEW_BLOCKS] += new
         row[_REQUESTS] += 1
         row[_PREFILL_REQUESTS] += 1
 
     def _release(self, a: _Active) -> None:
+        self._page_plans.pop(a.worker, None)
+        mine = self._by_worker.get(a.worker)
+        if mine is not None and mine.pop(a.rid, None) is not None and not mine:
+            del self._by_worker[a.worker]
+        self._drop_ahead(a)
+        pages = self._pinned.drop(a.worker, a.pinned) + a.private_pages
+        a.pinned, a.private_pages = (), 0
         ld = self._loads.get(a.worker)
         if ld is None:
             return
+        ld.pages -= pages
         if a.prefilling:
             ld.active_prefill_tokens -= a.prefill_tokens
             ld.prefill_requests -= 1
         ld.decode_blocks -= a.blocks
-        ld.new_blocks -= a.new_blocks
         ld.active_requests -= 1
 
     def first_token(self, request_id: str) -> bool:
@@ -534,6 +630,8 @@ class Router:
             if a is None or not a.prefilling:
                 return False
             a.prefilling = False
+            self._page_plans.pop(a.worker, None)
+            self._drop_ahead(a)
             ld = self._loads.get(a.worker)
             if ld is not None:
                 ld.active_prefill_tokens -= a.prefill_tokens

@@ -104,3 +104,23 @@ def test_bench_writes_table_json_and_png(tmp_path, capsys):
     assert (tmp_path / "out.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "p50/rr" in printed and "quillcache - dynamo goodput" in printed
+
+
+def test_before_route_sees_every_arrival_and_changes_nothing():
+    """The measurement hook of ``bench/router_predict.py``: called once per arriving request,
+    before it is routed, with the router and the engines; probing the router there (track=False)
+    leaves the replay's result as it is without the hook."""
+    reqs = build_requests(parse_trace(synthetic_trace()), speedup=1.0)
+    seen = []
+
+    def probe(router, sims, r, now):
+        assert len(sims) == 3 and now == r.arrival_us
+        seen.append(r.trace.index)
+        for name in router.workers:
+            router.route(r.scope, hashes=r.router_hashes, request_tokens=r.trace.input_length,
+                         candidates=[name], track=False)
+
+    plain = run_policy(reqs, "quillcache", 3, small_config())
+    probed = run_policy(reqs, "quillcache", 3, small_config(), before_route=probe)
+    assert seen == [r.trace.index for r in reqs]
+    assert probed.ttft_ms == plain.ttft_ms and probed.hit_tokens == plain.hit_tokens

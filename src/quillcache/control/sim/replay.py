@@ -160,12 +160,16 @@ def _pool_events(pool: LruPool, bs: int) -> list:
 
 def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, config: EngineConfig,
                seed: int = 0, on_step: Optional[Callable[[int, StepResult], None]] = None,
-               pool_blocks: int = 0, admission: str = "off") -> PolicyResult:
+               pool_blocks: int = 0, admission: str = "off",
+               before_route: Optional[Callable[[Router, Sequence[SimEngine], ReplayRequest, int], None]] = None
+               ) -> PolicyResult:
     """Replay ``requests`` (sorted by arrival) against ``engines`` fresh engines, routed by
     a fresh ``Router`` with ``policy``.  With ``pool_blocks`` the engines share an ``LruPool``
     of that many blocks: every engine offers it what it computes and evicts and loads from it
     whatever prefix it holds, whatever the policy; its residency reaches the router as a pool
-    node's events (only the policies that know a pool use them)."""
+    node's events (only the policies that know a pool use them).  ``before_route`` (a measurement:
+    ``bench/router_predict.py``) sees the router, the engines and each request as it arrives,
+    before it is routed; it must change neither."""
     if engines < 1:
         raise ValueError(f"engines {engines!r}: must be at least 1")
     bs = config.block_size
@@ -204,8 +208,10 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
             next_arrival = key + 1
             r = requests[key]
             rid = f"r{r.trace.index}"
+            if before_route is not None:
+                before_route(router, sims, r, now)
             d = router.route(r.scope, hashes=r.router_hashes, request_tokens=r.trace.input_length,
-                             request_id=rid)
+                             request_id=rid, decode_tokens=r.trace.output_length)
             if not d.admitted:
                 result.admission_refused += 1
                 continue
