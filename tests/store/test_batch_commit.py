@@ -5,25 +5,15 @@ garbage collector."""
 import asyncio
 import gc
 
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from quillcache.errors import InvalidArgument, NotFound
-from quillcache.model import KvBlockKey, encode_key
+from quillcache.model import encode_key
 from quillcache.store.ssd import SsdTier
 from quillcache.store.tiers import LocalKvStore, StoreOptions
 from tests._support.clock import Clock
-
-BLOCK = 1024
-
-
-def key(i):
-    return KvBlockKey("m", "tok", None, "t", "root", f"b{i}", i)
-
-
-def data(i, n=BLOCK):
-    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+from tests.store.test_writes import BLOCK, data, key, state as reader_state
 
 
 def make(blocks=8, **options):
@@ -31,18 +21,10 @@ def make(blocks=8, **options):
 
 
 def state(store, ids):
-    """Everything a reader or the index can see: bytes, entry sizes and versions, index
-    records, the eviction order, the arena's use and the counters."""
-    out = {}
-    for i in ids:
-        try:
-            with store.get(key(i)) as lease:
-                out[i] = bytes(lease.view)
-        except NotFound:
-            out[i] = None
+    """The index's records of each key, then what a reader sees and the counters
+    (test_writes.py's ``state``), then every stat."""
     records = {i: [(r.worker_id, r.tier, r.bytes) for r in store.index.locate(key(i))] for i in ids}
-    stats = store.stats()
-    return out, records, stats["dram"], stats["store"], stats
+    return (records, *reader_state(store, ids), store.stats())
 
 
 @settings(max_examples=60, deadline=None)
@@ -116,12 +98,11 @@ def test_puts_that_need_io_are_left_to_put_end(tmp_path):
             h1, h2 = await store.reserve([(key(2), BLOCK), (key(1), BLOCK)])
             h1.view[:] = data(3)
             h2.view[:] = data(2)
-            assert store.put_end_many_nowait([h1, h2]) == 1
-            with store.get(key(1)) as lease:
-                assert bytes(lease.view) == data(1)              # still the old bytes
+            assert store.put_end_many_nowait([h1, h2]) == 1     # key 2 published, key 1 left
+            with store.get(key(2)) as new, store.get(key(1)) as old:
+                assert (bytes(new.view), bytes(old.view)) == (data(3), data(1))
+            assert store.put_end_nowait(h2) is False and store.put_in_flight(h2)
             await store.put_end(h2)
-            with store.get(key(1)) as lease:
-                assert bytes(lease.view) == data(2)
         finally:
             await store.close()
     asyncio.run(main())
