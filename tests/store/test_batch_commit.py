@@ -13,11 +13,7 @@ from quillcache.model import encode_key
 from quillcache.store.ssd import SsdTier
 from quillcache.store.tiers import LocalKvStore, StoreOptions
 from tests._support.clock import Clock
-from tests.store.test_writes import BLOCK, data, key, state as reader_state
-
-
-def make(blocks=8, **options):
-    return LocalKvStore(StoreOptions(blocks * BLOCK, max_block_bytes=BLOCK, **options), clock=Clock())
+from tests._support.store import BLOCK, data, key, make, state as reader_state
 
 
 def state(store, ids):
@@ -34,7 +30,7 @@ def test_a_batch_commit_leaves_what_put_end_leaves(batches):
     """Two stores, the same reserves (new keys, rewrites of another size or the same, a
     rewrite while a lease holds the old bytes): one publishes the batch in one native
     pass, the other awaits put_end per put."""
-    fast, slow = make(), make()
+    fast, slow = make(blocks=8), make(blocks=8)
     ids = range(6)
     for n, (batch, hold) in enumerate(batches):
         if len({i for i, _ in batch}) < len(batch):

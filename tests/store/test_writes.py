@@ -2,43 +2,13 @@
 to ``put_end`` every put that needs I/O first (durable; an older copy on the SSD tier)."""
 import asyncio
 
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from quillcache.errors import CapacityError, InvalidArgument, NotFound
-from quillcache.model import KvBlockKey
 from quillcache.store.ssd import SsdTier
 from quillcache.store.tiers import LocalKvStore, StoreOptions
-from tests._support.clock import Clock
-
-BLOCK = 1024
-
-
-def key(i):
-    return KvBlockKey("m", "tok", None, "t", "root", f"b{i}", i)
-
-
-def data(i, n=BLOCK):
-    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
-
-
-def make(blocks=4, **options):
-    return LocalKvStore(StoreOptions(blocks * BLOCK, max_block_bytes=BLOCK, **options), clock=Clock())
-
-
-def state(store, ids):
-    """What a reader sees (bytes per key, or NotFound) and the store's counters."""
-    out = {}
-    for i in ids:
-        try:
-            with store.get(key(i)) as lease:
-                out[i] = bytes(lease.view)
-        except NotFound:
-            out[i] = None
-    stats = store.stats()
-    return out, stats["dram"], stats["store"]
-
+from tests._support.store import BLOCK, data, key, make, state
 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.lists(st.tuples(st.integers(0, 5), st.integers(1, BLOCK)), min_size=1, max_size=3), max_size=12))

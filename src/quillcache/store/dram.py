@@ -30,6 +30,8 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from quillcache._native import blocks as _blocks
+from quillcache._native.alloc import OffsetAllocator
+from quillcache._native.batch import drop_refs, place_many
 from quillcache.errors import InvalidArgument, NotFound
 from quillcache.model import KvBlockKey
 
@@ -45,12 +47,6 @@ _SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
 # Slot states (a Slot's ``state``)
 PENDING, PUBLISHED, RETIRED, FREED = _blocks.PENDING, _blocks.PUBLISHED, _blocks.RETIRED, _blocks.FREED
-
-def _load_allocator():
-    # Imported lazily so this module imports (and its docs build) without the native build.
-    from quillcache._native.alloc import OffsetAllocator
-    return OffsetAllocator
-
 
 def hugepages_available(path: str = _SHMEM_THP) -> bool:
     """Transparent hugepages can be asked for with madvise (a mode other than never/deny)."""
@@ -132,7 +128,7 @@ class DramTier:
         if prefault and not hasattr(mmap, "MAP_POPULATE"):
             self.array[::PAGE_BYTES] = 0                          # touch every page once
         self.prefaulted = bool(prefault)
-        self._alloc = _load_allocator()(capacity, unit=ARENA_UNIT)
+        self._alloc = OffsetAllocator(capacity, unit=ARENA_UNIT)
         self._published: dict[KvBlockKey, Slot] = {}
         # slots by identity (a C-level hash; no number kept per block to name them)
         self._pending: dict[Slot, Slot] = {}     # reserved, not published
@@ -176,7 +172,6 @@ class DramTier:
         ``register`` (slot -> reservation) where given.  None when the arena has no room
         for all of them: nothing reserved."""
         self._check_open()
-        from quillcache._native.batch import place_many     # lazily, as the allocator
         return place_many(self._alloc, keys, sizes, self._clock(), self._pending, self._buf, durable, register)
 
     def put_end(self, pending: PendingPut) -> Optional[Slot]:
@@ -256,7 +251,6 @@ class DramTier:
 
     def release_many(self, slots: list) -> None:
         """``release`` of each of ``slots`` (a batch lease's), the references dropped in one pass."""
-        from quillcache._native.batch import drop_refs      # lazily, as the allocator
         for slot in drop_refs(slots, RETIRED):
             del self._retired[slot]
             self._free(slot)
