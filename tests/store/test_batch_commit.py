@@ -194,3 +194,16 @@ def test_a_reaped_puts_view_stops_working_before_its_slot_is_another_puts():
         view[:4] = b"oops"                             # the late writer is refused
     with store.get(key(2)) as lease:
         assert bytes(lease.view) == data(2)
+
+
+def test_a_reserve_reply_of_packed_offsets_is_the_reply_of_the_offsets():
+    from quillcache._native.batch import packed_offsets
+    from quillcache.protocol import located
+    store = make(blocks=8)
+    hs = store.reserve_columns_nowait([key(i) for i in range(5)], [100, BLOCK, 7, 300, 1])
+    offsets = [h.offset for h in hs]
+    assert len(set(offsets)) == 5
+    packed = located.encode_reserve_reply(9, 123, packed_offsets(hs))
+    assert packed == located.encode_reserve_reply(9, 123, offsets)
+    with pytest.raises(InvalidArgument):
+        located.encode_reserve_reply(9, 123, b"\x00" * 9)

@@ -20,6 +20,7 @@ from cpython.object cimport PyObject_Hash
 from cpython.list cimport PyList_Append
 from cpython.ref cimport PyObject
 
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport uint64_t
 
@@ -28,32 +29,52 @@ from quillcache._native.blocks cimport Entry, PutHandle, Slot, new_handle
 from quillcache._native.includes.pydict cimport QC_DictDelKnownHash, QC_DictGetKnownHash, QC_DictSetKnownHash
 from quillcache.model import encode_key
 
-__all__ = ["cached_values", "hold_published", "drop_refs", "check_columns", "place_many", "commit_many"]
+__all__ = ["cached_values", "hold_published", "drop_refs", "check_columns", "place_many", "commit_many",
+           "packed_offsets"]
+
+
+cdef int _raise_set() except -1:
+    return -1           # an exception is set (by a lookup's __eq__): returning -1 raises it
 
 
 def cached_values(list raws not None, object recent, object refresh, object compute):
-    """Per raw, in order: ``recent[raw]`` where present (a hit: ``refresh(raw)`` then, an
-    OrderedDict's ``move_to_end``: the cache's LRU order; None: no refresh), else ``compute(raw)`` (the
-    cache's own miss path, which may insert and evict).  Returns ``(values, hits, error)``:
-    ``error`` is None, or the Exception ``compute`` raised, where the loop stopped (the
-    caller counts the hits before it and raises it)."""
+    """Per raw, in order: ``recent[raw]`` where present (a hit, then refreshed: ``refresh``
+    True moves the raw to the most recent end of ``recent``, a plain dict kept in insertion
+    order, here in native code; a callable is called with the raw, an OrderedDict's
+    ``move_to_end``; None: no refresh), else ``compute(raw)`` (the cache's own miss path,
+    which may insert and evict).  Returns ``(values, hits, error)``: ``error`` is None, or the
+    Exception ``compute`` raised, where the loop stopped (the caller counts the hits before
+    it and raises it)."""
     cdef Py_ssize_t i, n = len(raws), hits = 0
     cdef PyObject* v
     cdef list out = [None] * n
-    cdef object raw
+    cdef object raw, value
+    cdef bint move = refresh is True
+    cdef Py_hash_t h
     if not isinstance(recent, dict):
         raise TypeError(f"recent must be a dict (or an OrderedDict), not {type(recent).__name__}")
+    if move and type(recent) is not dict:
+        raise TypeError("refresh=True needs a plain dict (an OrderedDict keeps its own order: pass move_to_end)")
     for i in range(n):
         raw = raws[i]
-        v = PyDict_GetItem(recent, raw)
+        v = NULL
+        if type(raw) is bytes or not move:      # anything else (a bytearray) is compute's to convert
+            h = PyObject_Hash(raw) if type(raw) is bytes else -1
+            v = QC_DictGetKnownHash(recent, raw, h) if h != -1 else PyDict_GetItem(recent, raw)
+            if v is NULL and PyErr_Occurred():
+                _raise_set()
         if v is NULL:
             try:
                 out[i] = compute(raw)
             except Exception as exc:
                 return out, hits, exc
             continue
-        out[i] = <object>v
-        if refresh is not None:
+        value = <object>v
+        out[i] = value
+        if move:                        # to the most recent end: deleted and inserted again
+            QC_DictDelKnownHash(recent, raw, h)
+            QC_DictSetKnownHash(recent, raw, value, h)
+        elif refresh is not None:
             refresh(raw)
         hits += 1
     return out, hits, None
@@ -71,10 +92,6 @@ def drop_refs(list slots not None, object retired):
         if slot.refs <= 0 and slot.state == state:
             PyList_Append(free, slot)
     return free
-
-
-cdef int _raise_set() except -1:
-    return -1           # an exception is set (by a lookup's __eq__): returning -1 raises it
 
 
 def hold_published(list keys not None, type key_type not None, dict entries not None, dict published not None,
@@ -241,6 +258,9 @@ def commit_many(list handles not None, Py_ssize_t start, store, dram, dict lru, 
     cdef object added = store._added
     cdef object record = store._record
     cdef bint changed
+    cdef Py_hash_t kh
+    cdef PyObject* pe
+    cdef PyObject* po
     try:
         for i in range(start, n):
             h = handles[i]
@@ -248,20 +268,29 @@ def commit_many(list handles not None, Py_ssize_t start, store, dram, dict lru, 
             if h.durable or inflight.get(slot) is not h or slot not in pending:
                 break
             key = slot.key
-            e = entries.get(key)
-            if e is None:
+            kh = PyObject_Hash(key)             # once: KvBlockKey's __hash__ is Python code
+            pe = QC_DictGetKnownHash(entries, key, kh)
+            if pe is NULL:
+                if PyErr_Occurred():
+                    _raise_set()
+                e = None
                 if untouched:
                     break
-            elif (<Entry>e).ssd_version is not None:
-                break
+            else:
+                e = <object>pe
+                if (<Entry?>e).ssd_version is not None:
+                    break
             # -- the DRAM tier: publish the slot (dram.put_end)
             del inflight[slot]
             del pending[slot]
             h.close_view()
-            o = published.get(key)
+            po = QC_DictGetKnownHash(published, key, kh)
+            if po is NULL and PyErr_Occurred():
+                _raise_set()
+            o = None if po is NULL else <object>po
             slot.state = 1                      # PUBLISHED
             slot.started = 0.0
-            published[key] = slot
+            QC_DictSetKnownHash(published, key, slot, kh)
             delta += slot.size
             changed = True
             if o is not None:                   # retired: the key now names the new slot
@@ -278,15 +307,18 @@ def commit_many(list handles not None, Py_ssize_t start, store, dram, dict lru, 
             # -- the store: the entry, the eviction order, the records
             if e is None:
                 entry = entry_type(key, slot.size, next(versions), now, encode_key(key))
-                entries[key] = entry
+                QC_DictSetKnownHash(entries, key, entry, kh)
             else:
                 entry = <Entry>e
                 entry.size = slot.size
                 entry.version = next(versions)
                 entry.last_access = now
-            if lru is not None:
-                lru.pop(key, None)
-                lru[key] = None
+            if lru is not None:                 # LruPolicy.insert: to the most recent end
+                if QC_DictGetKnownHash(lru, key, kh) is not NULL:
+                    QC_DictDelKnownHash(lru, key, kh)
+                elif PyErr_Occurred():
+                    _raise_set()
+                QC_DictSetKnownHash(lru, key, None, kh)
             done += 1
             if e is None:
                 added(entry)
@@ -295,3 +327,17 @@ def commit_many(list handles not None, Py_ssize_t start, store, dram, dict lru, 
     finally:
         dram.published_bytes += delta
     return done
+
+
+def packed_offsets(list handles not None):
+    """Each handle's slot offset as a little-endian u64, packed (a RESERVE reply's offsets)."""
+    cdef Py_ssize_t i, n = len(handles)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 8 * n)
+    cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(out)
+    cdef uint64_t off
+    cdef int b
+    for i in range(n):
+        off = <uint64_t>(<PutHandle?>handles[i]).slot.offset
+        for b in range(8):
+            p[8 * i + b] = <unsigned char>((off >> (8 * b)) & 0xFF)
+    return out

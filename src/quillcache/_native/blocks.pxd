@@ -16,6 +16,7 @@ cdef class PutHandle:
     cdef object _buf
     cdef object _view
     cdef bint _closed
+    cpdef close_view(self)
 
 
 cdef class Entry:

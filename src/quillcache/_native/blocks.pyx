@@ -87,7 +87,7 @@ cdef class PutHandle:
             self._view = self._buf[self.slot.offset:self.slot.offset + self.slot.size]
         return self._view
 
-    def close_view(self):
+    cpdef close_view(self):
         """The writer's view stops working (publish, abort): no writes after it."""
         self._closed = True
         view, self._view = self._view, None

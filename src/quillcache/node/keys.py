@@ -1,7 +1,6 @@
 """Keys as the node reads them off the wire: the decoded-key cache and LIST's scope prefix."""
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional
 
 from quillcache._native.batch import cached_values
@@ -60,7 +59,7 @@ class KeyCache:
         if not isinstance(capacity, int) or capacity < 0:
             raise InvalidArgument(f"key cache capacity {capacity!r}: an integer >= 0")
         self.capacity = capacity
-        self._map: OrderedDict[bytes, KvBlockKey] = OrderedDict()
+        self._map: dict[bytes, KvBlockKey] = {}     # in insertion order: the oldest first
         self.hits = 0
         self.misses = 0
 
@@ -74,7 +73,8 @@ class KeyCache:
         m = self._map
         key = m.get(raw)
         if key is not None:
-            m.move_to_end(raw)
+            del m[raw]
+            m[raw] = key                # the most recent end
             self.hits += 1
             return key
         self.misses += 1
@@ -87,14 +87,14 @@ class KeyCache:
         if self.capacity:
             m[raw] = key
             if len(m) > self.capacity:
-                m.popitem(last=False)
+                del m[next(iter(m))]        # the least recently used
         return key
 
     def decode_many(self, raws: list) -> list[KvBlockKey]:
         """``decode`` of each of ``raws`` (a batch request's keys), in order: the hits in
         one native pass (``cached_values``), each miss through ``decode``."""
         m = self._map
-        out, hits, error = cached_values(raws if type(raws) is list else list(raws), m, m.move_to_end, self.decode)
+        out, hits, error = cached_values(raws if type(raws) is list else list(raws), m, True, self.decode)
         self.hits += hits
         if error is not None:
             raise error

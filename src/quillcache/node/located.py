@@ -21,6 +21,7 @@ import os
 import socket
 import time
 
+from quillcache._native.batch import packed_offsets
 from quillcache._native.codec import encode_frame_header
 from quillcache.errors import Busy, InvalidArgument, NotFound, PermissionDenied, UnsafeReuse
 from quillcache.protocol import located, messages
@@ -226,7 +227,7 @@ class LocatedMixin:
         self._reserves[reserve_id] = handles
         expires = time.monotonic() + self.store.put_timeout_s
         self._ok(rid, Opcode.RESERVE,
-                 located.encode_reserve_reply(reserve_id, int(expires * NS), [h.offset for h in handles]))
+                 located.encode_reserve_reply(reserve_id, int(expires * NS), packed_offsets(handles)))
 
     def _commit(self, frame) -> None:
         reserve_id = located.decode_id(frame.header, "COMMIT")

@@ -138,7 +138,13 @@ def decode_release_count(body) -> int:
     return _U32.unpack(body)[0]
 
 
-def encode_reserve_reply(reserve_id: int, expires_ns: int, offsets: Sequence[int]) -> bytes:
+def encode_reserve_reply(reserve_id: int, expires_ns: int, offsets: Sequence[int] | bytes) -> bytes:
+    """The RESERVE reply: ``offsets`` a sequence of ints, or bytes of them already packed
+    (little-endian u64s, ``_native.batch.packed_offsets``)."""
+    if isinstance(offsets, bytes):
+        if len(offsets) % 8:
+            raise InvalidArgument(f"RESERVE reply: {len(offsets)} bytes of packed offsets")
+        return _RESERVE.pack(reserve_id, expires_ns, len(offsets) // 8) + offsets
     return _RESERVE.pack(reserve_id, expires_ns, len(offsets)) + struct.pack(f"<{len(offsets)}Q", *offsets)
 
 

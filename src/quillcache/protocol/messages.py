@@ -242,11 +242,13 @@ def encode_status_list(statuses: Sequence[int], limits: ProtocolLimits = DEFAULT
     """PUT_MANY reply: ``u32 count, count * u16 status`` (0 = stored)."""
     out = bytearray()
     _count(out, len(statuses), limits, "status list")
-    for s in statuses:
-        if type(s) is not int or not 0 <= s <= 0xFFFF:
+    try:
+        out += struct.pack(f"<{len(statuses)}H", *statuses)   # checks each is an int in range
+    except struct.error:
+        for s in statuses:
             if not isinstance(s, int) or not 0 <= s <= 0xFFFF:
-                raise InvalidArgument(f"status list: status {s!r} is not a u16")
-    out += struct.pack(f"<{len(statuses)}H", *statuses)
+                raise InvalidArgument(f"status list: status {s!r} is not a u16") from None
+        raise
     return bytes(out)
 
 
