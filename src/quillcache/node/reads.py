@@ -219,17 +219,31 @@ class ReadsMixin:
 
     def _reply_get_many_batch(self, rid: int, batch, located: list, flags: int, keys: list, raws: list) -> None:
         """The reply of a GET_MANY whose every key is a DRAM hit held by ``batch`` or a miss
-        status in ``located``; in a pool, the local NotFound ones are fetched first."""
-        held = [] if batch is None else [batch]
-        views = self.store.held_views(batch) if batch is not None else []
+        status in ``located``."""
         items = [(0, g.size) if type(g) is not int else (g, 0) for g in located]
+        if batch is None:
+            self._send_get_many(rid, items, [], [], flags, keys, raws)
+        else:
+            self._send_get_many(rid, items, self.store.held_views(batch), [batch], flags, keys, raws)
+
+    def _reply_get_many(self, rid: int, got: list, flags: int, keys: list, raws: Optional[list] = None) -> None:
+        """``got``: per key, its lease or the miss (NotFound, UnsafeReuse, Busy) to report;
+        ``raws``: the keys as the request encoded them, where the caller has them."""
+        leases = [g for g in got if not isinstance(g, Exception)]
+        items = [(g.status, 0) if isinstance(g, Exception) else (0, g.size) for g in got]
+        self._send_get_many(rid, items, [lease.view for lease in leases], leases, flags, keys, raws)
+
+    def _send_get_many(self, rid: int, items: list, views: list, held: list, flags: int, keys: list,
+                       raws: Optional[list]) -> None:
+        """GET_MANY's reply: ``items`` per key (status, size), ``views`` the hits' bytes in key
+        order, ``held`` what keeps them in place until written.  In a pool the local NotFound
+        ones are fetched from other nodes first (the cluster hook owns ``held`` and replies)."""
         cluster = self.node.cluster
-        if cluster is not None and not self.peer_node and NotFound.status in located:
+        if cluster is not None and not self.peer_node and any(st == NotFound.status for st, _ in items):
             per_key, hits = [None] * len(items), iter(views)
             for i, (status, _) in enumerate(items):
                 if status == 0:
                     per_key[i] = next(hits)
-            # other nodes may hold the local misses: the hook owns the lease and replies
             self._spawn(cluster.serve_get_many(self, rid, keys, per_key, items, held, flags,
                                                lambda it: messages.encode_get_many_reply(it, self.limits), raws))
             return
@@ -240,28 +254,6 @@ class ReadsMixin:
             self._ok(rid, Opcode.GET_MANY, body, views, crc=bool(flags & FLAG_PAYLOAD_CRC))
         finally:
             self._hold(held)
-
-    def _reply_get_many(self, rid: int, got: list, flags: int, keys: list, raws: Optional[list] = None) -> None:
-        """``got``: per key, its lease or the miss (NotFound, UnsafeReuse, Busy) to report;
-        ``raws``: the keys as the request encoded them, where the caller has them."""
-        cluster = self.node.cluster
-        if cluster is not None and not self.peer_node and any(type(g) is NotFound for g in got):
-            # other nodes may hold the local misses: the hook owns the leases and replies
-            self._spawn(cluster.serve_get_many(
-                self, rid, keys, [None if isinstance(g, Exception) else g.view for g in got],
-                [(g.status, 0) if isinstance(g, Exception) else (0, g.size) for g in got],
-                [g for g in got if not isinstance(g, Exception)], flags,
-                lambda it: messages.encode_get_many_reply(it, self.limits), raws))
-            return
-        leases = [g for g in got if not isinstance(g, Exception)]
-        try:
-            if not self.is_in_flight(rid):
-                return
-            items = [(g.status, 0) if isinstance(g, Exception) else (0, g.size) for g in got]
-            body = messages.encode_get_many_reply(items, self.limits)
-            self._ok(rid, Opcode.GET_MANY, body, [l.view for l in leases], crc=bool(flags & FLAG_PAYLOAD_CRC))
-        finally:
-            self._hold(leases)
 
     def _exists(self, frame) -> None:
         keys = [self._key(k) for k in messages.decode_keys_request(frame.header, self.limits, "EXISTS")]

@@ -232,7 +232,7 @@ class DramTier:
         if slot.state != PUBLISHED:
             raise NotFound("slot is no longer published")
         slot.refs += 1
-        return self._buf[slot.offset:slot.offset + slot.size].toreadonly()
+        return self._ro[slot.offset:slot.offset + slot.size]
 
     def views(self, slots: list) -> list:
         """A read-only view of each of ``slots`` (held by the caller), in order."""

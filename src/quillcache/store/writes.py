@@ -76,11 +76,11 @@ class Writes:
 
     async def reserve(self, items, durable: bool = False) -> list[PutHandle]:
         """``reserve_nowait``, waiting (up to ``put_timeout_s``) while demotions make room."""
-        handles = self.reserve_nowait(items, durable)
-        if handles is not None:
-            return handles
         items = list(items)
         keys, sizes = [k for k, _ in items], [s for _, s in items]
+        handles = self.reserve_columns_nowait(keys, sizes, durable)
+        if handles is not None:
+            return handles
         waiter = Waiter(self._check_columns(keys, sizes))
         self._waiting.append(waiter)
         loop = asyncio.get_running_loop()
@@ -211,10 +211,7 @@ class Writes:
                            self._versions, self._clock())
         if done:
             self._counters["puts"] += done
-            if self._waiting:
-                self._wake()                        # a replaced slot was freed
-            if self._ssd is not None and self._dram.used > self.high_watermark * self._dram.capacity:
-                self._pressure()                    # demote ahead of the next puts
+            self._after_publish()
         return done
 
     def _added(self, entry: Entry) -> None:
@@ -256,11 +253,17 @@ class Writes:
             entry.ssd_version = version
             self._ssd_lru.insert(key)
             self._ssd_garbage.discard(key)
-        if self._waiting:
-            self._wake()                            # a replaced slot was freed, or a clean block came
-        if self._ssd is not None and self._dram.used > self.high_watermark * self._dram.capacity:
-            self._pressure()                        # demote ahead of the next puts
+        self._after_publish()
         return entry, stale_ssd
+
+    def _after_publish(self) -> None:
+        """After one publish or a batch of them: wake the reserves waiting for room (a
+        replaced slot was freed, or a clean block came), and demote ahead of the next puts
+        when DRAM is past its high watermark."""
+        if self._waiting:
+            self._wake()
+        if self._ssd is not None and self._dram.used > self.high_watermark * self._dram.capacity:
+            self._pressure()
 
     @property
     def puts_reaped(self) -> int:
