@@ -143,6 +143,31 @@ def test_sighup_reports_settings_that_need_a_restart(tmp_path):
         assert "reload: applied store.lease=20.0" in log
 
 
+def test_a_sighup_while_the_node_starts_is_held_and_applied_not_fatal(tmp_path):
+    """The TCP port and the Unix socket listen before start() returns; a reload sent by
+    whoever sees them (a probe, an operator, this suite's harness) must not take HUP's
+    default action (exit) and is applied once the node is up."""
+    d = Daemon(tmp_path)
+    d.start(wait=False)
+    sock = d.data_dir / "quillcached.sock"
+    deadline = time.monotonic() + 60
+    while not sock.exists() and d.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    d.write_config(sections={"store": 'lease = "20s"'})
+    d.send(signal.SIGHUP)                             # lands during start or just after it
+    try:
+        d.wait_ready()
+        deadline = time.monotonic() + 10
+        while "reload: applied" not in d.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.proc.poll() is None, d.log()
+        assert "reload: applied store.lease=20.0" in d.log()
+        with Client(d.addr) as c:
+            assert c.ping() >= 0
+    finally:
+        assert d.stop() == 0
+
+
 def test_sighup_applies_the_login_deadline_and_the_idle_timeout_to_the_running_node(tmp_path):
     from quillcache.settings.convert import hash_token
     from tests._support.net import raw_connect, read_frames

@@ -71,6 +71,7 @@ class Node:
         self.unix_path: Optional[str] = None      # the Unix socket's path while it listens
         self._maint: Optional[asyncio.Task] = None
         self._stop = asyncio.Event()
+        self._reload_held = False      # a SIGHUP that landed during start (install_signals)
         self._stopped = False
         self.cluster = None
 
@@ -266,12 +267,26 @@ class Node:
     # ------------------------------------------------------------------ signals
 
     def install_signals(self, *, reload: bool = True) -> None:
-        """TERM and INT request a stop; HUP reloads (only once the node has started)."""
+        """TERM and INT request a stop; HUP reloads once the node has started.
+
+        Before that (``reload=False``) a HUP is held, not acted on: the TCP port listens
+        before start() returns, and HUP's default action would kill a node that a probe
+        or an operator's reload found listening. The held reload runs when the second
+        call installs the real handler."""
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self.request_stop, "SIGINT")
-        if reload:
-            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
+        if not reload:
+            loop.add_signal_handler(signal.SIGHUP, self._hold_reload)
+            return
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
+        if self._reload_held:
+            self._reload_held = False
+            log.info("SIGHUP arrived during start: reloading now")
+            loop.create_task(self.reload())
+
+    def _hold_reload(self) -> None:
+        self._reload_held = True
 
     def request_stop(self, why: str = "") -> None:
         if not self._stop.is_set():
