@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -94,7 +95,9 @@ class GatewayProcess:
         self.config.write_text("[gateway]\n" + _known(keys) + "\n" + router + tenants + self._engine_tables
                                + self.extra_toml)
 
-    def start(self) -> "GatewayProcess":
+    def start(self, *, signal_on_listen: Optional[int] = None) -> "GatewayProcess":
+        """``signal_on_listen``: send that signal the moment the port accepts a connection
+        (while the gateway may still be starting), then wait for /health as usual."""
         self._engine_tables = "".join(self._start_engine(i) for i in range(self.n_engines))
         self.write_config()
         nofile = self.nofile
@@ -107,6 +110,14 @@ class GatewayProcess:
         self.proc = subprocess.Popen([GATEWAY, "--config", str(self.config)], stdout=self._log,
                                      stderr=subprocess.STDOUT, preexec_fn=limits)
         deadline = time.monotonic() + START_TIMEOUT_S
+        while signal_on_listen is not None and time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.05).close()
+            except OSError:
+                time.sleep(0.001)
+                continue
+            self.proc.send_signal(signal_on_listen)
+            break
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"quillcache-gateway exited {self.proc.returncode}: {self.log()}")

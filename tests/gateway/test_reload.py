@@ -41,3 +41,19 @@ def test_sighup_reloads_the_reloadable_settings_and_keeps_the_rest(tmp_path):
         assert gp.complete("short", "alice")[0] == 200
         assert gp.proc.poll() is None
     assert gp.proc.returncode == 0
+
+
+def test_a_sighup_while_the_gateway_starts_is_applied_after_start_not_fatal(tmp_path):
+    """Its port listens before start() returns: a reload sent by whoever found it open
+    must not take HUP's default action (exit); it is applied once the gateway is up."""
+    gp = GatewayProcess(tmp_path)
+    try:
+        gp.start(signal_on_listen=signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "reloaded " not in gp.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gp.proc.poll() is None, gp.log()
+        assert "reloaded " in gp.log()
+        assert gp.complete("short", "alice")[0] == 200
+    finally:
+        assert gp.stop() == 0

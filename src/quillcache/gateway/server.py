@@ -109,6 +109,14 @@ def run(cfg, reload: Optional[Callable[[], object]] = None) -> int:
                  ", ".join(applied) if applied else "no reloadable setting changed")
 
     async def main() -> int:
+        # Handlers before start: its ports listen before it returns, and a HUP or TERM that
+        # lands then (from whoever found them open) must not take the default action (exit).
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        held: list[bool] = []
+        loop.add_signal_handler(signal.SIGHUP, held.append, True)
         try:
             gw, service, bound = await start(cfg)
         except InvalidArgument as exc:
@@ -118,11 +126,9 @@ def run(cfg, reload: Optional[Callable[[], object]] = None) -> int:
             log.error("quillcache-gateway: cannot listen on %s or %s: %s", format_hostport(cfg.gateway.listen),
                       format_hostport(cfg.gateway.admin_listen), exc.strerror or exc)
             return EX_CONFIG
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, on_hup, gw)
+        if held:                         # a HUP during start: apply it now
+            on_hup(gw)
         log.info("quillcache-gateway listening on %s (admin %s) with %d engines", format_hostport(bound),
                  format_hostport(service.admin_address), len(gw.engines))
         sd_notify("READY=1")
