@@ -115,8 +115,18 @@ def run(cfg, reload: Optional[Callable[[], object]] = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # One HUP handler throughout: a HUP's callback can run after start returned, so it
+        # reads whether the gateway is up at the time it runs, not when it was caught.
+        up: list = []
         held: list[bool] = []
-        loop.add_signal_handler(signal.SIGHUP, held.append, True)
+
+        def hup() -> None:
+            if up:
+                on_hup(up[0])
+            else:
+                held.append(True)
+
+        loop.add_signal_handler(signal.SIGHUP, hup)
         try:
             gw, service, bound = await start(cfg)
         except InvalidArgument as exc:
@@ -126,7 +136,7 @@ def run(cfg, reload: Optional[Callable[[], object]] = None) -> int:
             log.error("quillcache-gateway: cannot listen on %s or %s: %s", format_hostport(cfg.gateway.listen),
                       format_hostport(cfg.gateway.admin_listen), exc.strerror or exc)
             return EX_CONFIG
-        loop.add_signal_handler(signal.SIGHUP, on_hup, gw)
+        up.append(gw)
         if held:                         # a HUP during start: apply it now
             on_hup(gw)
         log.info("quillcache-gateway listening on %s (admin %s) with %d engines", format_hostport(bound),

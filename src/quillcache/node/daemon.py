@@ -72,6 +72,7 @@ class Node:
         self._maint: Optional[asyncio.Task] = None
         self._stop = asyncio.Event()
         self._reload_held = False      # a SIGHUP that landed during start (install_signals)
+        self._reload_ready = False     # start() returned: a SIGHUP reloads
         self._stopped = False
         self.cluster = None
 
@@ -272,21 +273,26 @@ class Node:
         Before that (``reload=False``) a HUP is held, not acted on: the TCP port listens
         before start() returns, and HUP's default action would kill a node that a probe
         or an operator's reload found listening. The held reload runs when the second
-        call installs the real handler."""
+        call (``reload=True``, after start) marks the node up."""
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self.request_stop, "SIGINT")
+        # One HUP handler throughout: a HUP's callback can run after this call, so it reads
+        # whether the node is up when it runs, not when the signal was caught.
+        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         if not reload:
-            loop.add_signal_handler(signal.SIGHUP, self._hold_reload)
             return
-        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
+        self._reload_ready = True
         if self._reload_held:
             self._reload_held = False
             log.info("SIGHUP arrived during start: reloading now")
             loop.create_task(self.reload())
 
-    def _hold_reload(self) -> None:
-        self._reload_held = True
+    def _on_hup(self) -> None:
+        if self._reload_ready:
+            asyncio.get_running_loop().create_task(self.reload())
+        else:
+            self._reload_held = True
 
     def request_stop(self, why: str = "") -> None:
         if not self._stop.is_set():
