@@ -173,3 +173,15 @@ def test_a_caller_has_a_bounded_number_of_tracked_requests_and_ids_of_its_own(mo
     assert h.update(2, "a", caller="acme") and h.update(2, "a", caller="globex")
     assert not h.update(2, "a", caller="acme")
     assert h.route(ask("d"), caller="acme").request_id == "d"           # a slot was given back
+
+
+@pytest.mark.parametrize("line, expected", [("", None), ("kv_blocks = 0\n", None), ("kv_blocks = 512\n", 512)])
+def test_a_nodes_router_kv_blocks_reaches_its_router(line, expected):
+    """[router] kv_blocks: the engines' KV pages for the predictor's page-wait term; 0: off."""
+    from quillcache.control.host import build_router_host
+    from quillcache.node.settings import load_config
+    engine = ('[[router.engines]]\nid = "e0"\nendpoint = "tcp://127.0.0.1:1"\nmodel = "m"\ntokenizer = "t"\n'
+              'tenant = "a"\n')
+    cfg = load_config(text=f'[router]\nmodule = "quillcache"\n{line}' + engine)
+    host = build_router_host(cfg.router, start=False)
+    assert host.router.config.kv_blocks == expected

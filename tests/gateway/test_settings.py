@@ -111,3 +111,21 @@ def test_cluster_enabled_needs_the_pools_credential_and_never_echoes_it():
     cfg = load_gateway_config(text=cluster + 'credential = "sixteen-chars-ok"\n')
     assert cfg.cluster.credential == "sixteen-chars-ok"
     assert load_gateway_config(text='[cluster]\nenabled = false\n').cluster.credential == ""
+
+
+@pytest.mark.parametrize("kv_blocks, expected", [("", None), ("kv_blocks = 0\n", None), ("kv_blocks = 40\n", 40)])
+def test_router_kv_blocks_reaches_the_gateways_model_routers(kv_blocks, expected):
+    """[router] kv_blocks (the engines' KV pages) turns on the predictor's wait-for-pages term
+    at the gateway; 0 or absent: not known, the term is off."""
+    from quillcache.gateway.routing import GatewayRouter
+    cfg = load_gateway_config(text=ENGINE + f'\n[router]\npolicy = "quillcache"\n{kv_blocks}')
+    gr = GatewayRouter(cfg)
+    for spec in cfg.gateway.engines:
+        gr.add_engine(spec)
+    (mr,) = gr.models.values()
+    assert mr.router.config.kv_blocks == expected
+
+
+def test_router_kv_blocks_out_of_range_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"\[router\] kv_blocks"):
+        load_gateway_config(text=ENGINE + '\n[router]\nkv_blocks = -1\n')

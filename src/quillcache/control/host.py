@@ -184,7 +184,7 @@ def build_router_host(section, *, start: bool = True) -> Optional[RouterHost]:
         active_request_weight=section.active_request_weight, host_weight=section.host_weight,
         disk_weight=section.disk_weight, pool_weight=section.pool_weight,
         temperature=section.temperature, approximate=section.approximate,
-        approx_ttl_s=section.approx_ttl)
+        approx_ttl_s=section.approx_ttl, kv_blocks=section.kv_blocks or None)
     if policy in IDENTITY_BLIND:
         log.warning("[router] module = %r is identity-blind: which engine a ROUTE names depends on what "
                     "other tenants cached (the answer's figures stay the requester's own)", section.module)

@@ -93,6 +93,12 @@ class _Request:
     request_id: str                      # X-Request-Id of both hops of a disaggregated request
 
 
+def _max_tokens(body: dict) -> int:
+    """The tokens the client lets the engine generate (0: not said, or not a count)."""
+    n = body.get("max_completion_tokens", body.get("max_tokens"))
+    return n if type(n) is int and n > 0 else 0
+
+
 class Proxy:
     """The completions endpoints over the gateway's engines, router and metrics."""
 
@@ -239,7 +245,7 @@ class Proxy:
         return [e for e in healthy if e.in_flight < g.queue_limit], bool(healthy)
 
     def _pick(self, req: _Request, engines: list[EngineState], tried: set, policy: Optional[str] = None,
-              counts: bool = True):
+              counts: bool = True, prefill_hop: bool = False):
         """Route among ``engines``: (decision, engine) with the engine's load bumped, or the
         error answer when none can take the request."""
         candidates, any_healthy = self._candidates(engines, tried)
@@ -253,7 +259,8 @@ class Proxy:
             retry = max(1, math.ceil(self.cfg.gateway.retry_after))
             return error(429, "every engine of this model is at its queue limit",
                           "rate_limit_error", headers={"Retry-After": str(retry)})
-        d = self.router.decide(req.identity, req.hashes, req.n_tokens, [c.id for c in candidates], policy)
+        d = self.router.decide(req.identity, req.hashes, req.n_tokens, [c.id for c in candidates], policy,
+                               1 if prefill_hop else _max_tokens(req.forward))
         if not d.admitted:
             return self._refused(d)
         state = self.engines[d.worker]
@@ -411,7 +418,7 @@ class Proxy:
             body["max_completion_tokens"] = 1
         tried: set[str] = set()
         for attempt in (0, 1):
-            picked = self._pick(req, engines, tried)
+            picked = self._pick(req, engines, tried, prefill_hop=True)
             if isinstance(picked, web.Response):
                 return picked
             d, state = picked

@@ -91,7 +91,8 @@ class GatewayRouter:
         # The TTFT objective that admission ([router] admission = "predict") holds a request to
         # is the gateway's own [gateway] slo_ttft, the one its goodput metric counts against.
         self._knobs = {**{k: v for k, v in r.as_dict().items() if k in _ROUTER_FIELDS}, "policy": r.policy,
-                       "slo_ttft_ms": cfg.gateway.slo_ttft * 1000.0}
+                       "slo_ttft_ms": cfg.gateway.slo_ttft * 1000.0,
+                       "kv_blocks": r.kv_blocks or None}      # 0 in the file: not known
         self._clock = clock
         self.predict_ttl = cfg.gateway.predict_ttl
         self.policy = r.policy
@@ -141,12 +142,14 @@ class GatewayRouter:
         return chain_hashes(tokens, block_size)
 
     def decide(self, identity: IdentityScope, hashes: Sequence[int], n_tokens: int,
-               candidates: Sequence[str], policy: Optional[str] = None) -> Decision:
+               candidates: Sequence[str], policy: Optional[str] = None, decode_tokens: int = 0) -> Decision:
+        """``decode_tokens``: the request's max_tokens (0: not said), how long it will hold its
+        KV pages ([router] kv_blocks)."""
         mr = self._of_worker[candidates[0]]
         policy = policy or self.policy
         # The router counts the request's load from here on: first_token() and finish() release it.
         d = mr.router.route(identity, hashes=hashes, request_tokens=n_tokens, candidates=candidates,
-                            policy=policy)
+                            policy=policy, decode_tokens=decode_tokens)
         if d.admitted:
             self._requests[d.request_id] = mr
         # Refused (metrics only): the most prefix blocks any candidate holds only under another
