@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from quillcache.index.art import add_block, forget_block, tenant_of
+from quillcache.index.art import add_block, block_hash_of, forget_block, tenant_of
 from quillcache.index.checkpoint import TIERS
 from quillcache.model import CacheResidency, decode_key
 
@@ -73,16 +73,6 @@ class LazySlots(list):
         list.clear(self)
         self.lazy = 0
         self.cold = np.zeros(0, dtype=bool)
-
-
-def block_hash_of(ek: bytes) -> bytes:
-    """The block_hash field of an encoded key (model.encode_key layout)."""
-    pos = 1
-    for _ in range(3):                      # tenant, model, tokenizer
-        pos += 1 + ek[pos]
-    pos = pos + 1 if ek[pos] == 0 else pos + 2 + ek[pos + 1]    # adapter
-    pos += 1 + ek[pos] + 4                  # prefix_hash, block_index
-    return ek[pos + 1:pos + 1 + ek[pos]]
 
 
 class LazyMap(dict):
