@@ -32,17 +32,24 @@ def _traced_per_key(index, keys, eks, tiers):
 
 
 @pytest.mark.parametrize("tiers", [(DRAM,), (DRAM, SSD)])
-def test_a_one_holder_key_costs_only_its_side_map_entries(tiers):
+@pytest.mark.parametrize("home", [True, False])
+def test_a_one_holder_key_costs_only_its_side_map_entries(tiers, home):
     """Keys and their encodings exist before (the store's entry holds them).  What the index
-    adds per key is then one entry in the block-hash dict and one in the holder's key set:
-    a dict or set entry of a table between 1/3 and 2/3 full is 16-24 B over 0.33-0.67,
-    under 75 B each.  Before packing, each record (88 B), its list (64 B) and its size's
-    int (28 B) came on top: ~270 B per key."""
+    adds per key of its home is one entry of the block-hash dict (a 24 B entry, the table
+    1/3 to 2/3 used: 21 B measured at this size); another holder's key also takes an entry
+    of that holder's key set (16 B a slot, the table between 1/8 and 3/5 used: 105 B measured
+    at this size).  Before packing, each record (88 B), its list (64 B) and its size's int
+    (28 B) came on top, and the home had a key set too: 286 B per key (DRAM) and 430 B
+    (DRAM and SSD) measured."""
     n = 20000
     keys = [key(i) for i in range(n)]
     eks = [encode_key(k) for k in keys]
-    per_key = _traced_per_key(ArtIndex(), keys, eks, tiers)
-    assert per_key < 150, per_key
+    index = ArtIndex()
+    if home:
+        index.set_home("me")
+    per_key = _traced_per_key(index, keys, eks, tiers)
+    assert per_key < (48 if home else 150), per_key
+    assert index.records_of("me") == n and len(index.keys_of("me")) == n
 
 
 def test_records_of_several_holders_and_tiers_come_back_all_in_order_and_pack_again():
@@ -118,7 +125,13 @@ def test_packed_records_survive_a_checkpoint_and_the_log(tmp_path):
         for i in range(10, 20):
             index.set_holder(key(i), encode_key(key(i)), "me", (SSD,), 100 + i)
         index.set_holder(key(3), encode_key(key(3)), "me", (), 0)
+        index.set_holder(key(5), encode_key(key(5)), "me", (SSD,), 555)     # replaced in place:
+        index.set_holder(key(6), encode_key(key(6)), "me", (DRAM,), 106)    # logged as remove + puts
+        assert index.holder(encode_key(key(6)), "me") == (106, (DRAM,)) and len(index) == 26
     with PersistentArtIndex(tmp_path) as again:
+        assert again.holder(encode_key(key(5)), "me") == (555, (SSD,))
+        assert again.holder(encode_key(key(6)), "me") == (0, ())              # only in DRAM: not kept
+        again.set_holder(key(6), encode_key(key(6)), "me", (SSD,), 106)
         assert len(again) == 19
         assert again.holder(encode_key(key(4)), "me") == (104, (SSD,))     # DRAM records not kept
         assert again.holder(encode_key(key(15)), "me") == (115, (SSD,))
@@ -128,4 +141,49 @@ def test_packed_records_survive_a_checkpoint_and_the_log(tmp_path):
         assert again._tree[encode_key(key(4))] & art.PACKED
         again.checkpoint()
     with PersistentArtIndex(tmp_path) as third:
-        assert [r.bytes for r in third.iter_records()] == [100 + i for i in range(20) if i != 3]
+        assert [r.bytes for r in third.iter_records()] == [555 if i == 5 else 100 + i for i in range(20) if i != 3]
+
+
+def test_the_homes_keys_are_walked_and_counted_without_a_key_set():
+    index = ArtIndex()
+    for i in range(3):                                       # before set_home: a key set
+        index.set_holder(key(i), encode_key(key(i)), "me", (DRAM,), 10)
+    index.set_home("me")
+    assert "me" not in index._by_worker and index.records_of("me") == 3
+    for i in range(3, 8):
+        index.set_holder(key(i), encode_key(key(i)), "me", (DRAM, SSD), 10)
+    index.put(CacheResidency(key(4), "peer", SSD, 10))      # a slot: two holders
+    index.put(CacheResidency(key(5), "me", HBM, 99))         # a slot: another size
+    index.put(CacheResidency(key(9), "peer", SSD, 10))       # not the home's
+    index.put(CacheResidency(key(5), "me", HBM, 99))         # the same record again: no new key
+    assert index.records_of("me") == 8 and index.records_of("peer") == 2
+    assert index.keys_of("me") == {encode_key(key(i)) for i in range(8)}
+    assert index.keys_of("peer") == {encode_key(key(4)), encode_key(key(9))}
+    index.set_holder(key(6), encode_key(key(6)), "me", (), 0)
+    assert index.records_of("me") == 7
+    assert index.clear_worker("me") == 1 + 2 * 4 + 3         # 0-2: DRAM; 3, 4, 7: both; 5: three
+    assert index.records_of("me") == 0 and index.keys_of("me") == set()
+    assert {r.worker_id for r in index.iter_records()} == {"peer"} and len(index) == 2
+    with pytest.raises(ValueError, match="home"):
+        index.set_home("peer")
+
+
+def test_a_recovered_index_counts_and_walks_the_home_without_decoding(tmp_path):
+    with PersistentArtIndex(tmp_path, sync_every=True) as index:
+        for i in range(30):
+            index.set_holder(key(i), encode_key(key(i)), "me", (SSD,), 100 + i)
+        index.put(CacheResidency(key(40), "peer", SSD, 5))
+        index.checkpoint()
+        index.set_holder(key(31), encode_key(key(31)), "me", (SSD,), 1)     # replayed from the log
+        index.set_holder(key(2), encode_key(key(2)), "me", (), 0)
+    with PersistentArtIndex(tmp_path) as again:
+        again.set_home("me")
+        assert again.stats()["lazy_slots"] == len(again._tree)              # nothing decoded
+        assert again.records_of("me") == 30
+        want = {encode_key(key(i)) for i in list(range(30)) + [31] if i != 2}
+        assert again.keys_of("me") == want and again.keys_of("peer") == {encode_key(key(40))}
+        assert not again.set_holder(key(7), encode_key(key(7)), "me", (SSD,), 107)    # packed now
+        assert again.set_holder(key(8), encode_key(key(8)), "me", (), 0)
+        assert again.keys_of("me") == want - {encode_key(key(8))} and again.records_of("me") == 29
+        again.materialize()
+        assert again.keys_of("me") == want - {encode_key(key(8))}

@@ -174,6 +174,8 @@ class ArtIndex:
         self._numbers: dict[str, int] = {}          # worker_id -> its holder number
         self._packed: list[int] = []                # holder number -> packed keys naming it
         self._free_numbers: list[int] = []
+        self._home: Optional[str] = None            # set_home: the holder with no key set
+        self._home_keys = 0                         # keys holding a record of _home
         self._records = 0
         self._resident_bytes = 0
         self._puts = 0
@@ -265,6 +267,10 @@ class ArtIndex:
         if ek is None:
             ek = encode_key(residency.key)   # validates the key before anything changes
         value = self._tree.get(ek)
+        worker = residency.worker_id
+        home = worker == self._home
+        if home and (value is None or worker not in self._holders(value)):
+            self._home_keys += 1
         if value is None:
             self._put_new(residency, ek)
         elif value & PACKED:
@@ -273,11 +279,12 @@ class ArtIndex:
             self._merge(self._slots[value], untrack(residency))
         self._records += 1
         self._resident_bytes += residency.bytes
-        mine = self._by_worker.get(residency.worker_id)
-        if mine is None:
-            self._by_worker[residency.worker_id] = {ek}
-        else:
-            mine.add(ek)
+        if not home:
+            mine = self._by_worker.get(worker)
+            if mine is None:
+                self._by_worker[worker] = {ek}
+            else:
+                mine.add(ek)
 
     def _put_new(self, residency: CacheResidency, ek: bytes) -> None:
         r = residency
@@ -354,11 +361,14 @@ class ArtIndex:
                 return 0
             self._resident_bytes -= sum(r.bytes for r in records if r.worker_id == worker_id)
         self._records -= removed
-        keys = self._by_worker.get(worker_id)
-        if keys is not None:
-            keys.discard(ek)
-            if not keys:
-                del self._by_worker[worker_id]
+        if worker_id == self._home:
+            self._home_keys -= 1
+        else:
+            keys = self._by_worker.get(worker_id)
+            if keys is not None:
+                keys.discard(ek)
+                if not keys:
+                    del self._by_worker[worker_id]
         if keep:
             packed = self._pack_records(keep)
             if packed:
@@ -384,6 +394,7 @@ class ArtIndex:
         self._numbers.clear()
         self._packed.clear()
         self._free_numbers.clear()
+        self._home_keys = 0
         self._records = 0
         self._resident_bytes = 0
 
@@ -455,7 +466,7 @@ class ArtIndex:
 
     def clear_worker(self, worker_id: str) -> int:
         removed = 0
-        for ek in list(self._by_worker.get(worker_id, ())):
+        for ek in list(self._keys(worker_id)):
             removed += self._apply_remove(ek, worker_id)
         self._removes += removed
         return removed
@@ -497,12 +508,22 @@ class ArtIndex:
         Returns False when the records were already so (nothing changed, nothing logged)."""
         value = self._tree.get(ek)
         if value is not None:
-            if value & PACKED:                                  # the common case, checked cheaply
-                if self._worker_of(value) == worker_id:
-                    have = MASK_TIERS[value >> TIER_SHIFT & TIER_MASK]
+            if value >= PACKED:                                 # the common case, checked cheaply
+                hi = value >> TIER_SHIFT                        # holder number, tier set
+                have = MASK_TIERS[hi & TIER_MASK]
+                if self._workers[hi >> TIER_BITS & WORKER_MASK] == worker_id:
                     if value & BYTES_MASK == nbytes and (have == tiers or (
                             len(have) == len(tiers) and set(have) == set(tiers))):
                         return False
+                    if tiers:
+                        mask = 0
+                        for tier in tiers:
+                            mask |= TIER_BIT[tier]
+                        if 0 <= nbytes <= BYTES_MASK and len(MASK_TIERS[mask]) == len(tiers):
+                            self._replace_packed(ek, value, key, worker_id, have, tiers,
+                                                 value & ~(TIER_MASK << TIER_SHIFT | BYTES_MASK)
+                                                 | mask << TIER_SHIFT | nbytes)
+                            return True
                     self._removes += self._apply_remove(ek, worker_id)
             else:
                 records = self._slots[value]
@@ -521,6 +542,18 @@ class ArtIndex:
             self._apply_put(CacheResidency(key, worker_id, tier, nbytes), ek)
             self._puts += 1
         return True
+
+    def _replace_packed(self, ek: bytes, value: int, key: KvBlockKey, worker_id: str,
+                        have: tuple[CacheTier, ...], tiers: tuple[CacheTier, ...], new: int) -> None:
+        """set_holder of a packed key whose one holder is worker_id, to another packed
+        value of the same holder: what removing ``have`` and putting ``tiers`` would do,
+        without taking the key out of the tree and its side maps and back in (the
+        persistent index logs it as those removes and puts)."""
+        self._tree.insert(ek, new)
+        self._records += len(tiers) - len(have)
+        self._resident_bytes += len(tiers) * (new & BYTES_MASK) - len(have) * (value & BYTES_MASK)
+        self._removes += len(have)
+        self._puts += len(tiers)
 
     def page(self, prefix: bytes, start_after: bytes, limit: int,
              worker_id: Optional[str] = None) -> tuple[list[bytes], bool]:
@@ -583,11 +616,53 @@ class ArtIndex:
 
     def records_of(self, worker_id: str) -> int:
         """How many encoded keys hold a record of worker_id."""
+        if worker_id == self._home:
+            return self._home_keys
         return len(self._by_worker.get(worker_id, ()))
 
     def keys_of(self, worker_id: str) -> set[bytes]:
-        """The encoded keys where worker_id holds a record (a copy)."""
-        return set(self._by_worker.get(worker_id, ()))
+        """The encoded keys where worker_id holds a record (a copy; for the home, one walk
+        of the tree)."""
+        return set(self._keys(worker_id))
+
+    def _keys(self, worker_id: str):
+        return self._home_walk() if worker_id == self._home else self._by_worker.get(worker_id, ())
+
+    # ------------------------------------------------------------------ the home: no key set
+
+    @property
+    def home(self) -> Optional[str]:
+        return self._home
+
+    def set_home(self, worker_id: str) -> None:
+        """Keep no key set for worker_id's records (the store's own holder: its keys are
+        most of the index, and a set entry cost 35-105 B a key): ``records_of`` counts
+        them, ``keys_of`` and ``clear_worker`` walk the tree (O(keys held): the start-up
+        check, a residency listener's start and QC_DEBUG checks; no request asks).  The
+        other holders (a pool's records of other nodes) keep their sets.  Once per index."""
+        if worker_id == self._home:
+            return
+        if self._home is not None:
+            raise ValueError(f"the index's home is {self._home!r}; cannot make it {worker_id!r}")
+        count = self._holder_key_count(worker_id)
+        self._drop_key_set(worker_id)
+        self._home, self._home_keys = worker_id, count
+
+    def _drop_key_set(self, worker_id: str) -> None:
+        self._by_worker.pop(worker_id, None)
+
+    def _home_walk(self) -> list[bytes]:
+        """The keys holding a record of the home: packed ones found by the tree's native
+        walk, the others from the slots."""
+        no = self._numbers.get(self._home)
+        out = [] if no is None else self._tree.keys_where(PACKED | WORKER_MASK << WORKER_SHIFT,
+                                                           PACKED | no << WORKER_SHIFT)
+        return out + self._slot_keys(self._home)
+
+    def _slot_keys(self, worker_id: str) -> list[bytes]:
+        """The keys in slot form holding a record of worker_id."""
+        return [encode_key(rs[0].key) for rs in self._slots
+                if rs is not None and any(r.worker_id == worker_id for r in rs)]
 
     def agree_holder(self, worker_id: str, tier: CacheTier, blob, key_off, lengths) -> dict[str, int]:
         """Make worker_id's records say exactly this: one record in ``tier`` for each key of
@@ -636,7 +711,7 @@ class ArtIndex:
 
     def _holder_key_count(self, worker_id: str) -> int:
         """How many keys hold a record of worker_id."""
-        return len(self._by_worker.get(worker_id, ()))
+        return self.records_of(worker_id)
 
     # ------------------------------------------------------------------ dump / load
 

@@ -203,6 +203,13 @@ class LazyWorkerMap(LazyMap):
             self._removed.setdefault(worker, set()).add(ek)
             self._added.get(worker, set()).discard(ek)
 
+    def drop(self, worker: str) -> None:
+        """Keep no entry for worker from now on (ArtIndex.set_home), computed or not."""
+        self._warmed.add(worker)
+        dict.pop(self, worker, None)
+        self._added.pop(worker, None)
+        self._removed.pop(worker, None)
+
     def _cold(self, worker) -> Optional[set]:
         found = self._added.pop(worker, set())
         removed = self._removed.pop(worker, set())

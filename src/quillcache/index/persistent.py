@@ -283,6 +283,15 @@ class PersistentArtIndex(ArtIndex):
                 self._log(encode_remove(ek, worker_id))
         return super()._apply_remove(ek, worker_id)
 
+    def _replace_packed(self, ek, value, key, worker_id, have, tiers, new) -> None:
+        if self._logging:       # logged as set_holder's remove and puts would be
+            if any(self._durable_tier(worker_id, t) for t in have):
+                self._log(encode_remove(ek, worker_id))
+            for t in tiers:
+                if self._durable_tier(worker_id, t):
+                    self._log(encode_put_ek(ek, CacheResidency(key, worker_id, t, new & BYTES_MASK)))
+        super()._replace_packed(ek, value, key, worker_id, have, tiers, new)
+
     def _durable(self, r: CacheResidency) -> bool:
         """Is this record logged and checkpointed (else kept in memory only)?"""
         return self._durable_tier(r.worker_id, r.tier)
@@ -442,6 +451,34 @@ class PersistentArtIndex(ArtIndex):
                 n += 1
         number = self._numbers.get(worker_id)
         return n + (self._packed[number] if number is not None else 0)   # packed keys have no slot
+
+    def _drop_key_set(self, worker_id: str) -> None:
+        if isinstance(self._by_worker, LazyWorkerMap):
+            self._by_worker.drop(worker_id)
+        else:
+            super()._drop_key_set(worker_id)
+
+    def _slot_keys(self, worker_id: str) -> list[bytes]:
+        """ArtIndex._slot_keys without decoding a slot: checkpoint groups still cold are
+        read from the checkpoint's record table, replayed ones from their rows."""
+        all_slots = self._slots
+        if not isinstance(all_slots, LazySlots):
+            return super()._slot_keys(worker_id)
+        out = []
+        G = len(all_slots.cold)
+        if self._ck is not None and G:
+            held = self._ck.holder_table(worker_id)[0] > 0
+            out = self._ck.eks_obj[np.flatnonzero(all_slots.cold & held)].tolist()
+        for s in np.flatnonzero(~all_slots.cold).tolist() + list(range(G, len(all_slots))):
+            v = list.__getitem__(all_slots, s)
+            if v is None or v is COLD:
+                continue
+            if type(v) is RawGroup:
+                if any(r[0] == worker_id for r in v.rows):
+                    out.append(v.ek)
+            elif any(r.worker_id == worker_id for r in v):
+                out.append(encode_key(v[0].key))
+        return out
 
     def materialize(self) -> None:
         """Decode every lazily loaded record now (later calls skip the lazy path)."""
