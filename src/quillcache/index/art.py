@@ -15,7 +15,8 @@ range walk of the tree (``scan_prefix(encode_scope_prefix(...))``) and its outpu
 already in ``model.sort_residencies`` order: key order, then worker, then tier.
 
 Side maps keep the other operations proportional to what they touch:
-``_by_worker[worker_id]`` = encoded keys where that worker has a record (clear_worker),
+``_by_worker[worker_id]`` = encoded keys where that worker has a record (clear_worker), for
+every worker but the home (``set_home``: the store's own, counted and walked when asked),
 ``_by_block[block_hash]`` = the encoded key with that block hash, or per tenant a tuple of them
 (``add_block``; read through ``block_eks``)
 (remove_block, and the identity guard: a lookup for one tenant never iterates another's).
