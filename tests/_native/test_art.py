@@ -325,3 +325,16 @@ def test_blob_calls_refuse_bad_offsets_before_touching_the_tree():
     assert len(tree) == 0
     with pytest.raises(ValueError, match="output"):
         tree.get_blob(b"ab", np.array([0, 1, 2], np.uint64), np.empty(1, np.int64))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(keys, st.integers(min_value=0, max_value=15), max_size=300),
+       st.integers(min_value=0, max_value=15), st.integers(min_value=0, max_value=15))
+def test_keys_where_is_every_key_whose_value_has_those_bits_in_key_order(d, mask, want):
+    t = AdaptiveRadixTree()
+    for k, v in d.items():
+        t.insert(k, v)
+    assert t.keys_where(mask, want) == [k for k, v in oracle_items(d) if v & mask == want]
+    assert t.keys_where(0, 0) == sorted(d)
+    with pytest.raises(OverflowError):
+        t.keys_where(-1, 0)

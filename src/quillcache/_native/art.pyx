@@ -532,6 +532,18 @@ cdef class AdaptiveRadixTree:
             self._readers -= 1
         return out
 
+    def keys_where(self, mask, want):
+        """[key] of every key whose value & mask == want, in key order (one walk of the
+        whole tree without the GIL: O(keys held))."""
+        cdef uint64_t m = to_u64(mask), w = to_u64(want)
+        cdef list out
+        self._readers += 1
+        try:
+            out = scan_where(&self._t, m, w)
+        finally:
+            self._readers -= 1
+        return out
+
     def items(self, start=None):
         """Iterator of (key, value) in key order from the first key >= start.  It fetches
         ITER_CHUNK entries at a time and resumes after the last key it returned, so the

@@ -96,11 +96,15 @@ ctypedef struct leafbuf:
     art_leaf** out            # inline, or malloc'ed once it outgrows inline
     size_t n
     size_t cap
+    uint64_t mask             # only leaves whose value & mask == want are kept (scan: 0, 0)
+    uint64_t want
     art_leaf* inline[SCAN_INLINE]
 
 cdef int push_leaf(leafbuf* b, art_leaf* l) noexcept nogil:
     """Append l; -1 (buffer unchanged) when out of memory."""
     cdef art_leaf** bigger
+    if l.value & b.mask != b.want:
+        return 0
     if b.n == b.cap:
         if b.out == b.inline:
             bigger = <art_leaf**>malloc(2 * b.cap * sizeof(art_leaf*))
@@ -202,6 +206,8 @@ cdef list scan(art_tree* t, const uint8_t* pfx, size_t plen):
     b.out = b.inline
     b.n = 0
     b.cap = SCAN_INLINE
+    b.mask = 0
+    b.want = 0
     with nogil:
         sub = prefix_subtree(t, pfx, plen)
         if sub != NULL:
@@ -213,6 +219,35 @@ cdef list scan(art_tree* t, const uint8_t* pfx, size_t plen):
         if r < 0:
             raise MemoryError("scan_prefix: out of memory")
         return leaf_list(b.out, b.n)
+    finally:
+        if b.out != b.inline:
+            free(b.out)
+
+
+cdef list scan_where(art_tree* t, uint64_t mask, uint64_t want):
+    """[key] of every leaf whose value & mask == want, in key order: one walk of the tree."""
+    cdef leafbuf b
+    cdef int r = 0
+    cdef list out
+    cdef object k
+    cdef size_t i
+    b.out = b.inline
+    b.n = 0
+    b.cap = SCAN_INLINE
+    b.mask = mask
+    b.want = want
+    with nogil:
+        if t.root != NULL:
+            r = gather(&b, t.root)
+    try:
+        if r < 0:
+            raise MemoryError("keys_where: out of memory")
+        out = PyList_New(b.n)
+        for i in range(b.n):
+            k = PyBytes_FromStringAndSize(<char*>leaf_key(b.out[i]), b.out[i].key_len)
+            Py_INCREF(k)                 # SET_ITEM steals a reference
+            PyList_SET_ITEM(out, i, k)
+        return out
     finally:
         if b.out != b.inline:
             free(b.out)

@@ -120,7 +120,7 @@ class ArtRecordStore:
         """A LOCATE's answer: for each encoded key, the (node id, epoch, size, crc) of its
         holders that ``live(node id, epoch)`` accepts (asked once per holder per call);
         this node's own blocks are named once, with its current epoch, once their CRC is known."""
-        parsed, local_holder, records_at = self._parsed, self._local_holder, self._index.records_at
+        parsed, local_holder, holders_at = self._parsed, self._local_holder, self._index.holders_at
         crcs = self._crcs
         verdict: dict[str, Optional[tuple[str, int]]] = {}     # worker id -> (node, epoch) if live
         out = []
@@ -128,8 +128,7 @@ class ArtRecordStore:
         for ek in ekeys:
             found = []
             mine = False
-            for r in records_at(ek):
-                w = r.worker_id
+            for w, size in holders_at(ek):
                 if w == local_holder:
                     if mine:
                         continue                # one answer for its DRAM and SSD records
@@ -147,7 +146,7 @@ class ArtRecordStore:
                     continue
                 crc = self._local_crc(ek) if w == local_holder else crcs[w].get(ek)
                 if crc is not None:
-                    found.append((ne[0], ne[1], r.bytes, crc))
+                    found.append((ne[0], ne[1], size, crc))
             append(found)
         return out
 

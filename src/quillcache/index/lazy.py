@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from quillcache.index.art import add_block, forget_block, tenant_of
+from quillcache.index.art import add_block, block_hash_of, forget_block, tenant_of
 from quillcache.index.checkpoint import TIERS
 from quillcache.model import CacheResidency, decode_key
 
@@ -73,16 +73,6 @@ class LazySlots(list):
         list.clear(self)
         self.lazy = 0
         self.cold = np.zeros(0, dtype=bool)
-
-
-def block_hash_of(ek: bytes) -> bytes:
-    """The block_hash field of an encoded key (model.encode_key layout)."""
-    pos = 1
-    for _ in range(3):                      # tenant, model, tokenizer
-        pos += 1 + ek[pos]
-    pos = pos + 1 if ek[pos] == 0 else pos + 2 + ek[pos + 1]    # adapter
-    pos += 1 + ek[pos] + 4                  # prefix_hash, block_index
-    return ek[pos + 1:pos + 1 + ek[pos]]
 
 
 class LazyMap(dict):
@@ -212,6 +202,13 @@ class LazyWorkerMap(LazyMap):
         else:
             self._removed.setdefault(worker, set()).add(ek)
             self._added.get(worker, set()).discard(ek)
+
+    def drop(self, worker: str) -> None:
+        """Keep no entry for worker from now on (ArtIndex.set_home), computed or not."""
+        self._warmed.add(worker)
+        dict.pop(self, worker, None)
+        self._added.pop(worker, None)
+        self._removed.pop(worker, None)
 
     def _cold(self, worker) -> Optional[set]:
         found = self._added.pop(worker, set())

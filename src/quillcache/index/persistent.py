@@ -47,7 +47,7 @@ import numpy as np
 from quillcache.fsutil import fsync_dir
 from quillcache._native.wal import WalReader, WalWriter
 from quillcache.errors import CorruptCheckpoint, InvalidArgument
-from quillcache.index.art import ArtIndex
+from quillcache.index.art import BYTES_MASK, MASK_TIERS, PACKED, TIER_MASK, TIER_SHIFT, ArtIndex, key_of
 from quillcache.index.checkpoint import CHECKPOINT_NAME, TIER_CODE, TIERS, Checkpoint, read_checkpoint, write_checkpoint
 from quillcache.index.lazy import COLD, LazyBlockMap, LazySlots, LazyWorkerMap, RawGroup, block_hash_of
 from quillcache.index.walrecords import (  # CorruptLog, encode_put, MAX_WORKER_ID_BYTES: re-exported
@@ -215,11 +215,10 @@ class PersistentArtIndex(ArtIndex):
             self._slots.lazy += 1
             self._by_block.note(block_hash, ek)
         else:
-            group = self._raw_group(slot, ek)
-            if group is None:               # already decoded: the ordinary path
+            group = None if slot & PACKED else self._raw_group(slot, ek)
+            if group is None:               # already decoded (or packed): the ordinary path
                 w, t, b, last, ref, pin = row
-                super()._apply_put(CacheResidency(self._slots[slot][0].key, w, TIERS[t], b,
-                                                         last, ref, bool(pin)))
+                super()._apply_put(CacheResidency(key_of(ek), w, TIERS[t], b, last, ref, bool(pin)), ek)
                 return
             rows = group.rows
             order = (worker, row[1])
@@ -243,7 +242,7 @@ class PersistentArtIndex(ArtIndex):
         slot = self._tree.get(ek)
         if slot is None:
             return
-        group = self._raw_group(slot, ek)
+        group = None if slot & PACKED else self._raw_group(slot, ek)
         if group is None:
             super()._apply_remove(ek, worker)
             return
@@ -277,19 +276,28 @@ class PersistentArtIndex(ArtIndex):
 
     def _apply_remove(self, ek: bytes, worker_id: str) -> int:
         if self._logging:
-            slot = self._tree.get(ek)
-            if slot is None:
+            tiers = self.holder(ek, worker_id)[1]
+            if not tiers:
                 return 0
-            mine = [r for r in self._slots[slot] if r.worker_id == worker_id]
-            if not mine:
-                return 0
-            if any(self._durable(r) for r in mine):
+            if any(self._durable_tier(worker_id, t) for t in tiers):
                 self._log(encode_remove(ek, worker_id))
         return super()._apply_remove(ek, worker_id)
 
+    def _replace_packed(self, ek, value, key, worker_id, have, tiers, new) -> None:
+        if self._logging:       # logged as set_holder's remove and puts would be
+            if any(self._durable_tier(worker_id, t) for t in have):
+                self._log(encode_remove(ek, worker_id))
+            for t in tiers:
+                if self._durable_tier(worker_id, t):
+                    self._log(encode_put_ek(ek, CacheResidency(key, worker_id, t, new & BYTES_MASK)))
+        super()._replace_packed(ek, value, key, worker_id, have, tiers, new)
+
     def _durable(self, r: CacheResidency) -> bool:
         """Is this record logged and checkpointed (else kept in memory only)?"""
-        return r.tier not in self.volatile_tiers and (self.owner is None or r.worker_id == self.owner)
+        return self._durable_tier(r.worker_id, r.tier)
+
+    def _durable_tier(self, worker_id: str, tier: CacheTier) -> bool:
+        return tier not in self.volatile_tiers and (self.owner is None or worker_id == self.owner)
 
     def _apply_clear(self) -> None:
         if self._logging:
@@ -368,6 +376,13 @@ class PersistentArtIndex(ArtIndex):
     def _checkpoint_groups(self):
         slots, ck, code, durable = self._slots, self._ck, TIER_CODE, self._durable
         for ek, slot in self._tree.items():
+            if slot & PACKED:
+                worker, nbytes = self._worker_of(slot), slot & BYTES_MASK
+                rows = [(worker, code[t], nbytes, 0, 0, 0) for t in MASK_TIERS[slot >> TIER_SHIFT & TIER_MASK]
+                        if self._durable_tier(worker, t)]
+                if rows:
+                    yield ek, block_hash_of(ek), rows
+                continue
             v = list.__getitem__(slots, slot)
             if v is COLD:
                 yield ek, block_hash_of(ek), ck.group_rows(slot)
@@ -400,7 +415,14 @@ class PersistentArtIndex(ArtIndex):
             ok[cold] = (count[g] == 1) & (tiers[g] == TIER_CODE[tier]) & (nbytes[g] == lengths[cold])
         code = TIER_CODE[tier]
         for i in np.flatnonzero(found & ~cold).tolist():
-            v = list.__getitem__(all_slots, int(slots[i]))
+            value = int(slots[i])
+            if value & PACKED:
+                if self._worker_of(value) == worker_id:
+                    has[i] = True
+                    ok[i] = (MASK_TIERS[value >> TIER_SHIFT & TIER_MASK] == (tier,)
+                             and value & BYTES_MASK == lengths[i])
+                continue
+            v = list.__getitem__(all_slots, value)
             if type(v) is RawGroup:
                 mine = [(r[1], r[2]) for r in v.rows if r[0] == worker_id]
             else:
@@ -427,14 +449,44 @@ class PersistentArtIndex(ArtIndex):
             rows = v.rows if type(v) is RawGroup else v
             if any((r[0] if type(v) is RawGroup else r.worker_id) == worker_id for r in rows):
                 n += 1
-        return n
+        number = self._numbers.get(worker_id)
+        return n + (self._packed[number] if number is not None else 0)   # packed keys have no slot
+
+    def _drop_key_set(self, worker_id: str) -> None:
+        if isinstance(self._by_worker, LazyWorkerMap):
+            self._by_worker.drop(worker_id)
+        else:
+            super()._drop_key_set(worker_id)
+
+    def _slot_keys(self, worker_id: str) -> list[bytes]:
+        """ArtIndex._slot_keys without decoding a slot: checkpoint groups still cold are
+        read from the checkpoint's record table, replayed ones from their rows."""
+        all_slots = self._slots
+        if not isinstance(all_slots, LazySlots):
+            return super()._slot_keys(worker_id)
+        out = []
+        G = len(all_slots.cold)
+        if self._ck is not None and G:
+            held = self._ck.holder_table(worker_id)[0] > 0
+            out = self._ck.eks_obj[np.flatnonzero(all_slots.cold & held)].tolist()
+        for s in np.flatnonzero(~all_slots.cold).tolist() + list(range(G, len(all_slots))):
+            v = list.__getitem__(all_slots, s)
+            if v is None or v is COLD:
+                continue
+            if type(v) is RawGroup:
+                if any(r[0] == worker_id for r in v.rows):
+                    out.append(v.ek)
+            elif any(r.worker_id == worker_id for r in v):
+                out.append(encode_key(v[0].key))
+        return out
 
     def materialize(self) -> None:
         """Decode every lazily loaded record now (later calls skip the lazy path)."""
         if isinstance(self._slots, LazySlots):
             slots = self._slots
             for _, slot in self._tree.items():
-                slots[slot]
+                if not slot & PACKED:
+                    slots[slot]
             self._slots = list(slots)
         if isinstance(self._by_block, LazyBlockMap):
             self._by_block = self._by_block.warm_all()

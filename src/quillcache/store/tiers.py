@@ -85,6 +85,7 @@ class LocalKvStore(Residency, Eviction, Demotion, Writes, Reads, Pins, BatchLeas
         # docs/residency-index.md).  ``holder`` names this node's records in it.
         self._index = index if index is not None else ArtIndex()
         self.holder = o.holder
+        self._index.set_home(o.holder)     # its keys are walked when asked, not kept in a set
         self.guard = IdentityGuard(o.guard_mode, self._index, o.holder)   # checks the mode before the arena
         self._clock = clock
         self._dram = DramTier(o.dram_bytes, max_block_bytes=max_block_bytes, put_timeout_s=o.put_timeout_s,
