@@ -186,3 +186,11 @@ def test_replace_and_defaults_and_str_subclasses():
         k.replace(block_index=-1)
     with pytest.raises(TypeError):
         decode_key_fast(encode_key(k), dict)
+
+
+def test_a_key_made_without_its_fields_raises_instead_of_reading_nothing():
+    bare = KvBlockKey.__new__(KvBlockKey)
+    for name in ("model_id", "prefix_hash", "block_hash", "block_index", "token_count"):
+        with pytest.raises(AttributeError):
+            getattr(bare, name)
+    assert bare.encoded() is None and bare != KvBlockKey("m", "t", None, "x", "p", "b")

@@ -184,6 +184,13 @@ cdef tuple _scope_for(str model, str tokenizer, object adapter, str tenant):
                      None if adapter is None else intern(adapter))
 
 
+cdef inline const unsigned char* _enc(KvBlockKey key) except NULL:
+    """The key's encoding; a key made by ``KvBlockKey.__new__`` alone has none."""
+    if key._ek is None:
+        raise AttributeError("this KvBlockKey was made without its fields (KvBlockKey.__new__)")
+    return <const unsigned char*>PyBytes_AS_STRING(key._ek)
+
+
 @cython.no_gc            # a bytes object and an IdentityScope of strings: it can hold no cycle
 @cython.freelist(64)
 @cython.final
@@ -258,27 +265,27 @@ cdef class KvBlockKey:
 
     @property
     def prefix_hash(self):
-        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(self._ek)
+        cdef const unsigned char* p = _enc(self)
         cdef Py_ssize_t s = _scope_end(p)
         return _utf8(p, s + 1, s + 1 + p[s])
 
     @property
     def block_index(self):
-        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(self._ek)
+        cdef const unsigned char* p = _enc(self)
         cdef Py_ssize_t s = _scope_end(p)
         return _u32(p + s + 1 + p[s])
 
     @property
     def block_hash(self):
-        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(self._ek)
+        cdef const unsigned char* p = _enc(self)
         cdef Py_ssize_t s = _scope_end(p)
         s += 1 + p[s] + 4
         return _utf8(p, s + 1, s + 1 + p[s])
 
     @property
     def token_count(self):
-        cdef Py_ssize_t n = PyBytes_GET_SIZE(self._ek)
-        return _u32(<const unsigned char*>PyBytes_AS_STRING(self._ek) + n - 4)
+        cdef const unsigned char* p = _enc(self)
+        return _u32(p + PyBytes_GET_SIZE(self._ek) - 4)
 
     # ------------------------------------------------------------------ identity
 
