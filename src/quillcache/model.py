@@ -11,25 +11,24 @@ from __future__ import annotations
 
 import enum
 import struct
-from sys import intern as _intern
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, runtime_checkable
+
+from quillcache._native import keys as _native_keys
+from quillcache._native.keys import (  # the key's limits and layout version: defined with the key
+    DEFAULT_TOKENS_PER_BLOCK, KEY_FORMAT_VERSION, MAX_BLOCK_INDEX, MAX_ID_BYTES, MAX_TOKEN_COUNT,
+)
 
 __all__ = [
     "KvBlockKey", "IdentityScope", "CacheTier", "CacheResidency", "IndexMetrics", "IndexBackend",
     "MemoryIndex", "sort_residencies", "encode_key", "decode_key", "encode_scope", "encode_scope_prefix",
-    "KeyError_", "MAX_ID_BYTES", "KEY_FORMAT_VERSION", "MAX_PIN_TTL_S", "GiB", "MiB",
+    "KeyError_", "MAX_ID_BYTES", "KEY_FORMAT_VERSION", "MAX_BLOCK_INDEX", "MAX_TOKEN_COUNT",
+    "DEFAULT_TOKENS_PER_BLOCK", "MAX_PIN_TTL_S", "GiB", "MiB",
 ]
 
 MiB = 1 << 20
 GiB = 1 << 30
 
-MAX_ID_BYTES = 255          # bytes of UTF-8 per identity/hash field of a key
-_SHORT_ID = MAX_ID_BYTES // 4   # characters: a str this short is within MAX_ID_BYTES whatever it holds
-MAX_BLOCK_INDEX = (1 << 32) - 1
-MAX_TOKEN_COUNT = (1 << 32) - 1
-KEY_FORMAT_VERSION = 1      # first byte of every encoded key
-DEFAULT_TOKENS_PER_BLOCK = 64
 MAX_PIN_TTL_S = 7 * 24 * 3600.0   # seconds: the longest pin a store keeps (PIN ttl 0 gets this)
 
 
@@ -64,86 +63,15 @@ class IdentityScope:
         )
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class KvBlockKey:
-    """One KV block: its identity scope, its place in a prefix chain and its size in tokens."""
-
-    model_id: str
-    tokenizer_id: str
-    adapter_id: Optional[str]
-    tenant_id: str
-    prefix_hash: str
-    block_hash: str
-    block_index: int = 0
-    token_count: int = DEFAULT_TOKENS_PER_BLOCK
-    # the hash, computed once: a key is looked up in several dicts per request on the node
-    # (key cache, entries, slots, eviction order, index) and the client (encoded keys)
-    _hash: int = field(init=False, repr=False, compare=False, hash=False, default=0)
-    # the encoding (``encode_key``), kept once made or decoded from: the node's entry, its
-    # key cache and the index share this one bytes object
-    _ek: Optional[bytes] = field(init=False, repr=False, compare=False, hash=False, default=None)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        # The encoding is canonical (one key, one byte string), so equal encodings are
-        # equal keys: one bytes comparison instead of eight fields (a dict lookup of a
-        # decoded key runs this against the stored one).
-        if self is other:
-            return True
-        if type(other) is not KvBlockKey:
-            return NotImplemented
-        return self.encoded() == other.encoded()
-
-    def __reduce__(self):
-        # rebuilt through __init__: a str's hash differs between processes, so a pickled
-        # _hash would be wrong in the process that loads it
-        return (KvBlockKey, (self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id,
-                             self.prefix_hash, self.block_hash, self.block_index, self.token_count))
-
-    def __post_init__(self) -> None:
-        m, t, a, te, p, b = (self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id,
-                             self.prefix_hash, self.block_hash)
-        i, n = self.block_index, self.token_count
-        object.__setattr__(self, "_hash", hash((m, t, a, te, p, b, i, n)))
-        # The common key, checked without encoding a string: a str of at most 63 characters
-        # is at most 252 bytes of UTF-8; anything else takes the exact checks below.
-        if (type(m) is str and type(t) is str and type(te) is str and type(p) is str and type(b) is str
-                and len(m) <= _SHORT_ID and len(t) <= _SHORT_ID and len(te) <= _SHORT_ID
-                and len(p) <= _SHORT_ID and len(b) <= _SHORT_ID
-                and (a is None or (type(a) is str and len(a) <= _SHORT_ID))
-                and type(i) is int and 0 <= i <= MAX_BLOCK_INDEX and type(n) is int and 0 <= n <= MAX_TOKEN_COUNT):
-            return
-        for name in ("model_id", "tokenizer_id", "tenant_id", "prefix_hash", "block_hash"):
-            _check_id(name, getattr(self, name))
-        if self.adapter_id is not None:
-            _check_id("adapter_id", self.adapter_id)
-        if not isinstance(self.block_index, int) or not 0 <= self.block_index <= MAX_BLOCK_INDEX:
-            raise KeyError_(f"block_index {self.block_index!r}: must be an integer in 0..{MAX_BLOCK_INDEX}")
-        if not isinstance(self.token_count, int) or not 0 <= self.token_count <= MAX_TOKEN_COUNT:
-            raise KeyError_(f"token_count {self.token_count!r}: must be an integer in 0..{MAX_TOKEN_COUNT}")
-
-    @property
-    def scope(self) -> IdentityScope:
-        return IdentityScope(self.model_id, self.tokenizer_id, self.adapter_id, self.tenant_id)
-
-    def encoded(self) -> bytes:
-        """``encode_key(self)``: made at the first call (or kept from the bytes the key was
-        decoded from) and kept."""
-        ek = self._ek
-        if ek is None:
-            ek = _encode(self)
-            object.__setattr__(self, "_ek", ek)
-        return ek
-
-
-def _check_id(name: str, value: object) -> None:
-    if not isinstance(value, str):
-        raise KeyError_(f"{name} {value!r}: must be a string")
-    n = len(value.encode("utf-8"))
-    if n > MAX_ID_BYTES:
-        raise KeyError_(f"{name} is {n} bytes: at most {MAX_ID_BYTES} bytes of UTF-8")
+# KvBlockKey is native (_native/keys.pyx): a key is its encoding (``_ek``) and a reference
+# to its interned IdentityScope, ~32 bytes beside the encoding; the hashes and integers are
+# read from the encoding when asked for.  The API is a frozen dataclass's: the 8 fields
+# positional or by keyword, checked at construction (KeyError_), read-only attributes,
+# equality by encoding, pickling from the fields; ``key.replace(**changes)`` stands for
+# ``dataclasses.replace``.
+_native_keys.bind(IdentityScope, KeyError_)
+KvBlockKey = _native_keys.KvBlockKey
+_check_id = _native_keys.check_id
 
 
 # --------------------------------------------------------------------------- key encoding
@@ -187,31 +115,12 @@ def encode_scope_prefix(scope: IdentityScope | KvBlockKey, prefix_hash: str) -> 
     return bytes(out)
 
 
-_SCOPE_CACHE: dict = {}          # (tenant, model, tokenizer, adapter) -> encode_scope bytes
-_SCOPE_CACHE_MAX = 4096         # scopes remembered (a node serves few; cleared when full)
-
-
 def encode_key(key: KvBlockKey) -> bytes:
     """The index key of ``key`` (layout above), made once per key and kept on it."""
     try:
         return key.encoded()
     except AttributeError:
         raise KeyError_(f"{key!r} is not a KvBlockKey") from None
-
-
-def _encode(key: KvBlockKey) -> bytes:
-    """The encoding itself.  The key's fields were checked when it was made, and the
-    scope's bytes are remembered: this runs once per key."""
-    ident = (key.tenant_id, key.model_id, key.tokenizer_id, key.adapter_id)
-    scope = _SCOPE_CACHE.get(ident)
-    if scope is None:
-        if len(_SCOPE_CACHE) >= _SCOPE_CACHE_MAX:
-            _SCOPE_CACHE.clear()
-        scope = _SCOPE_CACHE[ident] = encode_scope(key)
-    prefix = key.prefix_hash.encode("utf-8")
-    block = key.block_hash.encode("utf-8")
-    return b"".join((scope, bytes((len(prefix),)), prefix, _U32.pack(key.block_index),
-                     bytes((len(block),)), block, _U32.pack(key.token_count)))
 
 
 def decode_key(data: bytes | bytearray | memoryview) -> KvBlockKey:
@@ -239,19 +148,16 @@ def decode_key(data: bytes | bytearray | memoryview) -> KvBlockKey:
     version = take(1, "version")[0]
     if version != KEY_FORMAT_VERSION:
         raise KeyError_(f"encoded key version {version}: this build reads version {KEY_FORMAT_VERSION}")
-    # The scope's strings are shared by nearly every key a node holds: interned, a million
-    # resident keys hold one copy of each, not a million (~170 B a key).  sys.intern's
-    # strings are mortal: a scope no key names any more leaves the table.  The hashes are
-    # per block (vLLM's prefix_hash is the parent's hash): interning them would add a
-    # table entry per key and share nothing.
-    tenant = _intern(take_str("tenant_id"))
-    model = _intern(take_str("model_id"))
-    tokenizer = _intern(take_str("tokenizer_id"))
+    # This walk names what is wrong; the key itself is decode_key_fast's (its scope from the
+    # table of interned scopes, its hashes read from buf when asked for), checked against it.
+    tenant = take_str("tenant_id")
+    model = take_str("model_id")
+    tokenizer = take_str("tokenizer_id")
     flag = take(1, "adapter flag")[0]
     if flag == 0:
         adapter = None
     elif flag == 1:
-        adapter = _intern(take_str("adapter_id"))
+        adapter = take_str("adapter_id")
     else:
         raise KeyError_(f"encoded key: adapter flag {flag} (must be 0 or 1)")
     prefix = take_str("prefix_hash")
@@ -260,8 +166,10 @@ def decode_key(data: bytes | bytearray | memoryview) -> KvBlockKey:
     (tokens,) = _U32.unpack(take(4, "token_count"))
     if pos != n:
         raise KeyError_(f"encoded key has {n - pos} trailing bytes")
-    key = KvBlockKey(model, tokenizer, adapter, tenant, prefix, block, index, tokens)
-    object.__setattr__(key, "_ek", buf)      # the layout is canonical: buf is its encoding
+    key = _native_keys.decode_key_fast(buf, KvBlockKey)     # the layout is canonical: buf is its encoding
+    if key is None or key.scope != IdentityScope(model, tokenizer, adapter, tenant) \
+            or (key.prefix_hash, key.block_index, key.block_hash, key.token_count) != (prefix, index, block, tokens):
+        raise AssertionError(f"decode_key_fast and decode_key disagree on {buf!r}")
     return key
 
 

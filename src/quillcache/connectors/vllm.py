@@ -294,7 +294,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
         """The scheduler's keys (rank 0's scope) in this worker's scope."""
         scope = self._scope()
         return [t if not t.keys or t.keys[0].model_id == scope else
-                dc_replace(t, keys=[dc_replace(k, model_id=scope) for k in t.keys]) for t in transfers]
+                dc_replace(t, keys=[k.replace(model_id=scope) for k in t.keys]) for t in transfers]
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._own(self._get_connector_metadata().loads))
