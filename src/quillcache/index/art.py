@@ -46,7 +46,7 @@ from quillcache.model import (
 )
 
 __all__ = ["ArtIndex", "add_block", "forget_block", "block_eks", "block_tenants", "tenant_of",
-           "block_hash_of", "PACKED"]
+           "block_hash_of", "packed_tiers", "PACKED"]
 
 # A packed value (module docstring): PACKED | holder number << WORKER_SHIFT | tier set <<
 # TIER_SHIFT | size.  Below PACKED a value is a slot id; the tree's batch reads give -1 for
@@ -65,6 +65,11 @@ assert WORKER_SHIFT + WORKER_BITS <= 62 and len(CacheTier) <= TIER_BITS
 TIER_ORDER = tuple(sorted(CacheTier, key=lambda t: t.value))    # the records' order within a holder
 TIER_BIT = {t: 1 << i for i, t in enumerate(TIER_ORDER)}
 MASK_TIERS = tuple(tuple(t for i, t in enumerate(TIER_ORDER) if m >> i & 1) for m in range(1 << TIER_BITS))
+
+
+def packed_tiers(value: int) -> tuple[CacheTier, ...]:
+    """The tiers of a packed value's records, in record order."""
+    return MASK_TIERS[value >> TIER_SHIFT & TIER_MASK]
 
 
 def _order(r: CacheResidency) -> tuple[str, str]:
@@ -237,28 +242,35 @@ class ArtIndex:
         """The records of a packed value (built now; ``key``: the key of ek if the caller has it)."""
         if key is None:
             key = key_of(ek)
-        worker, nbytes = self._workers[value >> WORKER_SHIFT & WORKER_MASK], value & BYTES_MASK
+        worker, nbytes = self._worker_of(value), value & BYTES_MASK
         return untrack([untrack(CacheResidency(key, worker, t, nbytes))
-                        for t in MASK_TIERS[value >> TIER_SHIFT & TIER_MASK]])
+                        for t in packed_tiers(value)])
 
     def _records_in(self, value: int, ek: bytes, key: Optional[KvBlockKey] = None) -> list[CacheResidency]:
         """The records under tree value ``value`` of ek (a slot's own list: read it only)."""
         return self._unpacked(value, ek, key) if value & PACKED else self._slots[value]
 
-    def _set_value(self, ek: bytes, old: int, value: int) -> None:
-        """Give ek's records the tree value ``value`` in place of ``old`` (either form)."""
+    def _insert_value(self, ek: bytes, value: int) -> None:
+        """Put ``value`` (either form, a slot already made) under ek in the tree; if the
+        tree refuses it, the value is given back (its holder count, or its slot)."""
         if value & PACKED:
             self._hold(value)
         try:
             self._tree.insert(ek, value)
         except BaseException:
-            if value & PACKED:
-                self._unhold(value)
+            self._release_value(value)
             raise
-        if old & PACKED:
-            self._unhold(old)
+
+    def _release_value(self, value: int) -> None:
+        if value & PACKED:
+            self._unhold(value)
         else:
-            self._release_slot(old)
+            self._release_slot(value)
+
+    def _set_value(self, ek: bytes, old: int, value: int) -> None:
+        """Give ek's records the tree value ``value`` in place of ``old`` (either form)."""
+        self._insert_value(ek, value)
+        self._release_value(old)
 
     # ------------------------------------------------------------------ state changes
 
@@ -292,19 +304,10 @@ class ArtIndex:
         value = 0
         if not (r.last_access_ms or r.ref_count or r.pinned):
             value = self._pack(r.worker_id, TIER_BIT[r.tier], r.bytes)
-        if value:
-            self._hold(value)
-        else:
+        if not value:
             # records and their lists can hold no cycle: off the GC
             value = self._new_slot(untrack([untrack(residency)]))
-        try:
-            self._tree.insert(ek, value)
-        except BaseException:
-            if value & PACKED:
-                self._unhold(value)
-            else:
-                self._release_slot(value)
-            raise
+        self._insert_value(ek, value)
         key = r.key
         add_block(self._by_block, key.block_hash, key.tenant_id, ek)
 
@@ -320,12 +323,7 @@ class ArtIndex:
                 self._tree.insert(ek, value | bit)
             return
         records = self._unpacked(value, ek, r.key)     # another holder, size or state: a slot
-        slot = self._new_slot(records)
-        try:
-            self._set_value(ek, value, slot)
-        except BaseException:
-            self._release_slot(slot)
-            raise
+        self._set_value(ek, value, self._new_slot(records))
         self._merge(records, untrack(residency))
 
     def _merge(self, records: list[CacheResidency], residency: CacheResidency) -> None:
@@ -351,7 +349,7 @@ class ArtIndex:
         if value & PACKED:
             if self._worker_of(value) != worker_id:
                 return 0
-            removed = len(MASK_TIERS[value >> TIER_SHIFT & TIER_MASK])
+            removed = len(packed_tiers(value))
             self._resident_bytes -= removed * (value & BYTES_MASK)
             keep = None
         else:
@@ -378,10 +376,7 @@ class ArtIndex:
                 self._slots[value] = untrack(keep)
             return removed
         self._tree.delete(ek)
-        if value & PACKED:
-            self._unhold(value)
-        else:
-            self._release_slot(value)
+        self._release_value(value)
         forget_block(self._by_block, block_hash_of(ek).decode("utf-8"), tenant_of(ek), ek)
         return removed
 
@@ -436,7 +431,7 @@ class ArtIndex:
         if value is None:
             return []
         if value & PACKED:
-            return [(self._worker_of(value), value & BYTES_MASK)] * len(MASK_TIERS[value >> TIER_SHIFT & TIER_MASK])
+            return [(self._worker_of(value), value & BYTES_MASK)] * len(packed_tiers(value))
         return [(r.worker_id, r.bytes) for r in self._slots[value]]
 
     def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
@@ -498,7 +493,7 @@ class ArtIndex:
         if value & PACKED:
             if self._worker_of(value) != worker_id:
                 return 0, ()
-            return value & BYTES_MASK, MASK_TIERS[value >> TIER_SHIFT & TIER_MASK]
+            return value & BYTES_MASK, packed_tiers(value)
         mine = [r for r in self._slots[value] if r.worker_id == worker_id]
         return (mine[0].bytes if mine else 0), tuple(r.tier for r in mine)
 

@@ -47,7 +47,7 @@ import numpy as np
 from quillcache.fsutil import fsync_dir
 from quillcache._native.wal import WalReader, WalWriter
 from quillcache.errors import CorruptCheckpoint, InvalidArgument
-from quillcache.index.art import BYTES_MASK, MASK_TIERS, PACKED, TIER_MASK, TIER_SHIFT, ArtIndex, key_of
+from quillcache.index.art import BYTES_MASK, PACKED, ArtIndex, key_of, packed_tiers
 from quillcache.index.checkpoint import CHECKPOINT_NAME, TIER_CODE, TIERS, Checkpoint, read_checkpoint, write_checkpoint
 from quillcache.index.lazy import COLD, LazyBlockMap, LazySlots, LazyWorkerMap, RawGroup, block_hash_of
 from quillcache.index.walrecords import (  # CorruptLog, encode_put, MAX_WORKER_ID_BYTES: re-exported
@@ -378,7 +378,7 @@ class PersistentArtIndex(ArtIndex):
         for ek, slot in self._tree.items():
             if slot & PACKED:
                 worker, nbytes = self._worker_of(slot), slot & BYTES_MASK
-                rows = [(worker, code[t], nbytes, 0, 0, 0) for t in MASK_TIERS[slot >> TIER_SHIFT & TIER_MASK]
+                rows = [(worker, code[t], nbytes, 0, 0, 0) for t in packed_tiers(slot)
                         if self._durable_tier(worker, t)]
                 if rows:
                     yield ek, block_hash_of(ek), rows
@@ -419,7 +419,7 @@ class PersistentArtIndex(ArtIndex):
             if value & PACKED:
                 if self._worker_of(value) == worker_id:
                     has[i] = True
-                    ok[i] = (MASK_TIERS[value >> TIER_SHIFT & TIER_MASK] == (tier,)
+                    ok[i] = (packed_tiers(value) == (tier,)
                              and value & BYTES_MASK == lengths[i])
                 continue
             v = list.__getitem__(all_slots, value)
