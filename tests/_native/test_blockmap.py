@@ -193,7 +193,7 @@ def test_adds_and_forgets_in_random_order_match_the_dict_at_scale():
     rnd = random.Random(5)
     m, model = BlockMap(hash_bits=12), DictModel()       # 4,096 hashes for ~3,000 block hashes
     keys = [ek(f"s{rnd.randrange(3000)}", rnd.choice(TENANTS), i) for i in range(6000)]
-    for step in range(20_000):
+    for _ in range(20_000):
         k = rnd.choice(keys)
         if rnd.random() < 0.6:
             m.add(k)
