@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quillcache._native.blockmap import MAX_CAPACITY, MIN_CAPACITY, SLOT_BYTES, BlockMap
+from quillcache._native.blockmap import HASH_ALGORITHM, MAX_CAPACITY, MIN_CAPACITY, SLOT_BYTES, BlockMap
 from quillcache.index.art import block_hash_of, tenant_of
 from quillcache.model import KvBlockKey, encode_key
 
@@ -220,3 +220,9 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing():
     assert m.eks("\udc80", "a") == () and "\udc80" not in m   # not UTF-8: no key can hold it
     assert len(m) == 1 and m.eks("x", "a") == (ek("x", "a", 1),)
     assert MAX_CAPACITY == 1 << 40
+
+
+def test_the_slot_hash_is_the_interpreters_keyed_siphash():
+    # the map's defence against chosen block hashes is a keyed PRF; an interpreter built with
+    # an unkeyed hash (Py_HASH_ALGORITHM=FNV) would lose it
+    assert HASH_ALGORITHM.startswith("siphash")

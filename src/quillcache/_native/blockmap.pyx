@@ -55,7 +55,11 @@ from libc.string cimport memcmp
 
 from quillcache._native.includes.pyhash cimport PyMem_Calloc, PyUnicode_AsUTF8AndSize, _Py_HashBytes
 
-__all__ = ["BlockMap", "MIN_CAPACITY", "MAX_CAPACITY", "SLOT_BYTES"]
+import sys
+
+__all__ = ["BlockMap", "MIN_CAPACITY", "MAX_CAPACITY", "SLOT_BYTES", "HASH_ALGORITHM"]
+
+HASH_ALGORITHM = sys.hash_info.algorithm      # what _Py_HashBytes is in this interpreter (siphash13)
 
 cdef enum:
     BM_MIN_CAPACITY = 8           # slots: the smallest table (and the one after clear())

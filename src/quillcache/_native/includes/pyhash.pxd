@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""CPython's keyed byte hash and the allocator calls the block map (blockmap.pyx) uses.
+"""The CPython C API calls the block map (blockmap.pyx) uses beyond Cython's own cpython/*.pxd:
+the keyed byte hash, a zeroing allocation (tracemalloc sees it) and a str's UTF-8 in place.
 
 ``_Py_HashBytes(p, n)``: the hash of n bytes with the interpreter's hash function (sys.hash_info:
 siphash13 on 64-bit CPython 3.11) under the process's secret key (random per process unless
