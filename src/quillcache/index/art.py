@@ -17,8 +17,9 @@ already in ``model.sort_residencies`` order: key order, then worker, then tier.
 Side maps keep the other operations proportional to what they touch:
 ``_by_worker[worker_id]`` = encoded keys where that worker has a record (clear_worker), for
 every worker but the home (``set_home``: the store's own, counted and walked when asked),
-``_by_block[block_hash]`` = the encoded key with that block hash, or per tenant a tuple of them
-(``add_block``; read through ``block_eks``)
+``_by_block``, a native ``BlockMap`` (_native/blockmap.pyx): block hash -> the encoded key
+with that block hash, or per tenant a tuple of them, keyed by a keyed hash of the block hash
+read inside the encoded key (no block-hash str per resident block); ``eks`` reads it
 (remove_block, and the identity guard: a lookup for one tenant never iterates another's).
 
 The store (store/tiers.py) keeps its residency here: ``set_holder`` replaces one worker's
@@ -38,6 +39,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from quillcache._native.art import AdaptiveRadixTree
+from quillcache._native.blockmap import BlockMap
 from quillcache._native.blocks import untrack
 from quillcache._native.keys import decode_key_fast
 from quillcache.model import (
@@ -45,8 +47,7 @@ from quillcache.model import (
     encode_scope, encode_scope_prefix,
 )
 
-__all__ = ["ArtIndex", "add_block", "forget_block", "block_eks", "block_tenants", "tenant_of",
-           "block_hash_of", "packed_tiers", "PACKED"]
+__all__ = ["ArtIndex", "tenant_of", "block_hash_of", "packed_tiers", "PACKED"]
 
 # A packed value (module docstring): PACKED | holder number << WORKER_SHIFT | tier set <<
 # TIER_SHIFT | size.  Below PACKED a value is a slot id; the tree's batch reads give -1 for
@@ -97,73 +98,6 @@ def key_of(ek: bytes) -> KvBlockKey:
     return key if key is not None else decode_key(ek)
 
 
-def add_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
-    """ek has this block hash in this tenant.  The usual block hash has one key: its value
-    is that key's bytes (the tenant is the key's first field), no container at all (a dict
-    and a tuple per block were ~230 B of a resident block's memory).  A block hash with
-    several keys holds ``{tenant_id: (ek, ...)}``.  Bytes, tuples of bytes and the dicts
-    holding only them stay off the garbage collector's lists."""
-    held = by_block.get(block_hash)
-    if held is None:
-        by_block[block_hash] = ek
-        return
-    if type(held) is bytes:
-        if held == ek:
-            return
-        tenants = {tenant_of(held): (held,)}
-        by_block[block_hash] = tenants
-    else:
-        tenants = held
-    keys = tenants.get(tenant_id)
-    if keys is None:
-        tenants[tenant_id] = (ek,)
-    elif ek not in keys:
-        tenants[tenant_id] = keys + (ek,)
-
-
-def forget_block(by_block: dict, block_hash: str, tenant_id: str, ek: bytes) -> None:
-    """ek no longer has this block hash in this tenant (``add_block`` undone)."""
-    held = by_block.get(block_hash)
-    if held is None:
-        return
-    if type(held) is bytes:
-        if held == ek:
-            del by_block[block_hash]
-        return
-    keys = held.get(tenant_id)
-    if keys is not None and ek in keys:
-        keys = tuple(k for k in keys if k != ek)
-        if keys:
-            held[tenant_id] = keys
-        else:
-            del held[tenant_id]
-    if not held:
-        del by_block[block_hash]
-    elif len(held) == 1:
-        (only,) = held.values()
-        if len(only) == 1:
-            by_block[block_hash] = only[0]         # back to the one-key form
-
-
-def block_eks(by_block: dict, block_hash: str, tenant_id: str) -> tuple:
-    """The encoded keys of one tenant with this block hash (``add_block``'s record); the
-    keys of another tenant are never iterated (a lone key's tenant field is compared)."""
-    held = by_block.get(block_hash)
-    if held is None:
-        return ()
-    if type(held) is bytes:
-        return (held,) if tenant_of(held) == tenant_id else ()
-    return held.get(tenant_id, ())
-
-
-def block_tenants(by_block: dict, block_hash: str) -> list:
-    """The tenants holding a key with this block hash."""
-    held = by_block.get(block_hash)
-    if held is None:
-        return []
-    return [tenant_of(held)] if type(held) is bytes else list(held)
-
-
 class ArtIndex:
     """Residency index on an adaptive radix tree (in memory; ``persistent`` is False)."""
 
@@ -175,7 +109,7 @@ class ArtIndex:
         self._slots: list[Optional[list[CacheResidency]]] = []
         self._free_slots: list[int] = []
         self._by_worker: dict[str, set[bytes]] = {}
-        self._by_block: dict[str, bytes | dict[str, tuple[bytes, ...]]] = {}   # add_block
+        self._by_block = BlockMap()                 # block hash -> ek, or {tenant: (ek, ...)}
         self._workers: list[Optional[str]] = []     # holder number of packed values -> worker_id
         self._numbers: dict[str, int] = {}          # worker_id -> its holder number
         self._packed: list[int] = []                # holder number -> packed keys naming it
@@ -308,8 +242,7 @@ class ArtIndex:
             # records and their lists can hold no cycle: off the GC
             value = self._new_slot(untrack([untrack(residency)]))
         self._insert_value(ek, value)
-        key = r.key
-        add_block(self._by_block, key.block_hash, key.tenant_id, ek)
+        self._by_block.add(ek, r.key.tenant_id)    # the block hash is read inside ek: no str
 
     def _put_packed(self, residency: CacheResidency, ek: bytes, value: int) -> None:
         r = residency
@@ -377,7 +310,7 @@ class ArtIndex:
             return removed
         self._tree.delete(ek)
         self._release_value(value)
-        forget_block(self._by_block, block_hash_of(ek).decode("utf-8"), tenant_of(ek), ek)
+        self._by_block.forget(ek)
         return removed
 
     def _apply_clear(self) -> None:
@@ -443,7 +376,7 @@ class ArtIndex:
         return out
 
     def remove_block(self, scope: IdentityScope, worker_id: str, block_hash: str) -> int:
-        candidates = block_eks(self._by_block, block_hash, scope.tenant_id)
+        candidates = self._by_block.eks(block_hash, scope.tenant_id)
         if not candidates:
             return 0
         in_scope = encode_scope(scope)      # a key of the scope starts with exactly these bytes
@@ -584,7 +517,7 @@ class ArtIndex:
         """Keys of one tenant with this block hash (any scope, any prefix) where worker_id
         holds a record.  Only that tenant's entries are looked at (the identity guard's
         request path: another tenant's keys are never iterated)."""
-        eks = block_eks(self._by_block, block_hash, tenant_id)
+        eks = self._by_block.eks(block_hash, tenant_id)
         if not eks:
             return []
         tree, slots = self._tree, self._slots
@@ -604,7 +537,7 @@ class ArtIndex:
         """tenant -> block_keys(block_hash, tenant, worker_id), for every tenant that has
         one (audits and the guard's mode "off"; off the strict request path)."""
         out = {}
-        for tenant in block_tenants(self._by_block, block_hash):
+        for tenant in self._by_block.tenants(block_hash):
             keys = self.block_keys(block_hash, tenant, worker_id)
             if keys:
                 out[tenant] = keys

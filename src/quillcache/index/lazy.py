@@ -5,8 +5,9 @@ a million recovered records serve in about a second of CPU.
   replayed from the WAL without building model objects (``RawGroup``) is decoded on first
   access;
 * ``LazyBlockMap`` / ``LazyWorkerMap``: ArtIndex's side maps (block hash -> tenant -> keys,
-  worker -> keys), each name's entry computed on first use from the checkpoint's tables
-  (numpy) plus what the replay changed (``note`` / ``forget``).
+  a native ``BlockMap``; worker -> keys, a dict), each name's entry computed on first use
+  from the checkpoint's tables (numpy) plus what the replay changed (``note`` and
+  ``unnote`` / ``forget``).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from quillcache.index.art import add_block, block_hash_of, forget_block, tenant_of
+from quillcache._native.blockmap import BlockMap
+from quillcache.index.art import block_hash_of
 from quillcache.index.checkpoint import TIERS
 from quillcache.model import CacheResidency, decode_key
 
@@ -112,29 +114,35 @@ class LazyMap(dict):
         self._warmed.clear()
 
 
-class LazyBlockMap(LazyMap):
-    """ArtIndex._by_block: block hash -> the encoded keys in the tree with that block hash
-    (``add_block``'s forms); cold entries come from the checkpoint's block-hash table (binary search) plus keys
-    the replay added (``note``), keeping those still in the tree."""
-
-    def _warm(self, name) -> None:
-        if name in self._warmed:
-            return
-        self._warmed.add(name)
-        found = self._cold(name)
-        for ek in sorted(found or ()):
-            add_block(self, name, tenant_of(ek), ek)
+class LazyBlockMap:
+    """ArtIndex._by_block after a recovery: the native ``BlockMap`` (block hash -> the
+    encoded keys in the tree with that block hash) whose entry for a block hash is computed
+    on first use, from the checkpoint's block-hash table (binary search) plus the keys the
+    replay added (``note``), keeping those still in the tree.  ArtIndex calls it as it calls
+    a BlockMap (``add``, ``forget``, ``eks``, ``tenants``, ``get``, ``clear``); each call
+    computes the entry it touches first.  ``warm_all`` computes the rest and returns the
+    BlockMap (``materialize``: the index keeps that)."""
 
     def __init__(self, ck: "Optional[Checkpoint]", tree) -> None:
-        super().__init__()
+        self._map = BlockMap()
+        self._warmed: set[str] = set()        # block hashes whose entry is computed (exact)
         self._ck = ck
         self._tree = tree
         self._taken = np.zeros(ck.n_blocks if ck is not None else 0, dtype=bool)
-        self._pending: dict[str, set] = {}
+        self._pending: dict[str, set] = {}    # replay adds to entries not computed yet
 
-    def _cold(self, block_hash) -> Optional[set]:
-        if not isinstance(block_hash, str):
-            return None
+    def is_warm(self, block_hash: str) -> bool:
+        """Whether block_hash's entry was computed (then the map's entry is exact)."""
+        return block_hash in self._warmed
+
+    def _warm(self, block_hash) -> None:
+        if not isinstance(block_hash, str) or block_hash in self._warmed:
+            return
+        self._warmed.add(block_hash)
+        for ek in sorted(self._cold(block_hash)):
+            self._map.add(ek)
+
+    def _cold(self, block_hash: str) -> set:
         found = self._pending.pop(block_hash, set())
         ck = self._ck
         if ck is not None:
@@ -145,27 +153,55 @@ class LazyBlockMap(LazyMap):
         tree = self._tree
         return {ek for ek in found if ek in tree}
 
-    def note(self, block_hash: str, ek: bytes) -> None:
+    # ArtIndex's calls: BlockMap's, each after computing the entry it touches
+
+    def add(self, ek: bytes, tenant_id: Optional[str] = None) -> None:
+        self._warm(block_hash_of(ek).decode("utf-8"))
+        self._map.add(ek, tenant_id)
+
+    def forget(self, ek: bytes, tenant_id: Optional[str] = None) -> None:
+        self._warm(block_hash_of(ek).decode("utf-8"))
+        self._map.forget(ek, tenant_id)
+
+    def eks(self, block_hash: str, tenant_id: str) -> tuple:
+        self._warm(block_hash)
+        return self._map.eks(block_hash, tenant_id)
+
+    def tenants(self, block_hash: str) -> list:
+        self._warm(block_hash)
+        return self._map.tenants(block_hash)
+
+    def get(self, block_hash: str, default=None):
+        self._warm(block_hash)
+        return self._map.get(block_hash, default)
+
+    # the replay's calls: no entry is computed
+
+    def note(self, ek: bytes) -> None:
+        """Replay: ek (a new key) is in the tree now."""
+        block_hash = block_hash_of(ek).decode("utf-8")
         if block_hash in self._warmed:
-            add_block(self, block_hash, tenant_of(ek), ek)
+            self._map.add(ek)
         else:
             self._pending.setdefault(block_hash, set()).add(ek)
 
-    def forget(self, block_hash: str, ek: bytes) -> None:
-        if block_hash in self._warmed:          # else: filtered out when warmed
-            forget_block(self, block_hash, tenant_of(ek), ek)
+    def unnote(self, ek: bytes) -> None:
+        """Replay: ek left the tree."""
+        if block_hash_of(ek).decode("utf-8") in self._warmed:   # else: filtered out when computed
+            self._map.forget(ek)
 
-    def warm_all(self) -> dict:
+    def warm_all(self) -> BlockMap:
         ck = self._ck
         if ck is not None:
             for i in np.flatnonzero(~self._taken).tolist():
                 self._warm(ck.block_hash(i))
         for bh in list(self._pending):
             self._warm(bh)
-        return dict(self)
+        return self._map
 
     def clear(self) -> None:
-        super().clear()
+        self._map.clear()
+        self._warmed.clear()
         self._ck = None
         self._pending.clear()
         self._taken = np.zeros(0, dtype=bool)
