@@ -129,6 +129,8 @@ class DramTier:
             self.array[::PAGE_BYTES] = 0                          # touch every page once
         self.prefaulted = bool(prefault)
         self._alloc = OffsetAllocator(capacity, unit=ARENA_UNIT)
+        # key -> published slot, in eviction order (least recent first): a publish puts the
+        # key at the end; the store's DRAM policy orders it further (store/policy.py)
         self._published: dict[KvBlockKey, Slot] = {}
         # slots by identity (a C-level hash; no number kept per block to name them)
         self._pending: dict[Slot, Slot] = {}     # reserved, not published
@@ -180,7 +182,9 @@ class DramTier:
         if self._pending.pop(slot, None) is None:
             raise InvalidArgument("put handle is not in flight (already ended, aborted or reaped)")
         pending.close_view()            # the writer's view stops working: no writes after publish
-        old = self._published.get(slot.key)
+        # popped, not overwritten: the key goes to the most recent end of the eviction order
+        # (the published dict is the DRAM tier's order: store/policy.py), a re-put as a new key
+        old = self._published.pop(slot.key, None)
         slot.state = PUBLISHED
         slot.started = 0.0              # read only while pending (the reaper): no float kept per block
         self._published[slot.key] = slot
@@ -220,8 +224,10 @@ class DramTier:
 
     @property
     def published(self) -> dict:
-        """key -> published Slot, for a batch of lookups in one pass (store/batchlease.py);
-        read it, never change it: only this tier publishes and retires."""
+        """key -> published Slot, for a batch of lookups in one pass (store/batchlease.py),
+        and the DRAM eviction order (store/policy.py: a publish puts its key at the most
+        recent end, the LRU policy moves a read key there).  Only this tier adds and
+        removes keys; the policy only reorders them, values kept."""
         return self._published
 
     def contains(self, key: KvBlockKey) -> bool:

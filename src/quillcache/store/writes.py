@@ -207,8 +207,7 @@ class Writes:
         which give that handle's error, and goes on from the next)."""
         if self.closed or start >= len(handles):
             return 0
-        done = commit_many(handles, start, self, self._dram, self._dram_lru.insert_order, Entry,
-                           self._versions, self._clock())
+        done = commit_many(handles, start, self, self._dram, Entry, self._versions, self._clock())
         if done:
             self._counters["puts"] += done
             self._after_publish()
@@ -229,7 +228,7 @@ class Writes:
         """The slot becomes the key's bytes; returns (entry, whether an older SSD copy is now stale)."""
         key = handle.key
         del self._handles[pending.slot]
-        self._dram.put_end(pending)
+        self._dram.put_end(pending)                     # the key is now the most recent in the DRAM order
         now = self._clock()
         entry = self._entries.get(key)
         ek = None
@@ -247,7 +246,6 @@ class Writes:
             entry.size = handle.size
             entry.version = version
             entry.last_access = now
-        self._dram_lru.insert(key)
         self._counters["puts"] += 1
         if ssd_written:
             entry.ssd_version = version
