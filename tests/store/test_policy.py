@@ -103,7 +103,7 @@ def test_batch_reads_refresh_a_handed_dict_with_its_values_kept():
     keys = [key(i) for i in range(4)]
     published = {k: Slot(k, 256 * i, 10, i, 0.0) for i, k in enumerate(keys)}
     slots = dict(published)
-    entries = {k: Entry(k, 10, 1, 0.0, k.encoded()) for k in keys}
+    entries = {k: Entry(k, 10, 1, 0.0) for k in keys}
     lru = make_policy("lru", order=published)
     held, got = hold_published([keys[1], key(9), keys[0]], type(keys[0]), entries, published, 5.0, lru.order)
     assert got == [slots[keys[1]], None, slots[keys[0]]] and held == [slots[keys[1]], slots[keys[0]]]

@@ -28,7 +28,6 @@ from libc.stdint cimport uint64_t
 from quillcache._native.alloc cimport ALLOC_OK, OffsetAllocator
 from quillcache._native.blocks cimport Entry, PutHandle, Slot, new_handle
 from quillcache._native.includes.pydict cimport QC_DictDelKnownHash, QC_DictGetKnownHash, QC_DictSetKnownHash
-from quillcache.model import encode_key
 
 __all__ = ["cached_values", "hold_published", "drop_refs", "check_columns", "place_many", "commit_many",
            "packed_offsets"]
@@ -209,7 +208,7 @@ def place_many(OffsetAllocator alloc not None, list keys not None, list sizes no
                 slot = Slot.__new__(Slot)
                 slot.key = keys[i]
                 slot.offset = <Py_ssize_t>cols[n + i]
-                slot.size = <Py_ssize_t>cols[i]
+                slot.size = <unsigned int>cols[i]    # checked: 1..max_size (<= blocks.MAX_SIZE)
                 slot.handle = cols[2 * n + i]
                 slot.refs = 0
                 slot.state = 0                  # PENDING
@@ -313,7 +312,7 @@ def commit_many(list handles not None, Py_ssize_t start, store, dram, type entry
                     alloc.c_free(old.handle)
             # -- the store: the entry, the records
             if e is None:
-                entry = entry_type(key, slot.size, next(versions), now, encode_key(key))
+                entry = entry_type(key, slot.size, next(versions), now)
                 QC_DictSetKnownHash(entries, key, entry, kh)
             else:
                 entry = <Entry>e

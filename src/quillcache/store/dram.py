@@ -35,10 +35,12 @@ from quillcache._native.batch import drop_refs, place_many
 from quillcache.errors import InvalidArgument, NotFound
 from quillcache.model import KvBlockKey
 
-__all__ = ["DramTier", "Slot", "PendingPut", "ARENA_UNIT", "MAX_ARENA_BYTES", "DEFAULT_PUT_TIMEOUT_S"]
+__all__ = ["DramTier", "Slot", "PendingPut", "ARENA_UNIT", "MAX_ARENA_BYTES", "MAX_BLOCK_LIMIT",
+           "DEFAULT_PUT_TIMEOUT_S"]
 
 ARENA_UNIT = 256                     # bytes: allocation granularity of the arena
 MAX_ARENA_BYTES = 1 << 40            # bytes (1 TiB): the allocator counts 256 B units in 32 bits
+MAX_BLOCK_LIMIT = _blocks.MAX_SIZE   # bytes (2 GiB): largest max_block_bytes (a record's size is a u32)
 DEFAULT_PUT_TIMEOUT_S = 30.0         # seconds a put may stay between start and end
 PAGE_BYTES = mmap.PAGESIZE           # bytes: touched once per page when pre-faulting
 HUGETLB_BYTES = 2 << 20              # bytes: the hugetlb page size asked for (the x86-64/AArch64 default)
@@ -110,9 +112,10 @@ class DramTier:
                                   f"{ARENA_UNIT}..{MAX_ARENA_BYTES} bytes")
         capacity -= capacity % ARENA_UNIT
         if max_block_bytes is None:
-            max_block_bytes = capacity
-        if not isinstance(max_block_bytes, int) or not 1 <= max_block_bytes <= capacity:
-            raise InvalidArgument(f"max_block_bytes {max_block_bytes!r}: must be 1..{capacity} (the dram capacity)")
+            max_block_bytes = min(capacity, MAX_BLOCK_LIMIT)
+        if not isinstance(max_block_bytes, int) or not 1 <= max_block_bytes <= min(capacity, MAX_BLOCK_LIMIT):
+            raise InvalidArgument(f"max_block_bytes {max_block_bytes!r}: must be 1..{min(capacity, MAX_BLOCK_LIMIT)} "
+                                  f"(the dram capacity, at most {MAX_BLOCK_LIMIT}: a block's size is kept in 32 bits)")
         if not put_timeout_s > 0:
             raise InvalidArgument(f"put_timeout_s {put_timeout_s!r}: must be > 0 seconds")
         self.capacity = capacity

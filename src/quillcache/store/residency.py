@@ -116,7 +116,7 @@ class Residency:
         size, tiers = self._index.holder(ek, self.holder)
         if not tiers:
             return None
-        entry = Entry(key, size, next(self._versions), self._clock(), ek)
+        entry = Entry(key, size, next(self._versions), self._clock())   # its ek: the key's own encoding
         entry.ssd_version = entry.version
         self._entries[key] = entry
         self._ssd_lru.insert(key)

@@ -13,7 +13,7 @@ from typing import Optional
 
 from quillcache._native.batch import check_columns, commit_many
 from quillcache.errors import Busy, CapacityError, InvalidArgument
-from quillcache.model import KvBlockKey, encode_key
+from quillcache.model import KvBlockKey
 from quillcache.store.dram import PendingPut
 from quillcache.store.values import Entry, PutHandle, Waiter
 
@@ -231,14 +231,12 @@ class Writes:
         self._dram.put_end(pending)                     # the key is now the most recent in the DRAM order
         now = self._clock()
         entry = self._entries.get(key)
-        ek = None
         if entry is None and self._untouched:
-            ek = encode_key(key)
-            entry = self._warm(key, ek)
+            entry = self._warm(key)
         version = next(self._versions)
         stale_ssd = False
         if entry is None:
-            entry = Entry(key, handle.size, version, now, encode_key(key) if ek is None else ek)
+            entry = Entry(key, handle.size, version, now)
             self._entries[key] = entry                 # recorded in the index by the caller
             self._tell_added(entry)
         else:
