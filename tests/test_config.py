@@ -59,6 +59,7 @@ def test_bad_value_names_file_section_key_value_and_example(tmp_path):
     ('[node]\ndram = "1GiB"\n', "[node] unknown key 'dram' (it belongs in [store])"),
     ('[guard]\nmode = "lenient"\n', '[guard] mode = "lenient": not one of "strict", "tenant", "off"'),
     ('[store]\nlow_watermark = 0.95\n', "low_watermark = 0.95: must be below high_watermark"),
+    ('[store]\ndram = "8GiB"\nmax_block = "3GiB"\n', '[store] max_block = "3GiB": out of range 1..2GiB'),
     ('[node]\nlisten = "nowhere"\n', '[node] listen = "nowhere": not a host:port'),
     ('[auth]\ntenants = [{name = "a", token = "plain"}]\n', "plain tokens are refused"),
     ('[store\n', "not valid TOML"),

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from quillcache.errors import CapacityError, InvalidArgument
 from quillcache.model import KvBlockKey
-from quillcache.store.dram import ARENA_UNIT, DramTier
+from quillcache.store.dram import ARENA_UNIT, MAX_BLOCK_LIMIT, DramTier
 from tests._support.clock import Clock
 
 
@@ -171,3 +171,32 @@ def test_arena_bytes_match_a_dict_oracle(ops):
             assert bytes(tier.raw_view(slot)) == data
     assert tier.used == sum(-(-len(d) // ARENA_UNIT) * ARENA_UNIT for d in oracle.values())
     assert np.frombuffer(tier.array, dtype=np.uint8).size == tier.capacity
+
+
+def _fds():
+    import os
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("max_block_bytes", [MAX_BLOCK_LIMIT + 1, 3 << 30, 1 << 40])
+def test_a_max_block_over_the_record_limit_is_refused_before_the_arena_is_made(max_block_bytes):
+    """A slot's and an entry's size are u32 fields (_native/blocks.pyx): a max_block_bytes
+    above 2 GiB is refused even where the arena is larger, before any memfd is made."""
+    from quillcache.store.tiers import LocalKvStore, StoreOptions
+    fds = _fds()
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_BLOCK_LIMIT}"):
+        DramTier(1 << 40, max_block_bytes=max_block_bytes)
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_BLOCK_LIMIT}"):
+        LocalKvStore(StoreOptions(1 << 40, max_block_bytes=max_block_bytes))
+    assert _fds() == fds
+
+
+def test_the_default_max_block_of_a_big_arena_is_the_record_limit():
+    tier = DramTier(3 << 30)                # 3 GiB, sparse: nothing is touched
+    try:
+        assert MAX_BLOCK_LIMIT == 1 << 31 and tier.max_block_bytes == MAX_BLOCK_LIMIT
+        with pytest.raises(InvalidArgument):
+            tier.put_start(key(1), MAX_BLOCK_LIMIT + 1)
+        assert tier.used == 0
+    finally:
+        tier.close()

@@ -1,4 +1,5 @@
 """store/policy.py: the eviction order against a list kept the slow way."""
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,3 +44,72 @@ def test_fifo_ignores_reads():
         fifo.insert(k)
     fifo.touch("a")
     assert list(fifo.candidates()) == ["a", "b", "c"]
+
+
+owner_ops_st = st.lists(st.tuples(st.sampled_from(["add", "drop", "insert", "touch", "remove"]), st.integers(0, 12)),
+                        max_size=200)
+
+
+@settings(max_examples=200, deadline=None)
+@given(owner_ops_st, st.sampled_from(["lru", "fifo"]))
+def test_a_handed_dict_is_ordered_with_its_values_kept_and_its_keys_left_to_its_owner(ops, name):
+    """The DRAM tier's way (its published dict is the order): the owner adds a key at the
+    most recent end (a re-add moves it there) and drops keys; the policy only moves present
+    keys, values and all, and adds or drops nothing."""
+    owned: dict = {}
+    policy, order = make_policy(name, order=owned), []
+    for op, k in ops:
+        if op == "add":                         # the owner publishes (a new key or a re-put)
+            owned.pop(k, None)
+            owned[k] = f"slot-{k}"
+            if k in order:
+                order.remove(k)
+            order.append(k)
+        elif op == "drop":                      # the owner unpublishes
+            owned.pop(k, None)
+            if k in order:
+                order.remove(k)
+        elif op == "insert":
+            policy.insert(k)
+            if k in order:
+                order.remove(k)
+                order.append(k)
+        elif op == "touch":
+            policy.touch(k)
+            if name == "lru" and k in order:
+                order.remove(k)
+                order.append(k)
+        else:
+            policy.remove(k)                    # the owner's to do: nothing changes
+        assert list(policy.candidates()) == order == list(owned)
+        assert all(v == f"slot-{k}" for k, v in owned.items())
+        assert len(policy) == len(order) and policy.victim() == (order[0] if order else None)
+    assert not policy.owns_keys
+
+
+def test_a_handed_order_must_be_a_plain_dict():
+    from collections import OrderedDict
+    with pytest.raises(TypeError, match="plain dict"):
+        LruPolicy(order=OrderedDict())
+
+
+def test_batch_reads_refresh_a_handed_dict_with_its_values_kept():
+    """``_native.batch.hold_published`` with the published dict as the order (the store's
+    DRAM LRU): each hit key moves to the end with its slot; a miss moves nothing."""
+    from quillcache._native.batch import hold_published
+    from quillcache._native.blocks import Entry, Slot
+    from tests._support.store import key
+
+    keys = [key(i) for i in range(4)]
+    published = {k: Slot(k, 256 * i, 10, i, 0.0) for i, k in enumerate(keys)}
+    slots = dict(published)
+    entries = {k: Entry(k, 10, 1, 0.0) for k in keys}
+    lru = make_policy("lru", order=published)
+    held, got = hold_published([keys[1], key(9), keys[0]], type(keys[0]), entries, published, 5.0, lru.order)
+    assert got == [slots[keys[1]], None, slots[keys[0]]] and held == [slots[keys[1]], slots[keys[0]]]
+    assert list(published) == [keys[2], keys[3], keys[1], keys[0]]
+    assert all(published[k] is slots[k] for k in keys)
+    fifo = make_policy("fifo", order=published)
+    hold_published([keys[2]], type(keys[0]), entries, published, 6.0, fifo.order)
+    assert list(published) == [keys[2], keys[3], keys[1], keys[0]]
+

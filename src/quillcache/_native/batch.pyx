@@ -6,7 +6,8 @@ put path of a batch: its reserve (``place_many``) and its publish (``commit_many
 
 ``hold_published`` does for each key what ``BatchLeases.located_batch`` does for a key
 whose exact entry has a published DRAM slot: take a reference on the slot, stamp the
-entry's last access, refresh the key in the DRAM eviction order.  Every other key (no
+entry's last access, refresh the key in the DRAM eviction order (with LRU: the published
+dict itself, store/policy.py, so the key is moved with its slot).  Every other key (no
 entry of that exact key: the identity guard decides; an entry with no DRAM copy: the SSD
 tier) is left to the store's per-key path, which is the same code it always ran.
 
@@ -27,7 +28,6 @@ from libc.stdint cimport uint64_t
 from quillcache._native.alloc cimport ALLOC_OK, OffsetAllocator
 from quillcache._native.blocks cimport Entry, PutHandle, Slot, new_handle
 from quillcache._native.includes.pydict cimport QC_DictDelKnownHash, QC_DictGetKnownHash, QC_DictSetKnownHash
-from quillcache.model import encode_key
 
 __all__ = ["cached_values", "hold_published", "drop_refs", "check_columns", "place_many", "commit_many",
            "packed_offsets"]
@@ -99,9 +99,9 @@ def hold_published(list keys not None, type key_type not None, dict entries not 
     """For each of ``keys`` (each must be of ``key_type``; TypeError names the first that
     is not): where ``entries[key]`` exists and ``published[entry.key]`` is a slot, take the
     slot (``refs += 1``), set ``entry.last_access = now`` and, where ``order`` (an eviction
-    order kept in insertion order: ``LruPolicy.order``) holds ``entry.key``, move it to the
-    most recent end (deleted and inserted again, with the hash already taken); None: reads
-    refresh nothing.
+    order kept in insertion order: ``LruPolicy.order``, which may be ``published`` itself)
+    holds ``entry.key``, move it to the most recent end with its value (deleted and inserted
+    again, with the hash already taken); None: reads refresh nothing.
 
     Returns ``(held, got)``: ``held`` the slots taken, in key order; ``got`` per key the
     slot taken or None (the caller resolves that key itself).  On an exception nothing
@@ -109,10 +109,11 @@ def hold_published(list keys not None, type key_type not None, dict entries not 
     cdef Py_ssize_t i, n = len(keys)
     cdef PyObject* e
     cdef PyObject* s
+    cdef PyObject* v
     cdef Py_hash_t h
     cdef list held = []
     cdef list got = [None] * n
-    cdef object key, served
+    cdef object key, served, value
     cdef Entry entry
     cdef Slot slot
     try:
@@ -141,9 +142,11 @@ def hold_published(list keys not None, type key_type not None, dict entries not 
             got[i] = slot
             entry.last_access = now
             if order is not None:       # LruPolicy.touch: a key the order tracks goes to its end
-                if QC_DictGetKnownHash(order, served, h) is not NULL:
+                v = s if order is published else QC_DictGetKnownHash(order, served, h)
+                if v is not NULL:
+                    value = <object>v   # a reference of our own across the delete
                     QC_DictDelKnownHash(order, served, h)
-                    QC_DictSetKnownHash(order, served, None, h)
+                    QC_DictSetKnownHash(order, served, value, h)
                 elif PyErr_Occurred():
                     _raise_set()
     except BaseException:
@@ -205,7 +208,7 @@ def place_many(OffsetAllocator alloc not None, list keys not None, list sizes no
                 slot = Slot.__new__(Slot)
                 slot.key = keys[i]
                 slot.offset = <Py_ssize_t>cols[n + i]
-                slot.size = <Py_ssize_t>cols[i]
+                slot.size = <unsigned int>cols[i]    # checked: 1..max_size (<= blocks.MAX_SIZE)
                 slot.handle = cols[2 * n + i]
                 slot.refs = 0
                 slot.state = 0                  # PENDING
@@ -229,7 +232,7 @@ def place_many(OffsetAllocator alloc not None, list keys not None, list sizes no
         PyMem_Free(cols)
 
 
-def commit_many(list handles not None, Py_ssize_t start, store, dram, dict lru, type entry_type not None,
+def commit_many(list handles not None, Py_ssize_t start, store, dram, type entry_type not None,
                 object versions, double now):
     """Publish ``handles[start:]`` in order, each exactly as ``put_end_nowait`` would, up to
     the first that this loop leaves to it: one not in flight (reaped: its error is the
@@ -237,10 +240,11 @@ def commit_many(list handles not None, Py_ssize_t start, store, dram, dict lru, 
     have one (the store still holds untouched recovered blocks).  Returns how many it
     published.
 
-    Per handle: the slot leaves the in-flight maps, becomes its key's published slot (the
-    one it replaces is retired: freed now, or when its last reference goes), the entry is
-    made or updated (version, size, last access), the key goes to the most recent end of
-    ``lru`` (the DRAM eviction order's dict; None: no order kept).  The residency index
+    Per handle: the slot leaves the in-flight maps, becomes its key's published slot at
+    the most recent end of the published dict (the DRAM eviction order, store/policy.py: a
+    replaced key is deleted and inserted again; the slot it replaces is retired: freed now,
+    or when its last reference goes), the entry is made or updated (version, size, last
+    access).  The residency index
     and the listeners hear of a new key (``store._added(entry)``) or of a changed record
     (``store._record(entry)``); a DRAM block rewritten at the same size changes no record."""
     cdef Py_ssize_t i, n = len(handles), done = 0, delta = 0
@@ -290,6 +294,8 @@ def commit_many(list handles not None, Py_ssize_t start, store, dram, dict lru, 
             o = None if po is NULL else <object>po
             slot.state = 1                      # PUBLISHED
             slot.started = 0.0
+            if o is not None:                   # a re-put goes to the most recent end, as a new key
+                QC_DictDelKnownHash(published, key, kh)
             QC_DictSetKnownHash(published, key, slot, kh)
             delta += slot.size
             changed = True
@@ -304,21 +310,15 @@ def commit_many(list handles not None, Py_ssize_t start, store, dram, dict lru, 
                     old.state = 3               # FREED
                     alloc._enter()
                     alloc.c_free(old.handle)
-            # -- the store: the entry, the eviction order, the records
+            # -- the store: the entry, the records
             if e is None:
-                entry = entry_type(key, slot.size, next(versions), now, encode_key(key))
+                entry = entry_type(key, slot.size, next(versions), now)
                 QC_DictSetKnownHash(entries, key, entry, kh)
             else:
                 entry = <Entry>e
                 entry.size = slot.size
                 entry.version = next(versions)
                 entry.last_access = now
-            if lru is not None:                 # LruPolicy.insert: to the most recent end
-                if QC_DictGetKnownHash(lru, key, kh) is not NULL:
-                    QC_DictDelKnownHash(lru, key, kh)
-                elif PyErr_Occurred():
-                    _raise_set()
-                QC_DictSetKnownHash(lru, key, None, kh)
             done += 1
             if e is None:
                 added(entry)

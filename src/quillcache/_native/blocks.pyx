@@ -9,6 +9,16 @@ refers only to keys, bytes and views, none of which can refer back), so a node h
 millions of blocks neither pays for them on every collection nor keeps a GC header each.
 The batch loops of batch.pyx read and write the fields directly.
 
+Each record is 64 bytes (``__basicsize__``; obmalloc hands out 16-byte multiples, so 64 is
+what is allocated): five 8-byte fields and two 4-byte ones after the 16-byte object header.
+A block's ``size`` is a u32 field of at most ``MAX_SIZE`` (2 GiB): the DRAM tier refuses a
+``max_block_bytes`` above it (``dram.MAX_BLOCK_LIMIT``) and the config a ``[store] max_block``
+above it, before any record is made; a record refuses a size outside 0..MAX_SIZE with
+ValueError rather than wrap it.  ``Entry`` keeps no encoded key of its own:
+``ek`` reads the key's (``KvBlockKey.encoded()``, the one bytes object the key, the index
+and the key caches share).  At 1 M blocks that is 16 B less per ``Entry`` (80 -> 64) and
+16 B less per ``Slot`` (72, allocated as 80 -> 64).
+
 ``PutHandle`` is the one object of a reserved block, for the DRAM tier and the store alike:
 its writable ``view`` of the slot is made when first asked for (a client writing through
 the mapped arena never asks) and stops working when the put is published or aborted.
@@ -16,7 +26,7 @@ the mapped arena never asks) and stops working when the put is published or abor
 cimport cython
 from cpython.object cimport PyObject
 
-__all__ = ["Slot", "PutHandle", "Entry", "untrack", "PENDING", "PUBLISHED", "RETIRED", "FREED"]
+__all__ = ["Slot", "PutHandle", "Entry", "untrack", "PENDING", "PUBLISHED", "RETIRED", "FREED", "MAX_SIZE"]
 
 cdef extern from "Python.h":
     int PyObject_IS_GC(object o)
@@ -28,6 +38,17 @@ PENDING = 0      # reserved by a put, invisible to readers
 PUBLISHED = 1    # the current version of its key
 RETIRED = 2      # replaced or removed; freed when the last reference goes
 FREED = 3
+
+# bytes (2 GiB): the largest block size a Slot or an Entry holds (a u32 field; the round limit
+# below it that the store enforces: dram.MAX_BLOCK_LIMIT, [store] max_block)
+cdef Py_ssize_t _MAX_SIZE = 1 << 31
+MAX_SIZE = _MAX_SIZE
+
+cdef unsigned int _record_size(Py_ssize_t size) except? 0:
+    if size < 0 or size > _MAX_SIZE:
+        raise ValueError(f"block size {size} bytes: a store record holds 0..{MAX_SIZE} bytes")
+    return <unsigned int>size
+
 
 cdef object _RELEASED = memoryview(b"")
 _RELEASED.release()                    # what a closed handle's view is: any use raises ValueError
@@ -41,7 +62,7 @@ cdef class Slot:
                  double started):
         self.key = key
         self.offset = offset
-        self.size = size            # the block's bytes (the allocation is rounded up to the unit)
+        self.size = _record_size(size)  # the block's bytes (the allocation is rounded up to the unit)
         self.handle = handle
         self.refs = 0               # leases and in-flight copies (demotion) holding the slot
         self.state = PENDING
@@ -113,15 +134,19 @@ cdef class Entry:
     access), cached by exact key for GET/PUT.  What is resident where (tier, size,
     identity) is recorded in the residency index; the store keeps the two in step."""
 
-    def __init__(self, object key, Py_ssize_t size, long long version, double now, object ek):
+    def __init__(self, object key, Py_ssize_t size, long long version, double now):
         self.key = key
-        self.ek = ek                # the index key, encoded once
-        self.size = size
+        self.size = _record_size(size)
         self.version = version      # bumped by every publish of new bytes for the key
         self.ssd_version = None     # the version the SSD copy holds, or None
         self.pin_until = 0.0        # clock time; 0 = not pinned
         self.hard = False
         self.last_access = now
+
+    @property
+    def ek(self):
+        """The index key: the key's own encoding (``encode_key(key)``, made once with the key)."""
+        return self.key.encoded()
 
 
 def untrack(obj):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from quillcache._native.blocks import MAX_SIZE as MAX_BLOCK_LIMIT   # bytes: a block's size is a u32 field
 from quillcache.cluster.settings import CLUSTER_SETTINGS, CLUSTER_SUMMARY, CREDENTIAL_MIN_CHARS
 from quillcache.errors import ConfigError
 from quillcache.exitcodes import CONFIG as EX_CONFIG  # the exit code of a bad config
@@ -80,8 +81,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(no request in flight, no lease, no reserve) and did not map the arena; 0s: never."),
     Setting("store", "dram", size_range(1 << 20, 1 << 50), "1GiB", False,
             "Capacity of the DRAM arena (one anonymous mapping)."),
-    Setting("store", "max_block", size_range(1, 1 << 36), "64MiB", False,
-            "Largest block accepted by a put; larger ones are refused before allocating."),
+    Setting("store", "max_block", size_range(1, MAX_BLOCK_LIMIT), "64MiB", False,
+            "Largest block accepted by a put (at most 2GiB); larger ones are refused before allocating."),
     Setting("store", "policy", choice("write_back", "write_through"), "write_back", True,
             "write_back: a put lands in DRAM and is demoted to SSD under pressure or by age; "
             "write_through: every put is acknowledged only after the SSD tier's durable publish."),

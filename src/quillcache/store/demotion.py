@@ -131,9 +131,8 @@ class Demotion:
             self._record(entry)
         if self._dram.lookup(key) is not slot or slot.refs > 0:
             return False                           # leased meanwhile: stays in DRAM, now clean
-        self._dram.unpublish(key)
+        self._dram.unpublish(key)               # out of the DRAM order with it
         self._record(entry)
-        self._dram_lru.remove(key)
         self._stats["dram"]["demotions"] += 1
         self._stats["ssd"]["demotions"] += 1
         if self._waiting:

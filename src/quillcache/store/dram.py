@@ -35,10 +35,12 @@ from quillcache._native.batch import drop_refs, place_many
 from quillcache.errors import InvalidArgument, NotFound
 from quillcache.model import KvBlockKey
 
-__all__ = ["DramTier", "Slot", "PendingPut", "ARENA_UNIT", "MAX_ARENA_BYTES", "DEFAULT_PUT_TIMEOUT_S"]
+__all__ = ["DramTier", "Slot", "PendingPut", "ARENA_UNIT", "MAX_ARENA_BYTES", "MAX_BLOCK_LIMIT",
+           "DEFAULT_PUT_TIMEOUT_S"]
 
 ARENA_UNIT = 256                     # bytes: allocation granularity of the arena
 MAX_ARENA_BYTES = 1 << 40            # bytes (1 TiB): the allocator counts 256 B units in 32 bits
+MAX_BLOCK_LIMIT = _blocks.MAX_SIZE   # bytes (2 GiB): largest max_block_bytes (a record's size is a u32)
 DEFAULT_PUT_TIMEOUT_S = 30.0         # seconds a put may stay between start and end
 PAGE_BYTES = mmap.PAGESIZE           # bytes: touched once per page when pre-faulting
 HUGETLB_BYTES = 2 << 20              # bytes: the hugetlb page size asked for (the x86-64/AArch64 default)
@@ -110,9 +112,10 @@ class DramTier:
                                   f"{ARENA_UNIT}..{MAX_ARENA_BYTES} bytes")
         capacity -= capacity % ARENA_UNIT
         if max_block_bytes is None:
-            max_block_bytes = capacity
-        if not isinstance(max_block_bytes, int) or not 1 <= max_block_bytes <= capacity:
-            raise InvalidArgument(f"max_block_bytes {max_block_bytes!r}: must be 1..{capacity} (the dram capacity)")
+            max_block_bytes = min(capacity, MAX_BLOCK_LIMIT)
+        if not isinstance(max_block_bytes, int) or not 1 <= max_block_bytes <= min(capacity, MAX_BLOCK_LIMIT):
+            raise InvalidArgument(f"max_block_bytes {max_block_bytes!r}: must be 1..{min(capacity, MAX_BLOCK_LIMIT)} "
+                                  f"(the dram capacity, at most {MAX_BLOCK_LIMIT}: a block's size is kept in 32 bits)")
         if not put_timeout_s > 0:
             raise InvalidArgument(f"put_timeout_s {put_timeout_s!r}: must be > 0 seconds")
         self.capacity = capacity
@@ -129,6 +132,8 @@ class DramTier:
             self.array[::PAGE_BYTES] = 0                          # touch every page once
         self.prefaulted = bool(prefault)
         self._alloc = OffsetAllocator(capacity, unit=ARENA_UNIT)
+        # key -> published slot, in eviction order (least recent first): a publish puts the
+        # key at the end; the store's DRAM policy orders it further (store/policy.py)
         self._published: dict[KvBlockKey, Slot] = {}
         # slots by identity (a C-level hash; no number kept per block to name them)
         self._pending: dict[Slot, Slot] = {}     # reserved, not published
@@ -180,7 +185,9 @@ class DramTier:
         if self._pending.pop(slot, None) is None:
             raise InvalidArgument("put handle is not in flight (already ended, aborted or reaped)")
         pending.close_view()            # the writer's view stops working: no writes after publish
-        old = self._published.get(slot.key)
+        # popped, not overwritten: the key goes to the most recent end of the eviction order
+        # (the published dict is the DRAM tier's order: store/policy.py), a re-put as a new key
+        old = self._published.pop(slot.key, None)
         slot.state = PUBLISHED
         slot.started = 0.0              # read only while pending (the reaper): no float kept per block
         self._published[slot.key] = slot
@@ -220,8 +227,10 @@ class DramTier:
 
     @property
     def published(self) -> dict:
-        """key -> published Slot, for a batch of lookups in one pass (store/batchlease.py);
-        read it, never change it: only this tier publishes and retires."""
+        """key -> published Slot, for a batch of lookups in one pass (store/batchlease.py),
+        and the DRAM eviction order (store/policy.py: a publish puts its key at the most
+        recent end, the LRU policy moves a read key there).  Only this tier adds and
+        removes keys; the policy only reorders them, values kept."""
         return self._published
 
     def contains(self, key: KvBlockKey) -> bool:

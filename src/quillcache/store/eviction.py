@@ -102,8 +102,7 @@ class Eviction:
     def _evict_dram(self, key: KvBlockKey) -> None:
         """Free the DRAM copy; the block stays resident only if the SSD copy is current."""
         entry = self._entries[key]
-        self._dram.unpublish(key)
-        self._dram_lru.remove(key)
+        self._dram.unpublish(key)                   # out of the DRAM order with it
         self._stats["dram"]["evictions"] += 1
         if entry.ssd_version is not None and entry.ssd_version == entry.version:
             self._record(entry)

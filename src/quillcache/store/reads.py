@@ -183,10 +183,9 @@ class Reads:
         self._ssd_lru.touch(key)
         if pending is None:
             return self._new_lease(key, memoryview(buf).toreadonly(), "ssd", None, now)
-        self._dram.put_end(pending)
+        self._dram.put_end(pending)              # the key is now the most recent in the DRAM order
         self._record(entry)
         slot = self._dram.lookup(key)
-        self._dram_lru.insert(key)
         self._stats["dram"]["promotions"] += 1
         self._stats["ssd"]["promotions"] += 1
         return self._new_lease(key, self._dram.acquire(slot), "dram", slot, now)

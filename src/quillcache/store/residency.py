@@ -116,7 +116,7 @@ class Residency:
         size, tiers = self._index.holder(ek, self.holder)
         if not tiers:
             return None
-        entry = Entry(key, size, next(self._versions), self._clock(), ek)
+        entry = Entry(key, size, next(self._versions), self._clock())   # its ek: the key's own encoding
         entry.ssd_version = entry.version
         self._entries[key] = entry
         self._ssd_lru.insert(key)
@@ -155,8 +155,7 @@ class Residency:
         if self.on_residency is not None:
             self.on_residency(False, key)
         self._pinned.discard(key)
-        self._dram_lru.remove(key)
-        self._ssd_lru.remove(key)
+        self._ssd_lru.remove(key)                   # the DRAM order loses it when the tier unpublishes it
         if self._on_dropped is not None:
             self._on_dropped(entry.ek)
         return entry

@@ -106,7 +106,10 @@ class LocalKvStore(Residency, Eviction, Demotion, Writes, Reads, Pins, BatchLeas
         self.on_residency = None
         self.max_inflight_puts = o.max_inflight_puts
         self.max_hard_pin_bytes = int(self._dram.capacity * o.max_hard_pin_fraction)
-        self._dram_lru = make_policy(o.eviction)
+        # The DRAM order is the DRAM tier's published dict itself (store/policy.py): the tier
+        # adds a published key at the most recent end and drops an unpublished one; the
+        # policy moves a read key to the end (LRU) or leaves it (FIFO).
+        self._dram_lru = make_policy(o.eviction, order=self._dram.published)
         self._ssd_lru = make_policy(o.eviction)
         self._entries: dict[KvBlockKey, Entry] = {}       # exact-key cache of the index's local records
         # The SSD blocks recovered at start that have no entry yet: the index's records of

@@ -13,7 +13,7 @@ from typing import Optional
 
 from quillcache._native.batch import check_columns, commit_many
 from quillcache.errors import Busy, CapacityError, InvalidArgument
-from quillcache.model import KvBlockKey, encode_key
+from quillcache.model import KvBlockKey
 from quillcache.store.dram import PendingPut
 from quillcache.store.values import Entry, PutHandle, Waiter
 
@@ -207,8 +207,7 @@ class Writes:
         which give that handle's error, and goes on from the next)."""
         if self.closed or start >= len(handles):
             return 0
-        done = commit_many(handles, start, self, self._dram, self._dram_lru.insert_order, Entry,
-                           self._versions, self._clock())
+        done = commit_many(handles, start, self, self._dram, Entry, self._versions, self._clock())
         if done:
             self._counters["puts"] += done
             self._after_publish()
@@ -229,17 +228,15 @@ class Writes:
         """The slot becomes the key's bytes; returns (entry, whether an older SSD copy is now stale)."""
         key = handle.key
         del self._handles[pending.slot]
-        self._dram.put_end(pending)
+        self._dram.put_end(pending)                     # the key is now the most recent in the DRAM order
         now = self._clock()
         entry = self._entries.get(key)
-        ek = None
         if entry is None and self._untouched:
-            ek = encode_key(key)
-            entry = self._warm(key, ek)
+            entry = self._warm(key)
         version = next(self._versions)
         stale_ssd = False
         if entry is None:
-            entry = Entry(key, handle.size, version, now, encode_key(key) if ek is None else ek)
+            entry = Entry(key, handle.size, version, now)
             self._entries[key] = entry                 # recorded in the index by the caller
             self._tell_added(entry)
         else:
@@ -247,7 +244,6 @@ class Writes:
             entry.size = handle.size
             entry.version = version
             entry.last_access = now
-        self._dram_lru.insert(key)
         self._counters["puts"] += 1
         if ssd_written:
             entry.ssd_version = version
