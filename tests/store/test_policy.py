@@ -5,6 +5,15 @@ from hypothesis import strategies as st
 
 from quillcache.store.policy import FifoPolicy, LruPolicy, make_policy
 
+def _to_end(order: list, k, add: bool = False) -> None:
+    """The list oracle's move of k to the most recent end (added there if ``add``)."""
+    if k in order:
+        order.remove(k)
+    elif not add:
+        return
+    order.append(k)
+
+
 ops_st = st.lists(st.tuples(st.sampled_from(["insert", "touch", "remove"]), st.integers(0, 12)), max_size=200)
 
 
@@ -13,20 +22,14 @@ ops_st = st.lists(st.tuples(st.sampled_from(["insert", "touch", "remove"]), st.i
 def test_candidates_follow_a_list_oracle(ops, name):
     policy, order = make_policy(name), []
     for op, k in ops:
+        getattr(policy, op)(k)
         if op == "insert":
-            policy.insert(k)
-            if k in order:
-                order.remove(k)
-            order.append(k)
+            _to_end(order, k, add=True)
         elif op == "touch":
-            policy.touch(k)
-            if name == "lru" and k in order:
-                order.remove(k)
-                order.append(k)
-        else:
-            policy.remove(k)
-            if k in order:
-                order.remove(k)
+            if name == "lru":
+                _to_end(order, k)
+        elif k in order:
+            order.remove(k)
         assert list(policy.candidates()) == order
         assert len(policy) == len(order) and policy.victim() == (order[0] if order else None)
         assert all(k in policy for k in order)
@@ -62,25 +65,15 @@ def test_a_handed_dict_is_ordered_with_its_values_kept_and_its_keys_left_to_its_
         if op == "add":                         # the owner publishes (a new key or a re-put)
             owned.pop(k, None)
             owned[k] = f"slot-{k}"
-            if k in order:
-                order.remove(k)
-            order.append(k)
+            _to_end(order, k, add=True)
         elif op == "drop":                      # the owner unpublishes
             owned.pop(k, None)
             if k in order:
                 order.remove(k)
-        elif op == "insert":
-            policy.insert(k)
-            if k in order:
-                order.remove(k)
-                order.append(k)
-        elif op == "touch":
-            policy.touch(k)
-            if name == "lru" and k in order:
-                order.remove(k)
-                order.append(k)
         else:
-            policy.remove(k)                    # the owner's to do: nothing changes
+            getattr(policy, op)(k)
+            if op == "insert" or op == "touch" and name == "lru":
+                _to_end(order, k)               # only a present key moves; remove: the owner's to do
         assert list(policy.candidates()) == order == list(owned)
         assert all(v == f"slot-{k}" for k, v in owned.items())
         assert len(policy) == len(order) and policy.victim() == (order[0] if order else None)
