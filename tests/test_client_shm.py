@@ -4,6 +4,7 @@ client killed with -9, a daemon restart under a mapping)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import stat
@@ -16,9 +17,9 @@ import numpy as np
 import pytest
 
 from quillcache import AsyncClient, Client, KvBlockKey
-from quillcache.client.shm import check_lease
+from quillcache.client.shm import check_lease, release_flow
 from quillcache.settings.convert import hash_token
-from quillcache.errors import ConnectionLost, NotFound, PermissionDenied, Timeout
+from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, PermissionDenied, Timeout
 from tests._support.daemon import Daemon
 
 BLOCK = 64 << 10
@@ -109,6 +110,65 @@ def test_located_views_are_read_only_and_leaving_releases_the_lease(node):
         with pytest.raises(ValueError):                         # the views end with the lease
             bytes(views[0])
         assert u.get(key(0)) == content(50)
+
+
+def test_a_located_get_sends_its_release_without_waiting_and_every_lease_ends(node):
+    """get / get_into / get_many_into over the mapping post their RELEASE (calls.Post): the
+    call returns after one round trip, the node frees the leases as it reads the request,
+    and the replies nobody waited for are read on the way by the next call's wait."""
+    with Client(unix_addr(node)) as u:
+        assert u.shm
+        u.put_many([(key(i), content(i)) for i in range(4)])
+        buf = np.zeros(BLOCK, np.uint8)
+        bufs = [np.zeros(BLOCK, np.uint8) for _ in range(4)]
+        for r in range(150):
+            i = r % 4
+            assert u.get_into(key(i), buf) == BLOCK and buf.tobytes() == content(i)
+            assert u.get(key(i)) == content(i)
+            assert u.get_many_into([key(j) for j in range(4)] + [key(99)], bufs + [buf]) == [BLOCK] * 4 + [None]
+            assert [b.tobytes() for b in bufs] == [content(j) for j in range(4)]
+        with pytest.raises(InvalidArgument):                   # an error still releases
+            u.get_into(key(0), np.zeros(8, np.uint8))
+        wait_for(lambda: server_info(node)["located_leases"] == 0)     # no further request on u
+        assert u.ping() > 0 and u.get(key(3)) == content(3)
+        with Client(node.addr) as t:
+            assert t.info()["Store"]["leases"] == 0
+
+
+def test_a_posted_release_returns_without_its_answer_and_a_lost_answer_is_no_error(node):
+    """A posted RELEASE (``release_flow(wait=False)``, what the located GETs send) returns
+    at once even with the node stopped, where a waited one would wait for the answer; the
+    node then killed, the sync client's next call is a clear ConnectionLost, and the async
+    client retrieves the failed reply's future (asyncio logs nothing)."""
+    with Client(unix_addr(node), timeout=2) as u:
+        assert u.shm
+        node.send(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            u._drive(release_flow(u, [123456789], wait=False))
+            assert time.monotonic() - t0 < 1.0
+            with pytest.raises(Timeout):                        # the waited form does wait
+                u._drive(release_flow(u, [123456789]))
+        finally:
+            node.send(signal.SIGCONT)
+    logged: list = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx))
+        async with AsyncClient(unix_addr(node), timeout=2) as a:
+            assert a.shm
+            await a.put(key(1), content(1))
+            node.send(signal.SIGSTOP)
+            t0 = time.monotonic()
+            await a._drive(release_flow(a, [123456789], wait=False))
+            assert time.monotonic() - t0 < 1.0
+            node.send(signal.SIGKILL)
+            node.wait()
+            with pytest.raises((ConnectionLost, Timeout)):
+                await a.get(key(1))
+        gc.collect()
+    asyncio.run(main())
+    assert logged == []
 
 
 def test_reserved_slots_are_invisible_until_commit_and_an_exception_aborts(node):

@@ -18,7 +18,7 @@ from quillcache.protocol.connection import ClientProtocolConnection, Reply
 
 
 from quillcache.client import shm
-from quillcache.client.calls import DEFAULT_TIMEOUT_S, CLIENT_NAME, UNIX_PREFIX, Req, resolve_address, token_bytes
+from quillcache.client.calls import DEFAULT_TIMEOUT_S, CLIENT_NAME, UNIX_PREFIX, Post, Req, resolve_address, token_bytes
 from quillcache.client.ops import _STALE, Ops
 from quillcache.client.sync import Client
 
@@ -28,6 +28,13 @@ __all__ = ["AsyncClient"]
 def _expire(fut: asyncio.Future, timeout: float) -> None:
     if not fut.done():
         fut.set_exception(Timeout(f"no reply within {timeout} s"))
+
+
+def _drop_reply(fut: asyncio.Future) -> None:
+    """A posted request's reply (``calls.Post``): nobody waits for it; a connection lost
+    before it came is retrieved here so that asyncio does not log it as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class _AsyncConnection(ClientProtocolConnection, asyncio.BufferedProtocol):
@@ -159,12 +166,17 @@ class AsyncClient(Ops):
         return await self.connect()
 
     async def _drive(self, flow):
-        """Run a client/shm.py flow, awaiting each request (``Req``) or ``Batch`` it yields."""
+        """Run a client/shm.py flow, awaiting each request (``Req``) or ``Batch`` it yields;
+        a ``Post`` is sent and its result is None."""
         try:
             req = next(flow)
             while True:
                 try:
-                    result = await (self._exec(req) if type(req) is Req else self._exec_many(*req))
+                    kind = type(req)
+                    if kind is Post:
+                        result = None if self._post(req.req) else await self._exec(req.req)
+                    else:
+                        result = await (self._exec(req) if kind is Req else self._exec_many(*req))
                 except BaseException as exc:
                     req = flow.throw(exc)
                 else:
@@ -228,6 +240,16 @@ class AsyncClient(Ops):
             finally:
                 timer.cancel()
         return fut.result()
+
+    def _post(self, req: Req) -> bool:
+        """Send ``req`` and drop its reply when it comes (``calls.Post``): True.  False, and
+        nothing sent, where the in-flight window has no room for it and one more request
+        (the caller then waits for it as for any request)."""
+        conn = self._conn
+        if conn is None or conn.in_flight + 2 > self.limits.max_in_flight:
+            return False
+        self._send(req).add_done_callback(_drop_reply)
+        return True
 
     async def _exec(self, req: Req):
         fut = self._send(req)

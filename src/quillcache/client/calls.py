@@ -19,7 +19,7 @@ from quillcache.protocol.connection import Reply
 __all__ = [
     "DEFAULT_TIMEOUT_S", "LIST_PAGE", "CLIENT_NAME", "KEY_CACHE_ENTRIES", "GET_MANY_BUFFER_BYTES",
     "MIN_SOCKET_TIMEOUT_S", "UNIX_PREFIX", "Req", "resolve_address", "token_bytes", "payload_view",
-    "dest_view", "timeval", "pack_buffers", "status_error", "chunks", "Batch"
+    "dest_view", "timeval", "pack_buffers", "status_error", "chunks", "Batch", "Post"
 ]
 
 DEFAULT_TIMEOUT_S = 10.0         # seconds: connect and every wait for a reply
@@ -127,6 +127,16 @@ class Req(NamedTuple):
     flags: int
     into: Any                               # destination or callable(frame), or None
     finish: Callable[[Reply], Any]          # OK reply -> result (errors raised before)
+
+
+class Post(NamedTuple):
+    """A request sent and not waited for (what a flow yields for a client's ``_post``): its
+    reply is dropped when it comes, read on the way by the next request's wait.  For a
+    RELEASE after a located read has copied its bytes: the node frees the leases when it
+    reads the request, and nothing the caller does depends on the answer.  With no room in
+    the in-flight window for it and one more request, the client waits for it as for a
+    ``Req``.  Its result in the flow is None."""
+    req: Req
 
 
 class Batch(NamedTuple):

@@ -1,10 +1,11 @@
 """The client's shared-memory data path (docs/shm.md): the mapped arena and the located
 operations, written once as generators that both clients drive.
 
-A flow is a generator that yields request descriptions (``calls.Req``, or a pipelined
-``calls.Batch``) and is sent each one's result; ``Client`` drives it with blocking calls, ``AsyncClient`` with
-``await``.  So the steps of a located GET (locate, copy out of the mapping, release) or
-of a reserved PUT (reserve, copy into the mapping, commit) exist once.
+A flow is a generator that yields request descriptions (``calls.Req``, a pipelined
+``calls.Batch``, or a ``calls.Post`` it does not wait for) and is sent each one's result;
+``Client`` drives it with blocking calls, ``AsyncClient`` with ``await``.  So the steps of a
+located GET (locate, copy out of the mapping, release) or of a reserved PUT (reserve, copy
+into the mapping, commit) exist once.
 
 Safety on the read side: a located lease names CLOCK_MONOTONIC nanoseconds after which
 the node may reuse the extents.  Client and node share the host and its clock, so every
@@ -26,7 +27,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from quillcache.errors import InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout, status_error
-from quillcache.client.calls import Req
+from quillcache.client.calls import Post, Req
 from quillcache.protocol import located, messages
 from quillcache.protocol.opcodes import FLAG_DURABLE, Opcode
 
@@ -173,11 +174,16 @@ def located_flow(c, keys: Sequence):
     return Located(ids, expires, items)
 
 
-def release_flow(c, ids: list[int]):
+def release_flow(c, ids: list[int], wait: bool = True):
+    """RELEASE the leases ``ids`` (batches of max_batch).  ``wait`` False: posted
+    (``calls.Post``), for a read that has copied its bytes and checked its expiry: the node
+    frees the leases as it reads the request, and the caller does not wait a round trip for
+    the answer (a single located GET then costs one round trip, not two)."""
     lim = c.limits
     for start in range(0, len(ids), lim.max_batch):
-        yield Req(Opcode.RELEASE, located.encode_release_request(ids[start:start + lim.max_batch], lim), (), 0,
-                   None, lambda r: located.decode_release_count(r.header))
+        req = Req(Opcode.RELEASE, located.encode_release_request(ids[start:start + lim.max_batch], lim), (), 0,
+                  None, lambda r: located.decode_release_count(r.header))
+        yield req if wait else Post(req)
 
 
 def get_many_into_flow(c, keys: Sequence, dsts: Sequence[memoryview]):
@@ -198,7 +204,7 @@ def get_many_into_flow(c, keys: Sequence, dsts: Sequence[memoryview]):
         check_lease(loc.expires_ns, "get_many_into")
     finally:
         if loc.lease_ids:
-            yield from release_flow(c, loc.lease_ids)
+            yield from release_flow(c, loc.lease_ids, wait=False)
     return out
 
 
@@ -224,7 +230,7 @@ def get_flow(c, key, dst: Optional[memoryview]):
         check_lease(loc.expires_ns, "get")
     finally:
         if loc.lease_ids:
-            yield from release_flow(c, loc.lease_ids)
+            yield from release_flow(c, loc.lease_ids, wait=False)
     return out
 
 

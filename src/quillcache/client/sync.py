@@ -25,7 +25,7 @@ from quillcache.protocol.opcodes import Opcode
 
 from quillcache.client import shm
 from quillcache.client.calls import (
-    DEFAULT_TIMEOUT_S, CLIENT_NAME, MIN_SOCKET_TIMEOUT_S, Req, resolve_address, token_bytes, dest_view, timeval,
+    DEFAULT_TIMEOUT_S, CLIENT_NAME, MIN_SOCKET_TIMEOUT_S, Post, Req, resolve_address, token_bytes, dest_view, timeval,
 )
 from quillcache.client.ops import _GET, _STALE, Ops
 
@@ -37,6 +37,7 @@ class _SyncConnection(ClientProtocolConnection):
         super().__init__()
         self.sock = sock
         self.replies: dict[int, Reply] = {}
+        self.posted: set[int] = set()           # requests whose replies are dropped (calls.Post)
 
     def _write(self, data: list) -> None:
         try:
@@ -63,6 +64,9 @@ class _SyncConnection(ClientProtocolConnection):
             raise ConnectionLost(f"connection lost while sending: {exc}") from None
 
     def _on_reply(self, reply: Reply) -> None:
+        if self.posted and reply.request_id in self.posted:
+            self.posted.discard(reply.request_id)
+            return
         self.replies[reply.request_id] = reply
 
 
@@ -188,12 +192,14 @@ class Client(Ops):
 
     def _drive(self, flow):
         """Run a client/shm.py flow: each request (``Req``) or pipelined ``Batch`` it yields
-        is executed, its result sent back."""
+        is executed, its result sent back; a ``Post`` is sent and its result is None."""
         try:
             req = next(flow)
             while True:
                 try:
-                    result = self._exec(req) if type(req) is Req else self._exec_many(*req)
+                    kind = type(req)
+                    result = (self._exec(req) if kind is Req else self._post(req.req) if kind is Post
+                              else self._exec_many(*req))
                 except BaseException as exc:
                     req = flow.throw(exc)
                 else:
@@ -384,6 +390,15 @@ class Client(Ops):
             conn.fail(exc)
             self._check()
             raise
+
+    def _post(self, req: Req) -> None:
+        """Send ``req`` and drop its reply when it comes (``calls.Post``); waited for like
+        ``_exec`` where the in-flight window has no room for it and one more request."""
+        conn = self._check()
+        if conn.in_flight + 2 > self.limits.max_in_flight:
+            self._exec(req)
+            return
+        conn.posted.add(self._send(req))
 
     def _exec(self, req: Req):
         rid = self._send(req)
