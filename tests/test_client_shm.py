@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from quillcache import AsyncClient, Client, KvBlockKey
+from quillcache.client.calls import SHM_PUT_MIN_BYTES
 from quillcache.client.shm import check_lease, release_flow
 from quillcache.settings.convert import hash_token
 from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, PermissionDenied, Timeout
@@ -169,6 +170,24 @@ def test_a_posted_release_returns_without_its_answer_and_a_lost_answer_is_no_err
         gc.collect()
     asyncio.run(main())
     assert logged == []
+
+
+def test_a_mapped_client_puts_a_small_value_in_one_request_and_a_large_one_through_the_mapping(node):
+    """Below SHM_PUT_MIN_BYTES one PUT over the socket (one round trip) beats RESERVE + COMMIT
+    (two); from it up the value is copied into a reserved slot.  The node's request count
+    tells which way each went; both read back byte for byte."""
+    small, large = SHM_PUT_MIN_BYTES - 1, SHM_PUT_MIN_BYTES
+    with Client(unix_addr(node)) as u, Client(node.addr) as t:
+        assert u.shm
+
+        def requests_of(fn) -> int:
+            before = t.info()["Server"]["requests"]
+            fn()
+            return t.info()["Server"]["requests"] - before - 1      # less the INFO itself
+        assert requests_of(lambda: [u.put(key(i), content(i, small)) for i in range(5)]) == 5
+        assert requests_of(lambda: [u.put(key(10 + i), content(i, large)) for i in range(5)]) == 10
+        assert [u.get(key(i)) for i in range(5)] == [content(i, small) for i in range(5)]
+        assert [t.get(key(10 + i)) for i in range(5)] == [content(i, large) for i in range(5)]
 
 
 def test_reserved_slots_are_invisible_until_commit_and_an_exception_aborts(node):

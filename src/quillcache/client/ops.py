@@ -23,7 +23,8 @@ from quillcache.protocol.opcodes import FLAG_DURABLE, InfoFormat, Opcode, PinMod
 
 from quillcache.client import shm
 from quillcache.client.calls import (
-    LIST_PAGE, KEY_CACHE_ENTRIES, Batch, Req, payload_view, dest_view, pack_buffers, status_error, chunks,
+    LIST_PAGE, KEY_CACHE_ENTRIES, SHM_PUT_MIN_BYTES, Batch, Req, payload_view, dest_view, pack_buffers,
+    status_error, chunks,
 )
 
 __all__ = ["Ops"]
@@ -93,7 +94,7 @@ class Ops:
 
     def put(self, key: KvBlockKey, data, durable: bool = False):
         mv = payload_view(data)
-        if self._arena is not None:
+        if self._arena is not None and mv.nbytes >= SHM_PUT_MIN_BYTES:
             return self._drive(shm.put_many_flow(self, [(key, mv)], durable))
         hdr = messages.encode_put_request(self.encoded_key(key), mv.nbytes, self.limits)
         return self._exec(Req(Opcode.PUT, hdr, [mv] if mv.nbytes else [],
