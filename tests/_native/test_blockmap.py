@@ -7,13 +7,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quillcache._native.blockmap import HASH_ALGORITHM, MAX_CAPACITY, MIN_CAPACITY, SLOT_BYTES, BlockMap
-from quillcache.index.art import block_hash_of, tenant_of
-from quillcache.model import KvBlockKey, encode_key
+from quillcache.model import KvBlockKey, decode_key, encode_key
 
 
 def ek(block: str, tenant: str = "a", i: int = 0, adapter=None) -> bytes:
     return encode_key(KvBlockKey("llama", "tok", adapter, tenant, f"p{i:04x}", block,
                                  block_index=i, token_count=16))
+
+
+def _fields(k: bytes) -> tuple[str, str]:
+    """(block hash, tenant) of an encoded key, read by the model's own decoder."""
+    key = decode_key(k)
+    return key.block_hash, key.tenant_id
 
 
 class DictModel:
@@ -23,7 +28,7 @@ class DictModel:
         self.d: dict = {}
 
     def add(self, k: bytes) -> None:
-        bh, t = block_hash_of(k).decode(), tenant_of(k)
+        bh, t = _fields(k)
         held = self.d.get(bh)
         if held is None:
             self.d[bh] = k
@@ -31,7 +36,7 @@ class DictModel:
         if type(held) is bytes:
             if held == k:
                 return
-            held = self.d[bh] = {tenant_of(held): (held,)}
+            held = self.d[bh] = {_fields(held)[1]: (held,)}
         keys = held.get(t)
         if keys is None:
             held[t] = (k,)
@@ -39,7 +44,7 @@ class DictModel:
             held[t] = keys + (k,)
 
     def forget(self, k: bytes) -> None:
-        bh, t = block_hash_of(k).decode(), tenant_of(k)
+        bh, t = _fields(k)
         held = self.d.get(bh)
         if held is None:
             return
@@ -66,14 +71,14 @@ class DictModel:
         if held is None:
             return ()
         if type(held) is bytes:
-            return (held,) if tenant_of(held) == t else ()
+            return (held,) if _fields(held)[1] == t else ()
         return held.get(t, ())
 
     def tenants(self, bh: str) -> list:
         held = self.d.get(bh)
         if held is None:
             return []
-        return [tenant_of(held)] if type(held) is bytes else list(held)
+        return [_fields(held)[1]] if type(held) is bytes else list(held)
 
 
 def assert_same(m: BlockMap, model: DictModel, blocks, tenants) -> None:

@@ -58,7 +58,7 @@ from quillcache._native.includes.pyhash cimport PyMem_Calloc, PyUnicode_AsUTF8An
 
 import sys
 
-__all__ = ["BlockMap", "MIN_CAPACITY", "MAX_CAPACITY", "SLOT_BYTES", "HASH_ALGORITHM"]
+__all__ = ["BlockMap", "block_hash_of", "MIN_CAPACITY", "MAX_CAPACITY", "SLOT_BYTES", "HASH_ALGORITHM"]
 
 HASH_ALGORITHM = sys.hash_info.algorithm      # what _Py_HashBytes is in this interpreter (siphash13)
 
@@ -114,6 +114,16 @@ cdef int _ek_block_hash(object ek, const char** out, Py_ssize_t* outn) except -1
     if _bh_field(<const unsigned char*>PyBytes_AS_STRING(ek), PyBytes_GET_SIZE(ek), out, outn) < 0:
         raise ValueError(f"not an encoded key (ends before its block hash): {ek[:64]!r}")
     return 0
+
+
+def block_hash_of(bytes ek not None) -> bytes:
+    """The block_hash field of an encoded key (model.encode_key layout), every length
+    checked on the way: ValueError for bytes that end before it.  The index's one reader of
+    the field outside the native key (index/art.py re-exports it)."""
+    cdef const char* b
+    cdef Py_ssize_t bn
+    _ek_block_hash(ek, &b, &bn)
+    return b[:bn]
 
 
 cdef object _tenant_of(bytes ek):

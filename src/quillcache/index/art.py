@@ -39,7 +39,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from quillcache._native.art import AdaptiveRadixTree
-from quillcache._native.blockmap import BlockMap
+from quillcache._native.blockmap import BlockMap, block_hash_of   # block_hash_of: re-exported
 from quillcache._native.blocks import untrack
 from quillcache._native.keys import decode_key_fast
 from quillcache.model import (
@@ -80,16 +80,6 @@ def _order(r: CacheResidency) -> tuple[str, str]:
 def tenant_of(ek: bytes) -> str:
     """The tenant_id field of an encoded key (the first field after the version byte)."""
     return ek[2:2 + ek[1]].decode("utf-8")
-
-
-def block_hash_of(ek: bytes) -> bytes:
-    """The block_hash field of an encoded key (model.encode_key layout)."""
-    pos = 1
-    for _ in range(3):                      # tenant, model, tokenizer
-        pos += 1 + ek[pos]
-    pos = pos + 1 if ek[pos] == 0 else pos + 2 + ek[pos + 1]    # adapter
-    pos += 1 + ek[pos] + 4                  # prefix_hash, block_index
-    return ek[pos + 1:pos + 1 + ek[pos]]
 
 
 def key_of(ek: bytes) -> KvBlockKey:

@@ -177,9 +177,11 @@ class LazyBlockMap:
 
     # the replay's calls: no entry is computed
 
-    def note(self, ek: bytes) -> None:
-        """Replay: ek (a new key) is in the tree now."""
-        block_hash = block_hash_of(ek).decode("utf-8")
+    def note(self, ek: bytes, block_hash: Optional[str] = None) -> None:
+        """Replay: ek (a new key, of ``block_hash`` where the caller read it already) is in
+        the tree now."""
+        if block_hash is None:
+            block_hash = block_hash_of(ek).decode("utf-8")
         if block_hash in self._warmed:
             self._map.add(ek)
         else:

@@ -209,11 +209,11 @@ class PersistentArtIndex(ArtIndex):
             # structural check only (the WAL's CRC covers the bytes); decoded on first access
             if not ek or ek[0] != KEY_FORMAT_VERSION:
                 raise ValueError("encoded key of another format")
-            block_hash_of(ek).decode("utf-8")   # a block hash that is UTF-8, before anything changes
+            block_hash = block_hash_of(ek).decode("utf-8")    # UTF-8, before anything changes
             slot = self._new_slot(RawGroup(ek, [row]))
             self._tree.insert(ek, slot)
             self._slots.lazy += 1
-            self._by_block.note(ek)
+            self._by_block.note(ek, block_hash)
         else:
             group = None if slot & PACKED else self._raw_group(slot, ek)
             if group is None:               # already decoded (or packed): the ordinary path
