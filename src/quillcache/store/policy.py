@@ -64,9 +64,7 @@ class LruPolicy:
             order.pop(key, None)
             order[key] = None
         else:
-            value = order.pop(key, _ABSENT)
-            if value is not _ABSENT:
-                order[key] = value
+            LruPolicy.touch(self, key)      # a present key moves (FIFO's touch would not)
 
     def touch(self, key: Hashable) -> None:
         """A block was read: a key the order holds goes to the most recent end (its value kept)."""
