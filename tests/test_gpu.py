@@ -47,3 +47,28 @@ def test_adjacent_blocks_coalesce_into_one_copy_and_others_do_not():
     assert runs[0][1].data_ptr() == buf.data_ptr() and runs[1][1].data_ptr() == parts[2].data_ptr()
     other = torch.zeros(1024, dtype=torch.uint8)                    # adjacent in the arena, not in memory
     assert len(_runs([(0, parts[0], 1024), (1024, other, 1024)])) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_reload.py's machine)")
+def test_an_arena_is_unregistered_before_it_is_unmapped_so_later_device_allocations_work(node):
+    """A mapping unmapped while still cudaHostRegister-ed leaves its range mapped on the device;
+    the next allocation placed there fails with cudaErrorAlreadyMapped (seen on an H100 after a
+    client closed).  The registration holds the mapping until it is undone."""
+    import gc
+    from quillcache.client import gpu
+    blocks = torch.full((4, 1 << 20), 7, dtype=torch.uint8, device="cuda")
+    for _ in range(3):                                   # each round maps, registers, closes and drops
+        with Client(f"unix:{node.data_dir / 'quillcached.sock'}") as u:
+            copier = ArenaCopier(u)
+            assert copier.registered
+            copier.save([key(700 + i) for i in range(4)], list(blocks))
+            address = u.arena.address
+            assert gpu._REGISTERED[address] is copier._registration
+        del copier
+        gc.collect()
+        assert address not in gpu._REGISTERED
+        held = [torch.ones(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(8)]
+        torch.cuda.synchronize()
+        assert all(int(h[-1]) == 1 for h in held)
+        del held
+        torch.cuda.empty_cache()

@@ -22,14 +22,15 @@ A tensor handed to load/save must be contiguous; its bytes are the block (any dt
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Optional, Sequence
 
 from quillcache.errors import InvalidArgument, NotFound
 
 __all__ = ["ArenaCopier", "torch_available", "cuda_available"]
 
-_REGISTERED: dict[int, int] = {}        # arena address -> size, registered in this process
-_REG_LOCK = threading.Lock()
+_REGISTERED: "weakref.WeakValueDictionary[int, _Registration]" = weakref.WeakValueDictionary()
+_REG_LOCK = threading.Lock()             # arena address -> its live registration in this process
 CUDA_HOST_REGISTER_PORTABLE = 1         # cudaHostRegisterPortable: pinned for every CUDA context
 CUDA_HOST_REGISTER_MAPPED = 2           # cudaHostRegisterMapped: kernels may read it (``arena_tensor``)
 _WORDS = ((8, "int64"), (4, "int32"), (2, "int16"), (1, "uint8"))   # widest element a gather may move
@@ -42,6 +43,36 @@ class _MappedArena:
     def __init__(self, address: int, size: int) -> None:
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False),
                                          "version": 3, "strides": None}
+
+
+class _Registration:
+    """One ``cudaHostRegister`` of a mapped arena, shared by every copier over that mapping and
+    undone (``cudaHostUnregister``) when the last of them goes, *before* the mapping can be
+    unmapped: it holds a buffer export of the arena's mmap, so ``Arena.close`` cannot unmap
+    the pages under it.  An arena unmapped while still registered leaves its range mapped on
+    the device, and the next device allocation the kernel places at that address fails with
+    cudaErrorAlreadyMapped (seen on an H100: after one node's arena was closed, every later
+    allocation of the process failed)."""
+
+    def __init__(self, torch, arena) -> None:
+        self.address, self.size = arena.address, arena.size
+        self._cudart = torch.cuda.cudart()
+        err = self._cudart.cudaHostRegister(self.address, self.size,
+                                            CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+        code = int(err) if not hasattr(err, "value") else int(err.value)
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister of the {self.size}-byte arena failed: error {code}")
+        self._pin = memoryview(arena.map)        # the mapping stays until this registration is undone
+
+    def __del__(self) -> None:
+        pin = getattr(self, "_pin", None)
+        if pin is None:                          # never registered
+            return
+        try:
+            self._cudart.cudaHostUnregister(self.address)
+        except Exception:                        # interpreter shutdown: CUDA may be gone already
+            pass
+        pin.release()
 
 
 def _torch():
@@ -118,6 +149,7 @@ class ArenaCopier:
         self._host = None                      # uint8 tensor over the whole mapped arena
         self._device_arena = None              # the same bytes as a CUDA tensor (arena_tensor)
         self.registered = False
+        self._registration = None
         self._bind()
         if register and self.stream is not None and self._arena is not None:
             self.register()
@@ -130,6 +162,7 @@ class ArenaCopier:
             return
         self._arena = arena
         self.registered = False
+        self._registration = None               # the old mapping's, if no other copier holds it
         self._device_arena = None
         self._host = None if arena is None else torch.frombuffer(arena.map, dtype=torch.uint8)
         if arena is not None and self.stream is not None:
@@ -145,13 +178,11 @@ class ArenaCopier:
         # under the copier's device: the registration names the device current in this thread
         # (an I/O thread's is device 0), and arena_tensor's view lives on that device
         with _REG_LOCK, torch.cuda.device(self.device):
-            if _REGISTERED.get(arena.address) != arena.size:
-                err = torch.cuda.cudart().cudaHostRegister(arena.address, arena.size,
-                                                           CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-                code = int(err) if not hasattr(err, "value") else int(err.value)
-                if code != 0:
-                    raise RuntimeError(f"cudaHostRegister of the {arena.size}-byte arena failed: error {code}")
-                _REGISTERED[arena.address] = arena.size
+            reg = _REGISTERED.get(arena.address)
+            if reg is None or reg.size != arena.size:
+                reg = _Registration(torch, arena)
+                _REGISTERED[arena.address] = reg
+        self._registration = reg               # unregistered when the last copier over the arena goes
         self.registered = True
 
     # ------------------------------------------------------------------ layer slices
