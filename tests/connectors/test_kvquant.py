@@ -95,6 +95,21 @@ def test_fp8_codec_keeps_each_value_within_e4m3_precision_of_its_group_scale():
         make_codec("int4", torch.bfloat16)
 
 
+def test_fp8_encode_in_slices_gives_the_bytes_of_one_whole_pass(monkeypatch):
+    """encode quantizes ENCODE_CHUNK_BYTES of float32 at a time (a 128k-token save would need
+    32 GiB of temporaries whole); slicing changes no byte, also where the slice is not a divisor."""
+    from quillcache.connectors import kvquant
+    g = torch.Generator().manual_seed(5)
+    shape = (LAYERS, 2, BLOCK_TOKENS, KV_HEADS, HEAD)
+    blocks = torch.randn(7, *shape, generator=g) * torch.logspace(-2, 2, 7)[:, None, None, None, None, None]
+    codec = make_codec("fp8_e4m3", torch.float32)
+    whole = codec.encode(blocks)
+    per_block = blocks[0].numel() * 4
+    for chunk in (1, 2 * per_block, 3 * per_block):
+        monkeypatch.setattr(kvquant, "ENCODE_CHUNK_BYTES", chunk)
+        assert torch.equal(codec.encode(blocks), whole), chunk
+
+
 # ---------------------------------------------------------------- through the worker, on the model
 
 

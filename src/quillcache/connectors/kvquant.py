@@ -25,6 +25,7 @@ __all__ = ["KV_DTYPES", "FP8_E4M3_MAX", "KvCodec", "make_codec"]
 KV_DTYPES = ("auto", "fp8_e4m3")
 FP8_E4M3_MAX = 448.0             # largest finite float8_e4m3fn value
 _SCALE_BYTES = 4                 # one float32 scale per (block, layer, K/V)
+ENCODE_CHUNK_BYTES = 256 << 20   # float32 bytes quantized at a time in encode (its temporaries)
 
 
 def _torch():
@@ -123,16 +124,23 @@ class Fp8E4m3Codec(KvCodec):
         return _torch().empty((n, self.stored_nbytes(block_shape, 1)), dtype=_torch().uint8, device=device)
 
     def encode(self, blocks) -> Any:
+        """Blocks ``[n, layers, 2, ...]`` as rows of scales then FP8 bytes, quantized a slice of
+        blocks at a time so the float32 temporaries stay under ``ENCODE_CHUNK_BYTES`` (a 128k-token
+        save of an 8B model is 16 GiB of bf16: whole, its float copy alone would be 32 GiB)."""
         torch = _torch()
         n = blocks.shape[0]
         groups, per = self._groups(tuple(blocks.shape[1:]))
-        x = blocks.reshape(n, groups, per).float()
-        amax = x.abs().amax(dim=-1)                                  # [n, groups]
-        scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
-        q = (x / scale[..., None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(self.fp8)
-        rows = torch.empty((n, groups * _SCALE_BYTES + groups * per), dtype=torch.uint8, device=blocks.device)
-        rows[:, :groups * _SCALE_BYTES] = scale.contiguous().view(torch.uint8).reshape(n, -1)
-        rows[:, groups * _SCALE_BYTES:] = q.view(torch.uint8).reshape(n, -1)
+        head = groups * _SCALE_BYTES
+        rows = torch.empty((n, head + groups * per), dtype=torch.uint8, device=blocks.device)
+        flat = blocks.reshape(n, groups, per)
+        step = max(1, ENCODE_CHUNK_BYTES // (groups * per * 4))
+        for a in range(0, n, step):
+            x = flat[a:a + step].float()
+            amax = x.abs().amax(dim=-1)                              # [blocks, groups]
+            scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+            q = (x / scale[..., None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(self.fp8)   # x may be blocks
+            rows[a:a + step, :head] = scale.contiguous().view(torch.uint8).reshape(len(x), -1)
+            rows[a:a + step, head:] = q.view(torch.uint8).reshape(len(x), -1)
         return rows
 
     def decode(self, rows, block_shape: tuple) -> Any:
