@@ -353,7 +353,9 @@ class ConnectorCore:
     def _call(self, fn, what: str, default: Any) -> Any:
         try:
             return fn(self._conn())
-        except (QuillCacheError, OSError):
+        except (QuillCacheError, OSError) as exc:
+            log.warning("%s connector: a %s failed (%s: %s); the connection is dropped", self.name, what,
+                        type(exc).__name__, exc)
             self._count(f"{what}_errors")
             self._drop()
             return default
