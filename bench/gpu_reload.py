@@ -55,10 +55,12 @@ at 2k tokens, <= 1/5 at 8k and 16k.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import NamedTuple
 
@@ -87,7 +89,9 @@ TABLE_TIME_BUDGET_S = 560.0     # seconds: the device machine runs a command for
 ROPE_THETA = 500000.0
 SUFFIX = 128                    # tokens prefilled after the prefix
 CHUNK_TOKENS = 512              # tokens per stored block (one layer, K or V): 1 MiB
+BLOCK_CHUNK = 256               # keys per REMOVE_MANY of the bench's own clean-up (the node bounds a header)
 BLOCK_TOKENS = 16               # connector mode: vLLM's default block size (2 MiB blocks at 8B)
+KEEP_CACHED = False             # --reserve-device: never hand cached device memory back (empty_cache)
 TIME_BUDGET_S = 240.0           # seconds: the whole run stays under 5 minutes
 RAW_BYTES = 1 << 30             # bytes moved by the raw device <-> arena measurement
 RAW_BLOCK = 4 << 20             # bytes per block there
@@ -185,7 +189,7 @@ class Model:
         x = self.emb[ids]
         new_kv = []
         mask = None
-        if cache is not None or paged is not None:   # suffix queries see the prefix and themselves causally
+        if (cache is not None or paged is not None) and P:   # suffix queries see the prefix and themselves causally
             mask = t.ones(T, P + T, dtype=t.bool, device=self.dev).tril(diagonal=P)
         if paged is not None:
             caches, table, wait = paged
@@ -366,6 +370,13 @@ def timed_load(worker, transfer, names: list, sync) -> tuple[float, float]:
     return t1 - t0, done - t0
 
 
+def failed_row(kv_dtype: str, path: str, exc: BaseException) -> dict:
+    """A row that failed: printed as FAILED with its error (the traceback goes to stderr), so that
+    one failure on a machine held for minutes does not lose the rows after it."""
+    traceback.print_exception(exc)
+    return {"kv": kv_dtype, "path": path, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"}
+
+
 def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes, paths, sync) -> list[dict]:
     """The vLLM connector's worker path (quillcache.connectors.paged.PagedKVWorker, which the
     vLLM adapter delegates to) on paged caches in vLLM's layout, in vLLM's call order: the
@@ -383,18 +394,15 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes,
     with torch.inference_mode():
         full_s = timed(lambda: model.forward(ids, keep=False)[0])
         ref = model.forward(ids, keep=False)[0]
-        _, kv = model.forward(ids[:P])
-    # the caches after the prefill: at 128k tokens (8B) they are 32 GiB, its activations ~15 GiB
+    if dev.type == "cuda" and not KEEP_CACHED:
+        torch.cuda.empty_cache()       # the caches get whole segments (at 128k tokens, 8B: 32 GiB beside 15 of weights)
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, blocks, BLOCK_TOKENS, S.kv_heads, S.head_dim,
                                                                dtype=model.dtype, device=dev)
               for i in range(S.layers)}
     layers = list(caches.values())
     names = list(caches)
-    with torch.inference_mode():
-        for c, (k, v) in zip(layers, kv):                 # request A's prefix in blocks 0..nb-1
-            c[0, :nb] = k.view(nb, BLOCK_TOKENS, S.kv_heads, S.head_dim)
-            c[1, :nb] = v.view(nb, BLOCK_TOKENS, S.kv_heads, S.head_dim)
-        del kv
+    with torch.inference_mode():      # request A's prefix prefilled straight into blocks 0..nb-1
+        model.forward(ids[:P], P=0, paged=(layers, list(range(nb)), lambda i: None))
     table = list(range(nb, 2 * nb)) + list(range(2 * nb, blocks))      # request B: the prefix reloaded
     with torch.inference_mode():
         suffix_s = timed(lambda: model.forward(ids[P:], P=P, paged=(layers, table, lambda i: None))[0])
@@ -412,9 +420,15 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes,
             writer.wait_for_save([Transfer("A", keys, list(range(nb)))])
             while not writer.get_finished({"A"}):
                 time.sleep(0.0005)
-        save_s = timed(save, 1)
-        if writer.take_stored() == [] or core.stats()["save_errors"]:
-            raise SystemExit("connector save: the blocks were not stored")
+        try:
+            failed_before = core.stats()["save_errors"]
+            save_s = timed(save, 1)
+            if writer.take_stored() == [] or core.stats()["save_errors"] != failed_before:
+                raise SystemExit("connector save: the blocks were not stored")
+        except (Exception, SystemExit) as exc:             # every load path of this dtype fails with it
+            rows += [failed_row(kv_dtype, path, exc) for path in paths]
+            writer.shutdown()
+            continue
         def want(c):                                     # what a load must leave in request B's blocks
             if not codec.quantized:
                 return c[:, :nb]
@@ -422,37 +436,42 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes,
             return codec.decode(codec.encode(c[:, :nb].transpose(0, 1).contiguous()[:, None]), one)[:, 0].transpose(0, 1)
         for path in paths:
             worker = PagedKVWorker(core, kv_dtype=kv_dtype, load_path=path)
-            worker.register_kv_caches(caches)
+            try:
+                worker.register_kv_caches(caches)
 
-            def reload_and_suffix():
-                worker.start_load_kv([Transfer("B", keys, table[:nb])])
-                with torch.inference_mode():
-                    out = model.forward(ids[P:], P=P, paged=(layers, table, lambda i: worker.wait_for_layer_load(names[i])))[0]
-                worker.wait_for_save([])
-                if worker.take_load_errors():
-                    raise SystemExit("connector reload: blocks were reported missing")
-                return out
-            marks: list = []
+                def reload_and_suffix():
+                    worker.start_load_kv([Transfer("B", keys, table[:nb])])
+                    with torch.inference_mode():
+                        out = model.forward(ids[P:], P=P, paged=(layers, table, lambda i: worker.wait_for_layer_load(names[i])))[0]
+                    worker.wait_for_save([])
+                    if worker.take_load_errors():
+                        raise SystemExit("connector reload: blocks were reported missing")
+                    return out
+                marks: list = []
 
-            def load_only():
-                marks.append(timed_load(worker, Transfer("B", keys, table[:nb]), names, sync))
-            conn_s = timed(reload_and_suffix, rounds)
-            load_s = timed(load_only, rounds)
-            first = statistics.median(m[0] for m in marks[1:] or marks)
-            every = statistics.median(m[1] for m in marks[1:] or marks)
-            for c in layers:
-                c[:, nb:2 * nb].zero_()
-            logits = reload_and_suffix()
-            for i, c in enumerate(layers):
-                if not torch.equal(c[:, nb:2 * nb].view(torch.uint8), want(c).contiguous().view(torch.uint8)):
-                    raise SystemExit(f"connector reload ({kv_dtype}, {path}): layer {i}: not the bytes saved")
-            taken = ",".join(k for k, v in worker.paths_used.items() if v)     # layered falls back to staged
-            rows.append({"kv": kv_dtype, "path": taken, "full": full_s * x, "conn": conn_s * x,
-                         "load": load_s * x, "first": first, "all": every * x, "suffix": suffix_s * x,
-                         "save": save_s, "bytes": nb * writer.stored_nbytes, "diff": (logits - ref).abs().max().item()})
-            worker.shutdown()
+                def load_only():
+                    marks.append(timed_load(worker, Transfer("B", keys, table[:nb]), names, sync))
+                conn_s = timed(reload_and_suffix, rounds)
+                load_s = timed(load_only, rounds)
+                first = statistics.median(m[0] for m in marks[1:] or marks)
+                every = statistics.median(m[1] for m in marks[1:] or marks)
+                for c in layers:
+                    c[:, nb:2 * nb].zero_()
+                logits = reload_and_suffix()
+                for i, c in enumerate(layers):
+                    if not torch.equal(c[:, nb:2 * nb].view(torch.uint8), want(c).contiguous().view(torch.uint8)):
+                        raise SystemExit(f"connector reload ({kv_dtype}, {path}): layer {i}: not the bytes saved")
+                taken = ",".join(k for k, v in worker.paths_used.items() if v)     # layered falls back to staged
+                rows.append({"kv": kv_dtype, "path": taken, "full": full_s * x, "conn": conn_s * x,
+                             "load": load_s * x, "first": first, "all": every * x, "suffix": suffix_s * x,
+                             "save": save_s, "bytes": nb * writer.stored_nbytes, "diff": (logits - ref).abs().max().item()})
+            except (Exception, SystemExit) as exc:         # one failed row does not lose the table
+                rows.append(failed_row(kv_dtype, path, exc))
+            finally:
+                worker.shutdown()
         writer.shutdown()
-        core.call_async(lambda c, keys=keys: c.remove_many(keys), what="save").result()   # room for the next
+        for a in range(0, len(keys), BLOCK_CHUNK):      # room for the next (a REMOVE_MANY header is bounded)
+            core.call_async(lambda c, ks=keys[a:a + BLOCK_CHUNK]: c.remove_many(ks), what="save").result()
     return rows
 
 
@@ -476,7 +495,14 @@ def main(argv=None) -> int:
     ap.add_argument("--table", action="store_true",
                     help="issue 26's GPU table: 8B at 8k/32k/128k, 70B at 8k/32k (8 layers, scaled), through the "
                          "connector (bf16, fp8; layered, staged), the direct path and arena -> device GB/s")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help=f"seconds after which sizes not yet started are skipped (default {TIME_BUDGET_S:.0f}, "
+                         f"{TABLE_TIME_BUDGET_S:.0f} with --table)")
+    ap.add_argument("--reserve-device", type=float, default=0.0, metavar="FRACTION",
+                    help="before anything is registered, take this fraction of free device memory into torch's "
+                         "caching allocator and keep it there (no new device allocations later)")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     try:
         import torch
@@ -494,6 +520,12 @@ def main(argv=None) -> int:
         dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
         sync, dtype, name = torch.cuda.synchronize, torch.bfloat16, torch.cuda.get_device_name(dev)
+        if args.reserve_device:
+            global KEEP_CACHED
+            KEEP_CACHED = True
+            hold = torch.empty(int(torch.cuda.mem_get_info(dev)[0] * args.reserve_device), dtype=torch.uint8,
+                               device=dev)
+            del hold
     else:
         dev, dtype, name = torch.device("cpu"), torch.float32, "CPU"
 
@@ -520,10 +552,10 @@ def main(argv=None) -> int:
         return run_load_only(torch, dev, timed, sync, args, prefixes)
     model = Model(torch, dev, SHAPES[args.shape], dtype, args.layers)
     if args.connector:
-        run_connector(torch, model, prefixes, timed, args, started, TIME_BUDGET_S, sync)
+        rows = run_connector(torch, model, prefixes, timed, args, started, args.budget or TIME_BUDGET_S, sync)
         print(f"\ntotal {time.monotonic() - started:.0f} s")
-        return 0
-    run_direct(torch, model, prefixes, timed, args, started, TIME_BUDGET_S)
+        return 1 if count_failed(rows) else 0
+    run_direct(torch, model, prefixes, timed, args, started, args.budget or TIME_BUDGET_S)
     return 0
 
 
@@ -534,19 +566,32 @@ def run_table(torch, dev, dtype, timed, sync, args, started: float) -> int:
     args.eager = True                 # every forward pass eager, as in the connector rows (and no graph pools)
     args.rounds = min(args.rounds, 3)
     args.no_tcp = True
+    budget = args.budget or TABLE_TIME_BUDGET_S
+    failed = 0
     for shape, prefixes, layers in TABLE:
         args.shape = shape
-        model = Model(torch, dev, SHAPES[shape], dtype, args.layers or layers)
-        run_connector(torch, model, list(prefixes), timed, args, started, TABLE_TIME_BUDGET_S, sync)
-        del model
-        torch.cuda.empty_cache()
+        try:
+            model = Model(torch, dev, SHAPES[shape], dtype, args.layers or layers)
+            failed += count_failed(run_connector(torch, model, list(prefixes), timed, args, started, budget, sync))
+        except (Exception, SystemExit) as exc:               # the other shape and the direct path still run
+            traceback.print_exception(exc)
+            print(f"\n{shape}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+            failed += 1
+        model = None
+        if dev.type == "cuda" and not KEEP_CACHED:
+            torch.cuda.empty_cache()
     args.shape = TABLE[0][0]
     if dev.type != "cuda":
         print("\ndirect path: skipped (it measures CUDA copies)")
-        return 0
-    model = Model(torch, dev, SHAPES[args.shape], dtype, TABLE[0][2])
-    run_direct(torch, model, list(TABLE[0][1]), timed, args, started, TABLE_TIME_BUDGET_S)
-    return 0
+        return 1 if failed else 0
+    try:
+        model = Model(torch, dev, SHAPES[args.shape], dtype, TABLE[0][2])
+        run_direct(torch, model, list(TABLE[0][1]), timed, args, started, budget)
+    except (Exception, SystemExit) as exc:
+        traceback.print_exception(exc)
+        print(f"\ndirect path: FAILED: {type(exc).__name__}: {exc}", flush=True)
+        failed += 1
+    return 1 if failed else 0
 
 
 def run_direct(torch, model, prefixes, timed, args, started: float, budget: float) -> None:
@@ -577,7 +622,8 @@ def run_direct(torch, model, prefixes, timed, args, started: float, budget: floa
                                                args.rounds, not args.eager)))
             except torch.OutOfMemoryError:
                 rows.append((P, None))
-            torch.cuda.empty_cache()
+            if not KEEP_CACHED:
+                torch.cuda.empty_cache()
 
     print("\n| prefix tokens | recompute ms | reload shm + suffix ms | x faster | (load ms | suffix ms) "
           "| reload tcp + suffix ms | x faster | save GB/s | max logit diff |")
@@ -632,7 +678,8 @@ def measure_load_only(torch, shape: Shape, P: int, dev, core, rounds: int, kv_dt
                          "all": statistics.median(m[1] for m in marks[1:]), "bytes": nb * writer.stored_nbytes})
             worker.shutdown()
         writer.shutdown()
-        core.call_async(lambda c, keys=keys: c.remove_many(keys), what="save").result()
+        for a in range(0, len(keys), BLOCK_CHUNK):
+            core.call_async(lambda c, ks=keys[a:a + BLOCK_CHUNK]: c.remove_many(ks), what="save").result()
     return rows
 
 
@@ -683,15 +730,23 @@ def run_connector(torch, model, prefixes, timed, args, started: float, budget: f
                            measure_connector(torch, model, core, P, timed, args.rounds, kv_dtypes, paths, sync)]
                 except torch.OutOfMemoryError as exc:
                     got = [(args.shape, P, None, f"out of device memory ({str(exc).splitlines()[0][:60]})")]
+                except (Exception, SystemExit) as exc:      # the next prefix still runs
+                    traceback.print_exception(exc)
+                    got = [(args.shape, P, None, f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")]
                 print_connector(got, {args.shape: model.scale}, header=False)      # as they complete
                 rows += got
-                if model.dev.type == "cuda":
+                if model.dev.type == "cuda" and not KEEP_CACHED:
                     torch.cuda.empty_cache()
             stats = core.stats()
         finally:
             core.close()
     print(f"\n{args.shape}: connector counters {stats}", flush=True)
     return rows
+
+
+def count_failed(rows) -> int:
+    """Rows of run_connector that failed (not those skipped for time or device memory)."""
+    return sum(1 for _, _, r, why in rows if (r is None and why.startswith("FAILED")) or (r and "error" in r))
 
 
 def print_connector(rows, model_scale: dict, header: bool = True) -> None:
@@ -705,6 +760,9 @@ def print_connector(rows, model_scale: dict, header: bool = True) -> None:
     for shape, P, r, why in rows:
         if r is None:
             print(f"| {shape} | {P} | skipped: {why} | | | | | | | | | | |")
+            continue
+        if "error" in r:
+            print(f"| {shape} | {P} | {r['kv']} | {r['path']} | FAILED: {r['error']} | | | | | | | | |", flush=True)
             continue
         scaled = " (scaled)" if model_scale.get(shape, 1.0) != 1.0 else ""
         print(f"| {shape}{scaled} | {P} | {r['kv']} | {r['path']} | {r['full'] * 1e3:.1f} | {r['conn'] * 1e3:.1f} "
