@@ -91,7 +91,6 @@ SUFFIX = 128                    # tokens prefilled after the prefix
 CHUNK_TOKENS = 512              # tokens per stored block (one layer, K or V): 1 MiB
 BLOCK_CHUNK = 256               # keys per REMOVE_MANY of the bench's own clean-up (the node bounds a header)
 BLOCK_TOKENS = 16               # connector mode: vLLM's default block size (2 MiB blocks at 8B)
-KEEP_CACHED = False             # --reserve-device: never hand cached device memory back (empty_cache)
 TIME_BUDGET_S = 240.0           # seconds: the whole run stays under 5 minutes
 RAW_BYTES = 1 << 30             # bytes moved by the raw device <-> arena measurement
 RAW_BLOCK = 4 << 20             # bytes per block there
@@ -394,7 +393,7 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes,
     with torch.inference_mode():
         full_s = timed(lambda: model.forward(ids, keep=False)[0])
         ref = model.forward(ids, keep=False)[0]
-    if dev.type == "cuda" and not KEEP_CACHED:
+    if dev.type == "cuda":
         torch.cuda.empty_cache()       # the caches get whole segments (at 128k tokens, 8B: 32 GiB beside 15 of weights)
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, blocks, BLOCK_TOKENS, S.kv_heads, S.head_dim,
                                                                dtype=model.dtype, device=dev)
@@ -498,9 +497,6 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.0,
                     help=f"seconds after which sizes not yet started are skipped (default {TIME_BUDGET_S:.0f}, "
                          f"{TABLE_TIME_BUDGET_S:.0f} with --table)")
-    ap.add_argument("--reserve-device", type=float, default=0.0, metavar="FRACTION",
-                    help="before anything is registered, take this fraction of free device memory into torch's "
-                         "caching allocator and keep it there (no new device allocations later)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
@@ -520,12 +516,6 @@ def main(argv=None) -> int:
         dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
         sync, dtype, name = torch.cuda.synchronize, torch.bfloat16, torch.cuda.get_device_name(dev)
-        if args.reserve_device:
-            global KEEP_CACHED
-            KEEP_CACHED = True
-            hold = torch.empty(int(torch.cuda.mem_get_info(dev)[0] * args.reserve_device), dtype=torch.uint8,
-                               device=dev)
-            del hold
     else:
         dev, dtype, name = torch.device("cpu"), torch.float32, "CPU"
 
@@ -578,7 +568,7 @@ def run_table(torch, dev, dtype, timed, sync, args, started: float) -> int:
             print(f"\n{shape}: FAILED: {type(exc).__name__}: {exc}", flush=True)
             failed += 1
         model = None
-        if dev.type == "cuda" and not KEEP_CACHED:
+        if dev.type == "cuda":
             torch.cuda.empty_cache()
     args.shape = TABLE[0][0]
     if dev.type != "cuda":
@@ -622,8 +612,7 @@ def run_direct(torch, model, prefixes, timed, args, started: float, budget: floa
                                                args.rounds, not args.eager)))
             except torch.OutOfMemoryError:
                 rows.append((P, None))
-            if not KEEP_CACHED:
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
 
     print("\n| prefix tokens | recompute ms | reload shm + suffix ms | x faster | (load ms | suffix ms) "
           "| reload tcp + suffix ms | x faster | save GB/s | max logit diff |")
@@ -735,7 +724,7 @@ def run_connector(torch, model, prefixes, timed, args, started: float, budget: f
                     got = [(args.shape, P, None, f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")]
                 print_connector(got, {args.shape: model.scale}, header=False)      # as they complete
                 rows += got
-                if model.dev.type == "cuda" and not KEEP_CACHED:
+                if model.dev.type == "cuda":
                     torch.cuda.empty_cache()
             stats = core.stats()
         finally:
