@@ -19,8 +19,8 @@ from quillcache.protocol.connection import Reply
 __all__ = [
     "DEFAULT_TIMEOUT_S", "LIST_PAGE", "CLIENT_NAME", "KEY_CACHE_ENTRIES", "GET_MANY_BUFFER_BYTES",
     "MIN_SOCKET_TIMEOUT_S", "SHM_PUT_MIN_BYTES", "UNIX_PREFIX", "Req", "resolve_address", "token_bytes",
-    "payload_view",
-    "dest_view", "timeval", "pack_buffers", "status_error", "chunks", "Batch", "Post"
+    "payload_view", "dest_view", "timeval", "pack_buffers", "status_error", "chunks", "keys_per_request",
+    "KEY_LIST_FIXED", "KEY_OVERHEAD", "SIZED_KEY_OVERHEAD", "Batch", "Post"
 ]
 
 DEFAULT_TIMEOUT_S = 10.0         # seconds: connect and every wait for a reply
@@ -155,3 +155,18 @@ class Batch(NamedTuple):
 
 def chunks(seq: Sequence, n: int) -> list:
     return [seq[i:i + n] for i in range(0, len(seq), n)] or [seq[:0]]
+
+
+KEY_LIST_FIXED = 16              # bytes of a batched request's header besides its keys (a u32 count, ...)
+KEY_OVERHEAD = 2                 # bytes per key in a key list besides the key (its u16 length)
+SIZED_KEY_OVERHEAD = 10          # ... in a sized key list (PUT_MANY, RESERVE: u16 length, u64 size)
+
+
+def keys_per_request(ekeys: Sequence[bytes], limits, overhead: int = KEY_OVERHEAD) -> int:
+    """Keys per batched request for these encoded keys: at most the server's ``max_batch``, and
+    few enough that the header body stays within its ``max_header_bytes`` (64 KiB by default:
+    about 400 keys of 150 bytes, fewer than ``max_batch``).  Sized by the longest key."""
+    if not ekeys:
+        return limits.max_batch
+    longest = max(map(len, ekeys)) + overhead
+    return max(1, min(limits.max_batch, (limits.max_header_bytes - KEY_LIST_FIXED) // longest))

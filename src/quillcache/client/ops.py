@@ -24,7 +24,7 @@ from quillcache.protocol.opcodes import FLAG_DURABLE, InfoFormat, Opcode, PinMod
 from quillcache.client import shm
 from quillcache.client.calls import (
     LIST_PAGE, KEY_CACHE_ENTRIES, SHM_PUT_MIN_BYTES, Batch, Req, payload_view, dest_view, pack_buffers,
-    status_error, chunks,
+    SIZED_KEY_OVERHEAD, status_error, chunks, keys_per_request,
 )
 
 __all__ = ["Ops"]
@@ -134,7 +134,7 @@ class Ops:
         keys = [self.encoded_key(k) for k in keys]
         reqs = [Req(Opcode.EXISTS, messages.encode_keys_request(c, self.limits, "EXISTS"), (), 0, None,
                      lambda r: messages.decode_exists_reply(r.header, self.limits))
-                for c in chunks(keys, self.limits.max_batch)]
+                for c in chunks(keys, keys_per_request(keys, self.limits))]
 
         def combine(results) -> tuple[int, list[bool]]:
             present: list[bool] = []
@@ -151,7 +151,7 @@ class Ops:
                                lambda r: messages.decode_bitmap_reply(r.header, self.limits)[0]))
 
     def remove_many(self, keys: Iterable[KvBlockKey]):
-        """Remove every key (REMOVE requests of up to max_batch keys, pipelined); returns, per
+        """Remove every key (REMOVE requests of up to max_batch keys and max_header bytes, pipelined); returns, per
         key, whether it was there."""
         keys = [self.encoded_key(k) for k in keys]
         lim = self.limits
@@ -164,7 +164,7 @@ class Ops:
                 return done
             return Req(Opcode.REMOVE, messages.encode_keys_request(chunk, lim, "REMOVE"), (), 0, None, finish)
 
-        reqs = [request(c) for c in chunks(keys, lim.max_batch)]
+        reqs = [request(c) for c in chunks(keys, keys_per_request(keys, lim))]
         return self._exec_many(reqs, lambda results: [x for res in results for x in res])
 
     def pin(self, key: KvBlockKey, ttl: float, hard: bool = False):
@@ -191,15 +191,16 @@ class Ops:
         return self._exec_many(*self.put_many_requests(views, durable))
 
     def put_many_requests(self, items: list, durable: bool) -> Batch:
-        """The PUT_MANY requests of (key, view) over the socket, split at max_batch and
-        max_payload (what ``put_many`` sends; the shm flows send them over TCP too)."""
+        """The PUT_MANY requests of (key, view) over the socket, split at max_batch, max_header
+        and max_payload (what ``put_many`` sends; the shm flows send them over TCP too)."""
         prepared = [(self.encoded_key(k), mv) for k, mv in items]
         lim = self.limits
+        per = keys_per_request([k for k, _ in prepared], lim, SIZED_KEY_OVERHEAD)
         reqs, starts = [], []
         i = 0
         while i < len(prepared) or not reqs:
             batch, total = [], 0
-            while i < len(prepared) and len(batch) < lim.max_batch:
+            while i < len(prepared) and len(batch) < per:
                 nb = prepared[i][1].nbytes
                 if batch and total + nb > lim.max_payload_bytes:
                     break
@@ -250,7 +251,7 @@ class Ops:
         buffers (views out, ``dsts`` None)."""
         keys = [self.encoded_key(k) for k in keys]
         lim = self.limits
-        mb = lim.max_batch
+        mb = keys_per_request(keys, lim)
         reqs = []
         for start in range(0, len(keys), mb) if keys else (0,):
             chunk = keys[start:start + mb]

@@ -27,7 +27,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from quillcache.errors import InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout, status_error
-from quillcache.client.calls import Post, Req
+from quillcache.client.calls import SIZED_KEY_OVERHEAD, Post, Req, keys_per_request
 from quillcache.protocol import located, messages
 from quillcache.protocol.opcodes import FLAG_DURABLE, Opcode
 
@@ -148,15 +148,16 @@ def check_lease(expires_ns: int, what: str) -> None:
 
 
 def located_flow(c, keys: Sequence):
-    """GET_LOCATED of every key (batches of max_batch) -> Located."""
+    """GET_LOCATED of every key (batches within max_batch and max_header) -> Located."""
     lim = c.limits
     ekeys = c.encoded_keys(keys)
     ids: list[int] = []
     parts: list = []
     expires = 1 << 63
     try:
-        for start in range(0, len(ekeys), lim.max_batch):
-            chunk = ekeys[start:start + lim.max_batch]
+        per = keys_per_request(ekeys, lim)
+        for start in range(0, len(ekeys), per):
+            chunk = ekeys[start:start + per]
             rep = yield Req(Opcode.GET_LOCATED, messages.encode_keys_request(chunk, lim, "GET_LOCATED"), (), 0,
                              None, lambda r: located.decode_located_reply(r.header, lim))
             if len(rep.items) != len(chunk):
@@ -235,22 +236,23 @@ def get_flow(c, key, dst: Optional[memoryview]):
 
 
 def reserve_flow(c, items: Sequence[tuple[Any, int]], durable: bool):
-    """RESERVE (batches of max_batch) -> [(reserve id, expires_ns, [offsets])]; all or
+    """RESERVE (batches within max_batch and max_header) -> [(reserve id, expires_ns, [offsets])]; all or
     nothing: on an error every batch already reserved is aborted."""
     lim = c.limits
     sizes = [n for _, n in items]
     prepared = list(zip(c.encoded_keys([k for k, _ in items]), sizes))
     out: list = []
     try:
-        for start in range(0, len(prepared), lim.max_batch) if prepared else ():
-            chunk = prepared[start:start + lim.max_batch]
+        per = keys_per_request([k for k, _ in prepared], lim, SIZED_KEY_OVERHEAD)
+        for start in range(0, len(prepared), per) if prepared else ():
+            chunk = prepared[start:start + per]
             rep = yield Req(Opcode.RESERVE, messages.encode_put_many_request(chunk, lim), (),
                              FLAG_DURABLE if durable else 0, None,
                              lambda r: located.decode_reserve_reply(r.header, lim))
             if len(rep.offsets) != len(chunk):
                 raise ProtocolError(f"RESERVE reply has {len(rep.offsets)} slots for {len(chunk)} keys")
             out.append(rep)
-            located.check_slots(rep.offsets, sizes[start:start + lim.max_batch], c.arena.size)
+            located.check_slots(rep.offsets, sizes[start:start + per], c.arena.size)
     except BaseException:
         yield from abort_flow(c, [r.reserve_id for r in out])
         raise

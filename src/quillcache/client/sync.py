@@ -409,11 +409,17 @@ class Client(Ops):
     def _exec_many(self, reqs: list[Req], combine: Callable[[list], Any]):
         rids: list[int] = []
         got: dict[int, Reply] = {}
+        oldest = 0                                 # rids[oldest:] are not in got yet
         try:
             for req in reqs:
-                if self._conn.in_flight >= self.limits.max_in_flight:
-                    oldest = next(r for r in rids if r not in got)
-                    got[oldest] = self._wait(oldest, time.monotonic() + self.timeout)
+                # a window of the server's max_in_flight: take replies in order until one frees a
+                # place (an earlier reply may already be in without having been taken)
+                while self._conn.in_flight >= self.limits.max_in_flight:
+                    if oldest < len(rids):
+                        got[rids[oldest]] = self._wait(rids[oldest], time.monotonic() + self.timeout)
+                        oldest += 1
+                    else:                          # posted requests (calls.Post) hold the window
+                        self._recv_once(time.monotonic() + self.timeout, 0, True)
                 rids.append(self._send(req))
             deadline = time.monotonic() + self.timeout
             replies = [got.pop(rid) if rid in got else self._wait(rid, deadline) for rid in rids]
