@@ -96,3 +96,62 @@ def test_keys_per_request_is_bounded_by_count_and_by_header_bytes():
     assert keys_per_request([b"k" * 150, b"k" * 4000], lim) == (65536 - 16) // 4002   # by the longest
     assert keys_per_request([b"k" * 70000], lim) == 1                   # the encoder names what is wrong
     assert keys_per_request([], lim) == 1024
+
+
+# ---------------------------------------------------------------- replies over max_payload
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def small_frames(tmp_path_factory):
+    """A node whose frames carry at most 4 MiB: ten 1 MiB values are two and a half replies."""
+    with Daemon(tmp_path_factory.mktemp("frames"), dram="64MiB", max_block="2MiB",
+                sections={"limits": 'max_payload = "4MiB"'}) as d:
+        yield d
+
+
+def big(i: int, n: int = MIB) -> bytes:
+    return (i.to_bytes(2, "big") * (n // 2))[:n]
+
+
+def test_the_node_cuts_a_get_many_reply_at_max_payload_and_the_client_asks_for_the_rest(small_frames):
+    from quillcache.protocol import messages
+    from quillcache.protocol.opcodes import Opcode
+    ks = keys(10, "cut")
+    with Client(small_frames.addr) as c:
+        c.put_many([(k, big(i)) for i, k in enumerate(ks)])       # PUT_MANY was already split at max_payload
+        raw = c.call(Opcode.GET_MANY, messages.encode_keys_request([c.encoded_key(k) for k in ks], c.limits))
+        items = messages.decode_get_many_reply(raw.header, len(raw.payload), c.limits)
+        assert [st for st, _ in items] == [0] * 4 and len(raw.payload) == 4 * MIB   # a prefix that fits
+        got = c.get_many(ks + keys(1, "absent"))
+        assert [bytes(v) for v in got[:10]] == [big(i) for i in range(10)] and got[10] is None
+        bufs = [bytearray(MIB) for _ in ks]
+        assert c.get_many_into(ks, bufs) == [MIB] * 10 and bufs == [bytearray(big(i)) for i in range(10)]
+
+
+def test_the_same_over_the_unix_socket_and_with_the_async_client(small_frames):
+    ks = keys(10, "cut2")
+    with Client(f"unix:{small_frames.data_dir / 'quillcached.sock'}") as c:
+        c.put_many([(k, big(i)) for i, k in enumerate(ks)])       # RESERVE split at max_payload too
+        assert [bytes(v) for v in c.get_many(ks)] == [big(i) for i in range(10)]
+        with c.get_many_located(ks) as views:
+            assert [bytes(v) for v in views] == [big(i) for i in range(10)]
+
+    async def main():
+        async with AsyncClient(small_frames.addr) as a:
+            assert [bytes(v) for v in await a.get_many(ks)] == [big(i) for i in range(10)]
+    asyncio.run(main())
+
+
+def test_a_client_takes_replies_up_to_the_servers_max_payload_not_only_its_own_default(tmp_path):
+    """The client's own default is 256 MiB; a node announcing more may send a GET_MANY reply
+    that large, and the client takes it instead of dropping the connection."""
+    n = 96 * MIB
+    with Daemon(tmp_path, dram="512MiB", max_block="128MiB", sections={"limits": 'max_payload = "320MiB"'}) as d:
+        ks = keys(3, "large")
+        with Client(d.addr, timeout=60) as c:
+            assert c.limits.max_payload_bytes == 320 * MIB
+            c.put_many([(k, big(i, n)) for i, k in enumerate(ks)])
+            got = c.get_many(ks)                                  # one reply of 288 MiB
+            assert [len(v) for v in got] == [n] * 3 and all(bytes(v[-2:]) == big(i, 2) for i, v in enumerate(got))

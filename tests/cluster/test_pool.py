@@ -44,6 +44,24 @@ def test_block_put_on_a_is_read_byte_for_byte_from_b_and_c(tmp_path, etcd):
         assert info["remote_hits"] >= 4 and info["cluster_state"] == "ok" and info["cluster_members"] == 3
 
 
+def test_a_get_many_of_remote_blocks_over_max_payload_comes_back_whole(tmp_path, etcd):
+    """B's reply to a GET_MANY of A's blocks is cut at B's max_payload like a local one (the
+    pool fetch fills the misses first), and the client asks for the rest; A's FETCH replies are
+    cut at A's the same way, and B fetches the rest: every byte arrives."""
+    size, n = 512 << 10, 12                            # 6 MiB through 2 MiB frames
+    with Pool(tmp_path, etcd.endpoint, 2, lease_ttl=f"{TTL_S}s", max_block="1MiB",
+              sections={"limits": 'max_payload = "2MiB"'}) as pool:
+        pool.wait_members(2)
+        with Client(pool["a"].addr) as a:
+            a.put_many([(key(i), content(i, size)) for i in range(n)])
+        with Client(pool["b"].addr) as b:
+            for i in (0, n - 1):
+                assert get_retry(b, key(i)) == content(i, size)
+            got = b.get_many([key(i) for i in range(n)] + [key(99)])
+            assert [bytes(v) for v in got[:n]] == [content(i, size) for i in range(n)] and got[n] is None
+            assert pool.info("b")["Cluster"]["remote_hits"] >= n
+
+
 def test_kill9_under_load_serves_misses_or_correct_bytes_and_is_seen_within_ttl(tmp_path, etcd):
     with Pool(tmp_path, etcd.endpoint, 3, lease_ttl=f"{TTL_S}s") as pool:
         pool.wait_members(3)

@@ -18,7 +18,9 @@ from quillcache.protocol.connection import ClientProtocolConnection, Reply
 
 
 from quillcache.client import shm
-from quillcache.client.calls import DEFAULT_TIMEOUT_S, CLIENT_NAME, UNIX_PREFIX, Post, Req, resolve_address, token_bytes
+from quillcache.client.calls import (
+    DEFAULT_TIMEOUT_S, CLIENT_NAME, MAX_REPLY_PAYLOAD, UNIX_PREFIX, Post, Req, resolve_address, token_bytes,
+)
 from quillcache.client.ops import _STALE, Ops
 from quillcache.client.sync import Client
 
@@ -125,6 +127,7 @@ class AsyncClient(Ops):
             await self.close()
             raise
         conn.peer_limits = limits
+        conn.accept_peer_payloads(MAX_REPLY_PAYLOAD)
         self._conn = conn
         return self
 
@@ -143,6 +146,7 @@ class AsyncClient(Ops):
         self._conn = conn
         try:
             hello = await self._exec(self._hello_req(self._token, self._name))
+            conn.accept_peer_payloads(MAX_REPLY_PAYLOAD)
         except BaseException:
             await self.close()
             raise

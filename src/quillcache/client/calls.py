@@ -18,8 +18,9 @@ from quillcache.protocol.connection import Reply
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "LIST_PAGE", "CLIENT_NAME", "KEY_CACHE_ENTRIES", "GET_MANY_BUFFER_BYTES",
-    "MIN_SOCKET_TIMEOUT_S", "SHM_PUT_MIN_BYTES", "UNIX_PREFIX", "Req", "resolve_address", "token_bytes",
-    "payload_view", "dest_view", "timeval", "pack_buffers", "status_error", "chunks", "keys_per_request",
+    "MIN_SOCKET_TIMEOUT_S", "MAX_REPLY_PAYLOAD", "SHM_PUT_MIN_BYTES", "UNIX_PREFIX", "Req", "resolve_address",
+    "token_bytes", "payload_view", "dest_view", "timeval", "pack_buffers", "status_error", "chunks", "keys_per_request",
+    "sized_spans",
     "KEY_LIST_FIXED", "KEY_OVERHEAD", "SIZED_KEY_OVERHEAD", "Batch", "Post"
 ]
 
@@ -34,6 +35,7 @@ MIN_SOCKET_TIMEOUT_S = 0.001     # seconds: the smallest SO_RCVTIMEO set (0 woul
 # slot and COMMIT (two round trips).  Measured on the 2-core development machine, best of 3 x 300
 # puts, shm / socket time: 1 KiB 1.80, 16 KiB 1.66, 64 KiB 1.28, 256 KiB 0.89, 1 MiB 0.58
 # (docs/shm.md).
+MAX_REPLY_PAYLOAD = 4 << 30         # largest reply payload a client takes (a server may announce less)
 SHM_PUT_MIN_BYTES = 128 << 10
 
 
@@ -160,6 +162,20 @@ def chunks(seq: Sequence, n: int) -> list:
 KEY_LIST_FIXED = 16              # bytes of a batched request's header besides its keys (a u32 count, ...)
 KEY_OVERHEAD = 2                 # bytes per key in a key list besides the key (its u16 length)
 SIZED_KEY_OVERHEAD = 10          # ... in a sized key list (PUT_MANY, RESERVE: u16 length, u64 size)
+
+
+def sized_spans(sizes: Sequence[int], per: int, max_total: int) -> list[tuple[int, int]]:
+    """[start, end) of consecutive requests of at most ``per`` items whose sizes sum to at most
+    ``max_total`` (an item larger than that alone is a request of its own: the encoder names it)."""
+    spans, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and (i - start >= per or total + n > max_total):
+            spans.append((start, i))
+            start, total = i, 0
+        total += n
+    if start < len(sizes):
+        spans.append((start, len(sizes)))
+    return spans
 
 
 def keys_per_request(ekeys: Sequence[bytes], limits, overhead: int = KEY_OVERHEAD) -> int:

@@ -229,7 +229,7 @@ class Ops:
         exactly its bytes, over one buffer per GET_MANY request that the reply was received
         into (no copy); it compares equal to the same ``bytes``; ``bytes(v)`` makes an
         independent copy.  The shared buffer lives as long as any of its views."""
-        return self._exec_many(*self.get_many_requests(keys, None))
+        return self._drive(self.get_many_flow(keys, None))
 
     def get_many_into(self, keys: Iterable[KvBlockKey], buffers: Sequence[Any]):
         """Receive each key's value straight into the buffer at the same position (writable,
@@ -243,61 +243,88 @@ class Ops:
             raise InvalidArgument(f"get_many_into: {len(keys)} keys and {len(dsts)} buffers")
         if self._arena is not None:
             return self._drive(shm.get_many_into_flow(self, keys, dsts))
-        return self._exec_many(*self.get_many_requests(keys, dsts))
+        return self._drive(self.get_many_flow(keys, dsts))
 
-    def get_many_requests(self, keys, dsts: Optional[list]) -> Batch:
-        """The GET_MANY requests over the socket (what ``get_many``/``get_many_into`` send; the
-        shm flows send them over TCP too): values into ``dsts`` (sizes out), or into packed
-        buffers (views out, ``dsts`` None)."""
-        keys = [self.encoded_key(k) for k in keys]
-        lim = self.limits
-        mb = keys_per_request(keys, lim)
-        reqs = []
-        for start in range(0, len(keys), mb) if keys else (0,):
-            chunk = keys[start:start + mb]
-            holder: dict = {}
-
-            def into(frame, holder=holder, start=start, count=len(chunk)):  # noqa: B008 (binds this chunk)
-                items = messages.decode_get_many_reply(frame.header, frame.payload_length, lim)
-                if len(items) != count:
-                    raise ProtocolError(f"GET_MANY reply has {len(items)} items for {count} keys")
-                holder["items"] = items
-                if dsts is None:
-                    bufs = holder["bufs"] = pack_buffers([nb for st, nb in items if st == 0 and nb])
-                    return [b for b, _ in bufs]
-                views = []
-                for j, (st, nb) in enumerate(items):
-                    if st == 0 and nb:
-                        d = dsts[start + j]
-                        if nb > d.nbytes:
-                            raise InvalidArgument(f"get_many_into: buffer {start + j} has {d.nbytes} bytes, "
-                                                  f"its block is {nb} bytes")
-                        views.append(d[:nb])
-                return views
-
-            def finish(r: Reply, holder=holder, count=len(chunk)):  # noqa: B008 (binds this chunk)
-                items = holder.get("items")
-                if items is None:                   # no payload phase: every value empty or missing
-                    items = messages.decode_get_many_reply(r.header, None, lim)
-                if len(items) != count:
-                    raise ProtocolError(f"GET_MANY reply has {len(items)} items for {count} keys")
-                views = iter([v for _, vs in holder.get("bufs", ()) for v in vs])
-                out: list = []
-                for st, nb in items:
-                    if st == 0:
-                        if dsts is not None:
-                            out.append(nb)
-                        else:
-                            out.append(next(views) if nb else memoryview(b""))
-                    elif st in (NotFound.status, UnsafeReuse.status):
-                        out.append(None)
-                    else:
-                        raise status_error(st, "get_many item")
+    def get_many_flow(self, keys, dsts: Optional[list]):
+        """GET_MANY over the socket, as a flow (what ``get_many``/``get_many_into`` send; the
+        shm flows send it over TCP too): values into ``dsts`` (sizes out), or into packed
+        buffers (views out, ``dsts`` None).  The keys go in requests of ``keys_per_request``,
+        pipelined; a reply may cover only the leading keys of its request (the server keeps a
+        reply within its max_payload), and the keys left are asked for again."""
+        ekeys = [self.encoded_key(k) for k in keys]
+        per = keys_per_request(ekeys, self.limits)
+        out: Optional[list] = None
+        todo: Sequence[int] = range(len(ekeys))
+        while True:
+            spans = [todo[i:i + per] for i in range(0, len(todo), per)] or [todo]
+            if out is None:
+                reqs = [self.get_many_request(ekeys[sp.start:sp.stop], None if dsts is None else dsts[sp.start:sp.stop])
+                        for sp in spans]
+            else:
+                reqs = [self.get_many_request([ekeys[p] for p in sp], None if dsts is None else [dsts[p] for p in sp])
+                        for sp in spans]
+            results = yield Batch(reqs, list)
+            if out is None:
+                if all(len(res) == len(sp) for sp, res in zip(spans, results)):
+                    return [x for res in results for x in res]     # every reply whole: the usual case
+                out = [None] * len(ekeys)
+            rest: list = []
+            for sp, res in zip(spans, results):
+                for p, r in zip(sp, res):
+                    out[p] = r
+                rest += sp[len(res):]
+            if not rest:
                 return out
+            todo = rest
 
-            reqs.append(Req(Opcode.GET_MANY, messages.encode_keys_request(chunk, lim, "GET_MANY"),
-                             (), 0, into, finish))
-        return Batch(reqs, lambda results: [x for res in results for x in res])
+    def get_many_request(self, chunk: list, dsts: Optional[list]) -> Req:
+        """One GET_MANY of encoded keys; its result is the leading keys' values (all of them
+        unless the reply was cut at the server's max_payload)."""
+        lim = self.limits
+        count = len(chunk)
+        holder: dict = {}
+
+        def check(items) -> None:
+            if len(items) > count or (count and not items):
+                raise ProtocolError(f"GET_MANY reply has {len(items)} items for {count} keys")
+
+        def into(frame):
+            items = messages.decode_get_many_reply(frame.header, frame.payload_length, lim)
+            check(items)
+            holder["items"] = items
+            if dsts is None:
+                bufs = holder["bufs"] = pack_buffers([nb for st, nb in items if st == 0 and nb])
+                return [b for b, _ in bufs]
+            views = []
+            for j, (st, nb) in enumerate(items):
+                if st == 0 and nb:
+                    d = dsts[j]
+                    if nb > d.nbytes:
+                        raise InvalidArgument(f"get_many_into: buffer {j} of the request has {d.nbytes} bytes, "
+                                              f"its block is {nb} bytes")
+                    views.append(d[:nb])
+            return views
+
+        def finish(r: Reply):
+            items = holder.get("items")
+            if items is None:                   # no payload phase: every value empty or missing
+                items = messages.decode_get_many_reply(r.header, None, lim)
+                check(items)
+            views = iter([v for _, vs in holder.get("bufs", ()) for v in vs])
+            out: list = []
+            for st, nb in items:
+                if st == 0:
+                    if dsts is not None:
+                        out.append(nb)
+                    else:
+                        out.append(next(views) if nb else memoryview(b""))
+                elif st in (NotFound.status, UnsafeReuse.status):
+                    out.append(None)
+                else:
+                    raise status_error(st, "get_many item")
+            return out
+
+        return Req(Opcode.GET_MANY, messages.encode_keys_request(chunk, lim, "GET_MANY"), (), 0, into, finish)
 
     def _list_req(self, prefix: bytes, start_after: bytes) -> Req:
         lim = self.limits

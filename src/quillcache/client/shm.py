@@ -27,7 +27,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from quillcache.errors import InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout, status_error
-from quillcache.client.calls import SIZED_KEY_OVERHEAD, Post, Req, keys_per_request
+from quillcache.client.calls import SIZED_KEY_OVERHEAD, Post, Req, keys_per_request, sized_spans
 from quillcache.protocol import located, messages
 from quillcache.protocol.opcodes import FLAG_DURABLE, Opcode
 
@@ -236,7 +236,7 @@ def get_flow(c, key, dst: Optional[memoryview]):
 
 
 def reserve_flow(c, items: Sequence[tuple[Any, int]], durable: bool):
-    """RESERVE (batches within max_batch and max_header) -> [(reserve id, expires_ns, [offsets])]; all or
+    """RESERVE (batches within max_batch, max_header and max_payload) -> [(reserve id, expires_ns, [offsets])]; all or
     nothing: on an error every batch already reserved is aborted."""
     lim = c.limits
     sizes = [n for _, n in items]
@@ -244,15 +244,15 @@ def reserve_flow(c, items: Sequence[tuple[Any, int]], durable: bool):
     out: list = []
     try:
         per = keys_per_request([k for k, _ in prepared], lim, SIZED_KEY_OVERHEAD)
-        for start in range(0, len(prepared), per) if prepared else ():
-            chunk = prepared[start:start + per]
+        for start, end in sized_spans(sizes, per, lim.max_payload_bytes):
+            chunk = prepared[start:end]
             rep = yield Req(Opcode.RESERVE, messages.encode_put_many_request(chunk, lim), (),
                              FLAG_DURABLE if durable else 0, None,
                              lambda r: located.decode_reserve_reply(r.header, lim))
             if len(rep.offsets) != len(chunk):
                 raise ProtocolError(f"RESERVE reply has {len(rep.offsets)} slots for {len(chunk)} keys")
             out.append(rep)
-            located.check_slots(rep.offsets, sizes[start:start + per], c.arena.size)
+            located.check_slots(rep.offsets, sizes[start:end], c.arena.size)
     except BaseException:
         yield from abort_flow(c, [r.reserve_id for r in out])
         raise
@@ -324,7 +324,7 @@ class LocatedRead:
         views of ``get_many``'s copies."""
         c = self.c
         if c.arena is None:
-            blocks = yield c.get_many_requests(self.keys, None)
+            blocks = yield from c.get_many_flow(self.keys, None)
             return LocatedViews.copies(blocks)
         self.loc = yield from located_flow(c, self.keys)
         self.views = LocatedViews.of_arena(c.arena.readonly, self.loc.items)

@@ -25,7 +25,8 @@ from quillcache.protocol.opcodes import Opcode
 
 from quillcache.client import shm
 from quillcache.client.calls import (
-    DEFAULT_TIMEOUT_S, CLIENT_NAME, MIN_SOCKET_TIMEOUT_S, Post, Req, resolve_address, token_bytes, dest_view, timeval,
+    DEFAULT_TIMEOUT_S, CLIENT_NAME, MAX_REPLY_PAYLOAD, MIN_SOCKET_TIMEOUT_S, Post, Req, resolve_address, token_bytes,
+    dest_view, timeval,
 )
 from quillcache.client.ops import _GET, _STALE, Ops
 
@@ -127,6 +128,7 @@ class Client(Ops):
         self._conn = _SyncConnection(sock)
         try:
             hello = self._exec(self._hello_req(self._token, self._name))
+            self._conn.accept_peer_payloads(MAX_REPLY_PAYLOAD)
             self.tenant = hello.tenant_id or None
             self.server_name = hello.server_name
             if sock.family == socket.AF_UNIX and self._want_shm:

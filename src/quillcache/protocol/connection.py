@@ -15,6 +15,8 @@ connection goes on.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from quillcache._native.codec import (
@@ -509,6 +511,15 @@ class ClientProtocolConnection(_Base):
 
     def pending_ids(self) -> list[int]:
         return list(self._pending)
+
+    def accept_peer_payloads(self, ceiling: int) -> None:
+        """After HELLO, between events: take reply payloads up to the server's announced
+        ``max_payload`` (a GET_MANY reply may be that large), never above ``ceiling``, nor below
+        this side's own limit."""
+        want = max(self.limits.max_payload_bytes, min(self.peer_limits.max_payload_bytes, ceiling))
+        if want != self.limits.max_payload_bytes:
+            self.limits = dataclasses.replace(self.limits, max_payload_bytes=want)
+            self._parser.set_limits(max_header_bytes=self.limits.max_header_bytes, max_payload_bytes=want)
 
     def _on_reply(self, reply: Reply) -> None:
         raise NotImplementedError

@@ -45,7 +45,7 @@ __all__ = [
     "encode_put_many_request", "decode_put_many_request", "decode_put_many_columns", "encode_status_list",
     "decode_status_list",
     "encode_keys_request", "decode_keys_request", "BodyReader",
-    "encode_get_many_reply", "decode_get_many_reply",
+    "encode_get_many_reply", "decode_get_many_reply", "get_many_reply_fit",
     "encode_exists_reply", "decode_exists_reply", "encode_bitmap_reply", "decode_bitmap_reply",
     "encode_pin_request", "decode_pin_request", "encode_unpin_request", "decode_unpin_request",
     "encode_list_request", "decode_list_request", "encode_list_reply", "decode_list_reply",
@@ -272,6 +272,21 @@ def encode_keys_request(keys: Sequence[BytesLike], limits: ProtocolLimits = DEFA
 def decode_keys_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS,
                         what: str = "request") -> list[bytes]:
     return decode_key_list(body, 0, limits.max_batch, limits.max_key_bytes, what)
+
+
+def get_many_reply_fit(items: Sequence[tuple[int, int]], max_payload: int) -> int:
+    """How many leading ``items`` (status, size) one GET_MANY reply carries: all of them, or
+    the longest prefix whose values fit ``max_payload`` bytes (at least one item).  A reply
+    covering fewer items than the request had keys tells the client to ask for the rest
+    again (the clients do); without it a batch of large values made a frame over the
+    limit, which the client refused and the connection died of."""
+    total = 0
+    for i, (status, nbytes) in enumerate(items):
+        if status == 0:
+            total += nbytes
+            if total > max_payload and i:
+                return i
+    return len(items)
 
 
 def encode_get_many_reply(items: Sequence[tuple[int, int]], limits: ProtocolLimits = DEFAULT_LIMITS) -> bytes:

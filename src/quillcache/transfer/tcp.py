@@ -127,6 +127,20 @@ class TcpTransport:
         return bytes(reply.header)
 
     async def fetch(self, peer: Peer, tenant: str, keys: Sequence[bytes], deadline: float) -> FetchResult:
+        """One FETCH of ``keys``, and another for the keys after the reply's last item where the
+        holder cut its reply at its max_payload; a holder whose epoch changed in between has
+        restarted: the keys left are misses."""
+        epoch, blocks = await self._fetch_once(peer, tenant, keys, deadline)
+        while len(blocks) < len(keys):
+            again, more = await self._fetch_once(peer, tenant, keys[len(blocks):], deadline)
+            if again != epoch:
+                blocks += [None] * (len(keys) - len(blocks))
+                break
+            blocks += more
+        return FetchResult(epoch, blocks)
+
+    async def _fetch_once(self, peer: Peer, tenant: str, keys: Sequence[bytes],
+                          deadline: float) -> tuple[int, list[Optional[memoryview]]]:
         limit = self.max_fetch_bytes
         holder: list = []
 
@@ -143,7 +157,7 @@ class TcpTransport:
                                  into=into)
         payload = memoryview(holder[0]) if holder else memoryview(b"")
         epoch, items = wire.decode_fetch_reply(reply.header, self.limits, payload.nbytes)
-        if len(items) != len(keys):
+        if len(items) > len(keys) or (keys and not items):
             raise InvalidArgument(f"FETCH reply names {len(items)} items for {len(keys)} keys")
         blocks: list[Optional[memoryview]] = []
         pos = 0
@@ -154,7 +168,7 @@ class TcpTransport:
             else:
                 blocks.append(None)
         self.counters["fetched_bytes"] += pos
-        return FetchResult(epoch, blocks)
+        return epoch, blocks
 
     def forget(self, peer_node_id: str) -> None:
         for slot in [s for s in self._links if s[0].node_id == peer_node_id]:
