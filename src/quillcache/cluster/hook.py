@@ -43,8 +43,7 @@ import time
 import weakref
 from typing import Any, NamedTuple, Optional, Sequence
 
-from quillcache.protocol import cluster as wire
-from quillcache.protocol import messages
+from quillcache.protocol import cluster as wire, messages
 from quillcache._native.crc import crc32c
 from quillcache.cluster.grants import GRANT_OPCODES, serve as serve_grants
 from quillcache.cluster.hrw import Ring, key_hash
@@ -719,11 +718,9 @@ class ClusterHook(PoolReads):
             if not conn.is_in_flight(rid):
                 _release(leases)
                 return
-            fit = messages.get_many_reply_fit(items, self.limits.max_payload_bytes)
-            if fit < len(items):                # a frame within max_payload; the reader asks again
-                kept = sum(1 for st, _ in items[:fit] if st == 0)
-                _release(leases[kept:])
-                leases, items = leases[:kept], items[:fit]
+            fit, kept = messages.get_many_reply_fit(items, self.limits.max_payload_bytes)   # the reader asks again
+            _release(leases[kept:])
+            leases, items = leases[:kept], items[:fit]
             body = wire.encode_fetch_reply(self.epoch, items, self.limits)
         except BaseException as exc:
             _fetch_failed(conn, rid, leases, exc)

@@ -29,8 +29,7 @@ from collections import OrderedDict
 from typing import Optional, Sequence
 
 from quillcache._native.crc import crc32c
-from quillcache.protocol import cluster as wire
-from quillcache.protocol import messages
+from quillcache.protocol import cluster as wire, messages
 from quillcache.cluster.hrw import key_hash
 from quillcache.cluster.records import Holder
 from quillcache.errors import NotFound, QuillCacheError
@@ -272,7 +271,7 @@ class PoolReads:
                 if block is not None:
                     items[i] = (0, block.nbytes)
                     views[i] = block
-            fit = messages.get_many_reply_fit(items, conn.limits.max_payload_bytes)   # the client asks again
+            fit, _ = messages.get_many_reply_fit(items, conn.limits.max_payload_bytes)   # the client asks again
             items, views = items[:fit], views[:fit]
             body = encode_reply(items)
             conn.finish(rid, Opcode.GET_MANY, body, [v for v in views if v is not None],

@@ -274,19 +274,20 @@ def decode_keys_request(body: BytesLike, limits: ProtocolLimits = DEFAULT_LIMITS
     return decode_key_list(body, 0, limits.max_batch, limits.max_key_bytes, what)
 
 
-def get_many_reply_fit(items: Sequence[tuple[int, int]], max_payload: int) -> int:
-    """How many leading ``items`` (status, size) one GET_MANY reply carries: all of them, or
-    the longest prefix whose values fit ``max_payload`` bytes (at least one item).  A reply
+def get_many_reply_fit(items: Sequence[tuple[int, int]], max_payload: int) -> tuple[int, int]:
+    """(items, hits among them) that one GET_MANY or FETCH reply carries: all of them, or the
+    longest prefix whose values fit ``max_payload`` bytes (at least one item).  A reply
     covering fewer items than the request had keys tells the client to ask for the rest
-    again (the clients do); without it a batch of large values made a frame over the
-    limit, which the client refused and the connection died of."""
-    total = 0
+    again (the clients and the pool's reader do); without it a batch of large values made a
+    frame over the limit, which the client refused and the connection died of."""
+    total = hits = 0
     for i, (status, nbytes) in enumerate(items):
         if status == 0:
             total += nbytes
             if total > max_payload and i:
-                return i
-    return len(items)
+                return i, hits
+            hits += 1
+    return len(items), hits
 
 
 def encode_get_many_reply(items: Sequence[tuple[int, int]], limits: ProtocolLimits = DEFAULT_LIMITS) -> bytes:
