@@ -155,3 +155,24 @@ def test_a_client_takes_replies_up_to_the_servers_max_payload_not_only_its_own_d
             c.put_many([(k, big(i, n)) for i, k in enumerate(ks)])
             got = c.get_many(ks)                                  # one reply of 288 MiB
             assert [len(v) for v in got] == [n] * 3 and all(bytes(v[-2:]) == big(i, 2) for i, v in enumerate(got))
+
+
+def test_put_many_over_the_mapping_of_more_blocks_than_the_node_lets_wait_for_commit(tmp_path):
+    """Over the Unix socket put_many reserves slots, copies and commits; the node refuses
+    more than max_inflight_puts (4,096) reserved at once, and a put_many of 5,000 blocks used
+    to reserve every one first (Busy).  It now goes a window at a time; the async client too."""
+    n = 5000
+    with Daemon(tmp_path, dram="64MiB") as d:
+        sock = f"unix:{d.data_dir / 'quillcached.sock'}"
+        ks = keys(n, "window")
+        with Client(sock) as c:
+            assert c.shm
+            c.put_many([(k, value(i)) for i, k in enumerate(ks)])
+            assert [bytes(v) for v in c.get_many(ks)] == [value(i) for i in range(n)]
+            assert c.remove_many(ks) == [True] * n
+
+        async def main():
+            async with AsyncClient(sock) as a:
+                await a.put_many([(k, value(i)) for i, k in enumerate(ks)])
+                assert (await a.exists_many(ks))[0] == n
+        asyncio.run(main())

@@ -36,6 +36,7 @@ __all__ = ["Arena", "Located", "LocatedViews", "recv_with_fds", "located_flow", 
            "check_lease", "LocatedRead", "ReservedWrite"]
 
 _MAX_FDS = 4                       # fds accepted in one MAP reply (one is sent; more is an error)
+PUT_MANY_WINDOW = 1024             # items put_many reserves at once over the mapping (see put_many_flow)
 
 
 class Arena:
@@ -283,20 +284,25 @@ def abort_flow(c, ids: list[int]):
 
 
 def put_many_flow(c, items: Sequence[tuple[Any, memoryview]], durable: bool):
-    """RESERVE, one memcpy per block into its slot, COMMIT."""
-    reserves = yield from reserve_flow(c, [(k, mv.nbytes) for k, mv in items], durable)
-    try:
-        view = c.arena.view
-        pos = 0
-        for rep in reserves:
-            for off in rep.offsets:
-                mv = items[pos][1]
-                view[off:off + mv.nbytes] = mv
-                pos += 1
-    except BaseException:
-        yield from abort_flow(c, [r.reserve_id for r in reserves])
-        raise
-    yield from commit_flow(c, reserves)
+    """RESERVE, one memcpy per block into its slot, COMMIT, for at most ``PUT_MANY_WINDOW``
+    items at a time: the node refuses (Busy) more than its ``max_inflight_puts`` (4,096 by
+    default) reserved and not yet committed, and a put_many of 5,000 blocks reserved them all
+    first.  As over TCP, each window is stored on its own."""
+    for a in range(0, len(items), PUT_MANY_WINDOW):
+        part = items[a:a + PUT_MANY_WINDOW]
+        reserves = yield from reserve_flow(c, [(k, mv.nbytes) for k, mv in part], durable)
+        try:
+            view = c.arena.view
+            pos = 0
+            for rep in reserves:
+                for off in rep.offsets:
+                    mv = part[pos][1]
+                    view[off:off + mv.nbytes] = mv
+                    pos += 1
+        except BaseException:
+            yield from abort_flow(c, [r.reserve_id for r in reserves])
+            raise
+        yield from commit_flow(c, reserves)
 
 
 def slot_views(c, reserves: list, sizes: list[int]) -> list[memoryview]:
