@@ -244,3 +244,26 @@ def test_the_counters_docs_engines_md_names_move_on_the_first_hit(auth_node, via
     assert after["tiers"]["dram_hits"] - before["tiers"]["dram_hits"] == 3
     assert after["auth"]["failed_hellos"] == before["auth"]["failed_hellos"]
     assert opcode_count() == ops_before + 1
+
+
+def test_a_failing_adapter_call_is_counted_every_time_and_logged_once_an_interval(node, caplog):
+    """call_async (the paged worker's path) used to count a node's refusal and drop the
+    connection without a word; on the GPU machine that hid why every save of a 512-block
+    request failed.  Now the first failure says what failed, the next ones within
+    CALL_LOG_INTERVAL_S only count, and the connection comes back for the next call."""
+    core = ConnectorCore(node.addr, timeout=5.0)
+    try:
+        keys = chain_keys(ident(), [bytes([i]) * 32 for i in range(3)], block_size=16)
+
+        def refused(c):
+            return c.remove_many([b""])                 # a key the client refuses: InvalidArgument
+
+        with caplog.at_level(logging.WARNING, logger="quillcache.connectors"):
+            for _ in range(3):
+                assert core.call_async(refused, what="save", default=False).result() is False
+        lines = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+        assert len(lines) == 1 and "a save failed" in lines[0] and "InvalidArgument" in lines[0], lines
+        assert core.stats()["save_errors"] == 3
+        assert core.call_async(lambda c: c.exists_many(keys), what="load").result()[0] == 0     # reconnected
+    finally:
+        core.close()

@@ -38,6 +38,7 @@ TENANT_SALT_PREFIX = "tenant="      # cache_salt "tenant=<id>[;anything]" names 
 TENANT_ARG = "quillcache_tenant"    # or the request's extra args / kv_transfer_params carry it
 # blocks per request: the client chunks a batch by count only, and 1,000 keys with a long model
 # scope overflow the node's 64 KiB header limit; 256 keys of ~200 bytes stay well inside it
+CALL_LOG_INTERVAL_S = 10.0   # a failing adapter call logs at most one line this often (counted always)
 BATCH_BLOCKS = 256
 BATCH_BYTES = 64 << 20       # bytes per load/save request (the node refuses payloads over 256 MiB)
 COUNTERS = ("lookups", "lookup_errors", "hit_blocks", "miss_blocks", "loads", "load_errors",
@@ -144,6 +145,7 @@ class ConnectorCore:
         self._client = None
         self.connected_to: Optional[str] = None     # the address of the live connection
         self._failing = False                       # the last connect failed (logged once per outage)
+        self._quiet_until = 0.0                     # monotonic time before which _call logs nothing more
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quillcache-conn")
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -352,11 +354,19 @@ class ConnectorCore:
 
     def _call(self, fn, what: str, default: Any) -> Any:
         try:
-            return fn(self._conn())
-        except (QuillCacheError, OSError) as exc:
-            log.warning("%s connector: a %s failed (%s: %s); the connection is dropped", self.name, what,
-                        type(exc).__name__, exc)
+            client = self._conn()               # a failed connect is logged there, once per outage
+        except (QuillCacheError, OSError):
             self._count(f"{what}_errors")
+            return default
+        try:
+            return fn(client)
+        except (QuillCacheError, OSError) as exc:
+            self._count(f"{what}_errors")
+            now = time.monotonic()
+            if now >= self._quiet_until:        # at most one line per CALL_LOG_INTERVAL_S
+                self._quiet_until = now + CALL_LOG_INTERVAL_S
+                log.warning("%s connector: a %s failed (%s: %s); the connection is dropped (%s_errors counts "
+                            "them all)", self.name, what, type(exc).__name__, exc, what)
             self._drop()
             return default
 
