@@ -176,3 +176,15 @@ def test_put_many_over_the_mapping_of_more_blocks_than_the_node_lets_wait_for_co
                 await a.put_many([(k, value(i)) for i, k in enumerate(ks)])
                 assert (await a.exists_many(ks))[0] == n
         asyncio.run(main())
+
+
+def test_a_buffer_too_small_is_named_by_its_position_in_the_callers_list(node):
+    from quillcache.errors import InvalidArgument
+    ks = keys(N + 500, "small")
+    with Client(node.addr) as c:
+        c.put_many([(k, value(i)) for i, k in enumerate(ks)])
+        bufs = [np.zeros(64, dtype=np.uint8) for _ in ks]
+        bufs[1300] = np.zeros(2, dtype=np.uint8)
+        with pytest.raises(InvalidArgument, match="buffer 1300 has 2 bytes"):
+            c.get_many_into(ks, bufs)
+        c.remove_many(ks)

@@ -258,11 +258,11 @@ class Ops:
         while True:
             spans = [todo[i:i + per] for i in range(0, len(todo), per)] or [todo]
             if out is None:
-                reqs = [self.get_many_request(ekeys[sp.start:sp.stop], None if dsts is None else dsts[sp.start:sp.stop])
-                        for sp in spans]
+                reqs = [self.get_many_request(ekeys[sp.start:sp.stop], None if dsts is None else dsts[sp.start:sp.stop],
+                                              sp) for sp in spans]
             else:
-                reqs = [self.get_many_request([ekeys[p] for p in sp], None if dsts is None else [dsts[p] for p in sp])
-                        for sp in spans]
+                reqs = [self.get_many_request([ekeys[p] for p in sp], None if dsts is None else [dsts[p] for p in sp],
+                                              sp) for sp in spans]
             results = yield Batch(reqs, list)
             if out is None:
                 if all(len(res) == len(sp) for sp, res in zip(spans, results)):
@@ -277,9 +277,10 @@ class Ops:
                 return out
             todo = rest
 
-    def get_many_request(self, chunk: list, dsts: Optional[list]) -> Req:
+    def get_many_request(self, chunk: list, dsts: Optional[list], where: Sequence[int] = ()) -> Req:
         """One GET_MANY of encoded keys; its result is the leading keys' values (all of them
-        unless the reply was cut at the server's max_payload)."""
+        unless the reply was cut at the server's max_payload).  ``where``: the keys' positions
+        in the caller's list, for its error messages."""
         lim = self.limits
         count = len(chunk)
         holder: dict = {}
@@ -300,8 +301,8 @@ class Ops:
                 if st == 0 and nb:
                     d = dsts[j]
                     if nb > d.nbytes:
-                        raise InvalidArgument(f"get_many_into: buffer {j} of the request has {d.nbytes} bytes, "
-                                              f"its block is {nb} bytes")
+                        raise InvalidArgument(f"get_many_into: buffer {where[j] if where else j} has {d.nbytes} "
+                                              f"bytes, its block is {nb} bytes")
                     views.append(d[:nb])
             return views
 
