@@ -20,8 +20,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S", "LIST_PAGE", "CLIENT_NAME", "KEY_CACHE_ENTRIES", "GET_MANY_BUFFER_BYTES",
     "MIN_SOCKET_TIMEOUT_S", "MAX_REPLY_PAYLOAD", "SHM_PUT_MIN_BYTES", "UNIX_PREFIX", "Req", "resolve_address",
     "token_bytes", "payload_view", "dest_view", "timeval", "pack_buffers", "status_error", "chunks", "keys_per_request",
-    "sized_spans",
-    "KEY_LIST_FIXED", "KEY_OVERHEAD", "SIZED_KEY_OVERHEAD", "Batch", "Post"
+    "sized_spans", "KEY_LIST_FIXED", "KEY_OVERHEAD", "SIZED_KEY_OVERHEAD", "Batch", "Post"
 ]
 
 DEFAULT_TIMEOUT_S = 10.0         # seconds: connect and every wait for a reply
@@ -30,12 +29,12 @@ CLIENT_NAME = "quillcache-py"
 KEY_CACHE_ENTRIES = 16384        # encoded keys kept per client (KvBlockKey -> bytes), oldest dropped
 GET_MANY_BUFFER_BYTES = 8 << 20  # bytes: get_many packs consecutive values into buffers of at most this
 MIN_SOCKET_TIMEOUT_S = 0.001     # seconds: the smallest SO_RCVTIMEO set (0 would mean "forever")
+MAX_REPLY_PAYLOAD = 4 << 30      # largest reply payload a client takes (a server may announce less)
 # bytes: a mapped client's single put of a smaller value goes over the Unix socket as one PUT
 # (one round trip, the payload copied through the socket) instead of RESERVE, a memcpy into the
 # slot and COMMIT (two round trips).  Measured on the 2-core development machine, best of 3 x 300
 # puts, shm / socket time: 1 KiB 1.80, 16 KiB 1.66, 64 KiB 1.28, 256 KiB 0.89, 1 MiB 0.58
 # (docs/shm.md).
-MAX_REPLY_PAYLOAD = 4 << 30         # largest reply payload a client takes (a server may announce less)
 SHM_PUT_MIN_BYTES = 128 << 10
 
 

@@ -29,8 +29,9 @@ from quillcache.errors import InvalidArgument, NotFound
 
 __all__ = ["ArenaCopier", "torch_available", "cuda_available"]
 
+# arena address -> its live registration in this process (gone with the last copier holding it)
 _REGISTERED: "weakref.WeakValueDictionary[int, _Registration]" = weakref.WeakValueDictionary()
-_REG_LOCK = threading.Lock()             # arena address -> its live registration in this process
+_REG_LOCK = threading.Lock()
 CUDA_HOST_REGISTER_PORTABLE = 1         # cudaHostRegisterPortable: pinned for every CUDA context
 CUDA_HOST_REGISTER_MAPPED = 2           # cudaHostRegisterMapped: kernels may read it (``arena_tensor``)
 _WORDS = ((8, "int64"), (4, "int32"), (2, "int16"), (1, "uint8"))   # widest element a gather may move

@@ -24,7 +24,7 @@ from quillcache.protocol.opcodes import FLAG_DURABLE, InfoFormat, Opcode, PinMod
 from quillcache.client import shm
 from quillcache.client.calls import (
     LIST_PAGE, KEY_CACHE_ENTRIES, SHM_PUT_MIN_BYTES, Batch, Req, payload_view, dest_view, pack_buffers,
-    SIZED_KEY_OVERHEAD, status_error, chunks, keys_per_request,
+    SIZED_KEY_OVERHEAD, status_error, chunks, keys_per_request, sized_spans,
 )
 
 __all__ = ["Ops"]
@@ -196,24 +196,15 @@ class Ops:
         prepared = [(self.encoded_key(k), mv) for k, mv in items]
         lim = self.limits
         per = keys_per_request([k for k, _ in prepared], lim, SIZED_KEY_OVERHEAD)
-        reqs, starts = [], []
-        i = 0
-        while i < len(prepared) or not reqs:
-            batch, total = [], 0
-            while i < len(prepared) and len(batch) < per:
-                nb = prepared[i][1].nbytes
-                if batch and total + nb > lim.max_payload_bytes:
-                    break
-                batch.append(prepared[i])
-                total += nb
-                i += 1
+        spans = sized_spans([mv.nbytes for _, mv in prepared], per, lim.max_payload_bytes) or [(0, 0)]
+        reqs = []
+        for start, end in spans:
+            batch = prepared[start:end]
             hdr = messages.encode_put_many_request([(k, mv.nbytes) for k, mv in batch], lim)
-            starts.append(i - len(batch))
             reqs.append(Req(Opcode.PUT_MANY, hdr, [mv for _, mv in batch if mv.nbytes],
                              FLAG_DURABLE if durable else 0, None,
                              lambda r: messages.decode_status_list(r.header, lim)))
-            if i >= len(prepared):
-                break
+        starts = [start for start, _ in spans]
 
         def combine(results) -> None:
             for start, statuses in zip(starts, results):

@@ -237,14 +237,15 @@ def get_flow(c, key, dst: Optional[memoryview]):
 
 
 def reserve_flow(c, items: Sequence[tuple[Any, int]], durable: bool):
-    """RESERVE (batches within max_batch, max_header and max_payload) -> [(reserve id, expires_ns, [offsets])]; all or
-    nothing: on an error every batch already reserved is aborted."""
+    """RESERVE (batches within max_batch, max_header and max_payload) -> [(reserve id,
+    expires_ns, [offsets])]; all or nothing: on an error every batch already reserved is aborted."""
     lim = c.limits
     sizes = [n for _, n in items]
-    prepared = list(zip(c.encoded_keys([k for k, _ in items]), sizes))
+    ekeys = c.encoded_keys([k for k, _ in items])
+    prepared = list(zip(ekeys, sizes))
     out: list = []
     try:
-        per = keys_per_request([k for k, _ in prepared], lim, SIZED_KEY_OVERHEAD)
+        per = keys_per_request(ekeys, lim, SIZED_KEY_OVERHEAD)
         for start, end in sized_spans(sizes, per, lim.max_payload_bytes):
             chunk = prepared[start:end]
             rep = yield Req(Opcode.RESERVE, messages.encode_put_many_request(chunk, lim), (),

@@ -36,9 +36,8 @@ log = logging.getLogger("quillcache.connectors")
 
 TENANT_SALT_PREFIX = "tenant="      # cache_salt "tenant=<id>[;anything]" names the tenant
 TENANT_ARG = "quillcache_tenant"    # or the request's extra args / kv_transfer_params carry it
-# blocks per request: the client chunks a batch by count only, and 1,000 keys with a long model
-# scope overflow the node's 64 KiB header limit; 256 keys of ~200 bytes stay well inside it
 CALL_LOG_INTERVAL_S = 10.0   # a failing adapter call logs at most one line this often (counted always)
+# blocks per request (the client also splits a batch at the node's header limit, by key length)
 BATCH_BLOCKS = 256
 BATCH_BYTES = 64 << 20       # bytes per load/save request (the node refuses payloads over 256 MiB)
 COUNTERS = ("lookups", "lookup_errors", "hit_blocks", "miss_blocks", "loads", "load_errors",

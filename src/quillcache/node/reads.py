@@ -250,8 +250,9 @@ class ReadsMixin:
         try:
             if not self.is_in_flight(rid):
                 return
-            fit, kept = messages.get_many_reply_fit(items, self.limits.max_payload_bytes)   # the client asks again
-            items, views = items[:fit], views[:kept]
+            fit, kept = messages.get_many_reply_fit(items, self.limits.max_payload_bytes)
+            if fit < len(items):                # the client asks for the rest again
+                items, views = items[:fit], views[:kept]
             body = messages.encode_get_many_reply(items, self.limits)
             self._ok(rid, Opcode.GET_MANY, body, views, crc=bool(flags & FLAG_PAYLOAD_CRC))
         finally:
