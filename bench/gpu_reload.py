@@ -89,7 +89,6 @@ TABLE_TIME_BUDGET_S = 560.0     # seconds: the device machine runs a command for
 ROPE_THETA = 500000.0
 SUFFIX = 128                    # tokens prefilled after the prefix
 CHUNK_TOKENS = 512              # tokens per stored block (one layer, K or V): 1 MiB
-BLOCK_CHUNK = 256               # keys per REMOVE_MANY of the bench's own clean-up (the node bounds a header)
 BLOCK_TOKENS = 16               # connector mode: vLLM's default block size (2 MiB blocks at 8B)
 TIME_BUDGET_S = 240.0           # seconds: the whole run stays under 5 minutes
 RAW_BYTES = 1 << 30             # bytes moved by the raw device <-> arena measurement
@@ -369,11 +368,16 @@ def timed_load(worker, transfer, names: list, sync) -> tuple[float, float]:
     return t1 - t0, done - t0
 
 
-def failed_row(kv_dtype: str, path: str, exc: BaseException) -> dict:
-    """A row that failed: printed as FAILED with its error (the traceback goes to stderr), so that
-    one failure on a machine held for minutes does not lose the rows after it."""
+def brief(exc: BaseException) -> str:
+    """An error in one line for a table cell (its traceback goes to stderr)."""
     traceback.print_exception(exc)
-    return {"kv": kv_dtype, "path": path, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"}
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+
+
+def failed_row(kv_dtype: str, path: str, exc: BaseException) -> dict:
+    """A row that failed: printed as FAILED with its error, so that one failure on a machine
+    held for minutes does not lose the rows after it."""
+    return {"kv": kv_dtype, "path": path, "error": brief(exc)}
 
 
 def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes, paths, sync) -> list[dict]:
@@ -469,8 +473,7 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes,
             finally:
                 worker.shutdown()
         writer.shutdown()
-        for a in range(0, len(keys), BLOCK_CHUNK):      # room for the next (a REMOVE_MANY header is bounded)
-            core.call_async(lambda c, ks=keys[a:a + BLOCK_CHUNK]: c.remove_many(ks), what="save").result()
+        core.call_async(lambda c, keys=keys: c.remove_many(keys), what="save").result()   # room for the next
     return rows
 
 
@@ -564,8 +567,7 @@ def run_table(torch, dev, dtype, timed, sync, args, started: float) -> int:
             model = Model(torch, dev, SHAPES[shape], dtype, args.layers or layers)
             failed += count_failed(run_connector(torch, model, list(prefixes), timed, args, started, budget, sync))
         except (Exception, SystemExit) as exc:               # the other shape and the direct path still run
-            traceback.print_exception(exc)
-            print(f"\n{shape}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+            print(f"\n{shape}: FAILED: {brief(exc)}", flush=True)
             failed += 1
         model = None
         if dev.type == "cuda":
@@ -578,8 +580,7 @@ def run_table(torch, dev, dtype, timed, sync, args, started: float) -> int:
         model = Model(torch, dev, SHAPES[args.shape], dtype, TABLE[0][2])
         run_direct(torch, model, list(TABLE[0][1]), timed, args, started, budget)
     except (Exception, SystemExit) as exc:
-        traceback.print_exception(exc)
-        print(f"\ndirect path: FAILED: {type(exc).__name__}: {exc}", flush=True)
+        print(f"\ndirect path: FAILED: {brief(exc)}", flush=True)
         failed += 1
     return 1 if failed else 0
 
@@ -667,8 +668,7 @@ def measure_load_only(torch, shape: Shape, P: int, dev, core, rounds: int, kv_dt
                          "all": statistics.median(m[1] for m in marks[1:]), "bytes": nb * writer.stored_nbytes})
             worker.shutdown()
         writer.shutdown()
-        for a in range(0, len(keys), BLOCK_CHUNK):
-            core.call_async(lambda c, ks=keys[a:a + BLOCK_CHUNK]: c.remove_many(ks), what="save").result()
+        core.call_async(lambda c, keys=keys: c.remove_many(keys), what="save").result()
     return rows
 
 
@@ -720,8 +720,7 @@ def run_connector(torch, model, prefixes, timed, args, started: float, budget: f
                 except torch.OutOfMemoryError as exc:
                     got = [(args.shape, P, None, f"out of device memory ({str(exc).splitlines()[0][:60]})")]
                 except (Exception, SystemExit) as exc:      # the next prefix still runs
-                    traceback.print_exception(exc)
-                    got = [(args.shape, P, None, f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")]
+                    got = [(args.shape, P, None, f"FAILED: {brief(exc)}")]
                 print_connector(got, {args.shape: model.scale}, header=False)      # as they complete
                 rows += got
                 if model.dev.type == "cuda":
