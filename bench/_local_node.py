@@ -16,14 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._support.ports
+from tests._support.ports import free_port
+
 START_TIMEOUT_S = 60.0          # seconds: prefaulting a large arena takes a while
 _RUN = "import sys; from quillcache_cli.quillcached import main; sys.exit(main())"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalNode:

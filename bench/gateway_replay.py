@@ -55,16 +55,10 @@ from quillcache.control.sim.replay import (  # noqa: E402
     REPLAY_MODEL, PolicyResult, block_token_ids, build_requests, run_policy,
 )
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, assign_tenants, load_trace  # noqa: E402
+from tests._support.ports import free_port  # noqa: E402
 
 START_TIMEOUT_S = 60.0          # seconds each process has to come up
 MAX_MODEL_LEN = 1 << 20         # tokens: the engines refuse nothing the router replay would take
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt_tokens(hash_ids, input_length: int, bs: int = TRACE_BLOCK_TOKENS) -> list[int]:

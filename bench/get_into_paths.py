@@ -29,14 +29,11 @@ from quillcache import client as client_now
 from quillcache._native.codec import decode_key_body
 from quillcache.model import encode_key
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._support.ports
+from tests._support.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = (4 << 10, 256 << 10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_daemon(tmp: Path) -> tuple[subprocess.Popen, str]:

@@ -23,16 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._support.ports
+from tests._support.ports import free_port as _free_port
+
 HERE = Path(__file__).resolve().parent
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT = 30.0        # seconds
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port, proc):

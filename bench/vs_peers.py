@@ -60,6 +60,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._support.ports
+from tests._support.ports import free_port as _free_port
+
 KiB = 1 << 10
 MiB = 1 << 20
 SIZES = (1 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 4 * MiB)
@@ -86,12 +89,6 @@ def batch_for(size):
 
 def keys_for(size):
     return max(2 * batch_for(size), min(WORKING_SET // size, MAX_KEYS))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port, proc, timeout=START_TIMEOUT):

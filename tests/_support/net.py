@@ -5,13 +5,9 @@ import socket
 
 from quillcache._native.codec import FrameParser
 from quillcache.protocol.opcodes import REQUEST_OPCODES
+from tests._support.ports import free_port
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (the kernel picked it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "raw_connect", "read_frames"]
 
 
 def raw_connect(port: int, host: str = "127.0.0.1") -> socket.socket:
