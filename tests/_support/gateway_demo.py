@@ -23,8 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 ENGINES = (("sim-0", 8001, 5571, 5572), ("sim-1", 8002, 5573, 5574))
-GATEWAY_PORT = 8088
-NODE_PORT, NODE_METRICS_PORT = 7470, 7471      # quillcached's embedded defaults
+GATEWAY_PORT, ADMIN_PORT = 8088, 8089          # conf/gateway.toml's listen and admin_listen
+# not quillcached's defaults (7470, 7471): `make run` in another shell keeps serving beside the demo
+NODE_PORT, NODE_METRICS_PORT = 7480, 7481
 READY_TIMEOUT_S = 30.0        # seconds each process has to come up
 # a prompt of several full blocks (the simulated tokenizer: one token per UTF-8 byte, 16 a block)
 POOL_BODY = ('{"model": "sim-model", "prompt": "The pool keeps what one engine computed, for the other one.", '
@@ -74,10 +75,10 @@ def main(offset: int = 0) -> int:
     node_argv = [str(BIN / "quillcached"), "--data-dir", str(data)]
     node_unix = f"unix:{ROOT / data / 'quillcached.sock'}"
     gateway_config = "conf/gateway.toml"
+    node_conf = ROOT / data / "node.toml"
+    node_conf.write_text(f'[metrics]\nlisten = "127.0.0.1:{port(NODE_METRICS_PORT)}"\n')
+    node_argv += ["--config", str(node_conf), "--listen", f"127.0.0.1:{port(NODE_PORT)}"]
     if offset:
-        node_conf = ROOT / data / "node.toml"
-        node_conf.write_text(f'[metrics]\nlisten = "127.0.0.1:{port(NODE_METRICS_PORT)}"\n')
-        node_argv += ["--config", str(node_conf), "--listen", f"127.0.0.1:{port(NODE_PORT)}"]
         text = (ROOT / gateway_config).read_text()
         text = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{port(int(m.group(1)))}", text)
         gateway_config = str(data / "gateway.toml")
@@ -99,7 +100,7 @@ def main(offset: int = 0) -> int:
               f"  curl -sN {base}/v1/completions -H 'Content-Type: application/json' \\\n"
               "    -d '{\"model\": \"sim-model\", \"prompt\": \"Hello from QuillCache\", \"max_tokens\": 8, "
               "\"stream\": true}' -D -\n\n"
-              f"  .venv/bin/quillctl gateway --addr {base}     # workers, load, hit rates\n\n"
+              f"  .venv/bin/quillctl gateway --addr 127.0.0.1:{port(ADMIN_PORT)}     # workers, load, hit rates (the admin address)\n\n"
               "The pool: the same prompt to one engine, then to the other; the second answer's\n"
               "usage.prompt_tokens_details.pool_tokens is above 0 (loaded from the node, not computed):\n\n"
               f"  curl -s {e0}/v1/completions -H 'Content-Type: application/json' -d '{POOL_BODY}'\n"

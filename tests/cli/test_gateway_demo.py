@@ -19,7 +19,7 @@ import pytest
 from quillcache import Client
 
 ROOT = Path(__file__).resolve().parents[2]
-PORTS = (8088, 8089, 8001, 8002, 5571, 5572, 5573, 5574, 7470, 7471)     # every port the demo uses
+PORTS = (8088, 8089, 8001, 8002, 5571, 5572, 5573, 5574, 7480, 7481)     # every port the demo uses
 
 
 def free_offset() -> int:
@@ -79,6 +79,10 @@ def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert {line.split()[0] for line in r.stdout.splitlines()[1:]} == {"sim-0", "sim-1"}
+        # and the quillctl line the demo itself prints: the same admin address
+        printed = next(line.split("#")[0].split() for line in out.decode().splitlines()
+                       if line.strip().startswith(".venv/bin/quillctl gateway"))
+        assert printed[1:] == ctl[1:], (printed, ctl)
 
         # the engines share the node as their pool: the printed prompt, to one engine then to
         # the other, is loaded from the node the second time
@@ -91,7 +95,7 @@ def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
             assert r.returncode == 0, r.stderr
             answers.append(json.loads(r.stdout)["usage"]["prompt_tokens_details"])
             if len(answers) == 1:          # the first engine's save is asynchronous: wait until stored
-                with Client(f"127.0.0.1:{7470 + offset}") as c:
+                with Client(f"127.0.0.1:{7480 + offset}") as c:
                     deadline = time.monotonic() + 10
                     while c.stats("store")["store"]["puts"] < 3 and time.monotonic() < deadline:
                         time.sleep(0.05)
