@@ -45,6 +45,31 @@ def test_engines_with_different_hash_seeds_match_the_same_tokens(cls):
 
 
 @pytest.mark.parametrize("cls", [ArtIndexer, DictIndexer])
+def test_device_block_counts_follow_the_events(cls):
+    """What fills each engine's KV memory, as the router reads it for the pages free there: a
+    block stored twice counts once, another tier's blocks not at all, a removal and a clear
+    take theirs away; ``device_counts`` is in the order of a Match's columns."""
+    idx = cls()
+    tokens = list(range(16))
+    idx.apply("w0", EventBatch(0, (stored(tokens[:8], [11, 12]), stored(tokens[:8], [11, 12]),
+                                   stored(tokens[8:], [13, 14], parent=12))), A)
+    idx.apply("w1", EventBatch(0, (stored(tokens[:8], [21, 22], medium="cpu"),)), A)
+    idx.add_blocks("w2", A, chain_hashes(tokens, BS)[:3], DEVICE)
+    idx.add_blocks("w2", A, chain_hashes(tokens, BS)[:3], HOST)
+    assert idx.device_blocks(["w0", "w1", "w2", "nobody"]) == [4, 0, 3, 0]
+    m = idx.find_matches(A, chain_hashes(tokens, BS))
+    assert dict(zip(m.workers, idx.device_counts().tolist())) == {"w0": 4, "w1": 0, "w2": 3}
+    idx.apply("w0", EventBatch(0, (BlockRemoved((12, 99)),)), A)          # 99: never stored
+    idx.remove_blocks("w2", A, chain_hashes(tokens, BS)[:1], DEVICE)
+    assert idx.device_blocks(["w0", "w2"]) == [3, 2]
+    idx.apply("w0", EventBatch(0, (AllBlocksCleared(),)), A)
+    assert idx.device_blocks(["w0", "w1"]) == [0, 0]
+    for w in range(3, 40):                                              # the count grows with the workers
+        idx.add_blocks(f"w{w}", A, chain_hashes(tokens, BS)[:w % 4], DEVICE)
+    assert idx.device_counts().tolist()[3:] == [w % 4 for w in range(3, 40)]
+
+
+@pytest.mark.parametrize("cls", [ArtIndexer, DictIndexer])
 def test_tiers_extend_the_prefix_and_other_identities_are_refused(cls):
     idx = cls()
     toks = list(range(24))

@@ -428,6 +428,29 @@ def test_what_a_move_evicts_on_its_new_worker_is_counted_at_the_measured_device_
     assert d.logits["w0"] == pytest.approx(2610 + 2 * 180) and d.logits["w1"] == pytest.approx(1800 + 10 * 180)
 
 
+def test_a_move_evicts_only_the_pages_past_those_free_where_the_kv_memory_is_known():
+    """The case above at s = 1, where w0 won (2970 against 3600), with the engines' KV pages
+    known.  64 pages: w1 is empty, its 10 pages evict nothing, 1800 us; w0 holds 8 blocks and
+    its 50 queued tokens take 13 more, 43 free, 2610 us: w1.  A request that starts a session
+    on an engine with room costs no one a cached block (before, it was charged as if every
+    engine were full and new sessions piled onto the engines that held a shared prefix).
+    16 pages and w1 holding 14 blocks of another prefix: 2 free, it evicts 8, 1800 + 8 x 180 =
+    3240; w0 (8 + 13 > 16) evicts 2, 2970: w0."""
+    def case(kv_blocks, w1_blocks=0):
+        r = router("quillcache", workers=("w0", "w1"), kv_blocks=kv_blocks)
+        h = chain_hashes(toks(10), BS)
+        r.indexer.add_blocks("w0", A, h[:8], DEVICE)
+        r.indexer.add_blocks("w1", A, chain_hashes(toks(14, salt=9), BS), DEVICE)
+        r.indexer.remove_blocks("w1", A, chain_hashes(toks(14, salt=9), BS)[w1_blocks:], DEVICE)
+        set_load(r, "w0", 50, 0, 0)
+        r.stats.request_blocks, r.stats.device_blocks = 100, 100
+        return r.route(A, hashes=h, request_tokens=40, track=False)
+    d = case(64)
+    assert d.worker == "w1" and d.logits == pytest.approx({"w0": 2610, "w1": 1800})
+    d = case(16, w1_blocks=14)
+    assert d.worker == "w0" and d.logits == pytest.approx({"w0": 2610 + 2 * 180, "w1": 1800 + 8 * 180})
+
+
 def test_a_request_behind_one_in_prefill_is_credited_the_blocks_that_one_computes():
     """Chunks of 16 tokens.  "a" (10 blocks, 40 tokens, nothing cached) is routed to w0 and is
     in prefill: no event shows its blocks yet.  It computes them in chunks of 16, 16 and 8

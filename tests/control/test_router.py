@@ -292,11 +292,15 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, infligh
         trees = np.array(ref.tree_blocks(names) if policy == "sglang" else [0] * len(names), np.int64)
         a = lambda v: np.array(v, np.int64)
         waits = None
+        free = None
         if policy == "quillcache" and cfg.kv_blocks is not None:
             waits = np.array([memory_wait(cfg, inflight, n, scope, hashes, n_tokens, max(req[i] - preq[i], 0))
                               for i, n in enumerate(names)])
+            # the engine's pages less its cached device blocks and the blocks routed there to compute
+            free = a([max(cfg.kv_blocks - dev - math.ceil(apt[i] / BS), 0)
+                      for i, dev in enumerate(ref.device_blocks(names))])
         cand = Candidates(tuple(names), *col, a(apt), a(preq), a(req), trees, n_tokens, len(hashes), cfg.block_size,
-                          waits)
+                          waits, free)
         if policy == "quillcache":
             pred = predict_ttft(cand, cfg.cost, block_bytes=router._block_bytes, batch_tokens=cfg.batch_tokens,
                                 pool_us_per_mb=router._pool_us_per_mb, device_share=router.stats.device_share)

@@ -102,7 +102,9 @@ class _Base:
         # per worker and tier: engine hash -> (scope id, router hash)
         self._engine: list[tuple[dict[BlockHash, tuple[int, int]], ...]] = []
         self._alias: dict[tuple[int, BlockHash], int] = {}
-        self._direct: list[int] = []    # per worker: blocks told by add_blocks (not deduplicated)
+        self._direct: list[list[int]] = []   # per worker and tier: blocks told by add_blocks (not deduplicated)
+        # per worker (id order, as a Match's columns): its device blocks, events' and add_blocks'
+        self._device_n = np.zeros(8, np.int64)
         self.orphans = 0          # stored blocks whose parent this indexer never saw
         self.bad_events = 0       # events with a token count that does not match
 
@@ -116,7 +118,9 @@ class _Base:
             self._worker_ids[name] = w
             self._worker_names.append(name)
             self._engine.append(tuple({} for _ in range(_N_TIERS)))
-            self._direct.append(0)
+            self._direct.append([0] * _N_TIERS)
+            if w == len(self._device_n):
+                self._device_n = np.concatenate([self._device_n, np.zeros(w, np.int64)])
         if pool:
             self._pool_sources.add(w)
         return w
@@ -190,7 +194,10 @@ class _Base:
             alias = self._alias
             local = [alias.get(eh) or hash(("engine", eh)) for eh in hashes]
         keys = list(map(_KEY.pack, repeat(sid), local))
+        held = len(emaps[tier])
         emaps[tier].update(zip(hashes, keys))
+        if tier == DEVICE:
+            self._device_n[w] += len(emaps[tier]) - held
         self._add_keys(keys, w, tier)
         return len(keys)
 
@@ -199,6 +206,8 @@ class _Base:
         keys = [k for k in (pop(eh, None) for eh in hashes) if k is not None]
         if keys:
             self._remove_keys(keys, w, tier)
+            if tier == DEVICE:
+                self._device_n[w] -= len(keys)
         return len(keys)
 
     def clear_worker(self, worker: str) -> int:
@@ -216,20 +225,36 @@ class _Base:
         out = []
         for name in names:
             w = self._worker_ids.get(name)
-            out.append(0 if w is None else sum(map(len, self._engine[w])) + self._direct[w])
+            out.append(0 if w is None else sum(map(len, self._engine[w])) + sum(self._direct[w]))
         return out
+
+    def device_blocks(self, names: Sequence[str]) -> list[int]:
+        """Blocks each worker holds on its device (GPU) tier, as its events and ``add_blocks``
+        told: what fills its KV memory, O(1) per worker."""
+        ids = self._worker_ids
+        return [0 if ids.get(n) is None else int(self._device_n[ids[n]]) for n in names]
+
+    def device_counts(self) -> np.ndarray:
+        """``device_blocks`` of every worker, in the order of a ``Match``'s columns (a view:
+        read it before the next event)."""
+        return self._device_n[:len(self._worker_names)]
 
     # ---- direct use (tests, the approximate mode): router hashes, no engine hashes
     def add_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int], tier: int) -> None:
         w = self.worker(worker, tier == POOL)
-        self._direct[w] += len(hashes)
+        self._direct[w][tier] += len(hashes)
+        if tier == DEVICE:
+            self._device_n[w] += len(hashes)
         self._add_keys(list(map(_KEY.pack, repeat(self.scope_id(scope)), hashes)), w, tier)
 
     def remove_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int], tier: int) -> None:
         w = self._worker_ids.get(worker)
         sid = self._scope_ids.get(scope)
         if w is not None and sid is not None:
-            self._direct[w] = max(self._direct[w] - len(hashes), 0)
+            gone = min(self._direct[w][tier], len(hashes))
+            self._direct[w][tier] -= gone
+            if tier == DEVICE:
+                self._device_n[w] -= gone
             self._remove_keys(list(map(_KEY.pack, repeat(sid), hashes)), w, tier)
 
     def find_matches(self, scope: Optional[IdentityScope], hashes: Sequence[int]) -> Match:

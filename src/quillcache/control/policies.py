@@ -66,6 +66,7 @@ class Candidates:
     n_blocks: int
     block_size: int
     memory_wait_us: Optional[np.ndarray] = None  # until its KV pages fit there (``inflight.page_wait_us``)
+    free_pages: Optional[np.ndarray] = None      # KV pages free there (where the router knows ``kv_blocks``)
 
     @property
     def local(self) -> np.ndarray:
@@ -175,9 +176,10 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
       loading a block costs less than recomputing it;
     * the slowdown its prefill imposes on the decodes running there: its compute time, times
       that worker's share of the cluster's running decodes (the mean delay it adds to one);
-    * what its pages evict there: its blocks not on that device, times the share of routed
-      blocks found on the device (``device_share``, the router's measurement), times the cost
-      of loading (pool) or recomputing a block;
+    * what its pages evict there: its blocks not on that device, less the pages free there
+      (``Candidates.free_pages``, where the router knows the engines' KV pages), times the share
+      of routed blocks found on the device (``device_share``, the router's measurement), times
+      the cost of loading (pool) or recomputing a block;
     * with ``Candidates.memory_wait_us`` (the router's, where it knows the engines' KV pages):
       the time until its pages fit in the engine's KV memory; it starts when both that and the
       compute queue allow (the queue drains while it waits for pages).
@@ -212,12 +214,15 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     # so those behind it wait too while its compute idles.
     behind = float(c.prefill_requests.mean()) if len(own) else 0.0
     imposed = imposed + (per_token * own + stall) * behind
-    # What it evicts: each page it takes (its blocks not on that device) pushes one cached block
-    # out, which later requests would have found there at the rate blocks are found on the
-    # device (``device_share``, measured over the router's decisions) and now load from the pool
-    # (where the prefix is there) or recompute.  A long context moved to a worker that lacks it
-    # costs its new worker that much of its cache; on its holder it takes only its new blocks.
+    # What it evicts: each page it takes (its blocks not on that device) beyond the pages free
+    # there pushes one cached block out, which later requests would have found there at the
+    # rate blocks are found on the device (``device_share``, measured over the router's
+    # decisions) and now load from the pool (where the prefix is there) or recompute.  A long
+    # context moved to a worker that lacks it costs its new worker that much of its cache; on
+    # its holder it takes only its new blocks; on a worker with free pages, nothing.
     need = -(-c.n_tokens // bs) - c.device
+    if c.free_pages is not None:
+        need = np.maximum(need - c.free_pages, 0)
     refill = pool_us if use_pool and c.pool.any() else bs * per_token
     imposed = imposed + device_share * refill * need
     score = ttft + imposed

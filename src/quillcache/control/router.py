@@ -387,10 +387,12 @@ class Router:
             if policy in PEERS or policy == "quillcache":
                 trees = (np.array(self.indexer.tree_blocks(names), dtype=np.int64) if policy == "sglang"
                          else self._zeros(k))
-                waits = (self._memory_waits(scope, hashes, n_tokens, names, lt)
-                         if policy == "quillcache" and cfg.kv_blocks is not None else None)
+                waits = free = None
+                if policy == "quillcache" and cfg.kv_blocks is not None:
+                    waits = self._memory_waits(scope, hashes, n_tokens, names, lt)
+                    free = self._free_pages(self.indexer.device_counts()[idx], lt)
                 cand = Candidates(tuple(names), dev, host, disk, pool, lt[:, 0], lt[:, 1], lt[:, 2], trees,
-                                  n_tokens, len(hashes), cfg.block_size, waits)
+                                  n_tokens, len(hashes), cfg.block_size, waits, free)
             if policy == "dynamo":
                 credit = (cfg.device_weight * dev + cfg.host_weight * host + cfg.disk_weight * disk
                           + cfg.pool_weight * pool)
@@ -538,6 +540,13 @@ class Router:
                     cost.decode_us_per_token + cost.running_decode_penalty_us * decodes)
             waits[i] = plan.wait(nd)
         return waits
+
+    def _free_pages(self, cached: np.ndarray, lt: np.ndarray) -> np.ndarray:
+        """Per candidate, the KV pages free in its engine (``kv_blocks``): less the blocks its
+        events say its device caches (``cached``), and the blocks the requests routed there have
+        still to compute (their uncached tokens; they take pages that no event shows yet)."""
+        computing = -(-lt[:, _PREFILL_TOKENS] // self.config.block_size)
+        return np.maximum(self.config.kv_blocks - cached - computing, 0)
 
     def _drop_ahead(self, a: _Active) -> None:
         self._ahead.drop(a.worker, a.ahead)
