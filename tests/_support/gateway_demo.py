@@ -100,7 +100,7 @@ def main(offset: int = 0) -> int:
               f"  curl -sN {base}/v1/completions -H 'Content-Type: application/json' \\\n"
               "    -d '{\"model\": \"sim-model\", \"prompt\": \"Hello from QuillCache\", \"max_tokens\": 8, "
               "\"stream\": true}' -D -\n\n"
-              f"  .venv/bin/quillctl gateway --addr 127.0.0.1:{port(ADMIN_PORT)}     # workers, load, hit rates (the admin address)\n\n"
+              f"  .venv/bin/quillctl gateway --addr 127.0.0.1:{port(ADMIN_PORT)}     # workers, load, hit rates\n\n"
               "The pool: the same prompt to one engine, then to the other; the second answer's\n"
               "usage.prompt_tokens_details.pool_tokens is above 0 (loaded from the node, not computed):\n\n"
               f"  curl -s {e0}/v1/completions -H 'Content-Type: application/json' -d '{POOL_BODY}'\n"
