@@ -190,8 +190,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("router", "kv_blocks", int_range(0, 1 << 40), 0, False,
             "KV pages (of the engines' block_size tokens) each engine holds: vLLM's num_gpu_blocks, "
             "SGLang's max_total_num_tokens / page_size. With it, policy quillcache predicts the wait "
-            "for pages on an engine whose KV memory is full (docs/router.md); 0: not known, no such term. "
-            "One figure for every engine of a model."),
+            "for pages on an engine whose KV memory is full, and counts as evictions only the pages a "
+            "request takes past those free there (docs/router.md); 0: not known, no wait predicted and "
+            "every page taken counts as an eviction. One figure for every engine of a model."),
     Setting("router", "temperature", nonneg_float, 0.0, False,
             "0: the cheapest worker, ties broken at random; > 0: softmax sampling over the costs."),
     Setting("router", "approximate", boolean, False, False,
