@@ -9,14 +9,15 @@ from pathlib import Path
 __all__ = ["free_port"]
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
     try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999                         # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768                                # Linux's default
 
 
+_EPHEMERAL_LOW = _ephemeral_low()                   # the first port the kernel gives outgoing connections
+_LOWEST = 10000                                     # picked from [_LOWEST, _EPHEMERAL_LOW)
 _PICKED: set[int] = set()                           # never hand the same port out twice
 _RNG = random.SystemRandom()                        # untouched by a test that seeds `random`
 
@@ -30,19 +31,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     the range only another listener can take it, and no test binds a port it did not pick
     here.  Falls back to the kernel's pick where the range leaves too little room below it.
     """
-    lo, _ = _ephemeral_range()
-    start = 10000 if lo > 12000 else None
-    for _ in range(200 if start else 0):
-        port = _RNG.randrange(start, lo)
-        if port in _PICKED:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
+    if _EPHEMERAL_LOW - _LOWEST > 2000:
+        for _ in range(200):
+            port = _RNG.randrange(_LOWEST, _EPHEMERAL_LOW)
+            if port in _PICKED:
                 continue
-        _PICKED.add(port)
-        return port
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _PICKED.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 
 from quillcache import Client
+from tests._support import gateway_demo as demo_ports
 
 ROOT = Path(__file__).resolve().parents[2]
-PORTS = (8088, 8089, 8001, 8002, 5571, 5572, 5573, 5574, 7480, 7481)     # every port the demo uses
+# every port the demo uses
+PORTS = (demo_ports.GATEWAY_PORT, demo_ports.ADMIN_PORT, demo_ports.NODE_PORT, demo_ports.NODE_METRICS_PORT,
+         *(p for _, *ports in demo_ports.ENGINES for p in ports))
 
 
 def free_offset() -> int:
@@ -95,7 +98,7 @@ def test_make_gateway_then_the_readme_curl_and_quillctl_gateway(tmp_path):
             assert r.returncode == 0, r.stderr
             answers.append(json.loads(r.stdout)["usage"]["prompt_tokens_details"])
             if len(answers) == 1:          # the first engine's save is asynchronous: wait until stored
-                with Client(f"127.0.0.1:{7480 + offset}") as c:
+                with Client(f"127.0.0.1:{demo_ports.NODE_PORT + offset}") as c:
                     deadline = time.monotonic() + 10
                     while c.stats("store")["store"]["puts"] < 3 and time.monotonic() < deadline:
                         time.sleep(0.05)
