@@ -225,8 +225,10 @@ def test_the_process_starts_fast_and_stops_on_sigterm():
 
 
 def test_threads_of_requests_are_batched_together():
+    # Real time and 10 ms decode iterations: a request decodes for 200 ms, so the threads'
+    # requests meet in the engine however slowly a loaded machine starts them.
     with SimEngine(block_size=4, capacity_blocks=256, max_num_seqs=16, max_batched_tokens=256,
-                   events=False) as eng:
+                   decode_us_per_token=10_000, time_scale=1.0, events=False) as eng:
         replies = []
 
         def one(i):
