@@ -414,7 +414,8 @@ def test_what_a_move_evicts_on_its_new_worker_is_counted_at_the_measured_device_
     """w0 holds 8 of the request's 10 blocks behind 50 queued tokens: (50 + 8) x 45 = 2610 us;
     w1 is idle and would recompute all 40 tokens: 1800 us.  Each page it takes evicts a block
     found again at the device share s and recomputed at 4 x 45 = 180 us: w0 takes 2 pages
-    (+360 s), w1 10 (+1800 s).  s = 0: w1; s = 1 (every routed block was on the device): w0."""
+    (+360 us), w1 10 (+1800 us) and strands w0's copy of 8 blocks (+1440 us).  s = 0: w1;
+    s = 1 (every routed block was on the device): w0."""
     def case(share):
         r = router("quillcache", workers=("w0", "w1"))
         h = chain_hashes(toks(10), BS)
@@ -425,7 +426,7 @@ def test_what_a_move_evicts_on_its_new_worker_is_counted_at_the_measured_device_
     assert case(0.0).worker == "w1"
     d = case(1.0)
     assert d.worker == "w0"
-    assert d.logits["w0"] == pytest.approx(2610 + 2 * 180) and d.logits["w1"] == pytest.approx(1800 + 10 * 180)
+    assert d.logits["w0"] == pytest.approx(2610 + 2 * 180) and d.logits["w1"] == pytest.approx(1800 + 18 * 180)
 
 
 def test_a_move_evicts_only_the_pages_past_those_free_where_the_kv_memory_is_known():
@@ -434,8 +435,8 @@ def test_a_move_evicts_only_the_pages_past_those_free_where_the_kv_memory_is_kno
     its 50 queued tokens take 13 more, 43 free, 2610 us: w1.  A request that starts a session
     on an engine with room costs no one a cached block (before, it was charged as if every
     engine were full and new sessions piled onto the engines that held a shared prefix).
-    16 pages and w1 holding 14 blocks of another prefix: 2 free, it evicts 8, 1800 + 8 x 180 =
-    3240; w0 (8 + 13 > 16) evicts 2, 2970: w0."""
+    16 pages and w1 holding 14 blocks of another prefix: 2 free, it evicts 8 and strands w0's 8
+    (w0 has no page free), 1800 + 16 x 180 = 4680; w0 (8 + 13 > 16) evicts 2, 2970: w0."""
     def case(kv_blocks, w1_blocks=0):
         r = router("quillcache", workers=("w0", "w1"), kv_blocks=kv_blocks)
         h = chain_hashes(toks(10), BS)
@@ -448,7 +449,63 @@ def test_a_move_evicts_only_the_pages_past_those_free_where_the_kv_memory_is_kno
     d = case(64)
     assert d.worker == "w1" and d.logits == pytest.approx({"w0": 2610, "w1": 1800})
     d = case(16, w1_blocks=14)
-    assert d.worker == "w0" and d.logits == pytest.approx({"w0": 2610 + 2 * 180, "w1": 1800 + 8 * 180})
+    assert d.worker == "w0" and d.logits == pytest.approx({"w0": 2610 + 2 * 180, "w1": 1800 + 16 * 180})
+
+
+def test_a_move_is_charged_the_copy_it_strands_on_a_full_holder_and_not_on_one_with_room():
+    """w0 holds 8 of the request's 10 blocks behind 50 queued tokens (13 pages to compute):
+    2610 us and 2 pages; w1 is empty, 1800 us, and has room for its 10 pages.  Every routed
+    block was on the device (s = 1), a block recomputes in 180 us.  32 pages and w0 full (24
+    blocks of another prefix beside the 8): the move leaves w0's 8-block copy as the freshest
+    in a full cache, to push 8 other blocks out: w1 1800 + 8 x 180 = 3240 against w0's
+    2610 + 2 x 180 = 2970, so the request stays with its context.  w0 without the other
+    prefix has 11 pages free, the stranded copy evicts nothing there and w0's 2 pages evict
+    nothing: w1 1800 against w0 2610, so it moves."""
+    def case(other_blocks):
+        r = router("quillcache", workers=("w0", "w1"), kv_blocks=32)
+        h = chain_hashes(toks(10), BS)
+        r.indexer.add_blocks("w0", A, h[:8], DEVICE)
+        if other_blocks:
+            r.indexer.add_blocks("w0", A, chain_hashes(toks(other_blocks, salt=7), BS), DEVICE)
+        set_load(r, "w0", 50, 0, 0)
+        r.stats.request_blocks, r.stats.device_blocks = 100, 100
+        return r.route(A, hashes=h, request_tokens=40, track=False)
+    d = case(24)
+    assert d.worker == "w0" and d.logits == pytest.approx({"w0": 2970, "w1": 3240})
+    d = case(0)
+    assert d.worker == "w1" and d.logits == pytest.approx({"w0": 2610, "w1": 1800})
+
+
+def test_an_evicted_block_is_priced_as_a_pool_load_at_the_measured_pool_share():
+    """w0 holds 8 of the request's 10 blocks behind 30 queued tokens: (30 + 8) x 45 = 1710 us,
+    2 pages.  w1 is empty and loads the 8 blocks from the pool (8 x 0.5 MiB x 55 us = 220 us)
+    and computes 8 tokens: 580 us, 10 pages, and strands w0's 8.  Half the routed blocks were
+    on the device (s = 0.5).  An evicted block costs r: p x 27.5 us (a pool load) + (1 - p)
+    x 180 us (a recompute), p the share of blocks not on the device that were loaded from the
+    pool.  w0 = 1710 + 0.5 x 2 r, w1 = 580 + 0.5 x 18 r.  p = 0: r = 180, w0 1890, w1 2200, it
+    stays; p = 1: r = 27.5, w0 1737.5, w1 827.5, it moves and loads."""
+    def case(p):
+        r = router("quillcache", workers=("w0", "w1"))
+        h = chain_hashes(toks(10), BS)
+        r.indexer.add_blocks("w0", A, h[:8], DEVICE)
+        r.indexer.add_blocks("node", A, h[:8], POOL)
+        set_load(r, "w0", 30, 0, 0)
+        r.stats.request_blocks, r.stats.device_blocks, r.stats.pool_blocks = 100, 50, int(50 * p)
+        return r.route(A, hashes=h, request_tokens=40, track=False)
+    d = case(0.0)
+    assert d.worker == "w0" and d.logits == pytest.approx({"w0": 1890, "w1": 2200})
+    d = case(1.0)
+    assert d.worker == "w1" and d.logits == pytest.approx({"w0": 1737.5, "w1": 827.5})
+    assert d.overlap == (0, 0, 0, 8)
+    # the router measures the share over the requests it tracks (a probe counts nothing)
+    r = router("quillcache", workers=("w1",))
+    h = chain_hashes(toks(10), BS)
+    r.indexer.add_blocks("node", A, h[:8], POOL)
+    r.route(A, hashes=h, request_tokens=40, track=False)
+    assert (r.stats.request_blocks, r.stats.pool_blocks) == (0, 0)
+    r.route(A, hashes=h, request_tokens=40, request_id="x")
+    assert (r.stats.request_blocks, r.stats.device_blocks, r.stats.pool_blocks) == (10, 0, 8)
+    assert r.stats.pool_share == pytest.approx(0.8)
 
 
 def test_a_request_behind_one_in_prefill_is_credited_the_blocks_that_one_computes():

@@ -303,7 +303,8 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, infligh
                           waits, free)
         if policy == "quillcache":
             pred = predict_ttft(cand, cfg.cost, block_bytes=router._block_bytes, batch_tokens=cfg.batch_tokens,
-                                pool_us_per_mb=router._pool_us_per_mb, device_share=router.stats.device_share)
+                                pool_us_per_mb=router._pool_us_per_mb, device_share=router.stats.device_share,
+                                pool_share=router.stats.pool_share)
             if cfg.goodput_placement:
                 pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0)
             logits = pred.score.tolist()

@@ -164,7 +164,7 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2) -> 
 
 
 def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_tokens: int,
-                 pool_us_per_mb: float, device_share: float = 0.0) -> Prediction:
+                 pool_us_per_mb: float, device_share: float = 0.0, pool_share: float = 0.0) -> Prediction:
     """The ``quillcache`` policy: per worker, in microseconds,
 
     * the prefill work admitted there and not yet done (the queue it waits behind) plus its
@@ -179,7 +179,13 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     * what its pages evict there: its blocks not on that device, less the pages free there
       (``Candidates.free_pages``, where the router knows the engines' KV pages), times the share
       of routed blocks found on the device (``device_share``, the router's measurement), times
-      the cost of loading (pool) or recomputing a block;
+      what finding an evicted block again costs: a pool load for the share of blocks that
+      requests found in the pool when not on their device (``pool_share``, measured too), a
+      recompute for the rest;
+    * what a move strands: sent away from the worker holding its prefix deepest on the device,
+      it leaves that copy there, as recently used as anything in that cache, so the engine
+      evicts other blocks before it; its next request follows it to its new worker.  The copy
+      pushes out as many blocks as it has past the pages free there, charged like the above;
     * with ``Candidates.memory_wait_us`` (the router's, where it knows the engines' KV pages):
       the time until its pages fit in the engine's KV memory; it starts when both that and the
       compute queue allow (the queue drains while it waits for pages).
@@ -223,7 +229,20 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     need = -(-c.n_tokens // bs) - c.device
     if c.free_pages is not None:
         need = np.maximum(need - c.free_pages, 0)
-    refill = pool_us if use_pool and c.pool.any() else bs * per_token
+    # Sent elsewhere, it strands the holder's copy (the worker with its deepest device prefix):
+    # the next request of this context goes where it goes, and that copy, the freshest in the
+    # holder's cache, pushes out that many blocks there (past the pages free there).
+    if len(own):
+        h = int(np.argmax(c.device))
+        strand = np.maximum(c.device[h] - c.device, 0)
+        if c.free_pages is not None:
+            strand = np.maximum(strand - c.free_pages[h], 0)
+        need = need + strand
+    # An evicted block is found again in the pool at the share the router measures for blocks
+    # not on the device, and recomputed otherwise.
+    refill = bs * per_token
+    if use_pool:
+        refill = pool_share * pool_us + (1.0 - pool_share) * refill
     imposed = imposed + device_share * refill * need
     score = ttft + imposed
     return Prediction(score, ttft, pool, wait)

@@ -226,12 +226,19 @@ class RouterStats:
     refused_blocks: int = 0
     request_blocks: int = 0              # blocks of the requests routed and tracked ...
     device_blocks: int = 0               # ... and of those, found on the chosen worker's device
+    pool_blocks: int = 0                 # ... loaded from the pool there
 
 
     @property
     def device_share(self) -> float:
         """The share of routed blocks found on the chosen worker's device."""
         return self.device_blocks / self.request_blocks if self.request_blocks else 0.0
+
+    @property
+    def pool_share(self) -> float:
+        """Of the routed blocks not on the chosen worker's device, the share loaded from the pool."""
+        rest = self.request_blocks - self.device_blocks
+        return self.pool_blocks / rest if rest > 0 else 0.0
 
 
 LATENCY_WINDOW = 8192
@@ -402,7 +409,7 @@ class Router:
             elif policy == "quillcache":
                 pred = predict_ttft(cand, cfg.cost, block_bytes=self._block_bytes,
                                     batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
-                                    device_share=self.stats.device_share)
+                                    device_share=self.stats.device_share, pool_share=self.stats.pool_share)
                 if cfg.goodput_placement:
                     pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0)
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
@@ -461,6 +468,7 @@ class Router:
             if track:       # a probe (track=False) changes nothing a later decision reads
                 st.request_blocks += len(hashes)
                 st.device_blocks += d
+                st.pool_blocks += p
             if len(st.latencies_us) >= LATENCY_WINDOW:
                 del st.latencies_us[:LATENCY_WINDOW // 2]
             st.latencies_us.append(latency)
