@@ -506,6 +506,13 @@ def test_an_evicted_block_is_priced_as_a_pool_load_at_the_measured_pool_share():
     r.route(A, hashes=h, request_tokens=40, request_id="x")
     assert (r.stats.request_blocks, r.stats.device_blocks, r.stats.pool_blocks) == (10, 0, 8)
     assert r.stats.pool_share == pytest.approx(0.8)
+    # mooncake's transfer from another instance is no pool load
+    r = router("mooncake", workers=("w0", "w1"))
+    r.indexer.add_blocks("w0", A, h[:8], DEVICE)
+    set_load(r, "w0", 4000, 3, 3)
+    d = r.route(A, hashes=h, request_tokens=40, request_id="m")
+    assert (d.worker, d.transfer_blocks) == ("w1", 8)
+    assert (r.stats.request_blocks, r.stats.pool_blocks) == (10, 0)
 
 
 def test_a_request_behind_one_in_prefill_is_credited_the_blocks_that_one_computes():

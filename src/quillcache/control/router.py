@@ -468,7 +468,7 @@ class Router:
             if track:       # a probe (track=False) changes nothing a later decision reads
                 st.request_blocks += len(hashes)
                 st.device_blocks += d
-                st.pool_blocks += p
+                st.pool_blocks += 0 if moved else p      # mooncake's moves are transfers, not pool loads
             if len(st.latencies_us) >= LATENCY_WINDOW:
                 del st.latencies_us[:LATENCY_WINDOW // 2]
             st.latencies_us.append(latency)
