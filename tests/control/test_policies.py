@@ -105,7 +105,9 @@ def test_quillcache_prediction_term_by_term():
       work     = 1000 + 48 - 6 x 4 = 1024 tokens, x 45 us          = 46080
       decodes  = ceil(1024 / (8192 - 2)) = 1 iteration x (80 + 2 x 1500) = 3080
       pool     = 2 blocks x 0.5 MiB x 55 us                         = 55
-      imposed  = 24 own tokens x 45 us x (2 / 4 of the decodes)     = 540"""
+      busy     = 24 own tokens x 45 us + the load                   = 1135
+      imposed  = busy x (2 / 4 of the decodes)                      = 567.5
+    (the engine's step waits for the load as for the compute: both delay what runs there)"""
     r = router("quillcache", workers=("w0", "w1"))
     h = chain_hashes(toks(12), BS)
     r.indexer.add_blocks("w0", A, h[:4], DEVICE)
@@ -116,7 +118,7 @@ def test_quillcache_prediction_term_by_term():
     assert d.worker == "w0" and d.overlap == (4, 0, 0, 2)
     assert d.predicted_ttft_us == pytest.approx(46080 + 3080 + 55)
     # the score adds the imposed slowdown and the wait it adds for the queue behind (mean 1)
-    assert d.logits["w0"] == pytest.approx(46080 + 3080 + 55 + 540 + 24 * 45 * 1.0)
+    assert d.logits["w0"] == pytest.approx(46080 + 3080 + 55 + 567.5 + 1135 * 1.0)
 
 
 def test_pool_over_a_link_slower_than_recompute_is_not_credited():
@@ -269,10 +271,11 @@ def brute_prediction(r, scope, hashes, n_tokens):
         decodes = ld.active_requests - ld.prefill_requests
         per_iter = cost.decode_us_per_token + cost.running_decode_penalty_us * decodes if decodes else 0
         iters = math.ceil(work / max(cfg.batch_tokens - decodes, 1))
-        ttft = (cost.prefill_us_per_token * work + iters * per_iter
-                + mib * (host * cost.cpu_dram_us_per_mb + disk * cost.local_ssd_us_per_mb) + pool * pool_us)
-        imposed = cost.prefill_us_per_token * own * (decodes / all_decodes if all_decodes else 0)
-        out[w] = ttft + imposed + cost.prefill_us_per_token * own * mean_queue
+        load = mib * (host * cost.cpu_dram_us_per_mb + disk * cost.local_ssd_us_per_mb) + pool * pool_us
+        ttft = cost.prefill_us_per_token * work + iters * per_iter + load
+        busy = cost.prefill_us_per_token * own + load
+        imposed = busy * (decodes / all_decodes if all_decodes else 0)
+        out[w] = ttft + imposed + busy * mean_queue
     return out
 
 

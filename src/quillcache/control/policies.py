@@ -174,8 +174,9 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     * loading what it reuses, tier by tier: device free, host at the CPU-DRAM cost, disk at
       the local-SSD cost, the pool at ``pool_us_per_mb`` (the pool's link), the pool only where
       loading a block costs less than recomputing it;
-    * the slowdown its prefill imposes on the decodes running there: its compute time, times
-      that worker's share of the cluster's running decodes (the mean delay it adds to one);
+    * the slowdown its prefill imposes on the decodes running there: its compute time and its
+      loads' (the engine's step waits for both), times that worker's share of the cluster's
+      running decodes (the mean delay it adds to one);
     * what its pages evict there: its blocks not on that device, less the pages free there
       (``Candidates.free_pages``, where the router knows the engines' KV pages), times the share
       of routed blocks found on the device (``device_share``, the router's measurement), times
@@ -213,17 +214,18 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
         stall = np.maximum(c.memory_wait_us - wait, 0.0)
         ttft, wait = ttft + stall, wait + stall
     total = float(decodes.sum())
-    imposed = per_token * own * (decodes / total) if total else np.zeros(len(own))
-    # Each microsecond of compute it adds is one more of waiting for the requests that will
-    # queue behind it; the mean prefill queue over the workers says how many that is.  So is
+    busy = per_token * own + load
+    imposed = busy * (decodes / total) if total else np.zeros(len(own))
+    # Each microsecond of compute or loading it adds is one more of waiting for the requests
+    # that will queue behind it; the mean prefill queue over the workers says how many.  So is
     # each microsecond it waits for KV pages past the compute queue: the engine admits in order,
     # so those behind it wait too while its compute idles.
     behind = float(c.prefill_requests.mean()) if len(own) else 0.0
-    imposed = imposed + (per_token * own + stall) * behind
+    imposed = imposed + (busy + stall) * behind
     # What it evicts: each page it takes (its blocks not on that device) beyond the pages free
     # there pushes one cached block out, which later requests would have found there at the
     # rate blocks are found on the device (``device_share``, measured over the router's
-    # decisions) and now load from the pool (where the prefix is there) or recompute.  A long
+    # decisions) and now load from the pool or recompute (``refill``, below).  A long
     # context moved to a worker that lacks it costs its new worker that much of its cache; on
     # its holder it takes only its new blocks; on a worker with free pages, nothing.
     need = -(-c.n_tokens // bs) - c.device
