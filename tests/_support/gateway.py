@@ -3,22 +3,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from quillcache.settings.convert import hash_token
+from tests._support.ports import free_port
 
 __all__ = ["free_port", "Harness", "TOKENS", "read_sse", "harness", "gateway", "wait_until"]
 
 TOKENS = {"acme": "key-acme-0123456789", "globex": "key-globex-0123456789"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -37,7 +37,7 @@ import math
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -291,6 +291,16 @@ class Router:
             self._loads[name] = WorkerLoad(self._table, slot)
             self._names = tuple(self._loads)
             self._idx_key = None
+
+    def set_kv_blocks(self, kv_blocks: Optional[int]) -> None:
+        """The engines' KV pages (``RouterConfig.kv_blocks``) from now on: what a gateway learns
+        from its engines.  None turns the memory terms off."""
+        if kv_blocks is not None and kv_blocks < 1:
+            raise ValueError(f"kv_blocks {kv_blocks!r}: at least 1, or None")
+        with self._lock:
+            if kv_blocks != self.config.kv_blocks:
+                self.config = replace(self.config, kv_blocks=kv_blocks)
+                self._page_plans.clear()          # played forward against the old figure
 
     def remove_worker(self, name: str) -> None:
         with self._lock:

@@ -26,8 +26,9 @@ from aiohttp import web
 from quillcache.auth import Authenticator
 from quillcache.errors import InvalidArgument, PermissionDenied
 from quillcache.gateway.admin import admin_app
-from quillcache.gateway.engines import EngineState
+from quillcache.gateway.engines import UNHEALTHY_RETRY_S, EngineState
 from quillcache.gateway.http import error, json_errors
+from quillcache.gateway.kvpages import fetch_kv_tokens
 from quillcache.gateway.metrics import GatewayMetrics
 from quillcache.gateway.proxy import HEADER_PREFIX, MAX_UPSTREAM_BODY, PREFILL_KV_PARAMS, Proxy
 from quillcache.gateway.routing import GatewayRouter
@@ -39,6 +40,8 @@ from quillcache.settings.registry import parse_config
 __all__ = ["Gateway", "EngineState", "HEADER_PREFIX", "MAX_UPSTREAM_BODY", "PREFILL_KV_PARAMS"]
 
 log = logging.getLogger("quillcache.gateway")
+
+KV_ASKS = 12                    # times an engine is asked for its KV memory until it answers
 
 
 class Gateway:
@@ -63,6 +66,7 @@ class Gateway:
             self.discovery = EngineDiscovery(self)
         self._session: Optional[aiohttp.ClientSession] = None
         self._tasks: list[asyncio.Task] = []
+        self._kv_asks: set[asyncio.Task] = set()
         self.proxy = Proxy(self)
         self.app = web.Application(client_max_size=g.max_body, middlewares=[json_errors])
         self.app.add_routes([
@@ -111,8 +115,38 @@ class Gateway:
             self.adapters[name] = spec.model
         if self._started and spec.kv_events:
             self.router.start_events(spec, on_batch=state.on_events)
+        if self._started:
+            self._ask_kv(state)
         self.metrics.healthy.labels(spec.id).set(1)
         return state
+
+    def _ask_kv(self, state: EngineState) -> None:
+        if self.router.learn_kv_blocks and state.spec.url:
+            task = asyncio.get_running_loop().create_task(self._learn_kv(state))
+            self._kv_asks.add(task)
+            task.add_done_callback(self._kv_asks.discard)
+
+    async def _learn_kv(self, state: EngineState) -> None:
+        """Ask the engine how much KV it holds ([router] learn_kv_blocks), until it answers
+        (KV_ASKS times at most, UNHEALTHY_RETRY_S apart: an engine may start after the gateway)."""
+        for attempt in range(KV_ASKS):
+            if attempt:
+                await asyncio.sleep(UNHEALTHY_RETRY_S)
+            if self.engines.get(state.id) is not state:
+                return                                  # removed meanwhile
+            try:
+                tokens = await fetch_kv_tokens(self.session, state.spec.url, UNHEALTHY_RETRY_S)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                continue
+            if tokens is None:
+                log.info("engine %s says nothing of its KV memory (no vllm:cache_config_info on /metrics, "
+                         "no max_total_num_tokens in /server_info): set [router] kv_blocks", state.id)
+                return
+            if self.engines.get(state.id) is state:
+                blocks = self.router.learn_kv(state.id, tokens)
+                log.info("engine %s holds %d tokens of KV: model %s routes with kv_blocks = %s",
+                         state.id, tokens, state.spec.model, blocks)
+            return
 
     async def remove_engine(self, engine_id: str) -> None:
         """Stop routing to the engine at once; answers in flight on it run to their end."""
@@ -147,6 +181,7 @@ class Gateway:
         for state in self.engines.values():
             if state.spec.kv_events:
                 self.router.start_events(state.spec, on_batch=state.on_events)
+            self._ask_kv(state)
         self._tasks.append(asyncio.create_task(self.router.run_sweeper()))
         if self.discovery is not None:
             await self.discovery.start()
@@ -154,9 +189,10 @@ class Gateway:
     async def _cleanup(self, app) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
-        for task in self._tasks:
+        asks = list(self._kv_asks)
+        for task in self._tasks + asks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *asks, return_exceptions=True)
         self._tasks.clear()
         await self.router.close()
         if self._session is not None:

@@ -93,6 +93,9 @@ class GatewayRouter:
         self._knobs = {**{k: v for k, v in r.as_dict().items() if k in _ROUTER_FIELDS}, "policy": r.policy,
                        "slo_ttft_ms": cfg.gateway.slo_ttft * 1000.0,
                        "kv_blocks": r.kv_blocks or None}      # 0 in the file: not known
+        # Where [router] kv_blocks is 0, the KV tokens each engine said it holds (learn_kv).
+        self.learn_kv_blocks = bool(r.learn_kv_blocks and not r.kv_blocks)
+        self._kv_tokens: dict[str, int] = {}
         self._clock = clock
         self.predict_ttl = cfg.gateway.predict_ttl
         self.policy = r.policy
@@ -135,6 +138,25 @@ class GatewayRouter:
         del mr.specs[worker]
         if not mr.specs:
             del self.models[mr.model]            # a later engine of this model starts afresh
+        if self._kv_tokens.pop(worker, None) is not None and mr.specs:
+            self._apply_kv(mr)
+
+    def learn_kv(self, worker: str, kv_tokens: int) -> Optional[int]:
+        """The engine says it holds ``kv_tokens`` tokens of KV: its model's router takes the
+        smallest figure its engines said, in its blocks, as ``kv_blocks`` (one figure for every
+        engine of a model, as the setting is).  Returns that figure (None: not applied: the
+        engine is gone, or [router] kv_blocks is set)."""
+        mr = self._of_worker.get(worker)
+        if mr is None or not self.learn_kv_blocks:
+            return None
+        self._kv_tokens[worker] = kv_tokens
+        return self._apply_kv(mr)
+
+    def _apply_kv(self, mr: "_ModelRouter") -> Optional[int]:
+        said = [self._kv_tokens[w] for w in mr.specs if w in self._kv_tokens]
+        blocks = min(said) // mr.router.config.block_size if said else 0
+        mr.router.set_kv_blocks(blocks or None)
+        return blocks or None
 
     # ------------------------------------------------------------------ hashing and deciding
 
@@ -200,7 +222,8 @@ class GatewayRouter:
             return {}
         ld = mr.router.load(worker)
         return {"active_prefill_tokens": ld.active_prefill_tokens, "decode_blocks": ld.decode_blocks,
-                "active_requests": ld.active_requests}
+                "active_requests": ld.active_requests, "kv_pages": ld.pages,
+                "kv_blocks": mr.router.config.kv_blocks, "kv_tokens_said": self._kv_tokens.get(worker)}
 
     def hot_prefixes(self, n: int) -> list[dict]:
         out = []

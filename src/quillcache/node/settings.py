@@ -191,8 +191,15 @@ SETTINGS: tuple[Setting, ...] = (
             "KV pages (of the engines' block_size tokens) each engine holds: vLLM's num_gpu_blocks, "
             "SGLang's max_total_num_tokens / page_size. With it, policy quillcache predicts the wait "
             "for pages on an engine whose KV memory is full, and counts as evictions only the pages a "
-            "request takes past those free there (docs/router.md); 0: not known, no wait predicted and "
-            "every page taken counts as an eviction. One figure for every engine of a model."),
+            "request takes past those free there (docs/router.md); 0: not known (the gateway asks its "
+            "engines, see learn_kv_blocks), no wait predicted and every page taken counts as an "
+            "eviction. One figure for every engine of a model."),
+    Setting("router", "learn_kv_blocks", boolean, True, False,
+            "With kv_blocks = 0, the gateway asks each engine how much KV it holds (vLLM's /metrics "
+            "vllm:cache_config_info, num_gpu_blocks x block_size; SGLang's /server_info "
+            "max_total_num_tokens) and uses the smallest figure among a model's engines as its "
+            "kv_blocks; false: without kv_blocks the memory terms stay off. A node's hosted router, "
+            "whose engines are event streams only, learns nothing."),
     Setting("router", "temperature", nonneg_float, 0.0, False,
             "0: the cheapest worker, ties broken at random; > 0: softmax sampling over the costs."),
     Setting("router", "approximate", boolean, False, False,

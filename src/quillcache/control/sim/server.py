@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` gives
 server-sent events, one chunk per token, then ``data: [DONE]``), ``GET /v1/models``,
-``GET /health`` and ``GET /sim/stats`` (the engine's counters, as JSON, for tests).
+``GET /health``, ``GET /sim/stats`` (the engine's counters, as JSON, for tests) and ``GET /metrics``
+(its KV memory as vLLM says it: ``vllm:cache_config_info``).
 
 Tokens: a prompt string is UTF-8 bytes, one token per byte (``tokenize``), so anyone (the
 gateway, a test) computes the same token ids; a prompt may also be a list of token ids, as
@@ -238,6 +239,17 @@ class _Api:
                 for name, adapter in self.served.items()]
         return web.json_response({"object": "list", "data": data})
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """As vLLM's /metrics says its KV memory: the info gauge vllm:cache_config_info (its
+        labels the cache config: pages and their size), which a gateway reads
+        ([router] learn_kv_blocks)."""
+        c = self.runner.engine.config
+        text = ("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+                "# TYPE vllm:cache_config_info gauge\n"
+                f'vllm:cache_config_info{{block_size="{c.block_size}",engine="0",'
+                f'num_gpu_blocks="{c.capacity_blocks}"}} 1.0\n')
+        return web.Response(text=text, content_type="text/plain")
+
     async def stats(self, request: web.Request) -> web.Response:
         e = self.runner.engine
         return web.json_response({
@@ -428,6 +440,7 @@ def build_app(cfg: SimServerConfig, runner: EngineRunner) -> web.Application:
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", api.health)
     app.router.add_get("/sim/stats", api.stats)
+    app.router.add_get("/metrics", api.metrics)
 
     async def on_startup(app: web.Application) -> None:
         runner.start()
