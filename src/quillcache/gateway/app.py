@@ -138,6 +138,9 @@ class Gateway:
                 tokens = await fetch_kv_tokens(self.session, state.spec.url, UNHEALTHY_RETRY_S)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 continue
+            except Exception:                           # an answer no parser expected: say so, once
+                log.warning("engine %s: its answer on its KV memory could not be read", state.id, exc_info=True)
+                return
             if tokens is None:
                 log.info("engine %s says nothing of its KV memory (no vllm:cache_config_info on /metrics, "
                          "no max_total_num_tokens in /server_info): set [router] kv_blocks", state.id)
