@@ -78,10 +78,15 @@ def test_an_engine_registered_after_start_gets_traffic_and_one_whose_lease_expir
             async with s.get(base + "/health") as r:
                 assert r.status == 503                        # nothing to route to yet
             assert (await ask(s, base))[0] == 404
-            a = await loop.run_in_executor(None, registered(etcd, "late-a", credential_file).start)
-            b = await loop.run_in_executor(None, registered(etcd, "late-b", credential_file).start)
+            a = await loop.run_in_executor(None, registered(etcd, "late-a", credential_file,
+                                                            capacity_blocks=200).start)
+            b = await loop.run_in_executor(None, registered(etcd, "late-b", credential_file,
+                                                            capacity_blocks=300).start)
             try:
                 await wait_until(lambda: {"late-a", "late-b"} <= set(gw.engines), 10, "both engines joined")
+                # each said its KV memory when it joined ([router] learn_kv_blocks): the smaller counts
+                router = gw.router.models["m"].router
+                await wait_until(lambda: router.config.kv_blocks == 200, 10, "the engines' KV pages learned")
                 seen = [await ask(s, base, f"{i} {PROMPT}") for i in range(4)]
                 assert {st for st, _, _ in seen} == {200}
                 assert {w for _, w, _ in seen} == {"late-a", "late-b"}      # round robin: both serve
@@ -92,6 +97,8 @@ def test_an_engine_registered_after_start_gets_traffic_and_one_whose_lease_expir
                 os.kill(a.proc.pid, signal.SIGSTOP)
                 took = await wait_until(lambda: "late-a" not in gw.engines, TTL_S + 5, "late-a left")
                 assert took <= TTL_S + 3
+                # late-b's, now the only one (once the gateway has closed late-a's event stream)
+                await wait_until(lambda: router.config.kv_blocks == 300, 5, "late-a's KV figure dropped")
                 seen = [await ask(s, base, f"x{i} {PROMPT}") for i in range(4)]
                 assert [(st, w) for st, w, _ in seen] == [(200, "late-b")] * 4
                 # A clean stop withdraws at once (the lease is revoked), no TTL to wait.
