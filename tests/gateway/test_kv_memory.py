@@ -143,6 +143,43 @@ def test_the_gateway_learns_each_model_s_kv_blocks_from_its_engines():
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_the_gauge_is_found_past_megabytes_of_other_metrics_sent_in_pieces():
+    """A busy vLLM's /metrics runs to megabytes (histograms per model and adapter), written in
+    many chunks; the info gauge may come last.  Read to the end, within the bound: learned."""
+    import asyncio
+
+    from aiohttp import web
+
+    from quillcache.gateway.kvpages import fetch_kv_tokens
+
+    async def main():
+        async def metrics(request):
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            filler = "".join(f'vllm:e2e_request_latency_seconds_bucket{{le="{i}",model_name="m"}} {i}.0\n'
+                             for i in range(4000)).encode()            # ~290 KB a piece
+            for _ in range(8):
+                await resp.write(filler)
+                await asyncio.sleep(0.01)
+            await resp.write(VLLM_METRICS.encode())
+            return resp
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = "http://{}:{}".format(*runner.addresses[0][:2])
+        try:
+            import aiohttp
+            async with aiohttp.ClientSession() as session:
+                assert await fetch_kv_tokens(session, url, 10) == 26000 * 16
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
 def test_an_engine_that_answers_late_or_too_much_costs_a_bounded_read_and_teaches_nothing():
     """An engine up after the gateway is asked again (5 s later) and then learned.  A peer in
     an engine's place that answers 16 MiB of /metrics costs one read of at most 4 MiB: nothing

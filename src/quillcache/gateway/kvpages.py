@@ -72,8 +72,12 @@ async def _get(session: aiohttp.ClientSession, url: str, timeout: float) -> Opti
             return None
         if resp.content_length is not None and resp.content_length > MAX_ANSWER_BYTES:
             return None
-        body = await resp.content.read(MAX_ANSWER_BYTES + 1)
-        return body if len(body) <= MAX_ANSWER_BYTES else None
+        body = bytearray()
+        async for chunk in resp.content.iter_chunked(1 << 16):     # to its end: read() stops at a chunk
+            body += chunk
+            if len(body) > MAX_ANSWER_BYTES:
+                return None
+        return bytes(body)
 
 
 async def fetch_kv_tokens(session: aiohttp.ClientSession, base_url: str, timeout: float) -> Optional[int]:
