@@ -105,6 +105,17 @@ async def _sim(capacity_blocks: int, block_size: int = 16):
     return runner, close_pub, listening.http
 
 
+async def _serve_metrics(handler):
+    """A plain HTTP server (not an engine) answering GET /metrics with ``handler``: (runner, url)."""
+    from aiohttp import web
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, "http://{}:{}".format(*runner.addresses[0][:2])
+
+
 def test_the_gateway_learns_each_model_s_kv_blocks_from_its_engines():
     """Two real simulated engines (their /metrics as vLLM's): 300 and 200 pages of 16 tokens.
     The model's router takes the smaller, 200 blocks of its 16 tokens; without the smaller
@@ -164,12 +175,7 @@ def test_the_gauge_is_found_past_megabytes_of_other_metrics_sent_in_pieces():
             await resp.write(VLLM_METRICS.encode())
             return resp
 
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        url = "http://{}:{}".format(*runner.addresses[0][:2])
+        runner, url = await _serve_metrics(metrics)
         try:
             import aiohttp
             async with aiohttp.ClientSession() as session:
@@ -207,12 +213,7 @@ def test_an_engine_that_answers_late_or_too_much_costs_a_bounded_read_and_teache
                 pass
             return resp
 
-        app = web.Application()
-        app.router.add_get("/metrics", flood)
-        bad = web.AppRunner(app)
-        await bad.setup()
-        await web.TCPSite(bad, "127.0.0.1", 0).start()
-        bad_url = "http://{}:{}".format(*bad.addresses[0][:2])
+        bad, bad_url = await _serve_metrics(flood)
         late_url = f"http://127.0.0.1:{port}"
         toml = _gateway_toml([late_url]) + f'[[gateway.engines]]\nid = "x"\nurl = "{bad_url}"\nmodel = "other"\n'
         try:
