@@ -54,13 +54,21 @@ def gateway_cmd(ctx, addr, as_json):
     rows = [[w["id"], w["model"], w.get("role", "both"), w.get("source", "config"),
              "yes" if w["healthy"] else f"no ({w['reason']})", w["in_flight"], w["routed"],
              f"{100 * w['hit_rate']:.1f}%", w.get("active_prefill_tokens", ""), w.get("decode_blocks", ""),
-             "-" if w["last_event_s"] is None else f"{w['last_event_s']:.1f}s", w["url"]]
+             _kv_pages(w), "-" if w["last_event_s"] is None else f"{w['last_event_s']:.1f}s", w["url"]]
             for w in doc["workers"]]
     click.echo(table(rows, ["WORKER", "MODEL", "ROLE", "FROM", "HEALTHY", "IN_FLIGHT", "ROUTED", "HIT_RATE",
-                            "PREFILL_TOK", "DECODE_BLK", "LAST_EVENT", "URL"]))
+                            "PREFILL_TOK", "DECODE_BLK", "KV_PAGES", "LAST_EVENT", "URL"]))
     cluster = doc.get("cluster")
     if cluster:
         click.echo(f"etcd: {cluster['state']}, cluster {cluster['cluster_id']}, {len(cluster['engines'])} "
                    f"engines from etcd ({cluster['added']} joined, {cluster['removed']} left so far)")
         for eid, why in sorted(cluster["rejected"].items()):
             click.echo(f"not served: {eid}: {why}")
+
+
+def _kv_pages(w: dict) -> str:
+    """Pages held by the requests in flight / the engine's KV pages ("-": not known)."""
+    held, total = w.get("kv_pages"), w.get("kv_blocks")
+    if held is None:
+        return "-"
+    return f"{held}/{total if total else '-'}"
