@@ -21,10 +21,11 @@ pytestmark = pytest.mark.engines
 torch = engines.require("torch")
 
 from quillcache.client import Client  # noqa: E402
-from quillcache.client.gpu import ArenaCopier  # noqa: E402
+from quillcache.client.gpu import ArenaCopier, GatherPlan  # noqa: E402
 from quillcache.connectors.core import ConnectorCore, chain_keys, model_scope  # noqa: E402
 from quillcache.connectors.kvquant import make_codec  # noqa: E402
 from quillcache.connectors.paged import PagedKVWorker, Transfer  # noqa: E402
+from quillcache.errors import InvalidArgument  # noqa: E402
 from quillcache.model import IdentityScope, KvBlockKey  # noqa: E402
 
 LAYERS, BS, KVH, HD = 4, 16, 2, 8
@@ -240,6 +241,80 @@ def test_gather_reads_each_extent_of_the_arena_wherever_it_lies(node):
                     assert torch.equal(row, values[v][at:at + nbytes]), (nbytes, align, v, at)
         with pytest.raises(Exception, match="outside"):
             ArenaCopier.gather(arena, [arena.numel() - 8], 16)
+
+
+def test_a_gather_plan_reads_every_layers_parts_of_a_batch(node):
+    """GatherPlan: per layer, each part's bytes of every value in the batch, values anywhere in
+    the arena and parts at offsets that do not share the values' alignment (FP8's 8-byte scales
+    beside 4 KiB layers), against the values themselves; a part outside the arena is refused."""
+    values = [torch.randint(0, 256, (65536,), dtype=torch.uint8, generator=torch.Generator().manual_seed(10 + i))
+              for i in range(5)]
+    ks = [KvBlockKey("plan", "tok", None, "", "", f"v{i}", 0, 1) for i in range(5)]
+    layer_parts = [[(8 * L, 8), (256 + 4096 * L, 4096)] for L in range(15)]
+    with Client(sock(node)) as c:
+        assert c.shm
+        c.put_many([(k, v.numpy()) for k, v in zip(ks, values)])
+        arena = ArenaCopier(c).arena_tensor()
+        with c.get_many_located(ks) as views:
+            order = [3, 0, 4, 1]                   # not the order they were stored in
+            plan = GatherPlan(arena, [views.extents[v][0] for v in order], layer_parts)
+            assert (plan.n, plan.layers) == (4, 15)
+            for L, parts in enumerate(layer_parts):
+                got = plan.layer(L)
+                assert len(got) == 2
+                for (at, nbytes), part in zip(parts, got):
+                    assert part.shape == (4, nbytes) and part.dtype == torch.uint8
+                    for row, v in zip(part, order):
+                        assert torch.equal(row, values[v][at:at + nbytes]), (L, at, v)
+            with pytest.raises(InvalidArgument, match="outside"):
+                GatherPlan(arena, [views.extents[0][0]], [[(arena.numel(), 8)]])
+            with pytest.raises(InvalidArgument, match="one positive size"):
+                GatherPlan(arena, [views.extents[0][0]], [[(0, 8)], [(8, 16)]])
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("group_blocks, gathers", [(BLOCKS, 1), (5, 3), (3, 3)])
+def test_layers_after_the_first_are_read_in_groups_not_in_the_batches_they_were_leased_in(
+        node, monkeypatch, kv_dtype, group_blocks, gathers):
+    """Twelve blocks leased in three batches of four: layer 0 is written batch by batch (each as
+    it is leased), and every later layer in groups of LAYER_GROUP_BYTES of one layer (one gather
+    per part and one scatter per group: on an H200 the per-batch launches, not the bus, bounded
+    the load).  Batches already as large as a group stay as they are.  Every byte is the
+    writer's, whatever the grouping."""
+    from quillcache.client import gpu as gpu_mod
+    from quillcache.connectors import paged as paged_mod
+    ks = keys(kv_dtype, f"group-{kv_dtype}-{group_blocks}")
+    core = ConnectorCore(sock(node), timeout=10)
+    try:
+        writer = PagedKVWorker(core, kv_dtype=kv_dtype)
+        written = caches()
+        writer.register_kv_caches(written)
+        saved(writer, Transfer("W", ks, list(range(BLOCKS))))
+        want = expected_layers(written, kv_dtype)
+        reader_caches = caches(fill=SENTINEL)
+        reader = PagedKVWorker(core, kv_dtype=kv_dtype, staging_bytes=4 * writer.stored_nbytes)
+        reader.register_kv_caches(reader_caches)
+        monkeypatch.setattr(paged_mod, "LAYER_GROUP_BYTES", group_blocks * reader.block_nbytes // LAYERS)
+        calls: dict[int, list[int]] = {}
+        real_layer = gpu_mod.GatherPlan.layer
+
+        def counted(plan, layer):
+            calls.setdefault(layer, []).append(plan.n)
+            return real_layer(plan, layer)
+        monkeypatch.setattr(gpu_mod.GatherPlan, "layer", counted)
+        reader.start_load_kv([Transfer("R", ks, list(range(BLOCKS, 2 * BLOCKS)))])
+        reader.wait_for_layer_load(names()[-1])
+        assert reader.take_load_errors() == set()
+        assert calls[0] == [4, 4, 4]
+        sizes = [4, 4, 4] if group_blocks == 3 else [group_blocks] * (BLOCKS // group_blocks) + \
+            ([BLOCKS % group_blocks] if BLOCKS % group_blocks else [])
+        assert all(calls[layer] == sizes and len(sizes) == gathers for layer in range(1, LAYERS)), calls
+        for layer, n in enumerate(names()):
+            assert torch.equal(bits(reader_caches[n][:, BLOCKS:]), bits(want[layer])), layer
+        reader.shutdown()
+        writer.shutdown()
+    finally:
+        core.close()
 
 
 def test_two_requests_of_one_step_get_layer_0_before_either_gets_layer_1(node):

@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 from quillcache.errors import InvalidArgument, NotFound
 
-__all__ = ["ArenaCopier", "torch_available", "cuda_available"]
+__all__ = ["ArenaCopier", "GatherPlan", "torch_available", "cuda_available"]
 
 # arena address -> its live registration in this process (gone with the last copier holding it)
 _REGISTERED: "weakref.WeakValueDictionary[int, _Registration]" = weakref.WeakValueDictionary()
@@ -136,6 +136,61 @@ def _runs(pairs):
     return result
 
 
+class GatherPlan:
+    """Where a batch of stored values lies in the arena, for reading them a layer at a time.
+
+    ``layer_parts[L]`` lists the ``(offset in a value, nbytes)`` parts of layer L (the same
+    sizes in every layer).  Built once per batch: per part a window view of the arena (row j =
+    the ``nbytes`` from ``j * step``, ``step`` the largest common divisor of every offset, moved
+    in the widest word that divides it) and one ``[layers, n]`` row index, sent to the arena's
+    device in one copy.  ``layer(L)`` is then one ``index_select`` per part: no Python per
+    block, and no host-to-device copy per layer that would wait for the stream."""
+
+    __slots__ = ("_windows", "_idx", "n", "layers")
+
+    def __init__(self, arena, offsets: Sequence[int], layer_parts: Sequence[Sequence[tuple[int, int]]]) -> None:
+        import math
+
+        import numpy as np
+        torch = _torch()
+        offsets = list(offsets)
+        if not offsets or not layer_parts or not layer_parts[0]:
+            raise InvalidArgument("gather: nothing to gather")
+        size = arena.numel()
+        lo, hi = min(offsets), max(offsets)
+        base = 0
+        for off in offsets:
+            base = math.gcd(base, off)
+        self.n, self.layers = len(offsets), len(layer_parts)
+        self._windows = []
+        rows_of = []
+        for p, (_, nbytes) in enumerate(layer_parts[0]):
+            ats = [parts[p][0] for parts in layer_parts]
+            if nbytes <= 0 or any(parts[p][1] != nbytes for parts in layer_parts):
+                raise InvalidArgument(f"gather: part {p} must have one positive size in every layer")
+            if lo + min(ats) < 0 or hi + max(ats) > size - nbytes:
+                raise InvalidArgument(f"gather: {hi + max(ats)}+{nbytes} outside the {size}-byte arena")
+            step = base
+            for at in ats:
+                step = math.gcd(step, at)
+            step = step or nbytes
+            word, name = next((w, n) for w, n in _WORDS if step % w == 0 and nbytes % w == 0 and size % w == 0)
+            words = arena.view(getattr(torch, name)) if word > 1 else arena
+            rows = (size - nbytes) // step + 1
+            self._windows.append(words.as_strided((rows, nbytes // word), (step // word, 1)))
+            rows_of.append(np.add.outer(np.asarray(ats, dtype=np.int64) // step,
+                                        np.asarray(offsets, dtype=np.int64) // step))
+        idx = torch.from_numpy(np.stack(rows_of))                # [parts, layers, n]
+        if arena.device.type != "cpu":                           # pinned: the copy does not wait for the stream
+            idx = idx.pin_memory().to(arena.device, non_blocking=True)
+        self._idx = idx
+
+    def layer(self, layer: int) -> list:
+        """Layer ``layer`` of every value: per part an ``[n, nbytes]`` uint8 tensor on the arena's device."""
+        torch = _torch()
+        return [torch.index_select(w, 0, self._idx[p, layer]).view(torch.uint8) for p, w in enumerate(self._windows)]
+
+
 class ArenaCopier:
     """Batched copies between tensors and one client's mapped arena."""
 
@@ -225,27 +280,8 @@ class ArenaCopier:
     @staticmethod
     def gather(arena, offsets: Sequence[int], nbytes: int):
         """Bytes ``[off, off + nbytes)`` of ``arena`` (``arena_tensor()``) for each offset, as one
-        ``[len(offsets), nbytes]`` uint8 tensor on its device: one ``index_select`` over a
-        window view of the arena (row j = the ``nbytes`` from ``j * step``, ``step`` the
-        largest common divisor of the offsets), so a layer's slices of any number of blocks,
-        wherever they lie, are one kernel, moved in the widest word that divides them."""
-        import math
-        torch = _torch()
-        if nbytes <= 0 or not offsets:
-            raise InvalidArgument("gather: nothing to gather")
-        size = arena.numel()
-        step = 0
-        for off in offsets:
-            if not 0 <= off <= size - nbytes:
-                raise InvalidArgument(f"gather: {off}+{nbytes} outside the {size}-byte arena")
-            step = math.gcd(step, off)
-        step = step or nbytes
-        word, name = next((w, n) for w, n in _WORDS if step % w == 0 and nbytes % w == 0 and size % w == 0)
-        words = arena.view(getattr(torch, name)) if word > 1 else arena
-        rows = (size - nbytes) // step + 1
-        window = words.as_strided((rows, nbytes // word), (step // word, 1))
-        idx = torch.tensor([off // step for off in offsets], dtype=torch.long).to(arena.device, non_blocking=True)
-        return torch.index_select(window, 0, idx).view(torch.uint8)
+        ``[len(offsets), nbytes]`` uint8 tensor on its device (one kernel, ``GatherPlan``)."""
+        return GatherPlan(arena, offsets, [[(0, nbytes)]]).layer(0)[0]
 
     # ------------------------------------------------------------------ load
 

@@ -163,7 +163,7 @@ class Fp8E4m3Codec(KvCodec):
         n, kv = q.shape[0], layer_shape[0]
         scale = scales.view(torch.float32).reshape(n, kv, 1)
         q = q.view(self.fp8).reshape(n, kv, -1)
-        return (q.float() * scale).to(self.engine_dtype).reshape(n, *layer_shape)
+        return q.float().mul_(scale).to(self.engine_dtype).reshape(n, *layer_shape)
 
 
 _CODECS = {"auto": KvCodec, "fp8_e4m3": Fp8E4m3Codec}

@@ -59,6 +59,7 @@ from quillcache.model import KvBlockKey
 __all__ = ["Transfer", "PagedKVWorker", "STAGING_BYTES", "LOAD_PATHS"]
 
 STAGING_BYTES = 256 << 20        # bytes of blocks per load chunk (staged: the device staging tensor)
+LAYER_GROUP_BYTES = 32 << 20     # layered: one layer's bytes (engine dtype) moved by one gather and one scatter
 LOAD_PATHS = ("layered", "staged")
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,11 @@ class _Load:
     cond: threading.Condition = field(default_factory=threading.Condition)
     after: Any = None                           # CUDA: the engine stream's work before start_load_kv
     result: Optional[tuple] = None              # a step job's outcome for this load: (blocks, events)
-    # layered, on the I/O thread: the leased batches (arena offsets, block ids), their leases, the outcome
+    # layered, on the I/O thread: the leased batches ((GatherPlan, block ids on the device), with the
+    # arena offsets and block ids of them all), their leases, the outcome
     batches: list = field(default_factory=list)
+    offsets: list = field(default_factory=list)
+    block_ids: list = field(default_factory=list)
     leases: Optional[contextlib.ExitStack] = None
     n: int = 0
     failure: Optional[BaseException] = None
@@ -252,18 +256,20 @@ class PagedKVWorker:
                             continue
                         try:
                             self._gate(load.transfer, 0)
-                            self._lease_batches(load, client, copier, arena, step, parts[0])
+                            self._lease_batches(load, client, copier, arena, step, parts)
                         except (QuillCacheError, OSError) as exc:
                             load.failure = exc     # its leased batches are completed: their extents stay put
                             if not isinstance(exc, Timeout):
                                 lost = exc
                     for load in loads:
                         self._layer_done(load, 0, stream)
+                        if load.batches and load.failure is not _CANCELLED:
+                            load.batches = self._regroup(load, arena, parts)
                     for layer in range(1, self.num_layers):
                         for load in loads:
                             if load.batches and load.failure is not _CANCELLED:
                                 self._gate(load.transfer, layer)
-                                if not self._write_layer(load, layer, load.batches, arena, parts[layer]):
+                                if not self._write_layer(load, layer, load.batches):
                                     load.failure = _CANCELLED      # the deadline: nothing more for this load
                                     continue
                             self._layer_done(load, layer, stream)
@@ -288,10 +294,11 @@ class PagedKVWorker:
         if lost is not None:
             raise lost                            # the core counts it once and drops the connection
 
-    def _lease_batches(self, load: _Load, client, copier, arena, step: int, layer0) -> None:
+    def _lease_batches(self, load: _Load, client, copier, arena, step: int, parts) -> None:
         """Located GETs of the load's keys, ``step`` at a time, each batch's layer 0 written once
-        it is leased; stops at the first block that is not there whole."""
-        torch = _torch()
+        it is leased; stops at the first block that is not there whole.  A batch is kept as its
+        ``GatherPlan`` (every layer's arena rows, on the device once) and its block ids."""
+        from quillcache.client.gpu import GatherPlan
         t = load.transfer
         stored = self.stored_nbytes
         for a in range(0, len(t.keys), step):
@@ -309,32 +316,50 @@ class PagedKVWorker:
             if copier.lease_ns and time.monotonic_ns() >= asked + copier.lease_ns:
                 raise Timeout("layered load: the located lease may have run out before the copy; "
                               "nothing of this batch is written")
-            ids = torch.tensor(t.block_ids[a:a + lead], dtype=torch.long).to(self.device)
-            batch = ([e[0] for e in views.extents[:lead]], ids)
-            if not self._write_layer(load, 0, [batch], arena, layer0):
+            offsets = [e[0] for e in views.extents[:lead]]
+            batch = (GatherPlan(arena, offsets, parts), self._device_ids(t.block_ids[a:a + lead]))
+            if not self._write_layer(load, 0, [batch]):
                 load.failure = _CANCELLED
                 return
             load.batches.append(batch)
+            load.offsets += offsets
+            load.block_ids += t.block_ids[a:a + lead]
             load.n += lead
             if lead < len(keys):
                 return
+
+    def _device_ids(self, block_ids: list):
+        ids = _torch().tensor(block_ids, dtype=_torch().long)
+        if self.device.type != "cpu":                # pinned: the copy does not wait for the stream
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        return ids
+
+    def _regroup(self, load: _Load, arena, parts) -> list:
+        """Layers 1.. of a load's leased blocks, in groups of ``LAYER_GROUP_BYTES`` of one layer
+        rather than in the batches they were leased in: each layer of a group is one gather and
+        one scatter, so an 8k-token 8B load issues 2 kernels per layer instead of 2 per batch
+        (the I/O thread's launches, not the bus, were what bounded it on an H200)."""
+        from quillcache.client.gpu import GatherPlan
+        per = max(1, LAYER_GROUP_BYTES // max(1, self.block_nbytes // self.num_layers))
+        if len(load.batches) == 1 or (len(load.batches) > 1 and load.batches[0][0].n >= per):
+            return load.batches                      # one batch already, or batches as large as a group
+        return [(GatherPlan(arena, load.offsets[a:a + per], parts), self._device_ids(load.block_ids[a:a + per]))
+                for a in range(0, len(load.offsets), per)]
 
     def _gate(self, t: Transfer, layer: int) -> None:
         if self.layer_gate is not None:
             self.layer_gate(t.req_id, layer)
 
-    def _write_layer(self, load: _Load, layer: int, batches, arena, parts) -> bool:
+    def _write_layer(self, load: _Load, layer: int, batches) -> bool:
         """Layer ``layer`` of each batch from the arena into its paged blocks; False once the
         load was cancelled (past the deadline nothing more is written)."""
-        from quillcache.client.gpu import ArenaCopier
         cache = self._caches[layer]
         layer_shape = self.block_shape[1:]
         with load.lock:
             if load.cancelled:
                 return False
-            for offsets, ids in batches:
-                got = [ArenaCopier.gather(arena, [o + at for o in offsets], nbytes) for at, nbytes in parts]
-                cache.index_copy_(1, ids, self.codec.decode_layer(got, layer_shape).transpose(0, 1))
+            for plan, ids in batches:
+                cache.index_copy_(1, ids, self.codec.decode_layer(plan.layer(layer), layer_shape).transpose(0, 1))
         return True
 
     def _layer_done(self, load: _Load, layer: int, stream) -> None:
