@@ -102,13 +102,22 @@ def arena_bytes(resident: int) -> int:
     return -(-(resident * 5 // 4 + (256 << 20)) // (1 << 30)) << 30
 
 
+def suffix_attention(model, args=None) -> str:
+    how = ("lower-right causal bias (flash on CUDA)" if model.lower_right
+           else "boolean mask (SDPA's masked kernel)")
+    if args is not None and (args.connector or args.table):
+        how += "; suffix run " + ("as piecewise CUDA graphs (vLLM V1)" if args.suffix_run == "piecewise"
+                                  and model.dev.type == "cuda" else "eager")
+    return how
+
+
 def skip(reason: str) -> int:
     print(f"skipped: {reason}")
     return 0
 
 
 class Model:
-    def __init__(self, torch, device, shape: Shape, dtype, layers: int = 0):
+    def __init__(self, torch, device, shape: Shape, dtype, layers: int = 0, suffix_attention: str = "causal"):
         self.t = torch
         self.dev = device
         if layers and layers < shape.layers:          # time `layers` of the shape, scale by `scale`
@@ -138,6 +147,25 @@ class Model:
         self.inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, HEAD_DIM, 2, device=device,
                                                            dtype=torch.float32) / HEAD_DIM))
         self.gqa = self._gqa_supported()
+        self.lower_right = suffix_attention == "causal" and self._lower_right_supported()
+
+    def _lower_right_supported(self) -> bool:
+        """Whether SDPA takes torch's lower-right causal bias here, and gives what the boolean
+        mask gives (on CUDA it then runs a flash kernel, as an engine's prefill over a cached
+        prefix does, instead of the masked math kernel)."""
+        t, S = self.t, self.s
+        try:
+            from torch.nn.attention.bias import causal_lower_right
+            g = t.Generator(device=self.dev).manual_seed(1)
+            q = t.randn(4, S.heads, S.head_dim, generator=g, device=self.dev).to(self.dtype)
+            k, v = (t.randn(20, S.kv_heads, S.head_dim, generator=g, device=self.dev).to(self.dtype) for _ in "kv")
+            self.lower_right = True
+            got = self._attend(q, k, v, causal_lower_right(4, 20))
+            self.lower_right = False
+            want = self._attend(q, k, v, t.ones(4, 20, dtype=t.bool, device=self.dev).tril(diagonal=16))
+        except (ImportError, TypeError, RuntimeError, ValueError):
+            return False
+        return bool((got.float() - want.float()).abs().max() < 0.05)
 
     def _gqa_supported(self) -> bool:
         t, S = self.t, self.s
@@ -188,7 +216,11 @@ class Model:
         new_kv = []
         mask = None
         if (cache is not None or paged is not None) and P:   # suffix queries see the prefix and themselves causally
-            mask = t.ones(T, P + T, dtype=t.bool, device=self.dev).tril(diagonal=P)
+            if self.lower_right:
+                from torch.nn.attention.bias import causal_lower_right
+                mask = causal_lower_right(T, P + T)
+            else:
+                mask = t.ones(T, P + T, dtype=t.bool, device=self.dev).tril(diagonal=P)
         if paged is not None:
             caches, table, wait = paged
             table = t.as_tensor(table, dtype=t.long, device=self.dev)
@@ -380,7 +412,8 @@ def failed_row(kv_dtype: str, path: str, exc: BaseException) -> dict:
     return {"kv": kv_dtype, "path": path, "error": brief(exc)}
 
 
-def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes, paths, sync) -> list[dict]:
+def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes, paths, sync,
+                      suffix_run: str = "eager") -> list[dict]:
     """The vLLM connector's worker path (quillcache.connectors.paged.PagedKVWorker, which the
     vLLM adapter delegates to) on paged caches in vLLM's layout, in vLLM's call order: the
     prefix's blocks saved once per stored dtype (wait_for_save, then get_finished until done);
@@ -407,8 +440,14 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes,
     with torch.inference_mode():      # request A's prefix prefilled straight into blocks 0..nb-1
         model.forward(ids[:P], P=0, paged=(layers, list(range(nb)), lambda i: None))
     table = list(range(nb, 2 * nb)) + list(range(2 * nb, blocks))      # request B: the prefix reloaded
-    with torch.inference_mode():
-        suffix_s = timed(lambda: model.forward(ids[P:], P=P, paged=(layers, table, lambda i: None))[0])
+    if suffix_run == "piecewise":                     # vLLM V1's mode: graphs between the attention ops
+        from _piecewise import PiecewiseSuffix
+        run_suffix = PiecewiseSuffix(model, ids[P:], P, layers, table, BLOCK_TOKENS)
+    else:
+        def run_suffix(wait):
+            with torch.inference_mode():
+                return model.forward(ids[P:], P=P, paged=(layers, table, wait))[0]
+    suffix_s = timed(lambda: run_suffix(lambda i: None))
     rows = []
     for kv_dtype in kv_dtypes:
         codec = make_codec(kv_dtype, model.dtype)
@@ -444,8 +483,7 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes,
 
                 def reload_and_suffix():
                     worker.start_load_kv([Transfer("B", keys, table[:nb])])
-                    with torch.inference_mode():
-                        out = model.forward(ids[P:], P=P, paged=(layers, table, lambda i: worker.wait_for_layer_load(names[i])))[0]
+                    out = run_suffix(lambda i: worker.wait_for_layer_load(names[i])).clone()
                     worker.wait_for_save([])
                     if worker.take_load_errors():
                         raise SystemExit("connector reload: blocks were reported missing")
@@ -497,6 +535,14 @@ def main(argv=None) -> int:
     ap.add_argument("--table", action="store_true",
                     help="issue 26's GPU table: 8B at 8k/32k/128k, 70B at 8k/32k (8 layers, scaled), through the "
                          "connector (bf16, fp8; layered, staged), the direct path and arena -> device GB/s")
+    ap.add_argument("--suffix-attention", choices=("causal", "mask"), default="causal",
+                    help="the suffix's attention over prefix + itself: causal = torch's lower-right causal bias "
+                         "(a flash kernel on CUDA, as an engine's prefill over a cached prefix), mask = a boolean "
+                         "mask (SDPA's masked kernel; the figures before 2026-11-27)")
+    ap.add_argument("--suffix-run", choices=("piecewise", "eager"), default="piecewise",
+                    help="connector: the suffix's forward pass as vLLM V1 runs a small prefill (piecewise: each "
+                         "layer's work outside attention replayed as CUDA graphs, attention and the connector's "
+                         "wait eager between them; bench/_piecewise.py) or all eager (the figures before 2026-11-27)")
     ap.add_argument("--budget", type=float, default=0.0,
                     help=f"seconds after which sizes not yet started are skipped (default {TIME_BUDGET_S:.0f}, "
                          f"{TABLE_TIME_BUDGET_S:.0f} with --table)")
@@ -543,7 +589,8 @@ def main(argv=None) -> int:
         return run_table(torch, dev, dtype, timed, sync, args, started)
     if args.connector and args.load_only:
         return run_load_only(torch, dev, timed, sync, args, prefixes)
-    model = Model(torch, dev, SHAPES[args.shape], dtype, args.layers)
+    model = Model(torch, dev, SHAPES[args.shape], dtype, args.layers, args.suffix_attention)
+    print(f"suffix attention: {suffix_attention(model, args)}", flush=True)
     if args.connector:
         rows = run_connector(torch, model, prefixes, timed, args, started, args.budget or TIME_BUDGET_S, sync)
         print(f"\ntotal {time.monotonic() - started:.0f} s")
@@ -564,7 +611,8 @@ def run_table(torch, dev, dtype, timed, sync, args, started: float) -> int:
     for shape, prefixes, layers in TABLE:
         args.shape = shape
         try:
-            model = Model(torch, dev, SHAPES[shape], dtype, args.layers or layers)
+            model = Model(torch, dev, SHAPES[shape], dtype, args.layers or layers, args.suffix_attention)
+            print(f"\n{shape}: suffix attention: {suffix_attention(model, args)}", flush=True)
             failed += count_failed(run_connector(torch, model, list(prefixes), timed, args, started, budget, sync))
         except (Exception, SystemExit) as exc:               # the other shape and the direct path still run
             print(f"\n{shape}: FAILED: {brief(exc)}", flush=True)
@@ -577,7 +625,7 @@ def run_table(torch, dev, dtype, timed, sync, args, started: float) -> int:
         print("\ndirect path: skipped (it measures CUDA copies)")
         return 1 if failed else 0
     try:
-        model = Model(torch, dev, SHAPES[args.shape], dtype, TABLE[0][2])
+        model = Model(torch, dev, SHAPES[args.shape], dtype, TABLE[0][2], args.suffix_attention)
         run_direct(torch, model, list(TABLE[0][1]), timed, args, started, budget)
     except (Exception, SystemExit) as exc:
         print(f"\ndirect path: FAILED: {brief(exc)}", flush=True)
@@ -716,7 +764,8 @@ def run_connector(torch, model, prefixes, timed, args, started: float, budget: f
                     continue
                 try:
                     got = [(args.shape, P, r, "") for r in
-                           measure_connector(torch, model, core, P, timed, args.rounds, kv_dtypes, paths, sync)]
+                           measure_connector(torch, model, core, P, timed, args.rounds, kv_dtypes, paths, sync,
+                                             args.suffix_run)]
                 except torch.OutOfMemoryError as exc:
                     got = [(args.shape, P, None, f"out of device memory ({str(exc).splitlines()[0][:60]})")]
                 except (Exception, SystemExit) as exc:      # the next prefix still runs
