@@ -24,8 +24,11 @@ vLLM's call order: the prefix's 16-token blocks (2 MiB each in bf16) saved once 
 (``--kv-dtype auto,fp8_e4m3``) through ``wait_for_save`` / ``get_finished``; per request
 ``start_load_kv``, then ``wait_for_layer_load`` before each layer of the suffix reads its cache
 (a paged gather), once per load path (``--load-path layered,staged``: layer by layer out of the
-mapped arena, or whole blocks through staging; docs/engines.md).  Forward passes run eager there
-(the per-layer waits sit between the layers, as in vLLM), the recompute too.  Columns:
+mapped arena, or whole blocks through staging; docs/engines.md).  The suffix runs as vLLM V1
+runs a small prefill: each layer's work outside attention as a CUDA graph, the attention (with
+torch's lower-right causal bias: a flash kernel) and the per-layer wait eager between them
+(``bench/_piecewise.py``; ``--suffix-run eager`` runs it all from Python); the recompute runs
+eager.  Columns:
 recompute, reload + suffix, their ratio, load alone, from ``start_load_kv`` until layer 0 and
 until every layer is usable, suffix alone, save rate, max logit diff; each load is checked bit
 for bit (FP8: against the quantize -> dequantize of the saved blocks).  ``--load-only`` leaves
