@@ -388,6 +388,19 @@ def measure_prefix(torch, model, copier, tcp, P: int, timed, rounds: int, graphs
             "bytes": nbytes, "diff": (logits - ref_logits).abs().max().item()}
 
 
+def worker_path(path: str) -> dict:
+    """A --load-path name as PagedKVWorker arguments: layered, layered-dma (each layer moved by
+    the copy engines, client/gpu_dma.py, instead of a gather kernel), staged."""
+    if path == "layered-dma":
+        return {"load_path": "layered", "layer_copy": "dma"}
+    return {"load_path": path}
+
+
+def path_taken(worker) -> str:
+    taken = ",".join(k for k, v in worker.paths_used.items() if v)
+    return taken + "-dma" if taken == "layered" and worker.layer_copy == "dma" else taken
+
+
 def timed_load(worker, transfer, names: list, sync) -> tuple[float, float]:
     """One load through the connector, in vLLM's call order: seconds until the first layer is
     in place (``wait_for_layer_load`` of layer 0) and until every layer is."""
@@ -480,7 +493,7 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes,
             one = (1, 2, BLOCK_TOKENS, S.kv_heads, S.head_dim)      # a layer's blocks as 1-layer blocks
             return codec.decode(codec.encode(c[:, :nb].transpose(0, 1).contiguous()[:, None]), one)[:, 0].transpose(0, 1)
         for path in paths:
-            worker = PagedKVWorker(core, kv_dtype=kv_dtype, load_path=path)
+            worker = PagedKVWorker(core, kv_dtype=kv_dtype, **worker_path(path))
             try:
                 worker.register_kv_caches(caches)
 
@@ -505,7 +518,7 @@ def measure_connector(torch, model, core, P: int, timed, rounds: int, kv_dtypes,
                 for i, c in enumerate(layers):
                     if not torch.equal(c[:, nb:2 * nb].view(torch.uint8), want(c).contiguous().view(torch.uint8)):
                         raise SystemExit(f"connector reload ({kv_dtype}, {path}): layer {i}: not the bytes saved")
-                taken = ",".join(k for k, v in worker.paths_used.items() if v)     # layered falls back to staged
+                taken = path_taken(worker)                       # layered falls back to staged
                 rows.append({"kv": kv_dtype, "path": taken, "full": full_s * x, "conn": conn_s * x,
                              "load": load_s * x, "first": first, "all": every * x, "suffix": suffix_s * x,
                              "save": save_s, "bytes": nb * writer.stored_nbytes, "diff": (logits - ref).abs().max().item()})
@@ -531,7 +544,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
     ap.add_argument("--layers", type=int, default=0, help="build and time this many layers, scale to the shape's")
     ap.add_argument("--kv-dtype", default="auto", help="connector: stored dtypes, comma-separated (auto,fp8_e4m3)")
-    ap.add_argument("--load-path", default="layered,staged", help="connector: load paths, comma-separated")
+    ap.add_argument("--load-path", default="layered,staged",
+                    help="connector: load paths, comma-separated (layered, layered-dma, staged)")
     ap.add_argument("--no-tcp", action="store_true", help="direct path: leave out the TCP baseline")
     ap.add_argument("--load-only", action="store_true",
                     help="connector: no model, only the load (first layer vs all layers usable; runs on CPU)")
@@ -704,7 +718,7 @@ def measure_load_only(torch, shape: Shape, P: int, dev, core, rounds: int, kv_dt
         while not writer.get_finished({"A"}):
             time.sleep(0.001)
         for path in paths:
-            worker = PagedKVWorker(core, kv_dtype=kv_dtype, load_path=path)
+            worker = PagedKVWorker(core, kv_dtype=kv_dtype, **worker_path(path))
             worker.register_kv_caches(caches)
             marks = []
             for _ in range(rounds + 1):
@@ -714,7 +728,7 @@ def measure_load_only(torch, shape: Shape, P: int, dev, core, rounds: int, kv_dt
                     raise SystemExit("load-only: blocks were reported missing")
             if kv_dtype == "auto" and not all(torch.equal(c[:, nb:], c[:, :nb]) for c in layers):
                 raise SystemExit(f"load-only ({path}): the blocks loaded differ from the blocks saved")
-            rows.append({"kv": kv_dtype, "path": ",".join(k for k, v in worker.paths_used.items() if v),
+            rows.append({"kv": kv_dtype, "path": path_taken(worker),
                          "first": statistics.median(m[0] for m in marks[1:]),
                          "all": statistics.median(m[1] for m in marks[1:]), "bytes": nb * writer.stored_nbytes})
             worker.shutdown()

@@ -22,6 +22,7 @@ torch = engines.require("torch")
 
 from quillcache.client import Client  # noqa: E402
 from quillcache.client.gpu import ArenaCopier, GatherPlan  # noqa: E402
+from quillcache.client.gpu_dma import CopyPlan, runs_of  # noqa: E402
 from quillcache.connectors.core import ConnectorCore, chain_keys, model_scope  # noqa: E402
 from quillcache.connectors.kvquant import make_codec  # noqa: E402
 from quillcache.connectors.paged import PagedKVWorker, Transfer  # noqa: E402
@@ -272,18 +273,21 @@ def test_a_gather_plan_reads_every_layers_parts_of_a_batch(node):
                 GatherPlan(arena, [views.extents[0][0]], [[(0, 8)], [(8, 16)]])
 
 
+@pytest.mark.parametrize("layer_copy", ["kernel", "dma"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("group_blocks, gathers", [(BLOCKS, 1), (5, 3), (3, 3)])
 def test_layers_after_the_first_are_read_in_groups_not_in_the_batches_they_were_leased_in(
-        node, monkeypatch, kv_dtype, group_blocks, gathers):
+        node, monkeypatch, kv_dtype, group_blocks, gathers, layer_copy):
     """Twelve blocks leased in three batches of four: layer 0 is written batch by batch (each as
     it is leased), and every later layer in groups of LAYER_GROUP_BYTES of one layer (one gather
     per part and one scatter per group: on an H200 the per-batch launches, not the bus, bounded
     the load).  Batches already as large as a group stay as they are.  Every byte is the
     writer's, whatever the grouping."""
     from quillcache.client import gpu as gpu_mod
+    from quillcache.client import gpu_dma
     from quillcache.connectors import paged as paged_mod
-    ks = keys(kv_dtype, f"group-{kv_dtype}-{group_blocks}")
+    plan_class = gpu_mod.GatherPlan if layer_copy == "kernel" else gpu_dma.CopyPlan
+    ks = keys(kv_dtype, f"group-{kv_dtype}-{group_blocks}-{layer_copy}")
     core = ConnectorCore(sock(node), timeout=10)
     try:
         writer = PagedKVWorker(core, kv_dtype=kv_dtype)
@@ -292,16 +296,16 @@ def test_layers_after_the_first_are_read_in_groups_not_in_the_batches_they_were_
         saved(writer, Transfer("W", ks, list(range(BLOCKS))))
         want = expected_layers(written, kv_dtype)
         reader_caches = caches(fill=SENTINEL)
-        reader = PagedKVWorker(core, kv_dtype=kv_dtype, staging_bytes=4 * writer.stored_nbytes)
+        reader = PagedKVWorker(core, kv_dtype=kv_dtype, staging_bytes=4 * writer.stored_nbytes, layer_copy=layer_copy)
         reader.register_kv_caches(reader_caches)
         monkeypatch.setattr(paged_mod, "LAYER_GROUP_BYTES", group_blocks * reader.block_nbytes // LAYERS)
         calls: dict[int, list[int]] = {}
-        real_layer = gpu_mod.GatherPlan.layer
+        real_layer = plan_class.layer
 
         def counted(plan, layer):
             calls.setdefault(layer, []).append(plan.n)
             return real_layer(plan, layer)
-        monkeypatch.setattr(gpu_mod.GatherPlan, "layer", counted)
+        monkeypatch.setattr(plan_class, "layer", counted)
         reader.start_load_kv([Transfer("R", ks, list(range(BLOCKS, 2 * BLOCKS)))])
         reader.wait_for_layer_load(names()[-1])
         assert reader.take_load_errors() == set()
@@ -315,6 +319,57 @@ def test_layers_after_the_first_are_read_in_groups_not_in_the_batches_they_were_
         writer.shutdown()
     finally:
         core.close()
+
+
+def test_runs_of_cuts_offsets_into_pitched_runs():
+    """runs_of: rows at one stride (>= the width) are one run; a change of stride, a stride under
+    the width (rows would overlap) or a step backwards starts another."""
+    assert runs_of([0, 100, 200, 300], 64) == [(0, 4, 0, 100)]
+    assert runs_of([0, 100, 200, 500, 600], 64) == [(0, 3, 0, 100), (3, 5, 500, 100)]
+    assert runs_of([0, 32, 64], 64) == [(0, 1, 0, 64), (1, 2, 32, 64), (2, 3, 64, 64)]
+    assert runs_of([300, 200, 100], 64) == [(0, 1, 300, 64), (1, 2, 200, 64), (2, 3, 100, 64)]
+    assert runs_of([7], 8) == [(0, 1, 7, 8)]
+    assert runs_of([0, 64, 128, 4096, 8192], 64) == [(0, 3, 0, 64), (3, 5, 4096, 4096)]
+    assert runs_of([0, 5000, 10000], 64, max_pitch=4096) == [(0, 1, 0, 64), (1, 2, 5000, 64), (2, 3, 10000, 64)]
+    for _ in range(200):                                   # every row is in exactly one run, at its offset
+        rng = random.Random(_)
+        offs = sorted(rng.sample(range(0, 4096, 8), rng.randrange(1, 30)))
+        if rng.random() < 0.3:
+            rng.shuffle(offs)
+        width = rng.choice([8, 16, 64])
+        rows = [(first + i, off + i * stride) for first, end, off, stride in runs_of(offs, width)
+                for i in range(end - first)]
+        assert rows == list(enumerate(offs))
+        assert all(stride >= width for *_, stride in runs_of(offs, width))
+
+
+def test_a_copy_plan_reads_what_a_gather_plan_reads(node):
+    """CopyPlan (the copy engines' pitched copies; on CPU the same runs as strided copies) gives
+    every layer's parts of a batch byte for byte as GatherPlan does, for values stored side by
+    side, in another order, and with a hole between them; a part outside the arena is refused."""
+    values = [torch.randint(0, 256, (65536,), dtype=torch.uint8, generator=torch.Generator().manual_seed(30 + i))
+              for i in range(8)]
+    ks = [KvBlockKey("copyplan", "tok", None, "", "", f"v{i}", 0, 1) for i in range(8)]
+    layer_parts = [[(8 * L, 8), (256 + 4096 * L, 4096)] for L in range(15)]
+    with Client(sock(node)) as c:
+        assert c.shm
+        c.put_many([(k, v.numpy()) for k, v in zip(ks, values)])
+        copier = ArenaCopier(c)
+        arena, host = copier.arena_tensor(), copier.host_tensor()
+        with c.get_many_located(ks) as views:
+            for order in ([0, 1, 2, 3, 4, 5, 6, 7], [5, 6, 7, 0, 1, 2], [0, 1, 3, 4, 7], [7, 3]):
+                offsets = [views.extents[v][0] for v in order]
+                plan = CopyPlan(host, offsets, layer_parts, "cpu")
+                ref = GatherPlan(arena, offsets, layer_parts)
+                assert (plan.n, plan.layers) == (len(order), 15)
+                for L, parts in enumerate(layer_parts):
+                    got = plan.layer(L)
+                    assert [g.shape for g in got] == [(len(order), 8), (len(order), 4096)]
+                    assert all(torch.equal(a, b) for a, b in zip(got, ref.layer(L))), (order, L)
+                    for row, v in zip(got[1], order):
+                        assert torch.equal(row, values[v][parts[1][0]:parts[1][0] + 4096])
+            with pytest.raises(InvalidArgument, match="outside"):
+                CopyPlan(host, [views.extents[0][0]], [[(host.numel(), 8)]], "cpu")
 
 
 def test_two_requests_of_one_step_get_layer_0_before_either_gets_layer_1(node):

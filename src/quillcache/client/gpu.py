@@ -248,6 +248,12 @@ class ArenaCopier:
         """The node's located lease (0: no mapping)."""
         return int(getattr(self._arena, "lease_ns", 0) or 0) if self._arena is not None else 0
 
+    def host_tensor(self):
+        """The mapped arena as a CPU uint8 tensor over the mapping itself (no copy), or None
+        without a mapping: the source of ``gpu_dma.CopyPlan``'s pitched copies."""
+        self._bind()
+        return self._host
+
     def arena_tensor(self):
         """The mapped arena as a uint8 tensor on the copier's device, for ``gather``: on CPU
         the mapping itself; on CUDA the registered mapping seen by kernels (a gather kernel then

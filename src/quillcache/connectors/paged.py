@@ -61,6 +61,7 @@ __all__ = ["Transfer", "PagedKVWorker", "STAGING_BYTES", "LOAD_PATHS"]
 STAGING_BYTES = 256 << 20        # bytes of blocks per load chunk (staged: the device staging tensor)
 LAYER_GROUP_BYTES = 32 << 20     # layered: one layer's bytes (engine dtype) moved by one gather and one scatter
 LOAD_PATHS = ("layered", "staged")
+LAYER_COPIES = ("kernel", "dma")  # layered: a gather kernel over the registered arena, or the copy engines
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +112,21 @@ class PagedKVWorker:
 
     def __init__(self, core: ConnectorCore, *, staging_bytes: int = STAGING_BYTES,
                  kv_dtype: Optional[str] = None, load_path: str = "layered",
-                 layer_gate: Optional[Callable[[str, int], None]] = None) -> None:
+                 layer_gate: Optional[Callable[[str, int], None]] = None, layer_copy: str = "kernel") -> None:
         if load_path not in LOAD_PATHS:
             raise ValueError(f"load_path {load_path!r}: one of {', '.join(LOAD_PATHS)}")
+        if layer_copy not in LAYER_COPIES:
+            raise ValueError(f"layer_copy {layer_copy!r}: one of {', '.join(LAYER_COPIES)}")
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes {staging_bytes}: must be positive")
         self.core = core
         self.staging_bytes = int(staging_bytes)
         self.kv_dtype = kv_dtype            # what the pool stores (kvquant.py); None: the caches' dtype
         self.load_path = load_path          # "layered" where the arena is mapped and addressable, else staged
+        # layered: how a layer leaves the arena: "kernel" (GatherPlan: one index_select over the
+        # registered mapping) or "dma" (gpu_dma.CopyPlan: pitched copies by the copy engines;
+        # not yet measured on a GPU, so not the default)
+        self.layer_copy = layer_copy
         # called on the I/O thread as (req_id, layer) before a layered load issues that layer's
         # copies: an observation point for tests and benchmarks (it may block; it delays only that load)
         self.layer_gate = layer_gate
@@ -264,7 +271,7 @@ class PagedKVWorker:
                     for load in loads:
                         self._layer_done(load, 0, stream)
                         if load.batches and load.failure is not _CANCELLED:
-                            load.batches = self._regroup(load, arena, parts)
+                            load.batches = self._regroup(load, copier, arena, parts)
                     for layer in range(1, self.num_layers):
                         for load in loads:
                             if load.batches and load.failure is not _CANCELLED:
@@ -297,8 +304,7 @@ class PagedKVWorker:
     def _lease_batches(self, load: _Load, client, copier, arena, step: int, parts) -> None:
         """Located GETs of the load's keys, ``step`` at a time, each batch's layer 0 written once
         it is leased; stops at the first block that is not there whole.  A batch is kept as its
-        ``GatherPlan`` (every layer's arena rows, on the device once) and its block ids."""
-        from quillcache.client.gpu import GatherPlan
+        plan (``_plan``: every layer's arena rows, on the device once) and its block ids."""
         t = load.transfer
         stored = self.stored_nbytes
         for a in range(0, len(t.keys), step):
@@ -317,7 +323,7 @@ class PagedKVWorker:
                 raise Timeout("layered load: the located lease may have run out before the copy; "
                               "nothing of this batch is written")
             offsets = [e[0] for e in views.extents[:lead]]
-            batch = (GatherPlan(arena, offsets, parts), self._device_ids(t.block_ids[a:a + lead]))
+            batch = (self._plan(copier, arena, offsets, parts), self._device_ids(t.block_ids[a:a + lead]))
             if not self._write_layer(load, 0, [batch]):
                 load.failure = _CANCELLED
                 return
@@ -334,16 +340,23 @@ class PagedKVWorker:
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         return ids
 
-    def _regroup(self, load: _Load, arena, parts) -> list:
+    def _plan(self, copier, arena, offsets: list, parts):
+        """How the layers of blocks at ``offsets`` leave the arena (``layer_copy``)."""
+        if self.layer_copy == "dma":
+            from quillcache.client.gpu_dma import CopyPlan
+            return CopyPlan(copier.host_tensor(), offsets, parts, self.device)
+        from quillcache.client.gpu import GatherPlan
+        return GatherPlan(arena, offsets, parts)
+
+    def _regroup(self, load: _Load, copier, arena, parts) -> list:
         """Layers 1.. of a load's leased blocks, in groups of ``LAYER_GROUP_BYTES`` of one layer
         rather than in the batches they were leased in: each layer of a group is one gather and
         one scatter, so an 8k-token 8B load issues 2 kernels per layer instead of 2 per batch
         (the I/O thread's launches, not the bus, were what bounded it on an H200)."""
-        from quillcache.client.gpu import GatherPlan
         per = max(1, LAYER_GROUP_BYTES // max(1, self.block_nbytes // self.num_layers))
         if len(load.batches) == 1 or (len(load.batches) > 1 and load.batches[0][0].n >= per):
             return load.batches                      # one batch already, or batches as large as a group
-        return [(GatherPlan(arena, load.offsets[a:a + per], parts), self._device_ids(load.block_ids[a:a + per]))
+        return [(self._plan(copier, arena, load.offsets[a:a + per], parts), self._device_ids(load.block_ids[a:a + per]))
                 for a in range(0, len(load.offsets), per)]
 
     def _gate(self, t: Transfer, layer: int) -> None:
