@@ -42,15 +42,15 @@ def _memcpy2d():
     with _LOCK:
         if _MEMCPY2D is None:
             _MEMCPY2D = False
-            path = None
+            # torch's own runtime: the one of its CUDA major version where several are mapped
+            major = str(getattr(_torch().version, "cuda", None) or "").split(".")[0]
+            found: list[str] = []
             try:
                 with open("/proc/self/maps") as maps:
-                    for line in maps:
-                        if "libcudart.so" in line:
-                            path = line.split()[-1]
-                            break
+                    found = [line.split()[-1] for line in maps if "libcudart.so" in line]
             except OSError:
                 pass
+            path = next((f for f in found if major and f"libcudart.so.{major}" in f), found[0] if found else None)
             try:
                 lib = ctypes.CDLL(path or "libcudart.so", mode=ctypes.RTLD_GLOBAL)
                 fn = lib.cudaMemcpy2DAsync
