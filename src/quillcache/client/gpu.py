@@ -21,9 +21,12 @@ A tensor handed to load/save must be contiguous; its bytes are the block (any dt
 """
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from typing import Any, Optional, Sequence
+
+import numpy as np
 
 from quillcache.errors import InvalidArgument, NotFound
 
@@ -149,9 +152,6 @@ class GatherPlan:
     __slots__ = ("_windows", "_idx", "n", "layers")
 
     def __init__(self, arena, offsets: Sequence[int], layer_parts: Sequence[Sequence[tuple[int, int]]]) -> None:
-        import math
-
-        import numpy as np
         torch = _torch()
         offsets = list(offsets)
         if not offsets or not layer_parts or not layer_parts[0]:

@@ -335,7 +335,8 @@ class PagedKVWorker:
                 return
 
     def _device_ids(self, block_ids: list):
-        ids = _torch().tensor(block_ids, dtype=_torch().long)
+        torch = _torch()
+        ids = torch.tensor(block_ids, dtype=torch.long)
         if self.device.type != "cpu":                # pinned: the copy does not wait for the stream
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         return ids
@@ -354,7 +355,7 @@ class PagedKVWorker:
         one scatter, so an 8k-token 8B load issues 2 kernels per layer instead of 2 per batch
         (the I/O thread's launches, not the bus, were what bounded it on an H200)."""
         per = max(1, LAYER_GROUP_BYTES // max(1, self.block_nbytes // self.num_layers))
-        if len(load.batches) == 1 or (len(load.batches) > 1 and load.batches[0][0].n >= per):
+        if len(load.batches) == 1 or load.batches[0][0].n >= per:
             return load.batches                      # one batch already, or batches as large as a group
         return [(self._plan(copier, arena, load.offsets[a:a + per], parts), self._device_ids(load.block_ids[a:a + per]))
                 for a in range(0, len(load.offsets), per)]
