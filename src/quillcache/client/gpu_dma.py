@@ -28,7 +28,7 @@ __all__ = ["CopyPlan", "runs_of", "dma_available"]
 CUDA_MEMCPY_HOST_TO_DEVICE = 1
 MAX_PITCH = (1 << 31) - 1                 # bytes: cudaDevAttrMaxPitch on current GPUs; a wider stride is no run
 _LOCK = threading.Lock()
-_MEMCPY2D: Optional[object] = None          # the bound cudaMemcpy2DAsync, False where not found
+_MEMCPY2D: Optional[object] = None          # (cudaMemcpy2DAsync, cudaGetLastError), False where not found
 
 
 def _torch():
@@ -37,7 +37,7 @@ def _torch():
 
 
 def _memcpy2d():
-    """cudaMemcpy2DAsync of the CUDA runtime loaded in this process, or None."""
+    """(cudaMemcpy2DAsync, cudaGetLastError) of the CUDA runtime loaded in this process, or None."""
     global _MEMCPY2D
     with _LOCK:
         if _MEMCPY2D is None:
@@ -59,7 +59,9 @@ def _memcpy2d():
             fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                            ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
             fn.restype = ctypes.c_int
-            _MEMCPY2D = fn
+            clear = lib.cudaGetLastError
+            clear.argtypes, clear.restype = [], ctypes.c_int
+            _MEMCPY2D = (fn, clear)
         return _MEMCPY2D or None
 
 
@@ -116,10 +118,10 @@ class CopyPlan:
         # one cut per part: a run must keep its rows apart by at least that part's width
         self.runs = [runs_of(offsets, nbytes) for _, nbytes in layer_parts[0]]
         if self._device.type == "cuda":
-            fn = _memcpy2d()
-            if fn is None:
+            fns = _memcpy2d()
+            if fns is None:
                 raise RuntimeError("copy plan: the CUDA runtime's cudaMemcpy2DAsync was not found")
-            self._copy = fn
+            self._copy = fns
         else:
             self._copy = None
 
@@ -132,12 +134,14 @@ class CopyPlan:
                 for first, end, off, stride in self.runs[p]:
                     dst[first:end].copy_(self._host.as_strided((end - first, nbytes), (stride, 1), off + at))
             else:
+                copy, clear = self._copy
                 stream = torch.cuda.current_stream(self._device).cuda_stream
                 base, src = dst.data_ptr(), self._host.data_ptr() + at
                 for first, end, off, stride in self.runs[p]:
-                    err = self._copy(base + first * nbytes, nbytes, src + off, stride, nbytes, end - first,
-                                     CUDA_MEMCPY_HOST_TO_DEVICE, stream)
+                    err = copy(base + first * nbytes, nbytes, src + off, stride, nbytes, end - first,
+                               CUDA_MEMCPY_HOST_TO_DEVICE, stream)
                     if err:
+                        clear()          # the runtime's last error, so torch's next launch check does not report it
                         raise RuntimeError(f"cudaMemcpy2DAsync of layer {layer}, part {p} failed: error {err}")
             out.append(dst)
         return out
