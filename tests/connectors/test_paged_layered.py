@@ -85,6 +85,16 @@ def expected_layers(written: dict, kv_dtype: str) -> list:
     return [blocks[:, layer].transpose(0, 1) for layer in range(LAYERS)]     # per layer [2, n, ...]
 
 
+def written_by_a_writer(core: ConnectorCore, kv_dtype: str, ks: list, seed: int = 1) -> tuple:
+    """A writer's random caches saved under ``ks`` (blocks 0..), and what each layer of a load
+    of them must hold (``expected_layers``)."""
+    writer = PagedKVWorker(core, kv_dtype=kv_dtype)
+    written = caches(seed=seed)
+    writer.register_kv_caches(written)
+    saved(writer, Transfer("W", ks, list(range(len(ks)))))
+    return writer, expected_layers(written, kv_dtype)
+
+
 def bits(t):
     return t.contiguous().view(torch.uint16)
 
@@ -126,11 +136,7 @@ def test_wait_for_layer_load_returns_for_layer_l_while_later_layers_are_held_bac
     core = ConnectorCore(sock(node), timeout=10)
     gate = Gate()
     try:
-        writer = PagedKVWorker(core, kv_dtype=kv_dtype)
-        written = caches()
-        writer.register_kv_caches(written)
-        saved(writer, Transfer("W", ks, list(range(BLOCKS))))
-        want = expected_layers(written, kv_dtype)
+        writer, want = written_by_a_writer(core, kv_dtype, ks)
 
         block = writer.stored_nbytes
         reader = PagedKVWorker(core, kv_dtype=kv_dtype, staging_bytes=5 * block, layer_gate=gate)   # 3 batches
@@ -165,11 +171,7 @@ def test_layered_and_staged_loads_leave_the_same_bits_and_a_miss_is_recomputed(n
     ks = keys(kv_dtype, f"same-{kv_dtype}")
     core = ConnectorCore(sock(node), timeout=10)
     try:
-        writer = PagedKVWorker(core, kv_dtype=kv_dtype)
-        written = caches(seed=5)
-        writer.register_kv_caches(written)
-        saved(writer, Transfer("W", ks[:BLOCKS - 3], list(range(BLOCKS - 3))))      # the last 3 are misses
-        want = expected_layers(written, kv_dtype)
+        writer, want = written_by_a_writer(core, kv_dtype, ks[:BLOCKS - 3], seed=5)      # the last 3 are misses
         got = {}
         for path in ("layered", "staged"):
             reader = PagedKVWorker(core, kv_dtype=kv_dtype, load_path=path, staging_bytes=4 * writer.stored_nbytes)
@@ -244,23 +246,32 @@ def test_gather_reads_each_extent_of_the_arena_wherever_it_lies(node):
             ArenaCopier.gather(arena, [arena.numel() - 8], 16)
 
 
+# a value's parts per layer in the plan tests: an 8-byte scale per layer in front, then 4 KiB per layer
+LAYER_PARTS = [[(8 * L, 8), (256 + 4096 * L, 4096)] for L in range(15)]
+
+
+def stored_values(c: Client, tag: str, n: int, seed: int) -> tuple[list, list]:
+    """``n`` random 64 KiB values put through ``c`` (mapped), and their keys."""
+    assert c.shm
+    values = [torch.randint(0, 256, (65536,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed + i))
+              for i in range(n)]
+    ks = [KvBlockKey(tag, "tok", None, "", "", f"v{i}", 0, 1) for i in range(n)]
+    c.put_many([(k, v.numpy()) for k, v in zip(ks, values)])
+    return values, ks
+
+
 def test_a_gather_plan_reads_every_layers_parts_of_a_batch(node):
     """GatherPlan: per layer, each part's bytes of every value in the batch, values anywhere in
     the arena and parts at offsets that do not share the values' alignment (FP8's 8-byte scales
     beside 4 KiB layers), against the values themselves; a part outside the arena is refused."""
-    values = [torch.randint(0, 256, (65536,), dtype=torch.uint8, generator=torch.Generator().manual_seed(10 + i))
-              for i in range(5)]
-    ks = [KvBlockKey("plan", "tok", None, "", "", f"v{i}", 0, 1) for i in range(5)]
-    layer_parts = [[(8 * L, 8), (256 + 4096 * L, 4096)] for L in range(15)]
     with Client(sock(node)) as c:
-        assert c.shm
-        c.put_many([(k, v.numpy()) for k, v in zip(ks, values)])
+        values, ks = stored_values(c, "plan", 5, seed=10)
         arena = ArenaCopier(c).arena_tensor()
         with c.get_many_located(ks) as views:
             order = [3, 0, 4, 1]                   # not the order they were stored in
-            plan = GatherPlan(arena, [views.extents[v][0] for v in order], layer_parts)
+            plan = GatherPlan(arena, [views.extents[v][0] for v in order], LAYER_PARTS)
             assert (plan.n, plan.layers) == (4, 15)
-            for L, parts in enumerate(layer_parts):
+            for L, parts in enumerate(LAYER_PARTS):
                 got = plan.layer(L)
                 assert len(got) == 2
                 for (at, nbytes), part in zip(parts, got):
@@ -290,11 +301,7 @@ def test_layers_after_the_first_are_read_in_groups_not_in_the_batches_they_were_
     ks = keys(kv_dtype, f"group-{kv_dtype}-{group_blocks}-{layer_copy}")
     core = ConnectorCore(sock(node), timeout=10)
     try:
-        writer = PagedKVWorker(core, kv_dtype=kv_dtype)
-        written = caches()
-        writer.register_kv_caches(written)
-        saved(writer, Transfer("W", ks, list(range(BLOCKS))))
-        want = expected_layers(written, kv_dtype)
+        writer, want = written_by_a_writer(core, kv_dtype, ks)
         reader_caches = caches(fill=SENTINEL)
         reader = PagedKVWorker(core, kv_dtype=kv_dtype, staging_bytes=4 * writer.stored_nbytes, layer_copy=layer_copy)
         reader.register_kv_caches(reader_caches)
@@ -347,22 +354,17 @@ def test_a_copy_plan_reads_what_a_gather_plan_reads(node):
     """CopyPlan (the copy engines' pitched copies; on CPU the same runs as strided copies) gives
     every layer's parts of a batch byte for byte as GatherPlan does, for values stored side by
     side, in another order, and with a hole between them; a part outside the arena is refused."""
-    values = [torch.randint(0, 256, (65536,), dtype=torch.uint8, generator=torch.Generator().manual_seed(30 + i))
-              for i in range(8)]
-    ks = [KvBlockKey("copyplan", "tok", None, "", "", f"v{i}", 0, 1) for i in range(8)]
-    layer_parts = [[(8 * L, 8), (256 + 4096 * L, 4096)] for L in range(15)]
     with Client(sock(node)) as c:
-        assert c.shm
-        c.put_many([(k, v.numpy()) for k, v in zip(ks, values)])
+        values, ks = stored_values(c, "copyplan", 8, seed=30)
         copier = ArenaCopier(c)
         arena, host = copier.arena_tensor(), copier.host_tensor()
         with c.get_many_located(ks) as views:
             for order in ([0, 1, 2, 3, 4, 5, 6, 7], [5, 6, 7, 0, 1, 2], [0, 1, 3, 4, 7], [7, 3]):
                 offsets = [views.extents[v][0] for v in order]
-                plan = CopyPlan(host, offsets, layer_parts, "cpu")
-                ref = GatherPlan(arena, offsets, layer_parts)
+                plan = CopyPlan(host, offsets, LAYER_PARTS, "cpu")
+                ref = GatherPlan(arena, offsets, LAYER_PARTS)
                 assert (plan.n, plan.layers) == (len(order), 15)
-                for L, parts in enumerate(layer_parts):
+                for L, parts in enumerate(LAYER_PARTS):
                     got = plan.layer(L)
                     assert [g.shape for g in got] == [(len(order), 8), (len(order), 4096)]
                     assert all(torch.equal(a, b) for a, b in zip(got, ref.layer(L))), (order, L)

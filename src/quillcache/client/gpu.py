@@ -139,6 +139,23 @@ def _runs(pairs):
     return result
 
 
+def layer_part_spans(size: int, offsets: list, layer_parts, what: str) -> list[tuple[list[int], int]]:
+    """Per part of a value: (its offset in every layer, its size), checked: one positive size
+    in every layer, and every value's part inside the ``size``-byte arena (GatherPlan, CopyPlan)."""
+    if not offsets or not layer_parts or not layer_parts[0]:
+        raise InvalidArgument(f"{what}: nothing to copy")
+    lo, hi = min(offsets), max(offsets)
+    out = []
+    for p, (_, nbytes) in enumerate(layer_parts[0]):
+        ats = [parts[p][0] for parts in layer_parts]
+        if nbytes <= 0 or any(parts[p][1] != nbytes for parts in layer_parts):
+            raise InvalidArgument(f"{what}: part {p} must have one positive size in every layer")
+        if lo + min(ats) < 0 or hi + max(ats) > size - nbytes:
+            raise InvalidArgument(f"{what}: {hi + max(ats)}+{nbytes} outside the {size}-byte arena")
+        out.append((ats, nbytes))
+    return out
+
+
 class GatherPlan:
     """Where a batch of stored values lies in the arena, for reading them a layer at a time.
 
@@ -154,22 +171,15 @@ class GatherPlan:
     def __init__(self, arena, offsets: Sequence[int], layer_parts: Sequence[Sequence[tuple[int, int]]]) -> None:
         torch = _torch()
         offsets = list(offsets)
-        if not offsets or not layer_parts or not layer_parts[0]:
-            raise InvalidArgument("gather: nothing to gather")
         size = arena.numel()
-        lo, hi = min(offsets), max(offsets)
+        checked = layer_part_spans(size, offsets, layer_parts, "gather")
         base = 0
         for off in offsets:
             base = math.gcd(base, off)
         self.n, self.layers = len(offsets), len(layer_parts)
         self._windows = []
         rows_of = []
-        for p, (_, nbytes) in enumerate(layer_parts[0]):
-            ats = [parts[p][0] for parts in layer_parts]
-            if nbytes <= 0 or any(parts[p][1] != nbytes for parts in layer_parts):
-                raise InvalidArgument(f"gather: part {p} must have one positive size in every layer")
-            if lo + min(ats) < 0 or hi + max(ats) > size - nbytes:
-                raise InvalidArgument(f"gather: {hi + max(ats)}+{nbytes} outside the {size}-byte arena")
+        for ats, nbytes in checked:
             step = base
             for at in ats:
                 step = math.gcd(step, at)

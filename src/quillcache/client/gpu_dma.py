@@ -21,7 +21,6 @@ import ctypes
 import threading
 from typing import Optional, Sequence
 
-from quillcache.errors import InvalidArgument
 
 __all__ = ["CopyPlan", "runs_of", "dma_available"]
 
@@ -100,18 +99,10 @@ class CopyPlan:
 
     def __init__(self, host, offsets: Sequence[int], layer_parts: Sequence[Sequence[tuple[int, int]]],
                  device) -> None:
+        from quillcache.client.gpu import layer_part_spans
         torch = _torch()
         offsets = list(offsets)
-        if not offsets or not layer_parts or not layer_parts[0]:
-            raise InvalidArgument("copy plan: nothing to copy")
-        size = host.numel()
-        lo, hi = min(offsets), max(offsets)
-        for p, (_, nbytes) in enumerate(layer_parts[0]):
-            ats = [parts[p][0] for parts in layer_parts]
-            if nbytes <= 0 or any(parts[p][1] != nbytes for parts in layer_parts):
-                raise InvalidArgument(f"copy plan: part {p} must have one positive size in every layer")
-            if lo + min(ats) < 0 or hi + max(ats) > size - nbytes:
-                raise InvalidArgument(f"copy plan: {hi + max(ats)}+{nbytes} outside the {size}-byte arena")
+        layer_part_spans(host.numel(), offsets, layer_parts, "copy plan")
         self.n, self.layers = len(offsets), len(layer_parts)
         self._host, self._parts = host, [list(parts) for parts in layer_parts]
         self._device = torch.device(device)
