@@ -121,6 +121,7 @@ def test_gpu_reload_connector_mode_runs_on_cpu_with_a_tiny_shape(capsys):
                           "--kv-dtype", "auto,fp8_e4m3"])
     out = capsys.readouterr().out
     assert rc == 0, out
+    assert "lower-right causal bias" in out               # the probe found it gives the mask's attention
     rows = bench_rows(out, "| tiny |")
     assert len(rows) == 8, out                             # 2 prefixes x 2 stored dtypes x 2 load paths
     assert {(r[1], r[2], r[3]) for r in rows} == {(p, kv, path) for p in ("128", "256")
@@ -129,6 +130,29 @@ def test_gpu_reload_connector_mode_runs_on_cpu_with_a_tiny_shape(capsys):
         assert float(r[4]) > 0 and float(r[5]) > 0        # recompute ms, reload + suffix ms
         assert float(r[8]) <= float(r[9])                  # first layer usable no later than all layers
         assert float(r[12]) < (1e-3 if r[2] == "auto" else 0.05)   # float32 on CPU: the same logits; FP8 close
+    assert "'load_errors': 0" in out and "'save_errors': 0" in out
+
+
+def test_gpu_reload_connector_mode_with_the_copy_engine_path_and_the_old_suffix_on_cpu(capsys):
+    """The other choices of the connector rows: the copy-engine load path (on CPU its strided
+    copies) beside the gather kernel's, and the suffix as before (eager, boolean mask): the same
+    logits as the full prefill either way."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_reload
+    finally:
+        sys.path.remove(str(BENCH))
+    rc = gpu_reload.main(["--connector", "--device", "cpu", "--shape", "tiny", "--prefix", "256", "--rounds", "1",
+                          "--kv-dtype", "auto,fp8_e4m3", "--load-path", "layered-dma,layered",
+                          "--suffix-run", "eager", "--suffix-attention", "mask"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "boolean mask" in out and "suffix run eager" in out
+    rows = bench_rows(out, "| tiny |")
+    assert {(r[2], r[3]) for r in rows} == {(kv, path) for kv in ("auto", "fp8_e4m3")
+                                            for path in ("layered-dma", "layered")}
+    for r in rows:
+        assert float(r[12]) < (1e-3 if r[2] == "auto" else 0.05)
     assert "'load_errors': 0" in out and "'save_errors': 0" in out
 
 
