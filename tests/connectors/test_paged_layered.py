@@ -223,7 +223,7 @@ def test_a_layered_load_over_tcp_falls_back_to_whole_blocks(node):
 
 
 def test_gather_reads_each_extent_of_the_arena_wherever_it_lies(node):
-    """ArenaCopier.gather: bytes [off, off + n) per offset of stored values, against the values
+    """GatherPlan of one part: bytes [off, off + n) per offset of stored values, against the values
     themselves, at alignments from 1 to 4096 bytes."""
     rng = random.Random(4)
     values = [torch.randint(0, 256, (65536,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
@@ -238,12 +238,12 @@ def test_gather_reads_each_extent_of_the_arena_wherever_it_lies(node):
             bases = [e[0] for e in views.extents]
             for nbytes, align in [(4096, 4096), (24, 8), (6, 2), (7, 1), (64, 64)]:
                 picks = [(rng.randrange(4), rng.randrange(0, (65536 - nbytes) // align) * align) for _ in range(9)]
-                got = ArenaCopier.gather(arena, [bases[v] + at for v, at in picks], nbytes)
+                got = GatherPlan(arena, [bases[v] + at for v, at in picks], [[(0, nbytes)]]).layer(0)[0]
                 assert got.shape == (9, nbytes) and got.dtype == torch.uint8
                 for row, (v, at) in zip(got, picks):
                     assert torch.equal(row, values[v][at:at + nbytes]), (nbytes, align, v, at)
         with pytest.raises(Exception, match="outside"):
-            ArenaCopier.gather(arena, [arena.numel() - 8], 16)
+            GatherPlan(arena, [arena.numel() - 8], [[(0, 16)]])
 
 
 # a value's parts per layer in the plan tests: an 8-byte scale per layer in front, then 4 KiB per layer

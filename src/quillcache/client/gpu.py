@@ -265,7 +265,7 @@ class ArenaCopier:
         return self._host
 
     def arena_tensor(self):
-        """The mapped arena as a uint8 tensor on the copier's device, for ``gather``: on CPU
+        """The mapped arena as a uint8 tensor on the copier's device, for ``GatherPlan``: on CPU
         the mapping itself; on CUDA the registered mapping seen by kernels (a gather kernel then
         reads host memory over the bus, no staging copy).  None without a mapping, or where
         the device cannot address it (the caller falls back to whole-block copies)."""
@@ -292,12 +292,6 @@ class ArenaCopier:
             else:
                 self._device_arena = t
         return self._device_arena if self._device_arena is not False else None
-
-    @staticmethod
-    def gather(arena, offsets: Sequence[int], nbytes: int):
-        """Bytes ``[off, off + nbytes)`` of ``arena`` (``arena_tensor()``) for each offset, as one
-        ``[len(offsets), nbytes]`` uint8 tensor on its device (one kernel, ``GatherPlan``)."""
-        return GatherPlan(arena, offsets, [[(0, nbytes)]]).layer(0)[0]
 
     # ------------------------------------------------------------------ load
 

@@ -21,18 +21,14 @@ import ctypes
 import threading
 from typing import Optional, Sequence
 
+from quillcache.client.gpu import _torch, layer_part_spans
 
-__all__ = ["CopyPlan", "runs_of", "dma_available"]
+__all__ = ["CopyPlan", "runs_of"]
 
 CUDA_MEMCPY_HOST_TO_DEVICE = 1
 MAX_PITCH = (1 << 31) - 1                 # bytes: cudaDevAttrMaxPitch on current GPUs; a wider stride is no run
 _LOCK = threading.Lock()
 _MEMCPY2D: Optional[object] = None          # (cudaMemcpy2DAsync, cudaGetLastError), False where not found
-
-
-def _torch():
-    import torch
-    return torch
 
 
 def _memcpy2d():
@@ -64,12 +60,6 @@ def _memcpy2d():
         return _MEMCPY2D or None
 
 
-def dma_available() -> bool:
-    """Whether pitched host-to-device copies can be issued here (CUDA and its runtime found)."""
-    torch = _torch()
-    return torch.cuda.is_available() and _memcpy2d() is not None
-
-
 def runs_of(offsets: Sequence[int], width: int, max_pitch: int = MAX_PITCH) -> list[tuple[int, int, int, int]]:
     """``offsets`` cut into runs ``(first row, end row, offset of the first, stride)``: rows
     j..end-1 lie at ``offset + (j - first) * stride``, with ``width <= stride <= max_pitch``
@@ -99,7 +89,6 @@ class CopyPlan:
 
     def __init__(self, host, offsets: Sequence[int], layer_parts: Sequence[Sequence[tuple[int, int]]],
                  device) -> None:
-        from quillcache.client.gpu import layer_part_spans
         torch = _torch()
         offsets = list(offsets)
         layer_part_spans(host.numel(), offsets, layer_parts, "copy plan")

@@ -21,8 +21,8 @@ Loads (``load_path``, docs/engines.md "Layer-pipelined loads"):
 - ``"layered"`` (the default, over ``unix:`` with the arena mapped and addressable from the
   caches' device): one job per step; located GETs of up to ``staging_bytes`` of blocks at a
   time; as soon as a batch is leased its layer 0 is copied, then layers 1.. of every leased
-  batch of every request in order, each
-  layer of a batch one gather straight out of the mapped arena (``ArenaCopier.gather``: on
+  batch of every request in order, layers 1.. in groups of ``LAYER_GROUP_BYTES`` of one layer,
+  each layer of a batch or group one gather straight out of the mapped arena (``GatherPlan``: on
   CUDA a kernel reading the registered arena, no staging copy), FP8 dequantized per layer.
   ``wait_for_layer_load(L)`` waits until layer L is written (CPU) or issued, and then makes
   the engine's stream wait for layer L's event (CUDA): layer L computes while L+1.. copy.
@@ -88,11 +88,10 @@ class _Load:
     cond: threading.Condition = field(default_factory=threading.Condition)
     after: Any = None                           # CUDA: the engine stream's work before start_load_kv
     result: Optional[tuple] = None              # a step job's outcome for this load: (blocks, events)
-    # layered, on the I/O thread: the leased batches ((GatherPlan, block ids on the device), with the
-    # arena offsets and block ids of them all), their leases, the outcome
+    # layered, on the I/O thread: the leased batches ((plan, block ids on the device), with the
+    # arena offsets of them all: the first n of the transfer's blocks), their leases, the outcome
     batches: list = field(default_factory=list)
     offsets: list = field(default_factory=list)
-    block_ids: list = field(default_factory=list)
     leases: Optional[contextlib.ExitStack] = None
     n: int = 0
     failure: Optional[BaseException] = None
@@ -230,8 +229,8 @@ class PagedKVWorker:
     def _load_layered(self, loads: list, client, copier, arena) -> None:
         """Layer by layer straight out of the mapped arena, for every load of the step: located
         GETs of up to ``staging_bytes`` of blocks at a time, each batch's layer 0 copied as soon
-        as it is leased, then layers 1.. of every leased batch of every load in order, each layer
-        of a batch one gather (``ArenaCopier.gather``; FP8 dequantized per layer), with the
+        as it is leased, then layers 1.. of every leased block of every load in order, each layer
+        of a group one gather (``_plan``; FP8 dequantized per layer), with the
         load's ``ready`` raised (and on CUDA an event recorded) after each layer, so
         ``wait_for_layer_load(L)`` waits for layer L only.
 
@@ -329,7 +328,6 @@ class PagedKVWorker:
                 return
             load.batches.append(batch)
             load.offsets += offsets
-            load.block_ids += t.block_ids[a:a + lead]
             load.n += lead
             if lead < len(keys):
                 return
@@ -357,8 +355,9 @@ class PagedKVWorker:
         per = max(1, LAYER_GROUP_BYTES // max(1, self.block_nbytes // self.num_layers))
         if len(load.batches) == 1 or load.batches[0][0].n >= per:
             return load.batches                      # one batch already, or batches as large as a group
-        return [(self._plan(copier, arena, load.offsets[a:a + per], parts), self._device_ids(load.block_ids[a:a + per]))
-                for a in range(0, len(load.offsets), per)]
+        ids = load.transfer.block_ids[:load.n]  # the leased blocks are its first load.n, in order
+        return [(self._plan(copier, arena, load.offsets[a:a + per], parts), self._device_ids(ids[a:a + per]))
+                for a in range(0, load.n, per)]
 
     def _gate(self, t: Transfer, layer: int) -> None:
         if self.layer_gate is not None:
@@ -410,7 +409,7 @@ class PagedKVWorker:
                     while lead < len(got) and got[lead] == stored:
                         lead += 1
                     if lead:
-                        ids = torch.tensor(t.block_ids[a:a + lead], dtype=torch.long, device=self.device)
+                        ids = self._device_ids(t.block_ids[a:a + lead])
                         blocks = codec.decode(staging[:lead], self.block_shape)    # FP8: dequantized here
                         with load.lock:
                             if load.cancelled:
