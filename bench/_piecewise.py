@@ -28,17 +28,11 @@ class PiecewiseSuffix:
         S = model.s
         self.table = t.as_tensor(table, dtype=t.long, device=model.dev)
         self.new_blocks = self.table[P // block_tokens:(P + self.T) // block_tokens]
-        self.block_tokens = block_tokens
-        f = t.outer(t.arange(P, P + self.T, device=model.dev).float(), model.inv_freq)
-        self.cos, self.sin = f.cos()[:, None, :], f.sin()[:, None, :]
+        self.cos, self.sin = model.rope_angles(P, self.T)
         self.x0 = model.emb[ids].clone()
         self.x = self.x0.clone()                          # the residual stream, updated in place
         self.o = t.empty(self.T, S.heads * S.head_dim, dtype=model.dtype, device=model.dev)
-        if model.lower_right:
-            from torch.nn.attention.bias import causal_lower_right
-            self.mask = causal_lower_right(self.T, P + self.T)
-        else:
-            self.mask = t.ones(self.T, P + self.T, dtype=t.bool, device=model.dev).tril(diagonal=P)
+        self.mask = model.suffix_mask(self.T, P)
         self.graphed = capture and model.dev.type == "cuda"
         self.pre: list = []                               # per layer (graph or None, static q)
         self.post: list = []
@@ -76,42 +70,28 @@ class PiecewiseSuffix:
             self.logits = self._logits()
 
     def _pre(self, i: int):
-        m, L, S, T = self.m, self.m.layers[i], self.m.s, self.T
-        h = m._rms(self.x, L["n1"])
-        q, k, v = (h @ L["wqkv"].T).split([S.heads * S.head_dim, S.kv_heads * S.head_dim,
-                                            S.kv_heads * S.head_dim], -1)
-        q = m._rope(q.view(T, S.heads, S.head_dim), self.cos, self.sin)
-        k = m._rope(k.reshape(T, S.kv_heads, S.head_dim), self.cos, self.sin)
-        c = self.caches[i]
-        c[0, self.new_blocks] = k.reshape(-1, self.block_tokens, S.kv_heads, S.head_dim)
-        c[1, self.new_blocks] = v.reshape(-1, self.block_tokens, S.kv_heads, S.head_dim)
+        q, k, v = self.m.qkv(i, self.x, self.cos, self.sin)
+        self.m.write_paged(self.caches[i], self.new_blocks, k, v)
         return q
 
     def _post(self, i: int) -> None:
-        m, L, S = self.m, self.m.layers[i], self.m.s
-        F = m.t.nn.functional
-        self.x.add_(self.o @ L["wo"].T)
-        h = m._rms(self.x, L["n2"])
-        gate, up = (h @ L["wgu"].T).split([S.mlp, S.mlp], -1)
-        self.x.add_((F.silu(gate) * up) @ L["wd"].T)
+        self.m.finish_layer(i, self.x, self.o)
 
     def _logits(self):
-        return (self.m._rms(self.x[-1:], self.m.norm) @ self.m.head.T).float()
+        return self.m.logits(self.x)
 
     def __call__(self, wait):
-        m, S, n = self.m, self.m.s, self.P + self.T
+        m, n = self.m, self.P + self.T
         with m.t.inference_mode():
             self.x.copy_(self.x0)
-            for i in range(S.layers):
+            for i in range(len(m.layers)):
                 if self.graphed:
                     g, q = self.pre[i]
                     g.replay()
                 else:
                     q = self._pre(i)
                 wait(i)                                   # the connector's wait_for_layer_load
-                c = self.caches[i]
-                k = c[0, self.table].reshape(-1, S.kv_heads, S.head_dim)[:n]      # paged read (a gather)
-                v = c[1, self.table].reshape(-1, S.kv_heads, S.head_dim)[:n]
+                k, v = m.read_paged(self.caches[i], self.table, n)
                 self.o.copy_(m._attend(q, k, v, self.mask).reshape(self.T, -1))
                 if self.graphed:
                     self.post[i].replay()

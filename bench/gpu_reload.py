@@ -200,6 +200,53 @@ class Model:
                                                attn_mask=mask, is_causal=mask is None)
         return o[0].transpose(0, 1)
 
+    # One layer's pieces, shared by forward and bench/_piecewise.py's PiecewiseSuffix.
+
+    def rope_angles(self, P: int, T: int):
+        f = self.t.outer(self.t.arange(P, P + T, device=self.dev).float(), self.inv_freq)
+        return f.cos()[:, None, :], f.sin()[:, None, :]
+
+    def suffix_mask(self, T: int, P: int):
+        """T suffix queries see the P prefix tokens and themselves causally."""
+        if self.lower_right:
+            from torch.nn.attention.bias import causal_lower_right
+            return causal_lower_right(T, P + T)
+        return self.t.ones(T, P + T, dtype=self.t.bool, device=self.dev).tril(diagonal=P)
+
+    def qkv(self, i: int, x, cos, sin):
+        """Layer i's norm, QKV projection and RoPE: q [T, heads, d], k and v [T, kv_heads, d]."""
+        S, L, T = self.s, self.layers[i], x.shape[0]
+        h = self._rms(x, L["n1"])
+        q, k, v = (h @ L["wqkv"].T).split([S.heads * S.head_dim, S.kv_heads * S.head_dim,
+                                            S.kv_heads * S.head_dim], -1)
+        q = self._rope(q.view(T, S.heads, S.head_dim), cos, sin)
+        k = self._rope(k.reshape(T, S.kv_heads, S.head_dim), cos, sin)
+        return q, k, v.reshape(T, S.kv_heads, S.head_dim)
+
+    def write_paged(self, c, new_blocks, k, v) -> None:
+        """These tokens' K and V into their blocks of a layer's paged cache."""
+        S = self.s
+        c[0, new_blocks] = k.reshape(-1, BLOCK_TOKENS, S.kv_heads, S.head_dim)
+        c[1, new_blocks] = v.reshape(-1, BLOCK_TOKENS, S.kv_heads, S.head_dim)
+
+    def read_paged(self, c, table, n: int):
+        """The first n tokens' K and V of a request out of a layer's paged cache (a gather)."""
+        S = self.s
+        return (c[0, table].reshape(-1, S.kv_heads, S.head_dim)[:n],
+                c[1, table].reshape(-1, S.kv_heads, S.head_dim)[:n])
+
+    def finish_layer(self, i: int, x, o):
+        """Layer i after attention, in place on the residual stream x: output projection,
+        residual, norm, MLP, residual.  Returns x."""
+        S, L = self.s, self.layers[i]
+        x.add_(o.reshape(x.shape[0], S.heads * S.head_dim) @ L["wo"].T)
+        h = self._rms(x, L["n2"])
+        gate, up = (h @ L["wgu"].T).split([S.mlp, S.mlp], -1)
+        return x.add_((self.t.nn.functional.silu(gate) * up) @ L["wd"].T)
+
+    def logits(self, x):
+        return (self._rms(x[-1:], self.norm) @ self.head.T).float()
+
     def forward(self, ids, cache=None, P: int = 0, paged=None, keep: bool = True):
         """ids [T] at positions P..P+T.  ``cache``: per layer (K, V) buffers of at least P+T
         rows whose first P hold the prefix; the new rows are written after them (as an engine
@@ -208,38 +255,22 @@ class Model:
         ids (P + T tokens), and ``wait(layer)`` called before each layer reads its cache (the
         connector's wait_for_layer_load).  Without either the T tokens attend to themselves (a
         full prefill).  Returns (logits of the last token, [(k, v)] of these T tokens)."""
-        t, S = self.t, self.s
-        F = t.nn.functional
+        t = self.t
         T = ids.numel()
-        f = t.outer(t.arange(P, P + T, device=self.dev).float(), self.inv_freq)
-        cos, sin = f.cos()[:, None, :], f.sin()[:, None, :]
+        cos, sin = self.rope_angles(P, T)
         x = self.emb[ids]
         new_kv = []
-        mask = None
-        if (cache is not None or paged is not None) and P:   # suffix queries see the prefix and themselves causally
-            if self.lower_right:
-                from torch.nn.attention.bias import causal_lower_right
-                mask = causal_lower_right(T, P + T)
-            else:
-                mask = t.ones(T, P + T, dtype=t.bool, device=self.dev).tril(diagonal=P)
+        mask = self.suffix_mask(T, P) if (cache is not None or paged is not None) and P else None
         if paged is not None:
             caches, table, wait = paged
             table = t.as_tensor(table, dtype=t.long, device=self.dev)
             new_blocks = table[P // BLOCK_TOKENS:(P + T) // BLOCK_TOKENS]
-        for i, L in enumerate(self.layers):
-            h = self._rms(x, L["n1"])
-            q, k, v = (h @ L["wqkv"].T).split([S.heads * S.head_dim, S.kv_heads * S.head_dim,
-                                                S.kv_heads * S.head_dim], -1)
-            q = self._rope(q.view(T, S.heads, S.head_dim), cos, sin)
-            k = self._rope(k.reshape(T, S.kv_heads, S.head_dim), cos, sin)
-            v = v.reshape(T, S.kv_heads, S.head_dim)
+        for i in range(len(self.layers)):
+            q, k, v = self.qkv(i, x, cos, sin)
             if paged is not None:
                 wait(i)
-                c = caches[i]
-                c[0, new_blocks] = k.reshape(-1, BLOCK_TOKENS, S.kv_heads, S.head_dim)
-                c[1, new_blocks] = v.reshape(-1, BLOCK_TOKENS, S.kv_heads, S.head_dim)
-                k = c[0, table].reshape(-1, S.kv_heads, S.head_dim)[:P + T]     # paged read (a gather)
-                v = c[1, table].reshape(-1, S.kv_heads, S.head_dim)[:P + T]
+                self.write_paged(caches[i], new_blocks, k, v)
+                k, v = self.read_paged(caches[i], table, P + T)
             elif cache is None:
                 k, v = k.contiguous(), v.contiguous()
                 if keep:                               # a recompute timed alone keeps no KV
@@ -249,13 +280,8 @@ class Model:
                 kc[P:P + T] = k
                 vc[P:P + T] = v
                 k, v = kc[:P + T], vc[:P + T]
-            o = self._attend(q, k, v, mask)
-            x = x + o.reshape(T, S.heads * S.head_dim) @ L["wo"].T
-            h = self._rms(x, L["n2"])
-            gate, up = (h @ L["wgu"].T).split([S.mlp, S.mlp], -1)
-            x = x + (F.silu(gate) * up) @ L["wd"].T
-        logits = self._rms(x[-1:], self.norm) @ self.head.T
-        return logits.float(), new_kv
+            x = self.finish_layer(i, x, self._attend(q, k, v, mask))
+        return self.logits(x), new_kv
 
 
 def kv_keys(P: int, tag: str, layers: int):
