@@ -1,6 +1,6 @@
 """What the gateway answers by itself, in the OpenAI error shape: error bodies, the middleware
 that gives unknown paths and wrong methods a JSON answer, and the body fields a client may
-not set.
+not set; and the bounded read of an engine's answer.
 
 An OpenAI error: ``{"error": {"message": ..., "type": ..., "code": <HTTP status>}}``.
 """
@@ -11,7 +11,7 @@ from typing import Optional
 
 from aiohttp import web
 
-__all__ = ["error", "sse_error", "json_errors", "ENGINE_INTERNAL_FIELDS", "strip_internal"]
+__all__ = ["error", "sse_error", "json_errors", "ENGINE_INTERNAL_FIELDS", "strip_internal", "read_at_most"]
 
 # Body fields that are the engines' own plumbing, never a client's to set: vLLM's KV-transfer
 # handshake (it names another request's KV blocks) and request id, SGLang's request id,
@@ -23,6 +23,21 @@ ENGINE_INTERNAL_FIELDS = ("kv_transfer_params", "request_id", "rid", "bootstrap_
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable"}
+
+
+async def read_at_most(resp, limit: int) -> Optional[bytes]:
+    """An upstream answer's whole body (``aiohttp.ClientResponse``), read to its end in 64 KiB
+    chunks (``read()`` of the stream stops at a chunk), or None as soon as it passes ``limit``
+    bytes.  Connection errors and timeouts propagate."""
+    chunks, n = [], 0
+    while True:
+        chunk = await resp.content.read(1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        n += len(chunk)
+        if n > limit:
+            return None
+        chunks.append(chunk)
 
 
 def error(status: int, message: str, kind: str, headers: Optional[dict] = None) -> web.Response:

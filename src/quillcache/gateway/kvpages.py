@@ -21,6 +21,8 @@ from typing import Optional
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from quillcache.gateway.http import read_at_most
+
 __all__ = ["MAX_ANSWER_BYTES", "MAX_KV_TOKENS", "VLLM_INFO", "fetch_kv_tokens", "kv_tokens_from_vllm_metrics",
            "kv_tokens_from_sglang_info"]
 
@@ -72,12 +74,7 @@ async def _get(session: aiohttp.ClientSession, url: str, timeout: float) -> Opti
             return None
         if resp.content_length is not None and resp.content_length > MAX_ANSWER_BYTES:
             return None
-        body = bytearray()
-        async for chunk in resp.content.iter_chunked(1 << 16):     # to its end: read() stops at a chunk
-            body += chunk
-            if len(body) > MAX_ANSWER_BYTES:
-                return None
-        return bytes(body)
+        return await read_at_most(resp, MAX_ANSWER_BYTES)
 
 
 async def fetch_kv_tokens(session: aiohttp.ClientSession, base_url: str, timeout: float) -> Optional[int]:

@@ -38,7 +38,7 @@ from quillcache.auth import OPEN_TENANT
 from quillcache.connectors.core import TENANT_SALT_PREFIX
 from quillcache.errors import InvalidArgument, PermissionDenied
 from quillcache.gateway.engines import UNHEALTHY_RETRY_S, EngineState
-from quillcache.gateway.http import error, sse_error, strip_internal
+from quillcache.gateway.http import error, read_at_most, sse_error, strip_internal
 from quillcache.gateway.metrics import TIERS
 from quillcache.gateway.routing import Decision, Identity
 
@@ -490,18 +490,13 @@ class Proxy:
             await up_cm.__aexit__(None, None, None)
 
     async def _read_all(self, up) -> bytes:
-        chunks, n = [], 0
-        while True:
-            try:
-                chunk = await up.content.read(1 << 16)
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                raise _Upstream("body", f"{type(exc).__name__}: {exc}") from None
-            if not chunk:
-                return b"".join(chunks)
-            n += len(chunk)
-            if n > MAX_UPSTREAM_BODY:
-                raise _Upstream("body", f"the answer is larger than {MAX_UPSTREAM_BODY} bytes")
-            chunks.append(chunk)
+        try:
+            data = await read_at_most(up, MAX_UPSTREAM_BODY)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise _Upstream("body", f"{type(exc).__name__}: {exc}") from None
+        if data is None:
+            raise _Upstream("body", f"the answer is larger than {MAX_UPSTREAM_BODY} bytes")
+        return data
 
     async def _send(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> bool:
         """Write to the client; False when it took nothing for [gateway] client_send_timeout
