@@ -20,6 +20,8 @@ PYTEST_ARGS ?=
 ENGINES_VENV ?= .venv-engines
 EPY          := $(ENGINES_VENV)/bin/python
 ESTAMP       := $(ENGINES_VENV)/.engines-installed
+EDEPS        := $(ENGINES_VENV)/.engines-packages-installed
+ENGINES_LOG  := $(ENGINES_VENV).log
 ENGINES_TORCH := torch==2.13.0
 QUILLCACHE_NO_ENGINES ?=
 # The test files with tests marked `engines`: only they are collected in the engines venv.
@@ -105,33 +107,45 @@ gateway: build
 	$(PY) -m tests._support.gateway_demo
 
 # ruff runs once, inside the suite (tests/test__sourcecode.py); `make lint` runs it alone.
+# The engines' packages (torch, vLLM, ...: downloads and unpacking, mostly waiting) install in the
+# background while the main suite runs, into their own venv; nothing there touches this tree.
 test: build nixl
-	$(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS)
 ifeq ($(QUILLCACHE_NO_ENGINES),1)
+	$(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS)
 	@echo "*** QUILLCACHE_NO_ENGINES=1: the engine tests (-m engines) were NOT run ***"
 else
+	@echo "(meanwhile $(ENGINES_VENV)'s packages install in the background: log in $(ENGINES_LOG))"
+	@$(MAKE) --no-print-directory $(EDEPS) > $(ENGINES_LOG) 2>&1 & bg=$$!; \
+	$(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS); rc=$$?; \
+	wait $$bg; brc=$$?; \
+	if [ $$rc -ne 0 ]; then exit $$rc; fi; \
+	if [ $$brc -ne 0 ]; then cat $(ENGINES_LOG); echo "*** $(ENGINES_VENV)'s packages did not install (log above)"; fi
 	@$(MAKE) --no-print-directory engines || { echo "*** make engines failed: the engine tests need \
 	$(ENGINES_VENV) (first build downloads ~500 MB). Fix the network/index, or run \
 	'make test QUILLCACHE_NO_ENGINES=1' to run the main suite only (not a full test run). ***"; exit 1; }
 	VLLM_TARGET_DEVICE=cpu $(EPY) -m pytest -q -m engines $(ENGINE_TESTS) $(PYTEST_ARGS)
 endif
 
-# Built once (stamp); rebuilt when the pins or the package metadata change. torch goes first and
-# alone, and the build stops if it is a CUDA build. quillcache is installed editable (its Cython
-# extensions are built in place by `make build`, shared with .venv: same interpreter).
+# Built once (stamps); the packages again when their pins change, quillcache when its metadata
+# does. torch goes first and alone, and the build stops if it is a CUDA build. quillcache is
+# installed editable (its Cython extensions are built in place by `make build`, shared with
+# .venv: same interpreter).
 engines: build $(ESTAMP)
 
-$(ESTAMP): requirements/engines.txt pyproject.toml setup.py
+$(EDEPS): requirements/engines.txt
 	$(PYTHON) -m venv $(ENGINES_VENV)
 	$(ENGINES_VENV)/bin/pip install -q --no-deps $(ENGINES_TORCH)
 	$(ENGINES_VENV)/bin/pip install -q --no-deps -r requirements/engines.txt
 	$(EPY) -c 'import sys, torch; sys.exit("CUDA torch installed: " + str(torch.version.cuda) if torch.version.cuda else 0)'
+	touch $(EDEPS)
+
+$(ESTAMP): $(EDEPS) pyproject.toml setup.py
 	$(ENGINES_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	VLLM_TARGET_DEVICE=cpu $(EPY) -c 'import vllm, sglang, lmcache, torch; print("engines venv:", "vllm", vllm.__version__, "sglang", sglang.__version__, "torch", torch.__version__)'
 	touch $(ESTAMP)
 
 engines-clean:
-	rm -rf $(ENGINES_VENV)
+	rm -rf $(ENGINES_VENV) $(ENGINES_LOG)
 
 # asv over bench/suites/ on the current commit (offline: the existing venv), the standalone
 # ratio script, then asv's HTML report of every commit recorded so far (docs/benchmarks.md).
