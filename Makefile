@@ -22,6 +22,8 @@ EPY          := $(ENGINES_VENV)/bin/python
 ESTAMP       := $(ENGINES_VENV)/.engines-installed
 EDEPS        := $(ENGINES_VENV)/.engines-packages-installed
 ENGINES_LOG  := $(ENGINES_VENV).log
+# Not $(MAKE) itself on the line that runs the suite: `make -n test` would run that line.
+BG_MAKE       = $(MAKE)
 ENGINES_TORCH := torch==2.13.0
 QUILLCACHE_NO_ENGINES ?=
 # The test files with tests marked `engines`: only they are collected in the engines venv.
@@ -115,7 +117,7 @@ ifeq ($(QUILLCACHE_NO_ENGINES),1)
 	@echo "*** QUILLCACHE_NO_ENGINES=1: the engine tests (-m engines) were NOT run ***"
 else
 	@echo "(meanwhile $(ENGINES_VENV)'s packages install in the background: log in $(ENGINES_LOG))"
-	@$(MAKE) --no-print-directory $(EDEPS) > $(ENGINES_LOG) 2>&1 & bg=$$!; \
+	@$(BG_MAKE) --no-print-directory $(EDEPS) > $(ENGINES_LOG) 2>&1 & bg=$$!; \
 	$(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS); rc=$$?; \
 	wait $$bg; brc=$$?; \
 	if [ $$rc -ne 0 ]; then exit $$rc; fi; \
