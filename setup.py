@@ -117,5 +117,8 @@ setup(
     package_data={"quillcache._native": ["*.pyx", "*.pxd", "*.pxi"],
                   "quillcache._native.includes": ["*.pxd", "*.h"]},
     ext_modules=extensions(),
+    # The extensions compile one per CPU in every build, a wheel's (`pip wheel`, `pip install .`)
+    # as well as `make build`'s (which says -j 2): serially a wheel took 52 s on 2 cores, 30 s so.
+    options={"build_ext": {"parallel": os.cpu_count() or 1}},
     zip_safe=False,
 )
