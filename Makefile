@@ -170,4 +170,4 @@ clean:
 	rm -rf build src/quillcache/_native/*.c src/quillcache/_native/*.so src/quillcache/_native/*.html
 
 distclean: clean
-	rm -rf $(VENV) $(ENGINES_VENV) var .hypothesis .pytest_cache *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(ENGINES_VENV) $(ENGINES_LOG) var .hypothesis .pytest_cache *.egg-info src/*.egg-info
