@@ -77,6 +77,7 @@ COLD_TIMEOUT = 300.0           # seconds: one cold worker process
 HERE = Path(__file__).resolve().parent
 VENV_BIN = Path(sys.executable).parent
 SERVER_CPUS = None             # set by main(): the CPUs server processes are started on (None: any)
+QC_LOOPBACK_CONGESTION = None  # set by main(): quillcached's [node] loopback_congestion (None: its default)
 CLASSES = {"bytes": ("quillcache", "redis", "mooncake"),
            "zero-copy": ("quillcache-zc", "quillcache-shm", "mooncake-zc")}
 SYSTEMS = CLASSES["bytes"] + CLASSES["zero-copy"]
@@ -296,7 +297,8 @@ class QuillCacheServer:
     def __init__(self, workdir):
         port, mport = _free_port(), _free_port()
         cfg = Path(workdir) / "quillcache.toml"
-        cfg.write_text(f'[node]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{workdir}/qc"\n'
+        cc = "" if QC_LOOPBACK_CONGESTION is None else f'loopback_congestion = "{QC_LOOPBACK_CONGESTION}"\n'
+        cfg.write_text(f'[node]\nlisten = "127.0.0.1:{port}"\ndata_dir = "{workdir}/qc"\n{cc}'
                        f'[store]\ndram = "3GiB"\n[metrics]\nlisten = "127.0.0.1:{mport}"\n'
                        f'[ssd]\nenabled = false\n')
         self.proc = _server_popen([str(VENV_BIN / "quillcached"), "--config", str(cfg)],
@@ -729,6 +731,11 @@ def versions():
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             out["redis-server"] = subprocess.run([exe, "--version"], capture_output=True, text=True,
                                                  timeout=10).stdout.split()[2].removeprefix("v=")
+    with contextlib.suppress(OSError):      # every connection's but quillcached's same-host ones
+        out["tcp congestion"] = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    from quillcache.net import LOOPBACK_CONGESTION
+    qc = LOOPBACK_CONGESTION if QC_LOOPBACK_CONGESTION is None else QC_LOOPBACK_CONGESTION
+    out["quillcache loopback congestion"] = qc or "the system's"
     with contextlib.suppress(ImportError):
         from redis.utils import HIREDIS_AVAILABLE
         out["redis-py parser"] = "hiredis" if HIREDIS_AVAILABLE else "pure Python (pip install hiredis)"
@@ -837,6 +844,8 @@ def main(argv=None):
     ap.add_argument("--cold-runs", type=int, default=3,
                     help="fresh client processes per cold case, one after another (the best is reported)")
     ap.add_argument("--floor", action="store_true", help="also measure the 64-byte GET round-trip floor")
+    ap.add_argument("--qc-loopback-congestion", metavar="NAME",
+                    help='quillcached\'s [node] loopback_congestion ("" = the system\'s; default: the node\'s, reno)')
     ap.add_argument("--json-out", help="write the results as JSON here")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="let the scheduler place server and client (default: separate CPUs)")
@@ -860,7 +869,8 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
 
-    global SERVER_CPUS
+    global SERVER_CPUS, QC_LOOPBACK_CONGESTION
+    QC_LOOPBACK_CONGESTION = args.qc_loopback_congestion
     SERVER_CPUS, client_cpus = _placement(args.pin)
     if client_cpus is not None:
         os.sched_setaffinity(0, client_cpus)

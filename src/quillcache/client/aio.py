@@ -7,7 +7,7 @@ import socket
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from quillcache.net import DEFAULT_ADDRESS
+from quillcache.net import DEFAULT_ADDRESS, tune_same_host
 from quillcache.errors import (
     ConnectionLost, QuillCacheError, Timeout,
 )
@@ -53,6 +53,7 @@ class _AsyncConnection(ClientProtocolConnection, asyncio.BufferedProtocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
+            tune_same_host(sock)        # its PUTs are not paced on loopback (quillcache.net)
 
     def connection_lost(self, exc) -> None:
         super().connection_lost(exc)

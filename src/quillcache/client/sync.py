@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from quillcache._native.codec import (
     EV_NEED_DATA, EV_PAYLOAD_END, EV_PAYLOAD_START, FRAME_OVERHEAD, MalformedFrame,
 )
-from quillcache.net import DEFAULT_ADDRESS
+from quillcache.net import DEFAULT_ADDRESS, tune_same_host
 from quillcache.errors import (
     ConnectionLost, InvalidArgument, PermissionDenied,
     ProtocolError, QuillCacheError, Timeout,
@@ -118,6 +118,7 @@ class Client(Ops):
             raise ConnectionLost(f"cannot connect to {where}: {exc.strerror or exc}") from None
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_same_host(sock)        # its PUTs are not paced on loopback (quillcache.net)
         # Blocking socket, timeouts in the kernel: a recv/send is one syscall (CPython's
         # timeout mode polls before each one and settimeout() costs an ioctl).
         sock.settimeout(None)

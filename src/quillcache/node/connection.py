@@ -95,6 +95,8 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
                 self._fd = sock.fileno()
             except (OSError, ValueError):
                 self._fd = -1
+        if sock is not None and sock.family != socket.AF_UNIX:
+            node.tune_connection(sock)
         if sock is not None and node.send_buffer:
             try:     # a 4 MiB reply leaves in one writev instead of a write + EPOLLOUT + write
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, node.send_buffer)

@@ -148,7 +148,8 @@ class Node:
                                  sendfile=cfg.ssd.sendfile, shm=cfg.node.shm, router=self.router,
                                  hello_timeout=cfg.node.hello_timeout, idle_timeout=cfg.node.idle_timeout,
                                  max_unauthenticated=cfg.limits.max_unauthenticated,
-                                 max_unauthenticated_per_source=cfg.limits.max_unauthenticated_per_source)
+                                 max_unauthenticated_per_source=cfg.limits.max_unauthenticated_per_source,
+                                 loopback_congestion=cfg.node.loopback_congestion)
         self.server.wal_backend = wal_backend
         loop = asyncio.get_running_loop()
         host, port = cfg.node.listen
@@ -479,6 +480,10 @@ def _reload_idle_timeout(node: Node, value: Any, new: Config) -> None:
     node.server.idle_timeout = float(value)         # the next sweep
 
 
+def _reload_loopback_congestion(node: Node, value: Any, new: Config) -> None:
+    node.server.loopback_congestion = str(value)    # connections made from now on
+
+
 def _reload_commit_window(node: Node, value: Any, new: Config) -> None:
     if node.ssd is None:
         raise ConfigError("no SSD tier: the commit window applies to its WAL")
@@ -490,6 +495,7 @@ RELOAD_HOOKS: dict[str, Callable[[Node, Any, Config], None]] = {
     "node.drain_timeout": _read_where_used,
     "node.hello_timeout": _reload_hello_timeout,
     "node.idle_timeout": _reload_idle_timeout,
+    "node.loopback_congestion": _reload_loopback_congestion,
     "wal.checkpoint_interval": _read_where_used,
     "store.policy": _reload_policy,
     "store.high_watermark": _reload_watermarks,

@@ -34,6 +34,8 @@ def info_sections(node, conn=None) -> dict[str, dict[str, Any]]:
         "draining": node.draining, "received_bytes": node.request_counters.received_bytes,
         "sent_bytes": node.request_counters.sent_bytes,
         "sendfile_bytes": node.request_counters.sendfile_bytes,
+        "loopback_congestion": node.loopback_congestion or "system",
+        "loopback_congestion_set": node.loopback_congestion_set,
     }
     if node.auth.open_mode:
         server["mode_note"] = "open mode (no tenants configured)"

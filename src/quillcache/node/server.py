@@ -39,6 +39,7 @@ from quillcache.node.limits import (
     MAX_UNAUTHENTICATED_PER_SOURCE, SEND_BUFFER_BYTES, WRITE_HIGH_BYTES,
 )
 from quillcache.node.metrics import RequestCounters
+from quillcache.net import LOOPBACK_CONGESTION, same_host, set_congestion
 from quillcache.protocol.info import render_info
 from quillcache.protocol.opcodes import ProtocolLimits
 
@@ -65,7 +66,8 @@ class NodeServer:
                  ssd=None, lease_margin_s: float = LEASE_MARGIN_S, sendfile: bool = True,
                  shm: bool = True, router=None, hello_timeout: float = HELLO_TIMEOUT_S,
                  idle_timeout: float = IDLE_TIMEOUT_S, max_unauthenticated: int = MAX_UNAUTHENTICATED,
-                 max_unauthenticated_per_source: int = MAX_UNAUTHENTICATED_PER_SOURCE) -> None:
+                 max_unauthenticated_per_source: int = MAX_UNAUTHENTICATED_PER_SOURCE,
+                 loopback_congestion: str = LOOPBACK_CONGESTION) -> None:
         self.store = store
         self.router = router            # a control.host.RouterHost answering ROUTE, or None
         self.limits = limits or ProtocolLimits()
@@ -74,6 +76,9 @@ class NodeServer:
         self.max_connections = max_connections
         self.hello_timeout = hello_timeout      # s a connection may wait before its HELLO ([node] hello_timeout)
         self.idle_timeout = idle_timeout        # s of silence that close a connection; 0: never
+        self.loopback_congestion = loopback_congestion   # of same-host TCP connections ("": the system's)
+        self.loopback_congestion_set = 0        # connections it was set on
+        self._congestion_refused = ""           # the name the kernel last refused (logged once)
         # the connections that have not logged in yet: their slots, per source and in all
         self.admission = Admission(max_connections, max_unauthenticated, max_unauthenticated_per_source)
         self.bad_input_log = RateLimitedLog(log)   # lines a peer can cause at will
@@ -108,6 +113,20 @@ class NodeServer:
         conn = ServerProtocol(self)
         conn.unix = True
         return conn
+
+    def tune_connection(self, sock) -> None:
+        """A new TCP connection: the same-host congestion control where its peer is on this host
+        (three syscalls, before login: bounded like the connection itself)."""
+        name = self.loopback_congestion
+        if not name or not same_host(sock):
+            return
+        if set_congestion(sock, name):
+            self.loopback_congestion_set += 1
+        elif self._congestion_refused != name:       # once per name, not once per connection
+            self._congestion_refused = name
+            log.warning("[node] loopback_congestion = %r: the kernel refuses it (see "
+                        "net.ipv4.tcp_allowed_congestion_control); same-host connections keep the "
+                        "system's", name)
 
     @property
     def in_flight(self) -> int:

@@ -12,7 +12,7 @@ from quillcache._native.blocks import MAX_SIZE as MAX_BLOCK_LIMIT   # bytes: a b
 from quillcache.cluster.settings import CLUSTER_SETTINGS, CLUSTER_SUMMARY, CREDENTIAL_MIN_CHARS
 from quillcache.errors import ConfigError
 from quillcache.exitcodes import CONFIG as EX_CONFIG  # the exit code of a bad config
-from quillcache.net import DEFAULT_ADDRESS, ConversionError, format_hostport, parse_hostport
+from quillcache.net import CONGESTION_NAME, DEFAULT_ADDRESS, ConversionError, format_hostport, parse_hostport
 from quillcache.settings import registry as _registry
 from quillcache.settings.convert import (
     boolean, choice, format_byte_size, fraction, int_range,
@@ -30,6 +30,13 @@ def router_module(value: Any) -> str:
     if isinstance(value, str) and value in ROUTER_MODULES:
         return value
     raise ConversionError("unknown router module; known: " + ", ".join(f'"{m}"' for m in ROUTER_MODULES))
+
+
+def congestion(value: Any) -> str:
+    # The kernel checks the name per socket (one it lacks is logged once and left alone).
+    if isinstance(value, str) and (value == "" or CONGESTION_NAME.match(value)):
+        return value
+    raise ConversionError('not a TCP congestion control name (e.g. "reno", "cubic") or ""')
 
 
 def engines(value: Any) -> tuple:
@@ -79,6 +86,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("node", "idle_timeout", parse_duration, "300s", True,
             "Close a connection after this long without a byte from its client, when it holds nothing "
             "(no request in flight, no lease, no reserve) and did not map the arena; 0s: never."),
+    Setting("node", "loopback_congestion", congestion, "reno", True,
+            "TCP congestion control of a connection from this host (a loopback address, or the "
+            "node's own). Loopback has no bottleneck: a pacing algorithm there (bbr) holds a reply "
+            "back to its model's rate. Connections from other hosts keep the system's "
+            "(net.ipv4.tcp_congestion_control); \"\" leaves same-host ones to it too."),
     Setting("store", "dram", size_range(1 << 20, 1 << 50), "1GiB", False,
             "Capacity of the DRAM arena (one anonymous mapping)."),
     Setting("store", "max_block", size_range(1, MAX_BLOCK_LIMIT), "64MiB", False,
