@@ -4,7 +4,7 @@ bench/router_replay.py (TTFT p50/p99, hit rate, goodput under the SLO, cross-ten
 credited and served), with ratios against round_robin measured in the same run.
 
     .venv/bin/python bench/gateway_replay.py \\
-        --trace /work/shared/data/traces/mooncake_conversation_trace.jsonl \\
+        --trace ../shared/data/traces/mooncake_conversation_trace.jsonl \\
         --engines 4 --limit 160 --speedup 2.75 --tenants 4 --json-out gw.json
 
 Where router_replay.py drives the engine model on a virtual clock, this is the real thing in
@@ -418,6 +418,7 @@ def main(argv=None) -> int:
     if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or not args.time_scale > 0 \
             or args.repeats < 1:
         ap.error("--engines, --tenants and --repeats must be >= 1, --speedup and --time-scale > 0")
+    router_replay.check_trace(ap, args.trace, args.limit)
     t0 = time.perf_counter()
     doc = run(args)
     print(router_replay.table(doc))

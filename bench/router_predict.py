@@ -23,13 +23,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from router_replay import engine_config, pool_blocks
+from router_replay import DEFAULT_TRACE, check_trace, engine_config, pool_blocks
 from router_sweep import sizes
 
 from quillcache.control.sim.engine import SimRequest
 from quillcache.control.sim.gen import GENERATORS
 from quillcache.control.sim.replay import build_requests, run_policy
-from quillcache.control.sim.trace import load_trace
 
 RUN_LIMIT_STEPS = 1_000_000         # iterations a copy may run before it is given up (a bug, not a wait)
 
@@ -54,7 +53,7 @@ def actual_ttft_us(engine, r, now: int) -> tuple[int, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default="agent", help="conversation, rag or agent")
-    ap.add_argument("--conversation", default="/work/shared/data/traces/mooncake_conversation_trace.jsonl")
+    ap.add_argument("--conversation", default=DEFAULT_TRACE)
     ap.add_argument("--load", type=float, default=None,
                     help="take the speed-up docs/router_sweep.json calibrated for this load")
     ap.add_argument("--speedup", type=float, default=None)
@@ -94,7 +93,7 @@ def main(argv=None) -> int:
             ttft, hit = actual_ttft_us(sims[i], r, now)
             out.append((d.predicted_ttft_us, ttft, d.overlap[0], hit))
 
-    trace = (load_trace(args.conversation, args.limit) if args.trace == "conversation"
+    trace = (check_trace(ap, args.conversation, args.limit) if args.trace == "conversation"
              else GENERATORS[args.trace](args.limit, seed=args.seed))
     res = run_policy(build_requests(trace, speedup), "quillcache", args.engines, cfg, seed=args.seed,
                      pool_blocks=pool_blocks(pool_gib) if args.pool else 0, before_route=compare)

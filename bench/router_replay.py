@@ -1,7 +1,7 @@
 """Replay a Mooncake-format trace against N simulated engines through the router, once per
 policy, in one run; print a table with ratios against round_robin, write a PNG and JSON.
 
-    python bench/router_replay.py --trace /work/shared/data/traces/mooncake_conversation_trace.jsonl \\
+    python bench/router_replay.py --trace ../shared/data/traces/mooncake_conversation_trace.jsonl \\
         --engines 8 --policies round_robin,least_loaded,prefix,dynamo,quillcache \\
         --speedup 5.5 --tenants 4 --json-out out.json
 
@@ -35,7 +35,7 @@ from quillcache.control.model import HOST_TO_HBM_BYTES_PER_S, TCP_BYTES_PER_S, S
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sim.engine import H200_LLAMA3_8B, KV_BYTES_PER_TOKEN_LLAMA3_8B, EngineConfig, cost_with
 from quillcache.control.sim.replay import build_requests, run_policy
-from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, assign_tenants, load_trace
+from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, TraceError, assign_tenants, load_trace
 
 GiB = 1 << 30
 H200_KV_GIB = 100        # 141 GB HBM x 0.9 utilisation - 16 GB of weights - activations
@@ -65,6 +65,24 @@ def pool_blocks(pool_gib: float) -> int:
 
 def working_set_blocks(trace) -> int:
     return len({h for t in trace for h in t.hash_ids[:t.input_length // TRACE_BLOCK_TOKENS]})
+
+
+# Mooncake's conversation trace, where the project keeps it: ../shared/data/traces/ beside the
+# checkout (any clone placed beside shared/ finds it).
+DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+                    / "mooncake_conversation_trace.jsonl")
+
+
+def check_trace(ap: argparse.ArgumentParser, path: str, limit: int = 0) -> list:
+    """Read the trace once here: a missing file or a bad line is one usage error naming the
+    file and line, not a traceback from a worker process."""
+    try:
+        return load_trace(path, limit)
+    except OSError as exc:
+        ap.error(f"trace {path}: {exc.strerror or exc}")
+    except TraceError as exc:
+        ap.error(f"trace {exc}")
+    raise AssertionError("unreachable")
 
 
 _WORK: dict = {}
@@ -192,6 +210,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or args.pool < 0:
         ap.error("--engines and --tenants must be >= 1, --speedup > 0 and --pool >= 0")
+    check_trace(ap, args.trace, args.limit)
     t0 = time.perf_counter()
     doc = run(args)
     print(table(doc))

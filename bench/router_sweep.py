@@ -3,7 +3,7 @@ and on two generated traces (RAG over shared documents, tool agents with growing
 one markdown table, one PNG (TTFT p50/p99 and goodput against load, a line per policy) and
 the JSON they come from.
 
-    python bench/router_sweep.py --conversation /work/shared/data/traces/mooncake_conversation_trace.jsonl \\
+    python bench/router_sweep.py --conversation ../shared/data/traces/mooncake_conversation_trace.jsonl \\
         --limit 3000 --loads 0.3,0.6,0.85 --out docs/router_sweep
 
 Load is set by the speed-up and measured as the engines' busy share (the share of time an
@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from router_replay import BLOCK_BYTES, GiB, H200_KV_GIB, engine_config, pool_blocks, working_set_blocks
+from router_replay import (BLOCK_BYTES, DEFAULT_TRACE, GiB, H200_KV_GIB, check_trace, engine_config, pool_blocks,
+                           working_set_blocks)
 
 from quillcache.control.model import SloTarget
 from quillcache.control.sim.gen import GENERATORS
@@ -285,7 +286,8 @@ def plot(doc: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--conversation", default="/work/shared/data/traces/mooncake_conversation_trace.jsonl")
+    ap.add_argument("--conversation", default=DEFAULT_TRACE,
+                    help="a Mooncake-format trace replayed as the 'conversation' trace (default: %(default)s)")
     ap.add_argument("--traces", default="conversation,rag,agent")
     ap.add_argument("--limit", type=int, default=3000, help="requests per trace")
     ap.add_argument("--loads", default="0.3,0.6,0.85")
@@ -302,6 +304,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None, help="write OUT.md, OUT.png and OUT.json")
     args = ap.parse_args(argv)
+    if "conversation" in args.traces.split(","):
+        check_trace(ap, args.conversation, args.limit)
     t0 = time.perf_counter()
     doc = run(args)
     text = table(doc)

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TRACE = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # bench.lsm_index when run as a script
 TOKENS_PER_BLOCK = 512

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-TRACE = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 DEFAULT_DRAM = (2_000, 10_000, 40_000)
 DEFAULT_SSD = (0, 20_000, 80_000)
 
