@@ -8,6 +8,7 @@ connection to the system's choice.  What the kernel actually runs is read back w
 """
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import signal
@@ -17,10 +18,11 @@ import time
 
 import pytest
 
-from quillcache import Client
+from quillcache import AsyncClient, Client
 from quillcache.net import LOOPBACK_CONGESTION, same_host, same_host_addresses, set_congestion, tune_same_host
 from quillcache.node.settings import ConfigError, load_config
 from tests._support.daemon import Daemon
+from tests._support.data import key
 from tests._support.net import raw_connect
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="no TCP_CONGESTION on this OS")
@@ -151,6 +153,18 @@ def test_node_and_client_set_reno_on_a_same_host_connection_and_not_on_the_unix_
             raw.close()
         with Client(f"unix:{d.data_dir}/quillcached.sock") as u:
             assert info_server(u)["loopback_congestion_set"] == n + 1
+
+
+def test_the_async_client_sets_reno_on_its_end_too(tmp_path):
+    async def main(addr):
+        async with AsyncClient(addr) as c:
+            sock = c._conn.transport.get_extra_info("socket")
+            await c.put(key(7), b"x" * 1024)
+            return congestion(sock), (await c.get(key(7)))
+
+    with Daemon(tmp_path) as d:
+        name, value = asyncio.run(main(d.addr))
+    assert name == LOOPBACK_CONGESTION and value == b"x" * 1024
 
 
 def test_an_empty_setting_leaves_same_host_connections_to_the_system(tmp_path):
