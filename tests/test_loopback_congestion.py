@@ -198,3 +198,17 @@ def test_sighup_applies_the_setting_to_connections_made_after_it(tmp_path):
             assert server_side_congestion(d.port, c2._sock) in (None, system_congestion())
             assert info_server(c2)["loopback_congestion_set"] == n
         assert congestion(c._sock) == LOOPBACK_CONGESTION       # the client's own choice stays
+
+
+def test_the_raw_socket_bench_measures_both_and_prints_their_ratio(capsys):
+    from bench import loopback_congestion
+    assert loopback_congestion.main(["--sizes", "64K,1M", "--rounds", "1", "--seconds", "0.05"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 64 KiB") or
+            line.startswith("| 1 MiB")]
+    assert len(rows) == 2
+    for row in rows:
+        system_mbs, reno_mbs = (float(x.replace(",", "")) for x in row[1:3])
+        assert system_mbs > 0 and reno_mbs > 0
+        assert abs(float(row[3].strip().rstrip("x")) - reno_mbs / system_mbs) < 0.01 + 0.01 * reno_mbs / system_mbs
+    assert f"system congestion control: {system_congestion()}; compared: reno" in out
