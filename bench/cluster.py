@@ -34,7 +34,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from quillcache.model import KvBlockKey, encode_key
 from quillcache.protocol.opcodes import Opcode
 from tests._support.cluster import Pool, cluster_view, member, unix_addr
 from tests._support.etcd import EtcdServer
+from bench._rawsock import REQUEST, accept, listen, raw_server, recv_exact
 
 
 def key(i: int, tag: str) -> KvBlockKey:
@@ -173,57 +173,18 @@ def bench_located(pool: Pool, size: int, count: int) -> tuple[float, float]:
 
 # ---------------------------------------------------------------- the two-hop floor (raw sockets)
 
-def _recv_exact(s: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = s.recv_into(view[got:])
-        if not n:
-            raise EOFError
-        got += n
-
-
-def _listen() -> socket.socket:
-    ls = socket.socket()
-    ls.bind(("127.0.0.1", 0))
-    ls.listen(4)
-    return ls
-
-
-def _accept(ls: socket.socket) -> socket.socket:
-    c, _ = ls.accept()
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return c
-
-
-def _raw_server(ls: socket.socket, size: int) -> None:
-    """Answer every 8-byte request with ``size`` bytes; a thread per connection."""
-    data = os.urandom(size)
-
-    def serve(c: socket.socket) -> None:
-        req = memoryview(bytearray(8))
-        try:
-            while True:
-                _recv_exact(c, req)
-                c.sendall(data)
-        except (EOFError, OSError):
-            c.close()
-
-    while True:
-        threading.Thread(target=serve, args=(_accept(ls),), daemon=True).start()
-
-
 def _raw_forwarder(ls: socket.socket, upstream: int, size: int) -> None:
     """Store-and-forward: read a request, ask the server, receive all, then send all."""
     up = socket.create_connection(("127.0.0.1", upstream))
     up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = memoryview(bytearray(size))
-    req = memoryview(bytearray(8))
-    c = _accept(ls)
+    req = memoryview(bytearray(len(REQUEST)))
+    c = accept(ls)
     try:
         while True:
-            _recv_exact(c, req)
+            recv_exact(c, req)
             up.sendall(req)
-            _recv_exact(up, buf)
+            recv_exact(up, buf)
             c.sendall(buf)
     except (EOFError, OSError):
         pass                                # the bench closed its connection
@@ -232,8 +193,8 @@ def _raw_forwarder(ls: socket.socket, upstream: int, size: int) -> None:
 def bench_floor(size: int, batches: int, rounds: int) -> tuple[float, float, float]:
     """(direct bytes/s, forwarded bytes/s, forwarded/direct) with raw sockets."""
     ctx = multiprocessing.get_context("fork")
-    ls_server, ls_fwd = _listen(), _listen()
-    procs = [ctx.Process(target=_raw_server, args=(ls_server, size), daemon=True),
+    ls_server, ls_fwd = listen(), listen()
+    procs = [ctx.Process(target=raw_server, args=(ls_server, size), daemon=True),
              ctx.Process(target=_raw_forwarder, args=(ls_fwd, ls_server.getsockname()[1], size), daemon=True)]
     for p in procs:
         p.start()
@@ -245,8 +206,8 @@ def bench_floor(size: int, batches: int, rounds: int) -> tuple[float, float, flo
         def timed(s: socket.socket) -> float:
             t0 = time.perf_counter()
             for _ in range(BATCH):
-                s.sendall(b"x" * 8)
-                _recv_exact(s, buf)
+                s.sendall(REQUEST)
+                recv_exact(s, buf)
             return time.perf_counter() - t0
 
         for s in (direct, fwd):

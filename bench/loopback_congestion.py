@@ -6,98 +6,59 @@ on the path: this is the kernel's part of ``[node] loopback_congestion`` (docs/p
 
     python bench/loopback_congestion.py [--sizes 256K,4M,16M] [--rounds 5] [--seconds 0.5]
 
-The replying process and the client are pinned to one CPU each (as bench/vs_peers.py pins
-its servers and clients); each reply comes from one preallocated buffer (``sendall``) and
-lands in another (``recv_into`` with MSG_WAITALL).  A connection is made per round and per
-congestion control, so neither inherits the other's state.  MB/s here is MiB/s: best round,
+The replying processes (bench/_rawsock.py's ``raw_server``, one per congestion control) and the
+client are pinned to one CPU each (as bench/vs_peers.py pins its servers and clients); each
+reply comes from one buffer and lands in another.  A connection is made per round, so neither
+congestion control's connection inherits the other's state.  MB/s here is MiB/s: best round,
 with the median reply time over all rounds.
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
-import signal
 import socket
 import statistics
-import struct
 import sys
 import time
 from pathlib import Path
 
-from quillcache.net import LOOPBACK_CONGESTION, set_congestion
+sys.path.insert(0, str(Path(__file__).resolve().parent))        # vs_peers, as a script or imported
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench._rawsock
+from bench._rawsock import REQUEST, listen, raw_server, recv_exact
+from quillcache.net import LOOPBACK_CONGESTION, set_congestion, system_congestion
+from vs_peers import parse_sizes, size_label
 
 MiB = 1 << 20
-NAME_BYTES = 16                 # the congestion control's name, NUL-padded (TCP_CA_NAME_MAX)
-REQUEST = struct.Struct("<Q")   # the reply's size
 
 
-def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(t[:-1]) * units[t[-1]] if t[-1] in units else int(t)
-
-
-def system_congestion() -> str:
+def refused(name: str) -> bool:
+    """Whether the kernel refuses ``name`` on a connected TCP socket of this user."""
+    ls = listen()
     try:
-        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-    except OSError:
-        return "unknown"
+        with socket.create_connection(ls.getsockname()) as c:
+            s, _ = ls.accept()
+            with s:
+                return not set_congestion(c, name)
+    finally:
+        ls.close()
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
-def serve(listener: socket.socket, max_size: int, cpu) -> None:
-    """The replying process: per connection, set the named congestion control, then answer
-    each request with that many bytes until the client closes."""
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
-    payload = memoryview(bytearray(os.urandom(1024)) * (max_size // 1024 + 1))[:max_size]
-    head = bytearray(NAME_BYTES)
-    req = bytearray(REQUEST.size)
-    while True:
-        conn, _ = listener.accept()
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not _recv_exact(conn, memoryview(head)):
-                continue
-            name = bytes(head).rstrip(b"\0").decode()
-            ok = set_congestion(conn, name) if name else True
-            conn.sendall(b"\1" if ok else b"\0")
-            while _recv_exact(conn, memoryview(req)):
-                (n,) = REQUEST.unpack(req)
-                conn.sendall(payload[:n])
-
-
-def one_round(port: int, name: str, size: int, seconds: float) -> tuple[float, list[float]]:
-    """A fresh connection whose replying end runs ``name`` ("" = the system's): (MiB/s, reply
-    times in s) over ``seconds`` of back-to-back requests."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+def one_round(address, size: int, seconds: float) -> tuple[float, list[float]]:
+    """A fresh connection to ``address``: (MiB/s, reply times in s) over ``seconds`` of
+    back-to-back requests."""
+    with socket.create_connection(address, timeout=30) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.sendall(name.encode().ljust(NAME_BYTES, b"\0"))
-        ack = bytearray(1)
-        if not _recv_exact(s, memoryview(ack)) or ack[0] != 1:
-            raise SystemExit(f"the kernel refuses congestion control {name!r} "
-                             "(net.ipv4.tcp_allowed_congestion_control)")
         buf = memoryview(bytearray(size))
-        req = REQUEST.pack(size)
         times = []
         for _ in range(3):                  # untimed: the connection's first replies
-            s.sendall(req)
-            _recv_exact(s, buf)
+            s.sendall(REQUEST)
+            recv_exact(s, buf)
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             t0 = time.perf_counter()
-            s.sendall(req)
-            if not _recv_exact(s, buf):
-                raise SystemExit("the replying process closed the connection")
+            s.sendall(REQUEST)
+            recv_exact(s, buf)
             times.append(time.perf_counter() - t0)
     return size * len(times) / MiB / sum(times), times
 
@@ -110,50 +71,53 @@ def main(argv=None) -> int:
     ap.add_argument("--congestion", default=LOOPBACK_CONGESTION,
                     help="the one compared with the system's (default: %(default)s)")
     args = ap.parse_args(argv)
-    sizes = [_size(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = parse_sizes(args.sizes)
     if not sizes or min(sizes) < 1 or max(sizes) > 1 << 30 or args.rounds < 1 or not args.seconds > 0:
         ap.error("sizes of 1 B to 1 GiB, --rounds >= 1, --seconds > 0")
+    if refused(args.congestion):
+        ap.error(f"the kernel refuses congestion control {args.congestion!r} "
+                 "(net.ipv4.tcp_allowed_congestion_control)")
     cpus = sorted(os.sched_getaffinity(0))
     server_cpu, client_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
-    port = listener.getsockname()[1]
-    pid = os.fork()
-    if pid == 0:                            # the replying process
+    system = system_congestion() or "unknown"
+    print(f"system congestion control: {system}; compared: {args.congestion}; "
+          f"replying processes on CPU {server_cpu}, client on CPU {client_cpu}; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print()
+    print(f"| reply | {system} MB/s | {args.congestion} MB/s | {args.congestion} / {system} "
+          f"| p50 ms {system} | p50 ms {args.congestion} |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    ctx = multiprocessing.get_context("fork")
+    mine = os.sched_getaffinity(0)
+    for size in sizes:
+        names = ("", args.congestion)
+        listeners = {name: listen() for name in names}
+        if server_cpu is not None:
+            os.sched_setaffinity(0, {server_cpu})       # the servers inherit it at the fork
+        procs = [ctx.Process(target=raw_server, args=(listeners[name], size, name), daemon=True) for name in names]
+        for p in procs:
+            p.start()
+        os.sched_setaffinity(0, {client_cpu} if client_cpu is not None else mine)
         try:
-            serve(listener, max(sizes), server_cpu)
-        finally:
-            os._exit(0)
-    listener.close()
-    system = system_congestion()
-    try:
-        if client_cpu is not None:
-            os.sched_setaffinity(0, {client_cpu})
-        print(f"system congestion control: {system}; compared: {args.congestion}; "
-              f"replying process on CPU {server_cpu}, client on CPU {client_cpu}; "
-              f"load average {os.getloadavg()[0]:.2f}", flush=True)
-        print()
-        print(f"| reply | {system} MB/s | {args.congestion} MB/s | {args.congestion} / {system} "
-              f"| p50 ms {system} | p50 ms {args.congestion} |")
-        print("|---:|---:|---:|---:|---:|---:|")
-        for size in sizes:
-            best = {"": 0.0, args.congestion: 0.0}
-            times: dict[str, list[float]] = {"": [], args.congestion: []}
+            best = dict.fromkeys(names, 0.0)
+            times: dict[str, list[float]] = {name: [] for name in names}
             for _ in range(args.rounds):
-                for name in ("", args.congestion):      # taking turns, round by round
-                    mbs, t = one_round(port, name, size, args.seconds)
+                for name in names:                      # taking turns, round by round
+                    mbs, t = one_round(listeners[name].getsockname(), size, args.seconds)
                     best[name] = max(best[name], mbs)
                     times[name] += t
-            label = f"{size // MiB} MiB" if size >= MiB else f"{size // 1024} KiB"
-            p50 = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-            print(f"| {label} | {best['']:,.0f} | {best[args.congestion]:,.0f} | "
-                  f"{best[args.congestion] / best[''] if best[''] else 0:.2f}x | {p50['']:.3f} | "
-                  f"{p50[args.congestion]:.3f} |", flush=True)
-        print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
-    finally:
-        os.kill(pid, signal.SIGTERM)
-        os.waitpid(pid, 0)
+        finally:
+            for p in procs:
+                p.kill()
+                p.join()
+            for ls in listeners.values():
+                ls.close()
+        p50 = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        sys_mbs, cc_mbs = best[""], best[args.congestion]
+        print(f"| {size_label(size)} | {sys_mbs:,.0f} | {cc_mbs:,.0f} | {cc_mbs / sys_mbs if sys_mbs else 0:.2f}x | "
+              f"{p50['']:.3f} | {p50[args.congestion]:.3f} |", flush=True)
+    os.sched_setaffinity(0, mine)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -671,7 +671,7 @@ def run_workload(adapters, sizes, rounds, cold, log, cold_runs=1):
             for a in adapters:
                 s = warm[a.name]
                 results[a.name][(size, mode, op)] = {"warm": s}
-                log(f"  {a.name:14s} {op.upper():3s} {_size(size):>7s} {mode:6s} warm {s['mb_s']:8.0f} MB/s "
+                log(f"  {a.name:14s} {op.upper():3s} {size_label(size):>7s} {mode:6s} warm {s['mb_s']:8.0f} MB/s "
                     f"{s['items_s']:9.0f} values/s  p50 {s['p50_ms']:7.3f} ms  cpu/req client "
                     f"{s['client_cpu_us']:6.0f} us server {s['server_cpu_us']:6.0f} us")
             if not cold:
@@ -683,7 +683,7 @@ def run_workload(adapters, sizes, rounds, cold, log, cold_runs=1):
                     log(f"  {a.name:14s} cold: {exc}")
                     continue
                 results[a.name][(size, mode, op)]["cold"] = c
-                log(f"  {a.name:14s} {op.upper():3s} {_size(size):>7s} {mode:6s} cold {c['mb_s']:8.0f} MB/s "
+                log(f"  {a.name:14s} {op.upper():3s} {size_label(size):>7s} {mode:6s} cold {c['mb_s']:8.0f} MB/s "
                     f"{c['items_s']:9.0f} values/s")
         for a in adapters:
             a.clear(keys)
@@ -731,9 +731,8 @@ def versions():
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             out["redis-server"] = subprocess.run([exe, "--version"], capture_output=True, text=True,
                                                  timeout=10).stdout.split()[2].removeprefix("v=")
-    with contextlib.suppress(OSError):      # every connection's but quillcached's same-host ones
-        out["tcp congestion"] = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-    from quillcache.net import LOOPBACK_CONGESTION
+    from quillcache.net import LOOPBACK_CONGESTION, system_congestion
+    out["tcp congestion"] = system_congestion() or "unknown"   # every connection's but quillcached's same-host ones
     qc = LOOPBACK_CONGESTION if QC_LOOPBACK_CONGESTION is None else QC_LOOPBACK_CONGESTION
     out["quillcache loopback congestion"] = qc or "the system's"
     with contextlib.suppress(ImportError):
@@ -742,7 +741,7 @@ def versions():
     return out
 
 
-def _size(n):
+def size_label(n):
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
@@ -761,7 +760,7 @@ def render_table(results, names, sizes):
                 if r is None:
                     continue
                 w, c = r["warm"], r.get("cold")
-                lines.append(f"| {name} | {op.upper()} | {_size(size)} | {mode} | {_fmt(w)} | {_fmt(w, 'items_s')} | "
+                lines.append(f"| {name} | {op.upper()} | {size_label(size)} | {mode} | {_fmt(w)} | {_fmt(w, 'items_s')} | "
                              f"{_fmt(w, 'p50_mb_s')} | "
                              f"{_fmt(c)} | {_fmt(c, 'items_s')} | {w['p50_ms']:.3f} | {w['p99_ms']:.3f} | "
                              f"{w['client_cpu_us']:.0f} | {w['server_cpu_us']:.0f} |")
@@ -791,7 +790,7 @@ def render_ratios(results, ours, peers, sizes):
                 cells.append(_ratio(a and a["warm"], b and b["warm"]))
                 cells.append(_ratio(a and a["warm"], b and b["warm"], "p50_mb_s"))
                 cells.append(_ratio(a and a.get("cold"), b and b.get("cold")))
-            lines.append(f"| {op.upper()} | {_size(size)} | {mode} | " + " | ".join(cells) + " |")
+            lines.append(f"| {op.upper()} | {size_label(size)} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -806,7 +805,7 @@ def render_get_vs_get_into(results, sizes):
         x, y = a.get((size, "single", "get")), b.get((size, "single", "get"))
         if x and y:
             x, y = x["warm"], y["warm"]
-            lines.append(f"| {_size(size)} | {x['mb_s']:.0f} | {y['mb_s']:.0f} | {x['mb_s'] / y['mb_s']:.2f} | "
+            lines.append(f"| {size_label(size)} | {x['mb_s']:.0f} | {y['mb_s']:.0f} | {x['mb_s'] / y['mb_s']:.2f} | "
                          f"{x['p50_mb_s'] / y['p50_mb_s']:.2f} |")
     return "\n".join(lines)
 
@@ -826,7 +825,7 @@ def _start(kind, workdir, log, tries=3):
     raise AssertionError("unreachable")
 
 
-def _parse_sizes(text):
+def parse_sizes(text):
     out = []
     for part in text.split(","):
         part = part.strip().upper()
@@ -864,7 +863,7 @@ def main(argv=None):
     unknown = [s for s in wanted if s not in SYSTEMS]
     if unknown:
         ap.error(f"unknown system(s): {', '.join(unknown)}")
-    sizes = _parse_sizes(args.sizes)
+    sizes = parse_sizes(args.sizes)
 
     def log(msg):
         print(msg, flush=True)

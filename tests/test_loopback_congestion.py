@@ -19,7 +19,8 @@ import time
 import pytest
 
 from quillcache import AsyncClient, Client
-from quillcache.net import LOOPBACK_CONGESTION, same_host, same_host_addresses, set_congestion, tune_same_host
+from quillcache.net import (LOOPBACK_CONGESTION, same_host, same_host_addresses, set_congestion, system_congestion,
+                            tune_same_host)
 from quillcache.node.settings import ConfigError, load_config
 from tests._support.daemon import Daemon
 from tests._support.data import key
@@ -30,11 +31,6 @@ pytestmark = pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="n
 
 def congestion(sock: socket.socket) -> str:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0", 1)[0].decode()
-
-
-def system_congestion() -> str:
-    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
-        return f.read().strip()
 
 
 def server_side_congestion(port: int, client: socket.socket) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_UNIX_SOCKET", "ConversionError", "parse_hostport", "format_hostport",
            "LOOPBACK_CONGESTION", "CONGESTION_NAME", "same_host", "same_host_addresses", "set_congestion",
-           "tune_same_host"]
+           "system_congestion", "tune_same_host"]
 
 DEFAULT_ADDRESS = "127.0.0.1:7470"   # [node] listen's default, and where clients connect by default
 # [node] unix_socket of the shipped config and systemd unit (RuntimeDirectory=quillcache, group
@@ -29,6 +29,7 @@ DEFAULT_UNIX_SOCKET = "/run/quillcache/quillcached.sock"
 # reno is built into every kernel and always allowed, also to unprivileged processes.
 LOOPBACK_CONGESTION = "reno"
 CONGESTION_NAME = re.compile(r"^[a-z0-9_]{1,15}$")      # TCP_CA_NAME_MAX is 16 with its NUL
+_SYSTEM_CONGESTION = "/proc/sys/net/ipv4/tcp_congestion_control"
 
 
 class ConversionError(ValueError):
@@ -93,6 +94,16 @@ def set_congestion(sock: socket.socket, name: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def system_congestion() -> str:
+    """The congestion control new TCP connections get here (net.ipv4.tcp_congestion_control);
+    "" where that cannot be read (not Linux)."""
+    try:
+        with open(_SYSTEM_CONGESTION) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def tune_same_host(sock: socket.socket, name: str = LOOPBACK_CONGESTION) -> bool:
