@@ -54,7 +54,7 @@ from quillcache.control.sim.engine import H200_LLAMA3_8B  # noqa: E402
 from quillcache.control.sim.replay import (  # noqa: E402
     REPLAY_MODEL, PolicyResult, block_token_ids, build_requests, run_policy,
 )
-from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, assign_tenants, load_trace  # noqa: E402
+from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, assign_tenants  # noqa: E402
 from tests._support.ports import free_port  # noqa: E402
 
 START_TIMEOUT_S = 60.0          # seconds each process has to come up
@@ -246,8 +246,8 @@ class Run:
         return summary
 
 
-def prepare(args):
-    trace = assign_tenants(load_trace(args.trace, args.limit), args.tenants, args.seed)
+def prepare(args, trace: list):
+    trace = assign_tenants(trace, args.tenants, args.seed)
     requests = build_requests(trace, args.speedup)
     bodies = [json.dumps({"model": REPLAY_MODEL, "prompt": prompt_tokens(r.trace.hash_ids, r.trace.input_length),
                           "max_tokens": r.trace.output_length, "stream": True}).encode() for r in requests]
@@ -340,12 +340,12 @@ def compare(live_runs: dict[str, list[dict]], virtual: dict[str, list[dict]]) ->
     return out
 
 
-def run(args) -> dict:
+def run(args, trace: list) -> dict:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise SystemExit(f"gateway_replay: unknown policies {unknown} (known: {', '.join(POLICIES)})")
-    requests, bodies, tenants = prepare(args)
+    requests, bodies, tenants = prepare(args, trace)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     for rep in range(args.repeats):
         # each repeat starts one policy later, so a drift in the machine's load spreads over all
@@ -418,9 +418,9 @@ def main(argv=None) -> int:
     if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or not args.time_scale > 0 \
             or args.repeats < 1:
         ap.error("--engines, --tenants and --repeats must be >= 1, --speedup and --time-scale > 0")
-    router_replay.check_trace(ap, args.trace, args.limit)
+    trace = router_replay.check_trace(ap, args.trace, args.limit)
     t0 = time.perf_counter()
-    doc = run(args)
+    doc = run(args, trace)
     print(router_replay.table(doc))
     if "virtual" in doc:
         print("the same requests on the virtual clock:")

@@ -78,7 +78,9 @@ def main(argv=None) -> int:
         if not match:
             ap.error(f"docs/router_sweep.json has no {args.trace} row at load {args.load}")
         speedup = match[0]
-    kv_gib, pool_gib = sizes(args.trace, args)
+    trace = (check_trace(ap, args.conversation, args.limit) if args.trace == "conversation"
+             else GENERATORS[args.trace](args.limit, seed=args.seed))
+    kv_gib, pool_gib = sizes(args.trace, args, trace)
     cfg = engine_config(kv_gib, args.pool_link)
     seen = [0]
     out = []          # (predicted us, actual us, credited local blocks, reused device blocks)
@@ -93,8 +95,6 @@ def main(argv=None) -> int:
             ttft, hit = actual_ttft_us(sims[i], r, now)
             out.append((d.predicted_ttft_us, ttft, d.overlap[0], hit))
 
-    trace = (check_trace(ap, args.conversation, args.limit) if args.trace == "conversation"
-             else GENERATORS[args.trace](args.limit, seed=args.seed))
     res = run_policy(build_requests(trace, speedup), "quillcache", args.engines, cfg, seed=args.seed,
                      pool_blocks=pool_blocks(pool_gib) if args.pool else 0, before_route=compare)
     a = np.array(out, dtype=float)

@@ -82,14 +82,13 @@ def check_trace(ap: argparse.ArgumentParser, path: str, limit: int = 0) -> list:
         ap.error(f"trace {path}: {exc.strerror or exc}")
     except TraceError as exc:
         ap.error(f"trace {exc}")
-    raise AssertionError("unreachable")
 
 
 _WORK: dict = {}
 
 
-def _init(trace_path, limit, tenants, seed, speedup):
-    trace = assign_tenants(load_trace(trace_path, limit), tenants, seed)
+def _init(trace, tenants, seed, speedup):
+    trace = assign_tenants(trace, tenants, seed)
     _WORK["requests"] = build_requests(trace, speedup)
     _WORK["working_set_blocks"] = working_set_blocks(trace)
 
@@ -105,14 +104,15 @@ def _one(args):
     return policy, out
 
 
-def run(args) -> dict:
+def run(args, trace: list) -> dict:
+    """Every policy over ``trace`` (as ``check_trace`` read it: forked workers inherit it)."""
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise SystemExit(f"router_replay: unknown policies {unknown} (known: {', '.join(POLICIES)})")
     work = [(p, args.engines, args.kv_gib, args.seed, args.pool, args.pool_link, args.admission)
             for p in policies]
-    init = (args.trace, args.limit, args.tenants, args.seed, args.speedup)
+    init = (trace, args.tenants, args.seed, args.speedup)
     if args.jobs > 1:
         ctx = multiprocessing.get_context("fork")
         with ctx.Pool(min(args.jobs, len(work)), initializer=_init, initargs=init) as pool:
@@ -210,9 +210,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or args.pool < 0:
         ap.error("--engines and --tenants must be >= 1, --speedup > 0 and --pool >= 0")
-    check_trace(ap, args.trace, args.limit)
+    trace = check_trace(ap, args.trace, args.limit)
     t0 = time.perf_counter()
-    doc = run(args)
+    doc = run(args, trace)
     print(table(doc))
     c = doc["config"]
     print(f"engine caches: {c['cache_share_of_working_set']:.2f} of the working set "

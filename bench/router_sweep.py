@@ -29,6 +29,7 @@ import multiprocessing
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -67,11 +68,11 @@ def _requests(name: str, speedup: float, args) -> list:
     return _REQS[key]
 
 
-def sizes(name: str, args) -> tuple[float, float]:
-    """(KV GiB per engine, pool GiB) for a trace: shares of its working set, each engine's
-    cache at least two of the trace's largest requests (so it can run what it is sent) and at
-    most an H200's."""
-    trace = _trace(name, args)
+def sizes(name: str, args, trace: Optional[list] = None) -> tuple[float, float]:
+    """(KV GiB per engine, pool GiB) for a trace (``trace``, else the one ``name`` and ``args``
+    give): shares of its working set, each engine's cache at least two of the trace's largest
+    requests (so it can run what it is sent) and at most an H200's."""
+    trace = _trace(name, args) if trace is None else trace
     ws = working_set_blocks(trace) * BLOCK_BYTES / GiB
     largest = max(-(-(t.input_length + t.output_length) // TRACE_BLOCK_TOKENS) for t in trace)
     floor = 2 * largest * BLOCK_BYTES / GiB
@@ -304,8 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None, help="write OUT.md, OUT.png and OUT.json")
     args = ap.parse_args(argv)
-    if "conversation" in args.traces.split(","):
-        check_trace(ap, args.conversation, args.limit)
+    if "conversation" in args.traces.split(","):      # read once here; forked workers inherit it
+        _TRACES["conversation"] = check_trace(ap, args.conversation, args.limit)
     t0 = time.perf_counter()
     doc = run(args)
     text = table(doc)

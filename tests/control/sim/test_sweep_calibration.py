@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import gateway_replay, router_replay, router_sweep
+from bench import gateway_replay, router_predict, router_replay, router_sweep
 
 
 def test_each_pool_setting_is_calibrated_to_the_target_busy_share(tmp_path):
@@ -32,7 +32,9 @@ def test_a_missing_or_bad_trace_is_one_usage_error_before_any_worker_starts(tmp_
             (router_sweep.main, ["--conversation", str(bad), "--traces", "conversation"],
              f"{bad}:2: 1 hash_ids for input_length 600"),
             (router_replay.main, ["--trace", str(bad)], f"{bad}:2:"),
-            (gateway_replay.main, ["--trace", missing], "No such file")]
+            (gateway_replay.main, ["--trace", missing], "No such file"),
+            (router_predict.main, ["--trace", "conversation", "--conversation", missing, "--speedup", "2"],
+             "No such file")]
     for main, argv, want in runs:
         with pytest.raises(SystemExit) as exc:
             main(argv)
