@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from quillcache.control.indexer import DEVICE, POOL, ArtIndexer, chain_hashes
 from quillcache.control.inflight import page_wait_us
 from quillcache.control.model import TCP_BYTES_PER_S, CostModel, us_per_mib
+from quillcache.control.policies import TailQuantile
 from quillcache.control.router import Router, RouterConfig
 from quillcache.control.sim.engine import EngineConfig, H200_LLAMA3_8B
 from quillcache.control.sim.replay import build_requests, run_policy
@@ -313,9 +314,12 @@ def doomed_case(**kw):
 
 def test_a_request_doomed_everywhere_goes_where_the_queue_already_misses_the_slo():
     # w2 is its fastest worker (0.45 + 0.9 s) but still past 0.8 s: it would only take w2's
-    # capacity from requests that can meet theirs.  w1's queue alone misses the SLO and is within
-    # 1.2 x the mean wait; w0's is beyond that (the tail stays in view).
-    r, h = doomed_case()
+    # capacity from requests that can meet theirs.  Add w3, 40,000 tokens queued (1.8 s): the
+    # mean wait is 1.18 s, and w1's queue (1.125 s) alone misses the SLO within that mean.
+    r = router("quillcache", workers=("w0", "w1", "w2", "w3"), slo_ttft_ms=800.0)
+    for name, tokens in (("w0", 30_000), ("w1", 25_000), ("w2", 10_000), ("w3", 40_000)):
+        set_load(r, name, tokens, 1, 1)
+    h = chain_hashes(toks(5000), BS)
     d = r.route(A, hashes=h, request_tokens=20_000, track=False)
     assert d.worker == "w1"
     assert d.predicted_ttft_us == pytest.approx(45 * 45_000)
@@ -332,6 +336,71 @@ def test_a_request_doomed_everywhere_goes_where_the_queue_already_misses_the_slo
     r, h = doomed_case()
     set_load(r, "w1", 10_000, 1, 1)
     assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker in ("w1", "w2")
+
+
+def test_a_doomed_request_waits_past_the_mean_only_where_it_does_not_become_the_tail():
+    # w1's queue (1.125 s) is past the mean (0.975 s) but within 1.2 x it; the request would
+    # finish its prefill there at 2.025 s.  Once the router has placed 100 requests, that is
+    # allowed only under the p99 of the TTFTs it predicted for them.
+    r, h = doomed_case()
+    for _ in range(200):
+        r.ttft_tail.add(1_500_000.0)
+    d = r.route(A, hashes=h, request_tokens=20_000, track=False)
+    assert d.worker == "w2" and d.predicted_ttft_us > 800_000      # at w1 it would be the new tail
+    r, h = doomed_case()
+    for _ in range(200):
+        r.ttft_tail.add(3_000_000.0)
+    assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w1"
+    # before 100 placements there is no p99: a router that has not seen its tail keeps out of it
+    r, h = doomed_case()
+    for _ in range(99):
+        r.ttft_tail.add(3_000_000.0)
+    assert r.ttft_tail.value() is None
+    assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w2"
+    r.ttft_tail.add(3_000_000.0)
+    assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w1"
+    # a queue at or under the mean needs no p99: w3 (1.8 s) lifts the mean to 1.18 s
+    r = router("quillcache", workers=("w0", "w1", "w2", "w3"), slo_ttft_ms=800.0)
+    for name, tokens in (("w0", 30_000), ("w1", 25_000), ("w2", 10_000), ("w3", 40_000)):
+        set_load(r, name, tokens, 1, 1)
+    for _ in range(200):
+        r.ttft_tail.add(1_500_000.0)
+    assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w1"
+
+
+def test_the_router_counts_the_ttft_it_predicted_for_each_request_it_places():
+    r, h = doomed_case()
+    small = chain_hashes(toks(100), BS)
+    predicted = []
+    for i in range(120):
+        d = r.route(A, hashes=small, request_tokens=400, request_id=f"q{i}")
+        predicted.append(d.predicted_ttft_us)
+        r.free(f"q{i}")
+    r.route(A, hashes=small, request_tokens=400, track=False)     # not placed: not counted
+    assert r.ttft_tail.value() == pytest.approx(float(np.quantile(predicted, 0.99)))
+
+
+def test_tail_quantile_is_bounded_and_checks_its_arguments():
+    t = TailQuantile(0.99, window=200)
+    for v in range(1000):
+        t.add(float(v))
+    assert t.value() == pytest.approx(float(np.quantile(np.arange(800, 1000, dtype=float), 0.99)))
+    assert len(t._buf) == 200
+    # recomputed once 1/128 of what it holds is new: at 1,024 values, every 8
+    t = TailQuantile(0.5, window=1024)
+    for _ in range(1024):
+        t.add(1.0)
+    assert t.value() == 1.0
+    seen = []
+    for _ in range(520):
+        t.add(5.0)
+        seen.append(t.value())
+    assert seen[511] == pytest.approx(3.0)           # 512 of 1,024 are 5.0: computed at this add
+    assert seen[518] == pytest.approx(3.0)           # 519 are (the median is 5.0): not recomputed yet
+    assert seen[519] == 5.0
+    for bad in ((0.0, 10), (1.0, 10), (0.5, 0)):
+        with pytest.raises(ValueError, match="TailQuantile"):
+            TailQuantile(*bad)
 
 
 def test_a_doomed_request_is_not_moved_where_it_costs_more_than_twice_its_own_work():

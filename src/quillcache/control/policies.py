@@ -31,7 +31,7 @@ from quillcache.control.model import CostModel
 
 __all__ = ["Candidates", "Prediction", "SGLANG_BALANCE_ABS", "SGLANG_BALANCE_REL", "SGLANG_CACHE_THRESHOLD",
            "LLMD_QUEUE_WEIGHT", "LLMD_PREFIX_WEIGHT", "sglang_scores", "llmd_scores", "mooncake_scores",
-           "predict_ttft", "goodput_placement"]
+           "predict_ttft", "goodput_placement", "TailQuantile"]
 
 # SGLang model gateway, cache_aware defaults (sgl-router ``CacheAwareConfig``)
 SGLANG_BALANCE_ABS = 64           # requests
@@ -131,7 +131,41 @@ class Prediction:
     doomed: bool = False       # predicted to miss the SLO everywhere: placed by goodput_placement
 
 
-def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2) -> Prediction:
+class TailQuantile:
+    """The ``q`` quantile of the last ``window`` values added, or None until it has
+    ``1 / (1 - q)`` of them (a p99 of fewer than 100 values is their maximum, not a tail).
+    Bounded: ``window`` floats.  It is asked only for a request doomed everywhere
+    (``goodput_placement``), and recomputed then once 1/128 of the values it holds are new
+    (~100 us for 8,192 values, so at most ~1.5 us a decision under saturation, when every
+    request is doomed); a quantile of 8,192 values moves little over 64 of them."""
+
+    __slots__ = ("q", "_buf", "_n", "_at", "_value")
+
+    def __init__(self, q: float = 0.99, window: int = 8192) -> None:
+        if not 0.0 < q < 1.0 or window < 1:
+            raise ValueError(f"TailQuantile q={q!r}, window={window!r}: need 0 < q < 1 and window >= 1")
+        self.q = q
+        self._buf = np.zeros(window)
+        self._n = 0
+        self._at = 0                 # self._n when _value was computed
+        self._value: Optional[float] = None
+
+    def add(self, value: float) -> None:
+        self._buf[self._n % len(self._buf)] = value
+        self._n += 1
+
+    def value(self) -> Optional[float]:
+        n = min(self._n, len(self._buf))
+        if n < 1.0 / (1.0 - self.q):
+            return None
+        if self._value is None or self._n - self._at >= max(n >> 7, 1):
+            self._value = float(np.quantile(self._buf[:n], self.q))
+            self._at = self._n
+        return self._value
+
+
+def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
+                      tail_us: Optional[float] = None) -> Prediction:
     """Where a request goes that is predicted to miss its SLO on every worker.
 
     It misses wherever it goes; what its placement still decides is whom it delays.  Its work
@@ -143,10 +177,15 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2) -> 
     * moving there costs no more work than it spares its fastest worker (its own work there,
       queue excluded, at most twice what it is on the fastest: a long context it would
       recompute stays with the worker that holds it), and
-    * that queue is at most ``1 + tail_slack`` times the mean queue over the workers: a doomed
-      request waits at most that much longer than an even spread would make it wait, which is
-      what keeps the tail (p99) in view.  ``tail_slack`` 0.2 is the issue's tail budget
-      (p99 <= 1.2 x the best peer's), not a number fitted to a trace.
+    * it waits no longer than an even spread would make it wait (that queue at most the mean
+      queue over the workers), or, up to ``1 + tail_slack`` times the mean, where it does not
+      become the tail: its predicted TTFT there is at most ``tail_us``, the p99 of the TTFTs
+      the router predicted for the requests it placed (``TailQuantile``).  Before 100 of them
+      there is no p99, and only the first bound applies: a router that has not yet seen its
+      tail keeps out of it.  ``tail_slack`` 0.2 is the issue's tail budget (p99 <= 1.2 x the
+      best peer's), not a number fitted to a trace.  A doomed request that would wait past the
+      mean is most often a long prompt, the tail already; sent behind a long queue too, it
+      becomes the new p99.
 
     Where no worker qualifies (a request doomed by its own size, or queues all alike) the
     placement is unchanged."""
@@ -154,8 +193,11 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2) -> 
         return p
     own = p.ttft_us - p.wait_us
     best = int(np.argmin(p.score))
-    past = ((p.wait_us >= slo_us) & (own - own[best] <= own[best])
-            & (p.wait_us <= (1.0 + tail_slack) * float(p.wait_us.mean())))
+    mean = float(p.wait_us.mean())
+    even = p.wait_us <= mean
+    if tail_us is not None:
+        even |= (p.wait_us <= (1.0 + tail_slack) * mean) & (p.ttft_us <= tail_us)
+    past = (p.wait_us >= slo_us) & (own - own[best] <= own[best]) & even
     if not past.any():
         return p
     # The others rank after every doomed worker, in their own order (finite: logits go out as JSON).

@@ -46,7 +46,7 @@ from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
 from quillcache.control.inflight import InFlightBlocks, PagePlan, page_plan
 from quillcache.control.model import H200_LLAMA3_8B, TCP_BYTES_PER_S, CostModel, us_per_mib
 from quillcache.control.policies import (
-    Candidates, goodput_placement, llmd_scores, mooncake_scores, predict_ttft, sglang_scores,
+    Candidates, TailQuantile, goodput_placement, llmd_scores, mooncake_scores, predict_ttft, sglang_scores,
 )
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sketch import CountMinSketch
@@ -275,6 +275,8 @@ class Router:
         self.sketch = CountMinSketch.for_error(config.sketch_epsilon, config.sketch_delta,
                                                seed=config.seed or 0)
         self.stats = RouterStats()
+        # the p99 of the TTFTs predicted for the requests placed (goodput placement's tail bound)
+        self.ttft_tail = TailQuantile(0.99, LATENCY_WINDOW)
         self._histogram = None
         for w in workers:
             self.add_worker(w)
@@ -421,7 +423,7 @@ class Router:
                                     batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
                                     device_share=self.stats.device_share, pool_share=self.stats.pool_share)
                 if cfg.goodput_placement:
-                    pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0)
+                    pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail_us=self.ttft_tail.value())
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
                 choice = self._select(logits)
             elif policy == "mooncake":
@@ -463,6 +465,8 @@ class Router:
             admitted = not (cfg.admission == "predict" and policy == "quillcache"
                             and predicted[choice] > cfg.admission_k * cfg.slo_ttft_ms * 1000.0)
             track = track and admitted
+            if track and policy == "quillcache":
+                self.ttft_tail.add(float(predicted[choice]))
             rid = request_id if request_id is not None else f"r{next(self._ids)}"
             if track:
                 self._start(rid, worker, n_tokens, d + h + k + p, self._load_tokens(policy, h, k, p),
