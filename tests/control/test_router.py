@@ -207,6 +207,20 @@ def test_decision_latency_is_exported_to_prometheus():
     assert router.latency_percentile(50) > 0
 
 
+def test_the_predicted_ttft_p99_is_exported_to_prometheus():
+    reg = CollectorRegistry()
+    router = Router(RouterConfig(policy="quillcache", block_size=BS, seed=0), workers=W)
+    router.export_metrics(reg)
+    assert math.isnan(reg.get_sample_value("quillcache_router_predicted_ttft_p99_seconds"))
+    predicted = []
+    for i in range(100):
+        d = router.route(A, tokens(3, salt=i), request_id=f"r{i}")
+        predicted.append(d.predicted_ttft_us)
+        router.free(f"r{i}")
+    assert reg.get_sample_value("quillcache_router_predicted_ttft_p99_seconds") == pytest.approx(
+        float(np.quantile(predicted, 0.99)) / 1e6)
+
+
 # ---- the router's fast path (native match, load table, candidate columns) against the
 # straightforward scorer: the dict indexer, one worker at a time, the loads as given
 

@@ -322,8 +322,9 @@ class Router:
         return self._loads[worker]
 
     def export_metrics(self, registry) -> None:
-        """Register the decision-latency histogram and counters on a prometheus registry."""
-        from prometheus_client import Counter, Histogram
+        """Register the decision-latency histogram, the counters and the predicted-TTFT p99
+        gauge on a prometheus registry."""
+        from prometheus_client import Counter, Gauge, Histogram
         self._histogram = Histogram(
             "quillcache_router_decision_seconds", "Time to score the workers and pick one",
             registry=registry,
@@ -331,6 +332,14 @@ class Router:
         self._refused_counter = Counter(
             "quillcache_router_refused_blocks", "Cached blocks not credited: another identity's",
             registry=registry)
+        Gauge("quillcache_router_predicted_ttft_p99_seconds",
+              "p99 of the TTFTs predicted for the last 8,192 requests placed (quillcache policy; NaN before 100)",
+              registry=registry).set_function(self._predicted_p99_s)
+
+    def _predicted_p99_s(self) -> float:
+        with self._lock:
+            v = self.ttft_tail.value()
+        return float("nan") if v is None else v / 1e6
 
     # ---- events
     def apply_events(self, worker: str, batch, scope: IdentityScope, *, pool: bool = False) -> int:
