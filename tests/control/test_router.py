@@ -320,7 +320,7 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, infligh
                                 pool_us_per_mb=router._pool_us_per_mb, device_share=router.stats.device_share,
                                 pool_share=router.stats.pool_share)
             if cfg.goodput_placement:
-                pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail_us=router.ttft_tail.value())
+                pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=router.ttft_tail)
             logits = pred.score.tolist()
             for i, n in enumerate(names):
                 facts[n]["predicted"] = float(pred.ttft_us[i])

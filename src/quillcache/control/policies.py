@@ -165,7 +165,7 @@ class TailQuantile:
 
 
 def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
-                      tail_us: Optional[float] = None) -> Prediction:
+                      tail: Optional[TailQuantile] = None) -> Prediction:
     """Where a request goes that is predicted to miss its SLO on every worker.
 
     It misses wherever it goes; what its placement still decides is whom it delays.  Its work
@@ -179,8 +179,9 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
       recompute stays with the worker that holds it), and
     * it waits no longer than an even spread would make it wait (that queue at most the mean
       queue over the workers), or, up to ``1 + tail_slack`` times the mean, where it does not
-      become the tail: its predicted TTFT there is at most ``tail_us``, the p99 of the TTFTs
-      the router predicted for the requests it placed (``TailQuantile``).  Before 100 of them
+      become the tail: its predicted TTFT there is at most ``tail``'s value, the p99 of the
+      TTFTs the router predicted for the requests it placed (asked only here, for a request
+      doomed everywhere).  Before 100 of them
       there is no p99, and only the first bound applies: a router that has not yet seen its
       tail keeps out of it.  ``tail_slack`` 0.2 is the issue's tail budget (p99 <= 1.2 x the
       best peer's), not a number fitted to a trace.  A doomed request that would wait past the
@@ -195,6 +196,7 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
     best = int(np.argmin(p.score))
     mean = float(p.wait_us.mean())
     even = p.wait_us <= mean
+    tail_us = tail.value() if tail is not None else None
     if tail_us is not None:
         even |= (p.wait_us <= (1.0 + tail_slack) * mean) & (p.ttft_us <= tail_us)
     past = (p.wait_us >= slo_us) & (own - own[best] <= own[best]) & even

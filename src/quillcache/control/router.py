@@ -432,7 +432,7 @@ class Router:
                                     batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
                                     device_share=self.stats.device_share, pool_share=self.stats.pool_share)
                 if cfg.goodput_placement:
-                    pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail_us=self.ttft_tail.value())
+                    pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=self.ttft_tail)
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
                 choice = self._select(logits)
             elif policy == "mooncake":
