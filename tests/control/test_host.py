@@ -3,6 +3,7 @@ publishers) and answers ROUTE / ROUTE_UPDATE over its binary protocol; a node wi
 ``[events] publish`` puts its own residency changes on the wire in vLLM's format."""
 from __future__ import annotations
 
+import math
 import subprocess
 import time
 
@@ -16,6 +17,7 @@ from quillcache.control.indexer import chain_hashes
 from quillcache.errors import InvalidArgument
 from quillcache.model import IdentityScope, KvBlockKey
 from tests._support.daemon import QUILLCACHED, Daemon
+from tests._support.metrics import has_metric, metric_value, scrape
 from tests._support.net import free_port
 
 BS = 4
@@ -75,6 +77,11 @@ def test_node_routes_by_the_engines_events_and_scopes_credit_by_identity(tmp_pat
 
             info = c.info("Router")
             assert info["Router"]["module"] == "quillcache" and info["Router"]["decisions"] >= 5
+            # the node's /metrics: decisions, and the predicted-TTFT p99 (NaN: under 100 placed)
+            text = scrape(d.metrics_port)
+            assert metric_value(text, "quillcache_router_decision_seconds_count") >= 5
+            assert has_metric(text, "quillcache_router_predicted_ttft_p99_seconds")
+            assert math.isnan(metric_value(text, "quillcache_router_predicted_ttft_p99_seconds"))
     finally:
         e0.close()
         e1.close()
