@@ -312,14 +312,20 @@ def doomed_case(**kw):
     return r, chain_hashes(toks(5000), BS)
 
 
+def doomed_case_with_w3():
+    """``doomed_case`` and w3 with 40,000 tokens queued (1.8 s): the mean wait is 1.18 s, so
+    w1's queue (1.125 s) is past the SLO and within the mean."""
+    r = router("quillcache", workers=("w0", "w1", "w2", "w3"), slo_ttft_ms=800.0)
+    for name, tokens in (("w0", 30_000), ("w1", 25_000), ("w2", 10_000), ("w3", 40_000)):
+        set_load(r, name, tokens, 1, 1)
+    return r, chain_hashes(toks(5000), BS)
+
+
 def test_a_request_doomed_everywhere_goes_where_the_queue_already_misses_the_slo():
     # w2 is its fastest worker (0.45 + 0.9 s) but still past 0.8 s: it would only take w2's
     # capacity from requests that can meet theirs.  Add w3, 40,000 tokens queued (1.8 s): the
     # mean wait is 1.18 s, and w1's queue (1.125 s) alone misses the SLO within that mean.
-    r = router("quillcache", workers=("w0", "w1", "w2", "w3"), slo_ttft_ms=800.0)
-    for name, tokens in (("w0", 30_000), ("w1", 25_000), ("w2", 10_000), ("w3", 40_000)):
-        set_load(r, name, tokens, 1, 1)
-    h = chain_hashes(toks(5000), BS)
+    r, h = doomed_case_with_w3()
     d = r.route(A, hashes=h, request_tokens=20_000, track=False)
     assert d.worker == "w1"
     assert d.predicted_ttft_us == pytest.approx(45 * 45_000)
@@ -360,9 +366,7 @@ def test_a_doomed_request_waits_past_the_mean_only_where_it_does_not_become_the_
     r.ttft_tail.add(3_000_000.0)
     assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w1"
     # a queue at or under the mean needs no p99: w3 (1.8 s) lifts the mean to 1.18 s
-    r = router("quillcache", workers=("w0", "w1", "w2", "w3"), slo_ttft_ms=800.0)
-    for name, tokens in (("w0", 30_000), ("w1", 25_000), ("w2", 10_000), ("w3", 40_000)):
-        set_load(r, name, tokens, 1, 1)
+    r, h = doomed_case_with_w3()
     for _ in range(200):
         r.ttft_tail.add(1_500_000.0)
     assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w1"

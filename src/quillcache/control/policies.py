@@ -135,7 +135,8 @@ class TailQuantile:
     """The ``q`` quantile of the last ``window`` values added, or None until it has
     ``1 / (1 - q)`` of them (a p99 of fewer than 100 values is their maximum, not a tail).
     Bounded: ``window`` floats.  It is asked only for a request doomed everywhere
-    (``goodput_placement``), and recomputed then once 1/128 of the values it holds are new
+    (``goodput_placement``) and by ``/metrics``, and recomputed then once 1/128 of the values
+    it holds are new
     (~100 us for 8,192 values, so at most ~1.5 us a decision under saturation, when every
     request is doomed); a quantile of 8,192 values moves little over 64 of them."""
 

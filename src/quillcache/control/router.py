@@ -333,7 +333,8 @@ class Router:
             "quillcache_router_refused_blocks", "Cached blocks not credited: another identity's",
             registry=registry)
         Gauge("quillcache_router_predicted_ttft_p99_seconds",
-              "p99 of the TTFTs predicted for the last 8,192 requests placed (quillcache policy; NaN before 100)",
+              f"p99 of the TTFTs predicted for the last {LATENCY_WINDOW:,} requests placed "
+              "(quillcache policy; NaN before 100)",
               registry=registry).set_function(self._predicted_p99_s)
 
     def _predicted_p99_s(self) -> float:
