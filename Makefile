@@ -97,8 +97,10 @@ run: build
 	$(VENV)/bin/quillcached
 
 # etcd and three nodes on loopback (tests/_support/devcluster.py): kill -9 one, the others serve; Ctrl-C stops all.
+# CLUSTER_ARGS: e.g. "--start-timeout 120" on a slow machine, or "5" for five nodes.
+CLUSTER_ARGS ?=
 cluster: build
-	$(PY) -m tests._support.devcluster
+	$(PY) -m tests._support.devcluster $(CLUSTER_ARGS)
 
 # ruff (configured in pyproject.toml) on the whole tree, then the suite.
 lint: $(STAMP)

@@ -9,10 +9,13 @@ Failure detection: ``kill -9`` one node's pid (printed at start).  The others ke
 this prints what happened, and once the dead node's etcd lease expires (3 s here) ``quillctl
 cluster`` on a survivor shows it gone and a block it held is read again from another holder or
 recomputed by the caller.  State (configs, logs, the etcd data dir) lives under ./var/cluster
-and is removed on exit, whatever the exit.
+and is removed on exit, unless the nodes did not come up: then it is kept for a look, and
+what each process did (exited, or running and not answering yet, with the end of its log) is
+printed before exiting 1.  ``--start-timeout S`` (default 30) is how long they get.
 """
 from __future__ import annotations
 
+import argparse
 import shutil
 import signal
 import sys
@@ -20,11 +23,13 @@ import time
 from pathlib import Path
 
 from quillcache import Client
-from tests._support.cluster import CREDENTIAL, Pool
+from tests._support.cluster import CREDENTIAL, Pool, cluster_view
 from tests._support.etcd import EtcdServer
 
 LEASE_TTL = "3s"
 POLL_S = 0.5                     # seconds between looks at the processes
+START_TIMEOUT_S = 30.0           # seconds for every node to see every other one up
+LOG_TAIL = 12                    # lines of a process's log shown when the pool did not come up
 QUILLCTL = ".venv/bin/quillctl"
 
 
@@ -51,11 +56,17 @@ def _transport(pool: Pool, d, timeout: float = 10.0) -> str:
 
 
 def main(argv: list[str]) -> int:
-    n = int(argv[0]) if argv else 3
+    ap = argparse.ArgumentParser(prog="make cluster")
+    ap.add_argument("nodes", nargs="?", type=int, default=3)
+    ap.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S, metavar="S",
+                    help="seconds for the nodes to come up and see each other")
+    args = ap.parse_args(argv)
+    n = args.nodes
     root = Path("var/cluster").resolve()
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     stop: list[int] = []
+    kept = False
 
     def on_signal(signum, _frame) -> None:
         stop.append(signum)
@@ -67,16 +78,53 @@ def main(argv: list[str]) -> int:
     try:
         with EtcdServer(root / "etcd") as etcd:
             with Pool(root, etcd.endpoint, n, lease_ttl=LEASE_TTL, dram="512MiB", cluster_id="dev") as pool:
-                pool.wait_members(n, timeout=30)
+                try:
+                    pool.wait_members(n, timeout=args.start_timeout)
+                except AssertionError:
+                    _explain(etcd, pool, n, args.start_timeout, root)
+                    kept = True
+                    return 1
                 _banner(etcd, pool)
                 _watch(etcd, pool, stop)
                 for d in pool.nodes.values():        # a clean stop: TERM drains (the pool's close kills)
                     if d.proc.poll() is None:
                         d.stop(signal.SIGTERM, timeout=15)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if not kept:
+            shutil.rmtree(root, ignore_errors=True)
     print("make cluster: stopped; var/cluster removed", flush=True)
     return 0
+
+
+def _tail(path: Path, lines: int = LOG_TAIL) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError as exc:
+        return f"      ({path}: {exc.strerror or exc})"
+    return "\n".join(f"      {line}" for line in text) or "      (empty)"
+
+
+def _explain(etcd: EtcdServer, pool: Pool, n: int, timeout: float, root: Path) -> None:
+    """What each process did when the pool did not come up in time (its logs are kept)."""
+    print(f"make cluster: the {n} nodes did not all come up and see each other within {timeout:g} s",
+          flush=True)
+    procs = [("etcd", etcd.proc, etcd.log_path, etcd.endpoint)] + \
+        [(k, d.proc, d.log_path, d.addr) for k, d in pool.nodes.items()]
+    for name, proc, log, addr in procs:
+        if proc.poll() is not None:
+            state = _how(proc.returncode)
+        elif name == "etcd":
+            state = f"running on {addr}"
+        else:
+            try:
+                members = cluster_view(addr, timeout=2.0, token=pool.token)["members"]
+                up = sorted(m["node_id"] for m in members if m["state"] == "up")
+                state = f"answering on {addr}, sees {len(up)} of {n} up ({', '.join(up) or 'none'})"
+            except Exception as exc:        # what a newcomer needs is the reason, whatever it is
+                state = f"running, not answering on {addr} ({exc})"
+        print(f"  {name} (pid {proc.pid}): {state}; the end of {log}:\n{_tail(log)}", flush=True)
+    print(f"make cluster: {root} is kept for a look (the next `make cluster` removes it); "
+          f"`make cluster CLUSTER_ARGS=\"--start-timeout 120\"` gives the nodes longer", flush=True)
 
 
 def _banner(etcd: EtcdServer, pool: Pool) -> None:

@@ -105,3 +105,25 @@ def test_sigterm_stops_the_pool_with_exit_0_too(tmp_path):
     rest = demo.proc.communicate(timeout=60)[0]
     assert demo.proc.returncode == 0, (demo.out + rest).decode(errors="replace")
     assert not (tmp_path / "var" / "cluster").exists()
+
+
+def test_a_pool_that_does_not_come_up_in_time_says_what_each_process_did_and_keeps_the_logs(tmp_path):
+    # 10 ms is too short for any node to see the others: the path a newcomer meets when a node
+    # cannot start (a port taken, etcd slow to answer) or the machine is slow
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "tests._support.devcluster", "--start-timeout", "0.01"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "the 3 nodes did not all come up and see each other within 0.01 s" in out
+    assert "Traceback" not in out
+    for name in ("etcd", "node-a", "node-b", "node-c"):
+        line = re.search(rf"^  {name} \(pid \d+\): (.+); the end of (\S+):$", out, re.M)
+        assert line, out
+        assert Path(line.group(2)).is_file(), line.group(2)          # kept: the log it names is there
+    node_a_log = re.search(r"^  node-a \(pid \d+\): .+; the end of (\S+):$", out, re.M).group(1)
+    assert "quillcached" in Path(node_a_log).read_text()          # the daemon's own start lines
+    assert (tmp_path / "var" / "cluster").is_dir()
+    assert "is kept for a look" in out and "--start-timeout" in out
+    assert "var/cluster removed" not in out
