@@ -27,6 +27,7 @@ from typing import Optional
 
 import numpy as np
 
+from quillcache._native.predict import predict as _native_predict
 from quillcache.control.model import CostModel
 
 __all__ = ["Candidates", "Prediction", "SGLANG_BALANCE_ABS", "SGLANG_BALANCE_REL", "SGLANG_CACHE_THRESHOLD",
@@ -98,6 +99,15 @@ def llmd_scores(c: Candidates) -> np.ndarray:
     queue = np.ones(len(q)) if hi == lo else (hi - q) / (hi - lo)
     prefix = c.local.astype(float) / max(c.n_blocks, 1)
     return -(LLMD_QUEUE_WEIGHT * queue + LLMD_PREFIX_WEIGHT * prefix)
+
+
+def _i64(a) -> np.ndarray:
+    """``a`` as int64 (itself where it is already: the router's columns are)."""
+    return a if isinstance(a, np.ndarray) and a.dtype == np.int64 else np.asarray(a, np.int64)
+
+
+def _f64(a) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) and a.dtype == np.float64 else np.asarray(a, np.float64)
 
 
 def _block_us(us_per_mb: float, block_bytes: int) -> float:
@@ -235,61 +245,28 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     * with ``Candidates.memory_wait_us`` (the router's, where it knows the engines' KV pages):
       the time until its pages fit in the engine's KV memory; it starts when both that and the
       compute queue allow (the queue drains while it waits for pages).
+
+    The arithmetic per worker runs natively (``_native/predict.pyx``, the same operations in the
+    same order as the numpy form the tests keep beside it: the same bits, without ~40 numpy calls
+    per decision); the scalars are computed here.
     """
     per_token = cost.prefill_us_per_token
     bs = c.block_size
-    host_us = _block_us(cost.cpu_dram_us_per_mb, block_bytes)
-    disk_us = _block_us(cost.local_ssd_us_per_mb, block_bytes)
     pool_us = _block_us(pool_us_per_mb, block_bytes)
     use_pool = pool_us < bs * per_token
-    limit = max((c.n_tokens - 1) // bs, 0)          # the engine computes at least one token
-    pool = np.minimum(c.pool, np.maximum(limit - c.local, 0)) if use_pool else np.zeros_like(c.pool)
-    reuse = np.minimum(c.local + pool, limit)
-    own = c.n_tokens - reuse * bs
-    work = c.prefill_tokens + own
-    decodes = c.decodes.astype(float)
-    per_iter = np.where(decodes > 0, cost.decode_us_per_token + cost.running_decode_penalty_us * decodes, 0.0)
-    iters = np.ceil(work / np.maximum(batch_tokens - decodes, 1))
-    load = c.host * host_us + c.disk * disk_us + pool * pool_us
-    ttft = per_token * work + iters * per_iter + load
-    queued = c.prefill_tokens.astype(float)
-    wait = per_token * queued + np.ceil(queued / np.maximum(batch_tokens - decodes, 1)) * per_iter
-    stall = np.zeros(len(own))
-    if c.memory_wait_us is not None:
-        stall = np.maximum(c.memory_wait_us - wait, 0.0)
-        ttft, wait = ttft + stall, wait + stall
-    total = float(decodes.sum())
-    busy = per_token * own + load
-    imposed = busy * (decodes / total) if total else np.zeros(len(own))
-    # Each microsecond of compute or loading it adds is one more of waiting for the requests
-    # that will queue behind it; the mean prefill queue over the workers says how many.  So is
-    # each microsecond it waits for KV pages past the compute queue: the engine admits in order,
-    # so those behind it wait too while its compute idles.
-    behind = float(c.prefill_requests.mean()) if len(own) else 0.0
-    imposed = imposed + (busy + stall) * behind
-    # What it evicts: each page it takes (its blocks not on that device) beyond the pages free
-    # there pushes one cached block out, which later requests would have found there at the
-    # rate blocks are found on the device (``device_share``, measured over the router's
-    # decisions) and now load from the pool or recompute (``refill``, below).  A long
-    # context moved to a worker that lacks it costs its new worker that much of its cache; on
-    # its holder it takes only its new blocks; on a worker with free pages, nothing.
-    need = -(-c.n_tokens // bs) - c.device
-    if c.free_pages is not None:
-        need = np.maximum(need - c.free_pages, 0)
-    # Sent elsewhere, it strands the holder's copy (the worker with its deepest device prefix):
-    # the next request of this context goes where it goes, and that copy, the freshest in the
-    # holder's cache, pushes out that many blocks there (past the pages free there).
-    if len(own):
-        h = int(np.argmax(c.device))
-        strand = np.maximum(c.device[h] - c.device, 0)
-        if c.free_pages is not None:
-            strand = np.maximum(strand - c.free_pages[h], 0)
-        need = need + strand
-    # An evicted block is found again in the pool at the share the router measures for blocks
-    # not on the device, and recomputed otherwise.
+    # What finding an evicted block again costs: a pool load for the share of blocks found in
+    # the pool when not on the device (``pool_share``, measured by the router), a recompute for
+    # the rest.
     refill = bs * per_token
     if use_pool:
         refill = pool_share * pool_us + (1.0 - pool_share) * refill
-    imposed = imposed + device_share * refill * need
-    score = ttft + imposed
+    waits = None if c.memory_wait_us is None else _f64(c.memory_wait_us)
+    free = None if c.free_pages is None else _i64(c.free_pages)
+    score, ttft, pool, wait = _native_predict(
+        _i64(c.device), _i64(c.host), _i64(c.disk), _i64(c.pool), _i64(c.prefill_tokens),
+        _i64(c.prefill_requests), _i64(c.requests), waits, free, c.n_tokens, bs,
+        max((c.n_tokens - 1) // bs, 0),            # the engine computes at least one token
+        -(-c.n_tokens // bs), use_pool, per_token, cost.decode_us_per_token, cost.running_decode_penalty_us,
+        float(batch_tokens), _block_us(cost.cpu_dram_us_per_mb, block_bytes),
+        _block_us(cost.local_ssd_us_per_mb, block_bytes), pool_us, refill, device_share)
     return Prediction(score, ttft, pool, wait)
