@@ -6,8 +6,8 @@ cost ~60 µs of a ~110 µs decision in call overhead alone.
 
 The operations and their order are numpy's, term by term, in IEEE double: the results are
 the same bits (``tests/control/test_predict_native.py`` holds it against the numpy form).
-Nothing here allocates per worker beyond the four result arrays; nothing grows with the
-blocks indexed.
+It allocates the four result arrays and nothing else; nothing in it grows with the blocks
+indexed.
 """
 from libc.math cimport ceil
 from libc.stdint cimport int64_t
@@ -40,19 +40,21 @@ def predict(const int64_t[:] device, const int64_t[:] host, const int64_t[:] dis
     pool_a = np.zeros(k, np.int64)
     cdef double[::1] score = score_a, ttft = ttft_a, wait = wait_a
     cdef int64_t[::1] pool = pool_a
-    cdef double[::1] busy = np.empty(k), stall = np.zeros(k), decodes = np.empty(k)
     cdef int64_t local, reuse, own, work, need, strand, d
-    cdef double per_iter, room, load, total = 0.0, behind = 0.0, q, st
+    cdef double decodes, per_iter, room, load, busy, stall, imposed, total = 0.0, behind = 0.0, q
+    # The cluster's running decodes, the mean prefill queue and the worker holding the deepest
+    # device prefix: what every worker's terms below are weighed against.
     for i in range(k):
         d = requests[i] - prefill_requests[i]
-        decodes[i] = <double>(d if d > 0 else 0)
-        total += decodes[i]
+        total += <double>(d if d > 0 else 0)
         behind += <double>prefill_requests[i]
         if device[i] > device[h]:
             h = i                               # np.argmax: the first of the deepest
     if k:
         behind = behind / <double>k
     for i in range(k):
+        d = requests[i] - prefill_requests[i]
+        decodes = <double>(d if d > 0 else 0)
         # Its own uncached tokens after what it reuses (the pool only where loading a block
         # costs less than recomputing it), behind the prefill work already admitted there, with
         # the decode iterations that interleave with that work (chunked prefill) and its loads.
@@ -67,29 +69,30 @@ def predict(const int64_t[:] device, const int64_t[:] host, const int64_t[:] dis
             reuse = limit
         own = n_tokens - reuse * block_size
         work = prefill_tokens[i] + own
-        per_iter = decode_us_per_token + running_penalty_us * decodes[i] if decodes[i] > 0 else 0.0
-        room = batch_tokens - decodes[i]
+        per_iter = decode_us_per_token + running_penalty_us * decodes if decodes > 0 else 0.0
+        room = batch_tokens - decodes
         if room < 1.0:
             room = 1.0
         load = <double>host[i] * host_us + <double>disk[i] * disk_us + <double>pool[i] * pool_us
         ttft[i] = per_token * <double>work + ceil(<double>work / room) * per_iter + load
         q = <double>prefill_tokens[i]
         wait[i] = per_token * q + ceil(q / room) * per_iter
+        stall = 0.0
         if waits:
-            st = memory_wait[i] - wait[i]
-            stall[i] = st if st > 0.0 else 0.0
-            ttft[i] = ttft[i] + stall[i]
-            wait[i] = wait[i] + stall[i]
-        busy[i] = per_token * <double>own + load
-    for i in range(k):
+            stall = memory_wait[i] - wait[i]
+            if stall < 0.0:
+                stall = 0.0
+            ttft[i] = ttft[i] + stall
+            wait[i] = wait[i] + stall
+        busy = per_token * <double>own + load
         # The slowdown its compute and loads impose on the decodes running there: that
         # worker's share of the cluster's running decodes.
-        score[i] = busy[i] * (decodes[i] / total) if total else 0.0
+        imposed = busy * (decodes / total) if total else 0.0
         # Each microsecond of compute or loading it adds is one more of waiting for the requests
         # that will queue behind it; the mean prefill queue over the workers says how many.  So
         # is each microsecond it waits for KV pages past the compute queue: the engine admits in
         # order, so those behind it wait too while its compute idles.
-        score[i] = score[i] + (busy[i] + stall[i]) * behind
+        imposed = imposed + (busy + stall) * behind
         # What it evicts: each page it takes (its blocks not on that device) beyond the pages
         # free there pushes one cached block out, which later requests would have found there at
         # the rate blocks are found on the device (``device_share``) and now load from the pool
@@ -113,5 +116,5 @@ def predict(const int64_t[:] device, const int64_t[:] host, const int64_t[:] dis
             if strand < 0:
                 strand = 0
         need = need + strand
-        score[i] = ttft[i] + (score[i] + device_share * refill * <double>need)
+        score[i] = ttft[i] + (imposed + device_share * refill * <double>need)
     return score_a, ttft_a, pool_a, wait_a

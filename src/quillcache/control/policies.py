@@ -101,13 +101,12 @@ def llmd_scores(c: Candidates) -> np.ndarray:
     return -(LLMD_QUEUE_WEIGHT * queue + LLMD_PREFIX_WEIGHT * prefix)
 
 
-def _i64(a) -> np.ndarray:
-    """``a`` as int64 (itself where it is already: the router's columns are)."""
-    return a if isinstance(a, np.ndarray) and a.dtype == np.int64 else np.asarray(a, np.int64)
-
-
-def _f64(a) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) and a.dtype == np.float64 else np.asarray(a, np.float64)
+def _typed(a, dtype) -> Optional[np.ndarray]:
+    """``a`` as an array of ``dtype`` (itself where it is one already, as the router's columns
+    are: no copy), None for None."""
+    if a is None or (isinstance(a, np.ndarray) and a.dtype == dtype):
+        return a
+    return np.asarray(a, dtype)
 
 
 def _block_us(us_per_mb: float, block_bytes: int) -> float:
@@ -260,11 +259,11 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     refill = bs * per_token
     if use_pool:
         refill = pool_share * pool_us + (1.0 - pool_share) * refill
-    waits = None if c.memory_wait_us is None else _f64(c.memory_wait_us)
-    free = None if c.free_pages is None else _i64(c.free_pages)
+    i64 = np.int64
     score, ttft, pool, wait = _native_predict(
-        _i64(c.device), _i64(c.host), _i64(c.disk), _i64(c.pool), _i64(c.prefill_tokens),
-        _i64(c.prefill_requests), _i64(c.requests), waits, free, c.n_tokens, bs,
+        _typed(c.device, i64), _typed(c.host, i64), _typed(c.disk, i64), _typed(c.pool, i64),
+        _typed(c.prefill_tokens, i64), _typed(c.prefill_requests, i64), _typed(c.requests, i64),
+        _typed(c.memory_wait_us, np.float64), _typed(c.free_pages, i64), c.n_tokens, bs,
         max((c.n_tokens - 1) // bs, 0),            # the engine computes at least one token
         -(-c.n_tokens // bs), use_pool, per_token, cost.decode_us_per_token, cost.running_decode_penalty_us,
         float(batch_tokens), _block_us(cost.cpu_dram_us_per_mb, block_bytes),
