@@ -96,6 +96,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _processes(etcd: EtcdServer, pool: Pool) -> list:
+    """(name, process, log path, address) of etcd and of each node."""
+    return [("etcd", etcd.proc, etcd.log_path, etcd.endpoint)] + \
+        [(k, d.proc, d.log_path, d.addr) for k, d in pool.nodes.items()]
+
+
 def _tail(path: Path, lines: int = LOG_TAIL) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()[-lines:]
@@ -108,9 +114,7 @@ def _explain(etcd: EtcdServer, pool: Pool, n: int, timeout: float, root: Path) -
     """What each process did when the pool did not come up in time (its logs are kept)."""
     print(f"make cluster: the {n} nodes did not all come up and see each other within {timeout:g} s",
           flush=True)
-    procs = [("etcd", etcd.proc, etcd.log_path, etcd.endpoint)] + \
-        [(k, d.proc, d.log_path, d.addr) for k, d in pool.nodes.items()]
-    for name, proc, log, addr in procs:
+    for name, proc, log, addr in _processes(etcd, pool):
         if proc.poll() is not None:
             state = _how(proc.returncode)
         elif name == "etcd":
@@ -152,8 +156,7 @@ def _watch(etcd: EtcdServer, pool: Pool, stop: list[int]) -> None:
         time.sleep(POLL_S)
         if stop:
             return
-        procs = [("etcd", etcd.proc, etcd.log_path)] + [(k, d.proc, d.log_path) for k, d in pool.nodes.items()]
-        for name, proc, log in procs:
+        for name, proc, log, _ in _processes(etcd, pool):
             if name in reported or proc.poll() is None:
                 continue
             reported.add(name)
