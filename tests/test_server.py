@@ -359,7 +359,7 @@ def test_key_cache_returns_exactly_what_decode_key_returns_and_stays_bounded():
     from quillcache.errors import InvalidArgument as BadArg
     from quillcache.model import decode_key
     from quillcache.node.server import KeyCache
-    cache = KeyCache(4)
+    cache = KeyCache(4)                   # two generations of 2
     keys = [key(i, prefix="kc") for i in range(10)]
     raws = [encode_key(k) for k in keys]
     for k, raw in zip(keys, raws):
@@ -368,16 +368,14 @@ def test_key_cache_returns_exactly_what_decode_key_returns_and_stays_bounded():
     assert cache.misses == 10 and cache.hits == 0
     assert cache.decode(raws[-1]) is cache.decode(bytearray(raws[-1]))      # a hit, by value
     assert cache.hits == 2
-    cache.decode(raws[6])                 # touch: raws[6] is now the most recent
-    for raw in raws[:3]:                  # three new ones push out the three least recent
-        cache.decode(raw)
-    assert cache.decode(raws[6]) == keys[6]
-    hits = cache.hits
-    cache.decode(raws[7])                 # was evicted: decoded again, still right
-    assert cache.hits == hits and cache.decode(raws[7]) == keys[7]
+    # kept: the last two (the young generation) and the two before them (the old one)
+    assert all(raw in cache for raw in raws[6:]) and raws[5] not in cache
+    assert cache.decode(raws[6]) is cache.decode(raws[6])    # old, then moved to the young one
+    assert cache.hits == 4 and raws[7] not in cache           # ... which was full: it turned
+    assert cache.decode(raws[7]) == keys[7] and cache.misses == 11     # decoded again, still right
     with pytest.raises(BadArg):
         cache.decode(raws[0][:-1])        # truncated: refused, not cached
-    assert raws[0][:-1] not in cache._map
+    assert raws[0][:-1] not in cache
     assert len(KeyCache(0).decode(raws[0]).block_hash) and len(KeyCache(0)) == 0
 
 

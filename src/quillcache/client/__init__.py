@@ -26,17 +26,17 @@ reused from the heap); ``get_into``/``get_many_into`` receive into the caller's 
 Over the Unix socket with the arena mapped, ``get``/``put`` copy once out of/into the
 mapping and the located calls copy nothing.
 
-Hot-path choices: encoded keys are cached per client (``KEY_CACHE_ENTRIES``, by key); the
+Hot-path choices: a key carries its encoding (made with the ``KvBlockKey``, no cache); the
 sync client's socket is blocking with ``SO_RCVTIMEO``/``SO_SNDTIMEO`` (one syscall per
 send/recv, no poll, no timeout change per wait: the kernel timeout is lowered only when a
 deadline is nearer than it); a single GET first reads just the reply's fixed header so the
 payload goes from the socket straight into the destination.
 """
 from quillcache.client.aio import AsyncClient
-from quillcache.client.calls import DEFAULT_TIMEOUT_S, GET_MANY_BUFFER_BYTES, KEY_CACHE_ENTRIES
+from quillcache.client.calls import DEFAULT_TIMEOUT_S, GET_MANY_BUFFER_BYTES
 from quillcache.client.sync import Client
 from quillcache.net import DEFAULT_ADDRESS
 from quillcache.protocol.info import parse_info
 
 __all__ = ["Client", "AsyncClient", "parse_info", "DEFAULT_ADDRESS", "DEFAULT_TIMEOUT_S",
-           "KEY_CACHE_ENTRIES", "GET_MANY_BUFFER_BYTES"]
+           "GET_MANY_BUFFER_BYTES"]

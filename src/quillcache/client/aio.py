@@ -106,7 +106,6 @@ class AsyncClient(Ops):
         self.timeout = float(timeout)
         self._token = token_bytes(token)
         self._name = client_name
-        self._keys: dict = {}
         self._conn: Optional[_AsyncConnection] = None
         self.tenant: Optional[str] = None
         self.server_name = ""

@@ -17,7 +17,7 @@ from quillcache.protocol.connection import Reply
 
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "LIST_PAGE", "CLIENT_NAME", "KEY_CACHE_ENTRIES", "GET_MANY_BUFFER_BYTES",
+    "DEFAULT_TIMEOUT_S", "LIST_PAGE", "CLIENT_NAME", "GET_MANY_BUFFER_BYTES",
     "MIN_SOCKET_TIMEOUT_S", "MAX_REPLY_PAYLOAD", "SHM_PUT_MIN_BYTES", "UNIX_PREFIX", "Req", "resolve_address",
     "token_bytes", "payload_view", "dest_view", "timeval", "pack_buffers", "status_error", "chunks", "keys_per_request",
     "sized_spans", "KEY_LIST_FIXED", "KEY_OVERHEAD", "SIZED_KEY_OVERHEAD", "Batch", "Post"
@@ -26,7 +26,6 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 10.0         # seconds: connect and every wait for a reply
 LIST_PAGE = 1024                 # keys asked per LIST request (capped at the server's max_batch)
 CLIENT_NAME = "quillcache-py"
-KEY_CACHE_ENTRIES = 16384        # encoded keys kept per client (KvBlockKey -> bytes), oldest dropped
 GET_MANY_BUFFER_BYTES = 8 << 20  # bytes: get_many packs consecutive values into buffers of at most this
 MIN_SOCKET_TIMEOUT_S = 0.001     # seconds: the smallest SO_RCVTIMEO set (0 would mean "forever")
 MAX_REPLY_PAYLOAD = 4 << 30      # largest reply payload a client takes (a server may announce less)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Optional, Sequence
 
-from quillcache._native.batch import cached_values
 from quillcache._native.codec import (
     encode_key_body,
 )
@@ -13,7 +12,7 @@ from quillcache.errors import (
     InvalidArgument, NotFound, ProtocolError, UnsafeReuse,
 )
 from quillcache.model import (
-    IdentityScope, KvBlockKey, encode_key, encode_scope, encode_scope_prefix,
+    IdentityScope, KvBlockKey, encode_scope, encode_scope_prefix,
 )
 from quillcache.protocol import located, messages
 from quillcache.protocol.connection import AS_BYTES, ClientProtocolConnection, Reply
@@ -23,13 +22,14 @@ from quillcache.protocol.opcodes import FLAG_DURABLE, InfoFormat, Opcode, PinMod
 
 from quillcache.client import shm
 from quillcache.client.calls import (
-    LIST_PAGE, KEY_CACHE_ENTRIES, SHM_PUT_MIN_BYTES, Batch, Req, payload_view, dest_view, pack_buffers,
+    LIST_PAGE, SHM_PUT_MIN_BYTES, Batch, Req, payload_view, dest_view, pack_buffers,
     SIZED_KEY_OVERHEAD, status_error, chunks, keys_per_request, sized_spans,
 )
 
 __all__ = ["Ops"]
 
 _GET = int(Opcode.GET)
+_KEY_TYPES = frozenset({KvBlockKey})     # encoded_keys' fast path: these carry ``_ek``
 _STALE = " (the arena mapping is no longer the node's: reconnect() maps its new arena)"
 
 
@@ -37,7 +37,6 @@ class Ops:
     """Request builders shared by Client and AsyncClient; ``_exec``/``_exec_many`` run them."""
 
     _conn: Optional[ClientProtocolConnection]
-    _keys: dict
 
     @property
     def arena(self) -> "Optional[shm.Arena]":
@@ -57,26 +56,19 @@ class Ops:
         return self._conn.peer_limits if self._conn is not None else ProtocolLimits()
 
     def encoded_key(self, key) -> bytes:
-        """``encode_key(key)``, cached (a key is immutable and its encoding a pure function of it)."""
+        """``encode_key(key)``: a ``KvBlockKey`` carries its encoding, made with it (no cache:
+        a dict lookup would cost more than reading it)."""
         if not isinstance(key, KvBlockKey):
             raise InvalidArgument(f"key {key!r}: must be a KvBlockKey")
-        cache = self._keys
-        raw = cache.get(key)
-        if raw is None:
-            raw = encode_key(key)
-            if len(cache) >= KEY_CACHE_ENTRIES:
-                del cache[next(iter(cache))]       # the oldest insertion
-            cache[key] = raw
-        return raw
+        return key._ek
 
     def encoded_keys(self, keys) -> list[bytes]:
-        """``encoded_key`` of each of ``keys``: the cached ones in one native pass, the others
-        through ``encoded_key`` (which checks them), in order."""
-        out, _, error = cached_values(keys if type(keys) is list else list(keys), self._keys, None,
-                                      self.encoded_key)
-        if error is not None:
-            raise error
-        return out
+        """``encoded_key`` of each of ``keys``, in order; the first that is not a key is named."""
+        if type(keys) is not list:
+            keys = list(keys)
+        if set(map(type, keys)) <= _KEY_TYPES:
+            return [k._ek for k in keys]
+        return [self.encoded_key(k) for k in keys]
 
     def get_header(self, key) -> bytes:
         """The GET request body of ``key`` within the server's limits (the codec's format)."""

@@ -90,7 +90,6 @@ class Client(Ops):
         self.address = resolve_address(address)
         self.timeout = float(timeout)
         self._conn: Optional[_SyncConnection] = None
-        self._keys: dict = {}
         self.tenant: Optional[str] = None
         self.server_name = ""
         self._token = token_bytes(token)

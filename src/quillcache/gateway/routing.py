@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -101,7 +102,9 @@ class GatewayRouter:
         self.policy = r.policy
         self.models: dict[str, _ModelRouter] = {}
         self._of_worker: dict[str, _ModelRouter] = {}
-        self._predictions: dict[tuple, _Prediction] = {}
+        # oldest first; an OrderedDict: dropping the oldest is O(1) (a dict's next(iter(d)) walks
+        # over the holes of every key deleted at its front before: ~65 us at 200,000 entries)
+        self._predictions: OrderedDict[tuple, _Prediction] = OrderedDict()
         self._requests: dict[str, _ModelRouter] = {}
         self._consumers: dict[str, EventConsumer] = {}
 
@@ -244,8 +247,7 @@ class GatewayRouter:
         if key in self._predictions:
             p = self._predictions.pop(key)          # re-inserted last: the freshest
         elif len(self._predictions) >= MAX_PREDICTIONS:
-            oldest = next(iter(self._predictions))
-            self._drop(self._predictions.pop(oldest))
+            self._drop(self._predictions.popitem(last=False)[1])
         has_events = bool(mr.specs[worker].kv_events)
         p = _Prediction(worker, identity, tuple(hashes), now + CONFIRM_AFTER_S,
                         float("inf") if has_events else now + self.predict_ttl)
