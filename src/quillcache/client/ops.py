@@ -29,7 +29,7 @@ from quillcache.client.calls import (
 __all__ = ["Ops"]
 
 _GET = int(Opcode.GET)
-_KEY_TYPES = frozenset({KvBlockKey})     # encoded_keys' fast path: these carry ``_ek``
+_KEY_TYPES = frozenset({KvBlockKey})     # encoded_keys' fast path: these carry their encoding
 _STALE = " (the arena mapping is no longer the node's: reconnect() maps its new arena)"
 
 
@@ -60,14 +60,14 @@ class Ops:
         a dict lookup would cost more than reading it)."""
         if not isinstance(key, KvBlockKey):
             raise InvalidArgument(f"key {key!r}: must be a KvBlockKey")
-        return key._ek
+        return key.encoded()
 
     def encoded_keys(self, keys) -> list[bytes]:
         """``encoded_key`` of each of ``keys``, in order; the first that is not a key is named."""
         if type(keys) is not list:
             keys = list(keys)
         if set(map(type, keys)) <= _KEY_TYPES:
-            return [k._ek for k in keys]
+            return [k.encoded() for k in keys]
         return [self.encoded_key(k) for k in keys]
 
     def get_header(self, key) -> bytes:
