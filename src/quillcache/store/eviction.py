@@ -12,6 +12,7 @@ from typing import Optional
 
 from quillcache.model import KvBlockKey, decode_key
 from quillcache.store.dram import ARENA_UNIT, Slot
+from quillcache.store.options import CLEAN_SCAN_BLOCKS, EVICT_AHEAD_FRACTION, EVICT_AHEAD_MAX_BYTES
 
 __all__ = ["Eviction"]
 
@@ -31,17 +32,23 @@ class Eviction:
         entry = self._entries.get(key)
         return entry is not None and not (entry.pin_until > now and (entry.hard or not soft_ok))
 
-    def _victims(self, tier: str, now: float, soft_ok: bool = True, leased: Optional[list] = None):
+    def _victims(self, tier: str, now: float, soft_ok: bool = True, leased: Optional[list] = None,
+                 limit: Optional[int] = None):
         """(key, slot) of the blocks whose copy in ``tier`` may be evicted (``_may_evict``),
         in policy order: unpinned ones first, then soft-pinned ones (``soft_ok``); slot is
         None for the SSD tier.  Lazy: collect what to evict, then evict.  ``leased`` collects
-        the keys skipped because a lease holds them (first pass)."""
+        the keys skipped because a lease holds them (first pass).  ``limit``: look at that
+        many keys of the order at most (both passes together), None: all of them."""
         dram = tier == "dram"
         lru = self._dram_lru if dram else self._ssd_lru
         if not dram and self._untouched:
             yield from self._untouched_victims(now)
+        left = -1 if limit is None else limit
         for soft in ((False, True) if soft_ok else (False,)):
             for key in lru.candidates():
+                if left == 0:
+                    return
+                left -= 1
                 slot = self._dram.lookup(key) if dram else None
                 if dram and slot is None:
                     continue
@@ -75,12 +82,21 @@ class Eviction:
         entry = self._entries[key]
         return entry.ssd_version == entry.version
 
+    def _clean_scan(self) -> Optional[int]:
+        """How many keys of the DRAM order a search for copies that go without I/O looks at:
+        all of them without an SSD tier (every copy does, so the search stops at the first
+        that may go), ``CLEAN_SCAN_BLOCKS`` with one (most copies may be dirty: a search of
+        the whole order would cost each put in proportion to the blocks resident)."""
+        return None if self._ssd is None else CLEAN_SCAN_BLOCKS
+
     def _evictable_bytes(self, now: float, enough: int, no_io: bool) -> int:
         """Bytes (in allocator units) that evicting DRAM copies could free, up to ``enough``;
-        ``no_io``: only copies that can go without a demotion."""
+        ``no_io``: only copies that can go without a demotion (among the first
+        ``_clean_scan()`` keys of the order)."""
         total = 0
         leased = [] if no_io else None      # the leases that kept eviction off a block, once per attempt
-        for key, slot in self._victims("dram", now, leased=leased):
+        limit = self._clean_scan() if no_io else None
+        for key, slot in self._victims("dram", now, leased=leased, limit=limit):
             if no_io and not self._costs_no_io(key):
                 continue
             total += -(-slot.size // ARENA_UNIT) * ARENA_UNIT
@@ -91,13 +107,31 @@ class Eviction:
         return total
 
     def _make_room(self, size: int, now: float) -> None:
-        """Evict DRAM copies that cost no I/O, in policy order, until ``size`` fits in one extent."""
+        """Evict DRAM copies that cost no I/O, in policy order, until ``size`` fits in one
+        extent, and at least ``EVICT_AHEAD_FRACTION`` of the tier (the next puts then find
+        room without a walk of the order).
+
+        The victims are collected a round at a time, never the whole order (that made every
+        put into a full DRAM tier cost ~1.4 us per resident block): a round takes copies
+        worth ``want`` bytes from the oldest end and evicts them; while free space is too
+        fragmented for the extent, the next round wants twice as much."""
         dram = self._dram
-        victims = [key for key, _ in self._victims("dram", now) if self._costs_no_io(key)]
-        for key in victims:
-            if dram.report()[1] >= size:
+        limit = self._clean_scan()
+        ahead = min(int(dram.capacity * EVICT_AHEAD_FRACTION), EVICT_AHEAD_MAX_BYTES)
+        want = max(size, ahead)
+        while True:
+            batch, got = [], 0
+            for key, slot in self._victims("dram", now, limit=limit):
+                if self._costs_no_io(key):
+                    batch.append(key)
+                    got += -(-slot.size // ARENA_UNIT) * ARENA_UNIT
+                    if got >= want:
+                        break
+            for key in batch:
+                self._evict_dram(key)
+            if not batch or dram.report()[1] >= size:
                 return
-            self._evict_dram(key)
+            want *= 2
 
     def _evict_dram(self, key: KvBlockKey) -> None:
         """Free the DRAM copy; the block stays resident only if the SSD copy is current."""

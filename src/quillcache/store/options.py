@@ -15,6 +15,7 @@ from quillcache.store.guard import LOCAL_HOLDER
 
 __all__ = [
     "StoreOptions", "WRITE_POLICIES", "DEFAULT_LEASE_S", "DEFAULT_MAX_BLOCK_BYTES", "DEFAULT_MAX_LEASES",
+    "CLEAN_SCAN_BLOCKS", "EVICT_AHEAD_FRACTION", "EVICT_AHEAD_MAX_BYTES",
     "DEFAULT_MAX_INFLIGHT_PUTS", "MAX_LEASE_S", "MAX_PREFIX_KEYS", "MAX_LIST_PAGE",
     "DEFAULT_MAX_HARD_PIN_FRACTION", "MAX_DEMOTIONS_IN_FLIGHT",
 ]
@@ -29,6 +30,16 @@ MAX_PREFIX_KEYS = 65_536             # keys in one exists_prefix call
 MAX_LIST_PAGE = 65_536               # keys in one list_page call
 DEFAULT_MAX_HARD_PIN_FRACTION = 0.5  # of the dram capacity that hard pins may hold
 MAX_DEMOTIONS_IN_FLIGHT = 8          # SSD writes started at once to make room for waiting puts
+# DRAM copies a put looks at, from the eviction order's oldest end, for ones that go without I/O
+# when the store has an SSD tier (where most may be dirty): a put's cost must not grow with the
+# blocks resident (docs/tiering.md, "Making room").  Past it, demotions make the room.
+CLEAN_SCAN_BLOCKS = 256
+# A put that must evict copies which go without I/O evicts at least this share of the DRAM tier
+# (at most EVICT_AHEAD_MAX_BYTES): the next puts then find room without looking at the eviction
+# order, whose walk from its oldest end costs more the more keys were evicted since the dict
+# was last rebuilt (docs/tiering.md, "Making room").
+EVICT_AHEAD_FRACTION = 1 / 4096
+EVICT_AHEAD_MAX_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
