@@ -58,11 +58,11 @@ def test_a_put_into_a_full_dram_only_tier_looks_at_a_few_keys_whatever_the_size(
 
 
 def test_evictions_go_oldest_first_and_free_at_least_the_share_ahead():
-    blocks = 16384                                       # 16 MiB: a share of 4 blocks
+    blocks = 16384                                       # 16 MiB: a share of 16 blocks
     store = _dram_only(blocks)
     asyncio.run(_fill_then_overfill(store, blocks, 100))
     ahead = int(blocks * BLOCK * EVICT_AHEAD_FRACTION) // BLOCK
-    assert ahead == 4
+    assert ahead == 16
     present = [i for i in range(blocks + 100) if store.exists(key(i))]
     assert present == list(range(present[0], blocks + 100))      # a suffix: the oldest went first
     assert blocks - ahead <= len(present) <= blocks

@@ -38,7 +38,7 @@ CLEAN_SCAN_BLOCKS = 256
 # (at most EVICT_AHEAD_MAX_BYTES): the next puts then find room without looking at the eviction
 # order, whose walk from its oldest end costs more the more keys were evicted since the dict
 # was last rebuilt (docs/tiering.md, "Making room").
-EVICT_AHEAD_FRACTION = 1 / 4096
+EVICT_AHEAD_FRACTION = 1 / 1024
 EVICT_AHEAD_MAX_BYTES = 16 << 20
 
 

@@ -4,7 +4,9 @@ LRU, kept in a plain ``dict`` (a dict keeps insertion order): ``touch`` deletes 
 re-inserts a key (the MRU end) in O(1), ``candidates`` walks from the LRU end.  An
 ``OrderedDict`` keeps a linked-list node per key besides its table: ~105 B of a resident
 block's memory where the plain dict's entry costs ~41 B.  The holes that deletes leave are
-dropped when the table next grows, so a walk stays proportional to the keys.
+dropped only when the table is next rebuilt (after up to ~N more inserts), and a walk from
+the front skips every hole left there by the keys evicted since: the store walks once per
+round of evictions, not once per put (store/eviction.py ``_make_room``, docs/tiering.md).
 
 Two ways to hold the order:
 
