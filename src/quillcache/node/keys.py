@@ -110,13 +110,11 @@ class KeyCache:
     def decode_many(self, raws: list) -> list[KvBlockKey]:
         """``decode`` of each of ``raws`` (a batch request's keys), in order: the young
         generation's hits in one native pass (``cached_values``), the others through
-        ``decode``.  A batch that may fill the young generation goes through ``decode`` key by
-        key: the native pass looks in the dict it was given, which would be the old one after
-        the turn."""
+        ``decode``.  Should a miss turn the young generation old within the batch, the
+        native pass goes on in that dict: the same keys (a key's decoding never changes),
+        only not moved to the new young one."""
         if type(raws) is not list:
             raws = list(raws)
-        if len(self._young) + len(raws) > self._generation:
-            return [self.decode(raw) for raw in raws]
         out, hits, error = cached_values(raws, self._young, None, self.decode)
         self.hits += hits
         if error is not None:
