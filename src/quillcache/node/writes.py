@@ -16,15 +16,18 @@ import logging
 import time
 from typing import Optional
 
-from quillcache._native.codec import decode_put_body
+from quillcache._native.codec import decode_put_body, encode_frame_header
 from quillcache.errors import InvalidArgument, QuillCacheError, Timeout
+from quillcache.node.limits import WRITE_HIGH_BYTES
 from quillcache.protocol import messages
 from quillcache.protocol.connection import DEFER
-from quillcache.protocol.opcodes import FLAG_DURABLE, Opcode
+from quillcache.protocol.opcodes import FLAG_DURABLE, FLAG_REPLY, Opcode
 
 __all__ = ["WritesMixin"]
 
 log = logging.getLogger("quillcache.server")
+
+_PUT = int(Opcode.PUT)
 
 
 class WritesMixin:
@@ -117,10 +120,38 @@ class WritesMixin:
         super().buffer_updated(nbytes)
 
     def _on_put_end(self, frame) -> None:
-        handles = self._puts.pop(frame.request_id, None)
+        rid = frame.request_id
+        handles = self._puts.pop(rid, None)
         if handles is None:
             return
-        self._spawn(self._finish_put(frame.request_id, frame.opcode, handles))
+        if frame.opcode == _PUT:
+            # the hot path of a PUT that needs no I/O: published and acknowledged here, no
+            # coroutine (``_finish_put`` for the others: durable, or an SSD copy to drop)
+            h = handles[0]
+            try:
+                done = self.store.put_end_nowait(h)
+            except Exception as exc:
+                self._err(rid, _PUT, exc)
+                return
+            if done:
+                self._ack_put(rid)
+                if self.node.cluster is not None and not self.peer_node:
+                    self.node.cluster.after_put([h.key])
+                return
+        self._spawn(self._finish_put(rid, frame.opcode, handles))
+
+    def _ack_put(self, rid: int) -> None:
+        """PUT's OK reply (a bare header), written as ``_write_get`` writes a GET's."""
+        self.take_request(rid)
+        t = self.transport
+        if t is not None and not t.is_closing() and self.failed is None and not self.closed:
+            head = encode_frame_header(_PUT, rid, flags=FLAG_REPLY)
+            t.write(head)
+            self._counters.sent_bytes += len(head)
+            if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
+                self._reading_paused = True         # a client that does not read its acks
+                t.pause_reading()
+        self._done(rid, _PUT, 0)
 
     def _on_put_abort(self, frame, exc) -> None:
         for h in self._puts.pop(frame.request_id, ()):
