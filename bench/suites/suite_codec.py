@@ -6,6 +6,8 @@
   encoder        encode_frame_header for a GET
   crc32c         the codec's CRC32C (libcrc32c through a C pointer when found, else its own
                  slicing-by-8 table) next to the table code and google_crc32c's Python API
+  key cache      the node's decoded keys (node.keys.KeyCache): 32,768 keys through its 16,384,
+                 every one a miss (bench/key_cache.py has the ratios against its baselines)
 
 Standalone: ``.venv/bin/python bench/suites/suite_codec.py`` prints the numbers.
 """
@@ -117,6 +119,19 @@ class Crc:
         small = self.small
         for _ in range(1000):
             crc32c(small)
+
+
+class KeyCacheMisses:
+    def setup(self):
+        self.raws = [encode_key(KvBlockKey("m", "tok", None, "t", "root", f"k{i}", i)) for i in range(32_768)]
+
+    def time_decode_32k_misses(self):
+        from quillcache.node.keys import KeyCache
+        cache = KeyCache()
+        decode = cache.decode
+        for _ in range(2):                  # the second pass: every key a miss, the cache full
+            for raw in self.raws:
+                decode(raw)
 
 
 def _best(fn, *args, repeat=5):
