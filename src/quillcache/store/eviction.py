@@ -13,6 +13,7 @@ from typing import Optional
 from quillcache.model import KvBlockKey, decode_key
 from quillcache.store.dram import ARENA_UNIT, Slot
 from quillcache.store.options import CLEAN_SCAN_BLOCKS, EVICT_AHEAD_FRACTION, EVICT_AHEAD_MAX_BYTES
+from quillcache.store.ssdfile import round_up
 
 __all__ = ["Eviction"]
 
@@ -99,7 +100,7 @@ class Eviction:
         for key, slot in self._victims("dram", now, leased=leased, limit=limit):
             if no_io and not self._costs_no_io(key):
                 continue
-            total += -(-slot.size // ARENA_UNIT) * ARENA_UNIT
+            total += round_up(slot.size, ARENA_UNIT)
             if total >= enough:
                 break
         if leased:
@@ -124,7 +125,7 @@ class Eviction:
             for key, slot in self._victims("dram", now, limit=limit):
                 if self._costs_no_io(key):
                     batch.append(key)
-                    got += -(-slot.size // ARENA_UNIT) * ARENA_UNIT
+                    got += round_up(slot.size, ARENA_UNIT)
                     if got >= want:
                         break
             for key in batch:
