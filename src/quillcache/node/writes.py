@@ -18,7 +18,6 @@ from typing import Optional
 
 from quillcache._native.codec import decode_put_body, encode_frame_header
 from quillcache.errors import InvalidArgument, QuillCacheError, Timeout
-from quillcache.node.limits import WRITE_HIGH_BYTES
 from quillcache.protocol import messages
 from quillcache.protocol.connection import DEFER
 from quillcache.protocol.opcodes import FLAG_DURABLE, FLAG_REPLY, Opcode
@@ -141,16 +140,10 @@ class WritesMixin:
         self._spawn(self._finish_put(rid, frame.opcode, handles))
 
     def _ack_put(self, rid: int) -> None:
-        """PUT's OK reply (a bare header), written as ``_write_get`` writes a GET's."""
+        """PUT's OK reply, a bare header: ``reply_ok`` without its checks and frame assembly."""
         self.take_request(rid)
-        t = self.transport
-        if t is not None and not t.is_closing() and self.failed is None and not self.closed:
-            head = encode_frame_header(_PUT, rid, flags=FLAG_REPLY)
-            t.write(head)
-            self._counters.sent_bytes += len(head)
-            if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
-                self._reading_paused = True         # a client that does not read its acks
-                t.pause_reading()
+        if self.failed is None and not self.closed:
+            self._write([encode_frame_header(_PUT, rid, flags=FLAG_REPLY)])
         self._done(rid, _PUT, 0)
 
     def _on_put_abort(self, frame, exc) -> None:
