@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from quillcache import AsyncClient, Client
+from quillcache.client.calls import Req
 from quillcache.errors import ConnectionLost, InvalidArgument, NotFound, ProtocolError, QuillCacheError, Timeout
+from quillcache.protocol.opcodes import Opcode
 from quillcache.store.tiers import LocalKvStore, StoreOptions
 from tests._support.daemon import Daemon
 from tests._support.data import content, key
@@ -323,14 +325,18 @@ def _relay_then(daemon, after_hello):
     return srv, held
 
 
-@pytest.mark.parametrize("op", ["get", "get_into"])
+_MUTE_CALLS = {"get": lambda c: c.get(key(1)), "get_into": lambda c: c.get_into(key(1), bytearray(100)),
+               "put": lambda c: c.put(key(1), b"x" * 1000)}
+
+
+@pytest.mark.parametrize("op", sorted(_MUTE_CALLS))
 def test_sync_wait_neither_ends_early_nor_overruns_its_deadline(daemon, op):
     srv, held = _relay_then(daemon, lambda conn, up, request: time.sleep(3))   # HELLO, then mute
     try:
         c = Client(f"127.0.0.1:{srv.getsockname()[1]}", timeout=0.4)
         t0 = time.monotonic()
         with pytest.raises(Timeout):
-            c.get(key(1)) if op == "get" else c.get_into(key(1), bytearray(100))
+            _MUTE_CALLS[op](c)
         elapsed = time.monotonic() - t0
         assert 0.39 <= elapsed < 1.0
         with pytest.raises(ConnectionLost):                 # the connection was closed
@@ -435,6 +441,74 @@ def test_get_into_of_a_broken_reply_raises_and_ends_the_connection(daemon, behav
         t0 = time.monotonic()
         with pytest.raises(error):
             c.get_into(key(1, prefix="broken"), bytearray(200_000))
+        assert time.monotonic() - t0 < 4
+        with pytest.raises(QuillCacheError):                     # ConnectionLost, or the parse error again
+            c.ping()
+        c.close()
+    finally:
+        srv.close()
+        for s in held:
+            s.close()
+
+
+# --------------------------------------------------------------------------- put's own path
+#
+# With nothing else in flight, put sends header and payload in one write and drives the
+# parser for its bare OK reply itself; any other event goes to the connection's handler.
+
+
+def test_put_stays_in_step_across_sizes_refusals_and_the_general_way(client):
+    sizes = (1, 1000, 16384 - 200, 16384, 16385, 70_000, 1 << 20)
+    for rnd in range(2):
+        for i, n in enumerate(sizes):
+            k = key(i, prefix=f"put-path-{rnd}")
+            client.put(k, content(i + rnd, n))
+            assert client._conn.in_flight == 0                   # nothing left pending
+            assert client.get(k) == content(i + rnd, n)
+        with pytest.raises(InvalidArgument, match="block size"):  # the node's ERROR reply, payload sent
+            client.put(key(99, prefix="put-path"), b"x" * ((8 << 20) + 1))
+        assert client._conn.in_flight == 0
+        with pytest.raises(InvalidArgument, match="durable"):      # the general way: its error
+            client.put(key(98, prefix="put-path"), b"x", durable=True)
+        with pytest.raises(InvalidArgument):                       # not a key: nothing is sent
+            client.put("not a key", b"x")
+        with pytest.raises(NotFound):
+            client.get(key(99, prefix="put-path"))
+        # with a request in flight (a posted ping), put takes the general way
+        client._post(Req(Opcode.PING, b"", (), 0, None, lambda r: None))
+        client.put(key(97, prefix="put-path"), b"after a posted request")
+        assert client.get(key(97, prefix="put-path")) == b"after a posted request"
+        # a numpy array, a memoryview of part of a buffer, a bytearray: the same bytes land
+        arr = np.arange(1000, dtype=np.float32)
+        client.put(key(96, prefix="put-path"), arr)
+        assert client.get(key(96, prefix="put-path")) == arr.tobytes()
+        buf = bytearray(content(5, 5000))
+        client.put(key(95, prefix="put-path"), memoryview(buf)[100:4100])
+        buf[100:200] = b"\0" * 100                                # changed after the put returned
+        assert client.get(key(95, prefix="put-path")) == content(5, 5000)[100:4100]
+    assert client.ping() >= 0
+
+
+def _put_reply_cut_short(conn, up, request):
+    up.sendall(request)
+    reply = up.recv(65536)
+    conn.sendall(reply[:len(reply) // 2])       # half the OK header, then gone
+    conn.close()
+
+
+def _closed(conn, up, request):
+    conn.close()
+
+
+@pytest.mark.parametrize("behaviour, error", [(_put_reply_cut_short, ConnectionLost), (_closed, ConnectionLost),
+                                              (_garbage, ProtocolError)], ids=["cut_short", "closed", "garbage"])
+def test_put_of_a_broken_reply_raises_and_ends_the_connection(daemon, behaviour, error):
+    srv, held = _relay_then(daemon, behaviour)
+    try:
+        c = Client(f"127.0.0.1:{srv.getsockname()[1]}", timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(error):
+            c.put(key(1, prefix="broken-put"), content(1, 1000))
         assert time.monotonic() - t0 < 4
         with pytest.raises(QuillCacheError):                     # ConnectionLost, or the parse error again
             c.ping()

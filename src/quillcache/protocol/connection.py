@@ -557,14 +557,20 @@ class ClientProtocolConnection(_Base):
             raise
         return rid
 
-    def send_bare(self, opcode: int, header_body: bytes, into: Destination | Callable[[Frame], Destination]) -> int:
-        """``send_request`` for a request without payload or flags whose body the caller
-        already checked against ``peer_limits`` (the hot path of a GET): one header
-        encode and one write, none of the other checks.  Returns the request id."""
+    def send_bare(self, opcode: int, header_body: bytes, into: Destination | Callable[[Frame], Destination],
+                  payload: Optional[memoryview] = None) -> int:
+        """``send_request`` for a request without flags whose body (and ``payload``, one
+        byte-format view) the caller already checked against ``peer_limits`` (the hot paths
+        of a GET and a PUT): one header encode and one write, none of the other checks.
+        Returns the request id."""
         rid = self._new_id()
         self._pending[rid] = (opcode, into)     # before the write: a reply may come back at once
         try:
-            self._write([encode_frame_header(opcode, rid, header=header_body)])
+            if payload is None:
+                self._write([encode_frame_header(opcode, rid, header=header_body)])
+            else:
+                self._write([encode_frame_header(opcode, rid, header=header_body, payload_length=payload.nbytes),
+                             payload])
         except BaseException:
             self._pending.pop(rid, None)
             raise
