@@ -36,11 +36,16 @@ class WritesMixin:
         rid = frame.request_id
         self._started[rid] = time.perf_counter()
         try:
-            self._check_access()
+            node = self.node
+            if node.draining or self.peer_node or (not self.tenant and not node.auth.open_mode):
+                self._check_access()
             durable = bool(frame.flags & FLAG_DURABLE)
-            if frame.opcode == Opcode.PUT:
+            if frame.opcode == _PUT:
                 raw, nbytes = decode_put_body(frame.header, frame.payload_length, self.limits.max_key_bytes)
-                keys, sizes = [self._key(raw)], [nbytes]
+                key = self._keys.decode(raw)
+                if not node.auth.open_mode and key.tenant_id != self.tenant:
+                    self._own(key.tenant_id)
+                keys, sizes = [key], [nbytes]
             else:
                 raws, sizes = messages.decode_put_many_columns(frame.header, frame.payload_length, self.limits)
                 keys = self._keys_of(raws)
@@ -56,10 +61,10 @@ class WritesMixin:
     def _put_destination(self, frame, handles: list):
         self._puts[frame.request_id] = handles
         self._reaps_seen = self.store.puts_reaped
-        views = [h.view for h in handles if h.size]
-        if frame.opcode == Opcode.PUT:
-            return views[0] if views else None
-        return views
+        if frame.opcode == _PUT:
+            h = handles[0]
+            return h.view if h.size else None
+        return [h.view for h in handles if h.size]
 
     def _defer_put(self, frame, items: list, durable: bool) -> None:
         """Back-pressure: read nothing more from this client until the store has the slots."""
@@ -124,18 +129,18 @@ class WritesMixin:
         if handles is None:
             return
         if frame.opcode == _PUT:
-            # the hot path of a PUT that needs no I/O: published and acknowledged here, no
-            # coroutine (``_finish_put`` for the others: durable, or an SSD copy to drop)
-            h = handles[0]
+            # the hot path of a PUT that needs no I/O: published (in the store's native pass)
+            # and acknowledged here, no coroutine (``_finish_put`` for the others: durable, an
+            # SSD copy to drop, or a handle no longer in flight, whose error it gives)
             try:
-                done = self.store.put_end_nowait(h)
+                done = self.store.put_end_many_nowait(handles)
             except Exception as exc:
                 self._err(rid, _PUT, exc)
                 return
             if done:
                 self._ack_put(rid)
                 if self.node.cluster is not None and not self.peer_node:
-                    self.node.cluster.after_put([h.key])
+                    self.node.cluster.after_put([handles[0].key])
                 return
         self._spawn(self._finish_put(rid, frame.opcode, handles))
 
