@@ -33,8 +33,6 @@ from quillcache.client.ops import _GET, _STALE, Ops
 __all__ = ["Client"]
 
 _PUT = int(Opcode.PUT)
-JOIN_MAX_BYTES = 16384      # a request of at most this many bytes in at most JOIN_MAX_PARTS parts
-JOIN_MAX_PARTS = 8          # leaves as one bytes (header and payload joined)
 
 
 class _SyncConnection(ClientProtocolConnection):
@@ -48,11 +46,6 @@ class _SyncConnection(ClientProtocolConnection):
         try:
             if len(data) == 1:                  # a request without payload: one bytes object
                 self.sock.sendall(data[0])
-                return
-            if len(data) <= JOIN_MAX_PARTS and sum([memoryview(b).nbytes for b in data]) <= JOIN_MAX_BYTES:
-                # a small request: one copy behind the header costs less than sendmsg's iovec
-                # and the views it needs (about 2 us a 1 KiB PUT, bench/vs_peers.py)
-                self.sock.sendall(b"".join(data))
                 return
             views = [memoryview(b).cast("B") for b in data]
             views = [v for v in views if v.nbytes]
@@ -403,9 +396,9 @@ class Client(Ops):
             raise
 
     def put(self, key: KvBlockKey, data, durable: bool = False) -> None:
-        """Store ``data`` (any C-contiguous buffer) under ``key``.  Over TCP with nothing else
-        in flight: header and payload in one write, and this method drives the parser for
-        the bare OK reply itself, as ``get`` does; otherwise the general way."""
+        """Store ``data`` (any C-contiguous buffer) under ``key``; it is sent from where it is
+        (``sendmsg``), not copied.  With nothing else in flight this method drives the parser
+        for the bare OK reply itself, as ``get`` does; otherwise the general way."""
         mv = payload_view(data)
         n = mv.nbytes
         if durable or not n or self._arena is not None and n >= SHM_PUT_MIN_BYTES:
