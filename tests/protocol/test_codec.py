@@ -633,3 +633,15 @@ def test_large_scatter_segments_are_still_received_in_place():
         drain(p, [], lambda parser, f: parser.set_destination(slots))
     assert [bytes(s) for s in slots] == blobs
     assert direct >= sum(map(len, blobs)) - 65536     # all but the first read went straight into the slots
+
+
+def test_total_nbytes_counts_what_writelines_hands_the_transport():
+    import numpy as np
+    a = np.arange(12, dtype=np.float32)
+    parts = [b"abc", bytearray(5), memoryview(a), memoryview(a)[::2], a.reshape(3, 4)[:, :2], memoryview(b"")]
+    assert codec.total_nbytes(parts) == sum(memoryview(p).nbytes for p in parts) == 3 + 5 + 48 + 24 + 24
+    assert codec.total_nbytes([]) == 0
+    with pytest.raises(TypeError):
+        codec.total_nbytes([b"x", 7])               # not a buffer: an error, never a wrong count
+    with pytest.raises(TypeError):
+        codec.total_nbytes((b"x",))                 # a list only, as the connections pass it

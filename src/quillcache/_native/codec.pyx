@@ -26,9 +26,9 @@ then it is collected into a bytearray.
 A malformed frame raises ``MalformedFrame`` (a ``ProtocolError``, status 7) and the
 parser stays failed: every later call raises the same error.
 """
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_FillInfo, PyObject_GetBuffer, PyBuffer_Release
+from cpython.buffer cimport PyBUF_FULL_RO, PyBUF_SIMPLE, PyBuffer_FillInfo, PyObject_GetBuffer, PyBuffer_Release
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memmove
 
@@ -41,7 +41,7 @@ __all__ = [
     "EV_NEED_DATA", "EV_FRAME", "EV_PAYLOAD_START", "EV_PAYLOAD_CHUNK", "EV_PAYLOAD_END",
     "REASONS", "CRC32C_IMPL",
     "encode_key_body", "decode_key_body", "decode_key_field", "decode_key_list", "encode_put_body",
-    "decode_put_body", "uninitialised_bytearray", "encode_key_list", "encode_sized_key_list",
+    "decode_put_body", "uninitialised_bytearray", "total_nbytes", "encode_key_list", "encode_sized_key_list",
     "decode_sized_key_list", "encode_located_items", "first_bad_located_item", "located_views",
     "release_views", "first_slot_outside", "slot_views", "encode_status_sizes", "decode_status_sizes",
 ]
@@ -239,6 +239,21 @@ def uninitialised_bytearray(Py_ssize_t n):
     if n < 0:
         raise InvalidArgument(f"size {n}: must be >= 0")
     return PyByteArray_FromStringAndSize(NULL, n)
+
+
+def total_nbytes(list parts not None):
+    """The bytes in ``parts`` (``bytes`` or any buffer: a memoryview of any format counts
+    its ``nbytes``), what a ``writelines(parts)`` hands the transport."""
+    cdef Py_ssize_t total = 0
+    cdef Py_buffer v
+    for o in parts:
+        if type(o) is bytes:
+            total += PyBytes_GET_SIZE(o)
+        else:
+            PyObject_GetBuffer(o, &v, PyBUF_FULL_RO)
+            total += v.len
+            PyBuffer_Release(&v)
+    return total
 
 
 cdef class _BytesFill:

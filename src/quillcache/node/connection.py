@@ -26,6 +26,7 @@ import socket
 import time
 from typing import Any, Callable, Optional
 
+from quillcache._native.codec import total_nbytes
 from quillcache.errors import Busy, PermissionDenied, QuillCacheError, Timeout
 from quillcache.model import KvBlockKey
 from quillcache.node.admission import peer_identity
@@ -206,10 +207,23 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
         self._release_held()
         self._located_close()
 
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        # The common case in this one call: no put of this connection in its payload phase
+        # was reaped, and the connection neither failed, closed nor holds a deferred put.
+        # The others go the whole way (WritesMixin.get_buffer, then ProtocolConnection's).
+        if (not self._puts or self.store.puts_reaped == self._reaps_seen) and not self._put_reaped \
+                and self.failed is None and not self.closed and not self.put_deferred:
+            return self._parser.get_buffer(sizehint)
+        return super().get_buffer(sizehint)
+
     def buffer_updated(self, nbytes: int) -> None:
         self._counters.received_bytes += nbytes
         self._active = True
-        super().buffer_updated(nbytes)
+        if self._put_reaped or self.failed is not None or self.closed or self.put_deferred:
+            super().buffer_updated(nbytes)  # WritesMixin's and ProtocolConnection's checks
+        else:
+            self._parser.buffer_updated(nbytes)
+            self._process()
         if self.close_requested and self.transport is not None:
             self.transport.close()
 
@@ -237,7 +251,7 @@ class ServerProtocol(LoginMixin, ReadsMixin, WritesMixin, OpsMixin, LocatedMixin
         if t is None or t.is_closing():
             return
         t.writelines(data)
-        self._counters.sent_bytes += sum([memoryview(b).nbytes for b in data])
+        self._counters.sent_bytes += total_nbytes(data)
         if not self._reading_paused and t.get_write_buffer_size() > WRITE_HIGH_BYTES:
             self._reading_paused = True
             t.pause_reading()

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from quillcache._native.codec import (
     EV_FRAME, EV_NEED_DATA, EV_PAYLOAD_CHUNK, EV_PAYLOAD_END, EV_PAYLOAD_START, Frame,
-    FrameParser, MalformedFrame, crc32c, encode_frame_header,
+    FrameParser, MalformedFrame, crc32c, encode_frame_header, total_nbytes,
 )
 from quillcache.errors import (
     Busy, ConnectionLost, InvalidArgument, PermissionDenied, ProtocolError, QuillCacheError,
@@ -77,10 +77,6 @@ PREAUTH_OPCODES = frozenset({Opcode.HELLO})
 PREAUTH_HEADER_BYTES = 8192         # bytes of variable header
 PREAUTH_READ_CHUNK = 4096           # bytes offered to a read (the codec's minimum)
 PREAUTH_MAX_IN_FLIGHT = 1           # HELLOs at once (a refused one may be answered late)
-
-
-def _nbytes(views: Sequence[Any]) -> int:
-    return sum(memoryview(v).nbytes for v in views)
 
 
 class _Base:
@@ -195,7 +191,7 @@ class _Base:
         if payload_crc:
             flags |= FLAG_PAYLOAD_CRC
         hdr = encode_frame_header(opcode, request_id, flags=flags, header=header_body,
-                                  payload_length=_nbytes(views), status=status)
+                                  payload_length=total_nbytes(views), status=status)
         out = [hdr, *views]
         if flags & FLAG_PAYLOAD_CRC:
             crc = 0
@@ -545,7 +541,7 @@ class ClientProtocolConnection(_Base):
         views = list(payload_views)
         if views and opcode not in PAYLOAD_REQUEST_OPCODES:
             raise InvalidArgument(f"{Opcode(opcode).name} carries no payload")
-        total = _nbytes(views)
+        total = total_nbytes(views)
         if total > peer.max_payload_bytes:
             raise InvalidArgument(f"payload of {total} bytes, the server allows {peer.max_payload_bytes}")
         rid = self._new_id()
