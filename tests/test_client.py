@@ -489,6 +489,27 @@ def test_put_stays_in_step_across_sizes_refusals_and_the_general_way(client):
     assert client.ping() >= 0
 
 
+def test_put_sends_the_rest_when_a_signal_cuts_a_send_short(client):
+    # A signal that lands in a blocking sendmsg after part of the frame went out returns the
+    # part's length: the rest must follow, in order, or the connection's stream is torn.
+    import signal
+    seen = []
+    old = signal.signal(signal.SIGALRM, lambda *a: seen.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
+    try:
+        values = {i: content(i, (6 << 20) + i) for i in range(8)}
+        for i, v in values.items():
+            client.put(key(i, prefix="cut-send"), v)
+        client.put_many([(key(10 + i, prefix="cut-send"), v[:1 << 20]) for i, v in values.items()])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert seen                                                    # the sends were interrupted
+    for i, v in values.items():
+        assert client.get(key(i, prefix="cut-send")) == v
+        assert client.get(key(10 + i, prefix="cut-send")) == v[:1 << 20]
+
+
 def _put_reply_cut_short(conn, up, request):
     up.sendall(request)
     reply = up.recv(65536)

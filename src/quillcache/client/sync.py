@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from quillcache._native.codec import (
-    EV_FRAME, EV_NEED_DATA, EV_PAYLOAD_END, EV_PAYLOAD_START, FRAME_OVERHEAD, MalformedFrame,
+    EV_FRAME, EV_NEED_DATA, EV_PAYLOAD_END, EV_PAYLOAD_START, FRAME_OVERHEAD, MalformedFrame, total_nbytes,
 )
 from quillcache.net import DEFAULT_ADDRESS, tune_same_host
 from quillcache.errors import (
@@ -33,6 +33,7 @@ from quillcache.client.ops import _GET, _STALE, Ops
 __all__ = ["Client"]
 
 _PUT = int(Opcode.PUT)
+_IOV_MAX = 1024             # buffers one sendmsg may take (Linux's UIO_MAXIOV)
 
 
 class _SyncConnection(ClientProtocolConnection):
@@ -47,11 +48,16 @@ class _SyncConnection(ClientProtocolConnection):
             if len(data) == 1:                  # a request without payload: one bytes object
                 self.sock.sendall(data[0])
                 return
+            n = 0
+            if len(data) <= _IOV_MAX:
+                # the common case: the kernel takes the whole frame, the caller's buffers as they are
+                n = self.sock.sendmsg(data)
+                if n == total_nbytes(data):
+                    return
             views = [memoryview(b).cast("B") for b in data]
             views = [v for v in views if v.nbytes]
-            while views:
-                n = self.sock.sendmsg(views[:1024])     # IOV_MAX
-                while n:
+            while True:
+                while n:                            # drop what the kernel took
                     head = views[0]
                     if n >= head.nbytes:
                         n -= head.nbytes
@@ -59,6 +65,9 @@ class _SyncConnection(ClientProtocolConnection):
                     else:
                         views[0] = head[n:]
                         n = 0
+                if not views:
+                    return
+                n = self.sock.sendmsg(views[:_IOV_MAX])
         except (BlockingIOError, socket.timeout):   # SO_SNDTIMEO expired: part of a frame may be out
             self.connection_lost(None)
             raise Timeout("timed out sending a request (connection closed)") from None
