@@ -26,7 +26,8 @@ byte outside the timed call.
   the sum of latencies is mostly their preemptions, the median much less so.
 * **cold**: a fresh client process per (system, size, mode, op) connects (untimed) and makes one
   timed pass: what a short-lived worker pays (its allocator's first touch of fresh pages,
-  its first encoding of each key).  ``--cold-runs`` such processes one after another, the best.
+  its first encoding of each key).  ``--cold-runs`` such processes, the systems taking turns
+  run by run, the best of each.
 
     python bench/vs_peers.py [--systems quillcache,redis,mooncake,quillcache-zc,quillcache-shm,mooncake-zc]
         [--sizes 1K,16K,64K,256K,4M] [--rounds 5] [--no-cold] [--floor] [--json-out results.json]
@@ -253,23 +254,16 @@ def _check(got, want, name, key):
         raise AssertionError(f"{name}: {key}: read back something that differs from what was put")
 
 
-def cold_case(name, info, size, mode, op, runs=1):
-    """The first pass in a fresh client process (this file with --cold-worker), in ``runs``
-    such processes one after another: the best one's summary (one sample on a busy machine
-    is mostly its neighbours), with every run's MB/s."""
+def cold_case(name, info, size, mode, op):
+    """The first pass in a fresh client process (this file with --cold-worker): its summary."""
     spec = json.dumps({"name": name, "info": info, "size": size, "mode": mode, "op": op})
-    got = []
-    for _ in range(runs):
-        r = subprocess.run([sys.executable, __file__, "--cold-worker", spec], capture_output=True, text=True,
-                           timeout=COLD_TIMEOUT, env=dict(os.environ))
-        lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
-        if r.returncode != 0 or not lines:
-            raise RuntimeError(f"cold worker {name} {size} {mode} {op} failed ({r.returncode}): "
-                               f"{r.stderr.strip()[-2000:]}")
-        got.append(json.loads(lines[-1]))
-    best = max(got, key=lambda s: s["mb_s"])
-    best["runs"] = [s["mb_s"] for s in got]
-    return best
+    r = subprocess.run([sys.executable, __file__, "--cold-worker", spec], capture_output=True, text=True,
+                       timeout=COLD_TIMEOUT, env=dict(os.environ))
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"cold worker {name} {size} {mode} {op} failed ({r.returncode}): "
+                           f"{r.stderr.strip()[-2000:]}")
+    return json.loads(lines[-1])
 
 
 def _cold_worker(spec):
@@ -676,12 +670,23 @@ def run_workload(adapters, sizes, rounds, cold, log, cold_runs=1):
                     f"{s['client_cpu_us']:6.0f} us server {s['server_cpu_us']:6.0f} us")
             if not cold:
                 continue
+            # the systems take turns run by run, as the warm passes do: a burst of the machine's
+            # neighbours falls on one run of each, not on every run of one system
+            got: dict = {a.name: [] for a in adapters}
+            for _ in range(cold_runs):
+                for a in adapters:
+                    if got[a.name] is None:
+                        continue                # it failed once: skipped from then on
+                    try:
+                        got[a.name].append(cold_case(a.name, a.info, size, mode, op))
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        log(f"  {a.name:14s} cold: {exc}")
+                        got[a.name] = None
             for a in adapters:
-                try:
-                    c = cold_case(a.name, a.info, size, mode, op, cold_runs)
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    log(f"  {a.name:14s} cold: {exc}")
+                if not got[a.name]:
                     continue
+                c = max(got[a.name], key=lambda s: s["mb_s"])
+                c["runs"] = [s["mb_s"] for s in got[a.name]]
                 results[a.name][(size, mode, op)]["cold"] = c
                 log(f"  {a.name:14s} {op.upper():3s} {size_label(size):>7s} {mode:6s} cold {c['mb_s']:8.0f} MB/s "
                     f"{c['items_s']:9.0f} values/s")
