@@ -435,12 +435,19 @@ def _garbage(conn, up, request):
 def test_get_into_of_a_broken_reply_raises_and_ends_the_connection(daemon, behaviour, error):
     with Client(daemon.addr) as c:
         c.put(key(1, prefix="broken"), content(1, 200_000))
+    _raises_and_ends_the_connection(daemon, behaviour, error,
+                                    lambda c: c.get_into(key(1, prefix="broken"), bytearray(200_000)))
+
+
+def _raises_and_ends_the_connection(daemon, behaviour, error, call) -> None:
+    """``call(client)`` through a relay that answers it with ``behaviour`` raises ``error`` well
+    within the client's timeout, and the connection cannot be used after it."""
     srv, held = _relay_then(daemon, behaviour)
     try:
         c = Client(f"127.0.0.1:{srv.getsockname()[1]}", timeout=5)
         t0 = time.monotonic()
         with pytest.raises(error):
-            c.get_into(key(1, prefix="broken"), bytearray(200_000))
+            call(c)
         assert time.monotonic() - t0 < 4
         with pytest.raises(QuillCacheError):                     # ConnectionLost, or the parse error again
             c.ping()
@@ -524,20 +531,8 @@ def _closed(conn, up, request):
 @pytest.mark.parametrize("behaviour, error", [(_put_reply_cut_short, ConnectionLost), (_closed, ConnectionLost),
                                               (_garbage, ProtocolError)], ids=["cut_short", "closed", "garbage"])
 def test_put_of_a_broken_reply_raises_and_ends_the_connection(daemon, behaviour, error):
-    srv, held = _relay_then(daemon, behaviour)
-    try:
-        c = Client(f"127.0.0.1:{srv.getsockname()[1]}", timeout=5)
-        t0 = time.monotonic()
-        with pytest.raises(error):
-            c.put(key(1, prefix="broken-put"), content(1, 1000))
-        assert time.monotonic() - t0 < 4
-        with pytest.raises(QuillCacheError):                     # ConnectionLost, or the parse error again
-            c.ping()
-        c.close()
-    finally:
-        srv.close()
-        for s in held:
-            s.close()
+    _raises_and_ends_the_connection(daemon, behaviour, error, lambda c: c.put(key(1, prefix="broken-put"),
+                                                                             content(1, 1000)))
 
 
 def test_remove_many_removes_every_key_across_requests_and_says_which_were_there(client):
