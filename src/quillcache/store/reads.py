@@ -63,7 +63,11 @@ class Reads:
     def get_nowait(self, key: KvBlockKey, *, extent_ok: bool = False) -> Optional[Lease]:
         """``get`` without I/O: a lease on the DRAM copy, or a verified SSD extent (with
         ``extent_ok``), or None when the block must be read from the SSD tier first."""
-        return self._lease_now(self._lookup(key), extent_ok)
+        # the common case without _lookup's calls: an open store, a room for the lease and
+        # an entry of exactly this key (_lookup's checks all pass, _locate returns it)
+        entry = self._entries.get(key) if type(key) is KvBlockKey and not self.closed \
+            and len(self._leases) < self.max_leases else None
+        return self._lease_now(entry if entry is not None else self._lookup(key), extent_ok)
 
     def _lookup(self, key: KvBlockKey) -> Entry:
         self._check_open()
