@@ -353,7 +353,11 @@ class ProtocolConnection(_Base):
                 self._send_error(rid, refused)
                 return
             self._in_flight[rid] = frame.opcode
-            self._run(self._on_request, frame)
+            try:
+                self._on_request(frame)
+            except QuillCacheError as exc:
+                if rid in self._in_flight:
+                    self.reply_error(rid, exc)
             return
         # EV_PAYLOAD_START
         if refused is not None:
@@ -419,13 +423,6 @@ class ProtocolConnection(_Base):
         backlog, self._backlog = self._backlog, None
         if backlog and self.failed is None and not self.closed:
             self.data_received(bytes(backlog))     # held back while deferred: in order, after the buffer
-
-    def _run(self, hook: Callable[[Frame], None], frame: Frame) -> None:
-        try:
-            hook(frame)
-        except QuillCacheError as exc:
-            if frame.request_id in self._in_flight:
-                self.reply_error(frame.request_id, exc)
 
     def _abort_current(self, exc: BaseException) -> None:
         cur, self._current = self._current, None
