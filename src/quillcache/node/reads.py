@@ -45,11 +45,12 @@ class ReadsMixin:
         key = None
         try:
             node = self.node
-            if node.draining or self.peer_node or (not self.tenant and not node.auth.open_mode):
+            open_mode = node.auth.open_mode
+            if node.draining or self.peer_node or (not self.tenant and not open_mode):
                 self._check_access()
             raw = decode_key_body(frame.header, self.limits.max_key_bytes)
             key = self._keys.decode(raw)
-            if not node.auth.open_mode and key.tenant_id != self.tenant:
+            if not open_mode and key.tenant_id != self.tenant:
                 self._own(key.tenant_id)
             lease = self.store.get_nowait(key, extent_ok=self._fd >= 0)
         except Exception as exc:
