@@ -27,8 +27,8 @@ from quillcache.store.tiers import LocalKvStore
 from tests._support.daemon import Daemon
 from tests._support.data import content, key
 
-NODE_PUT_CALLS = 30         # 26 on 2026-11-28 (43 before the node's PUT path)
-NODE_GET_CALLS = 28         # 25 (30 before _run went and the store's get_nowait took its common case in one call)
+NODE_PUT_CALLS = 28         # 25 on 2026-11-28 (43 before the node's PUT path)
+NODE_GET_CALLS = 27         # 24 (33 on 2026-11-27)
 CLIENT_PUT_CALLS = 19       # 16 (26 the general way, through _exec)
 CLIENT_GET_CALLS = 22       # 19
 
