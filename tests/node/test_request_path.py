@@ -3,7 +3,7 @@ not timed (a timed test on a shared machine measures its neighbours).
 
 The node side runs a real ``NodeServer`` over a real DRAM store on a real transport (a
 socketpair accepted by the event loop), fed frame by frame from the other end; the client side
-a real ``Client`` against a real daemon.  Each bound is a little above what the path costs
+a real ``Client`` against a real daemon.  Each bound is at or a little above what the path costs
 today and well below what the general way costs (docs/benchmarks.md, run R): a PUT through
 ``_exec`` on the client (26 calls) or through the node before its own path (43) fails here.
 """
@@ -27,8 +27,8 @@ from quillcache.store.tiers import LocalKvStore
 from tests._support.daemon import Daemon
 from tests._support.data import content, key
 
-NODE_PUT_CALLS = 28         # 25 on 2026-11-28 (43 before the node's PUT path)
-NODE_GET_CALLS = 27         # 24 (33 on 2026-11-27)
+NODE_PUT_CALLS = 28         # 27 on an open node, 2026-11-28 (43 before the node's PUT path)
+NODE_GET_CALLS = 27         # 27 (33 on 2026-11-27)
 CLIENT_PUT_CALLS = 19       # 16 (26 the general way, through _exec)
 CLIENT_GET_CALLS = 22       # 19
 

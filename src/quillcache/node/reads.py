@@ -45,13 +45,10 @@ class ReadsMixin:
         key = None
         try:
             node = self.node
-            open_mode = node.auth.open_mode
-            if node.draining or self.peer_node or (not self.tenant and not open_mode):
+            if node.draining or self.peer_node or (not self.tenant and not node.auth.open_mode):
                 self._check_access()
             raw = decode_key_body(frame.header, self.limits.max_key_bytes)
-            key = self._keys.decode(raw)
-            if not open_mode and key.tenant_id != self.tenant:
-                self._own(key.tenant_id)
+            key = self._key(raw)
             lease = self.store.get_nowait(key, extent_ok=self._fd >= 0)
         except Exception as exc:
             if self.is_in_flight(rid):

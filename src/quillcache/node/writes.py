@@ -37,16 +37,12 @@ class WritesMixin:
         self._started[rid] = time.perf_counter()
         try:
             node = self.node
-            open_mode = node.auth.open_mode
-            if node.draining or self.peer_node or (not self.tenant and not open_mode):
+            if node.draining or self.peer_node or (not self.tenant and not node.auth.open_mode):
                 self._check_access()
             durable = bool(frame.flags & FLAG_DURABLE)
             if frame.opcode == _PUT:
                 raw, nbytes = decode_put_body(frame.header, frame.payload_length, self.limits.max_key_bytes)
-                key = self._keys.decode(raw)
-                if not open_mode and key.tenant_id != self.tenant:
-                    self._own(key.tenant_id)
-                keys, sizes = [key], [nbytes]
+                keys, sizes = [self._key(raw)], [nbytes]
             else:
                 raws, sizes = messages.decode_put_many_columns(frame.header, frame.payload_length, self.limits)
                 keys = self._keys_of(raws)

@@ -63,18 +63,19 @@ class Reads:
     def get_nowait(self, key: KvBlockKey, *, extent_ok: bool = False) -> Optional[Lease]:
         """``get`` without I/O: a lease on the DRAM copy, or a verified SSD extent (with
         ``extent_ok``), or None when the block must be read from the SSD tier first."""
-        # the common case without _lookup's calls: an open store, a room for the lease and
-        # an entry of exactly this key (_lookup's checks all pass, _locate returns it)
-        entry = self._entries.get(key) if type(key) is KvBlockKey and not self.closed \
-            and len(self._leases) < self.max_leases else None
-        return self._lease_now(entry if entry is not None else self._lookup(key), extent_ok)
+        return self._lease_now(self._lookup(key), extent_ok)
 
     def _lookup(self, key: KvBlockKey) -> Entry:
-        self._check_open()
-        self._check_key(key)
-        if len(self._leases) >= self.max_leases:
-            raise Busy(f"{len(self._leases)} leases alive (max_leases={self.max_leases})")
-        return self._locate(key)
+        """The entry to serve for ``key`` once the store is open, ``key`` is a key and a lease
+        has room (raising otherwise, and as ``_locate`` does).  The common case, all three
+        true and an entry of exactly this key, costs no further call."""
+        if self.closed or type(key) is not KvBlockKey or len(self._leases) >= self.max_leases:
+            self._check_open()
+            self._check_key(key)
+            if len(self._leases) >= self.max_leases:
+                raise Busy(f"{len(self._leases)} leases alive (max_leases={self.max_leases})")
+        entry = self._entries.get(key)
+        return entry if entry is not None else self._locate(key)
 
     def _lease_now(self, entry: Entry, extent_ok: bool) -> Optional[Lease]:
         served = entry.key
