@@ -541,3 +541,55 @@ def test_remove_many_removes_every_key_across_requests_and_says_which_were_there
     assert client.remove_many(keys) == [i % 2 == 0 for i in range(len(keys))]
     assert client.exists_many(keys)[1] == [False] * len(keys)
     assert client.remove_many([]) == []
+
+
+# ---------------------------------------------------------------------------------- busy-polling receives
+
+@pytest.mark.parametrize("bad", [-1, -0.5, 10_000.5, float("nan"), float("inf"), "100", None, True])
+def test_a_bad_spin_us_is_refused_before_connecting(bad):
+    port = free_port()                         # nothing listens there: a connect would fail otherwise
+    with pytest.raises(InvalidArgument, match="spin_us"):
+        Client(f"127.0.0.1:{port}", spin_us=bad)
+
+
+@pytest.mark.skipif((__import__("os").cpu_count() or 1) < 2, reason="receives poll only on a machine of 2+ CPUs")
+def test_receives_poll_by_default_and_catch_a_local_nodes_replies_byte_exact(daemon):
+    values = {i: content(i, size) for i, size in enumerate((1, 1000, 4096, 65536, 300_000))}
+    with Client(daemon.addr) as c:
+        assert c.spin_us == 100.0
+        for _ in range(20):
+            for i, v in values.items():
+                c.put(key(i, prefix="spin"), v)
+                assert c.get(key(i, prefix="spin")) == v
+        got = c.get_many([key(i, prefix="spin") for i in values])
+        assert [bytes(g) for g in got] == list(values.values())
+        stats = c.receive_stats()
+    # a local node answers within the poll: most receives that found nothing caught their reply
+    assert stats["caught"] > 100
+    assert stats["caught"] > stats["missed"]
+
+
+def test_spin_us_zero_sleeps_at_once_and_reads_the_same_bytes(daemon):
+    v = content(7, 70_000)
+    with Client(daemon.addr, spin_us=0) as c:
+        c.put(key(7, prefix="nospin"), v)
+        for _ in range(50):
+            assert c.get(key(7, prefix="nospin")) == v
+        assert c.receive_stats() == {"spin_us": 0.0, "caught": 0, "missed": 0, "skipped": 0}
+
+
+def test_a_mute_node_still_times_out_on_time_while_receives_poll():
+    srv = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+    th = threading.Thread(target=lambda: accepted.append(srv.accept()[0]))
+    th.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises((Timeout, ConnectionLost)):
+            Client(f"127.0.0.1:{srv.getsockname()[1]}", timeout=0.3, spin_us=10_000)   # HELLO never answered
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        th.join()
+        for s in accepted:
+            s.close()
+        srv.close()

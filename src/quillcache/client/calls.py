@@ -18,7 +18,8 @@ from quillcache.protocol.connection import Reply
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "LIST_PAGE", "CLIENT_NAME", "GET_MANY_BUFFER_BYTES",
-    "MIN_SOCKET_TIMEOUT_S", "MAX_REPLY_PAYLOAD", "SHM_PUT_MIN_BYTES", "UNIX_PREFIX", "Req", "resolve_address",
+    "MIN_SOCKET_TIMEOUT_S", "DEFAULT_SPIN_US", "MAX_SPIN_US", "MAX_REPLY_PAYLOAD", "SHM_PUT_MIN_BYTES",
+    "UNIX_PREFIX", "Req", "resolve_address",
     "token_bytes", "payload_view", "dest_view", "timeval", "pack_buffers", "status_error", "chunks", "keys_per_request",
     "sized_spans", "KEY_LIST_FIXED", "KEY_OVERHEAD", "SIZED_KEY_OVERHEAD", "Batch", "Post"
 ]
@@ -28,6 +29,11 @@ LIST_PAGE = 1024                 # keys asked per LIST request (capped at the se
 CLIENT_NAME = "quillcache-py"
 GET_MANY_BUFFER_BYTES = 8 << 20  # bytes: get_many packs consecutive values into buffers of at most this
 MIN_SOCKET_TIMEOUT_S = 0.001     # seconds: the smallest SO_RCVTIMEO set (0 would mean "forever")
+# microseconds a sync client's receive polls before it sleeps (Client(spin_us=...)): a reply that
+# comes meanwhile skips both sides' wake-up.  1 KiB GET/PUT round trips on loopback here, p50:
+# 78-103 us blocking, 31-34 us polling 50 or 100 us, no gain at 20 (docs/protocol.md).
+DEFAULT_SPIN_US = 100.0
+MAX_SPIN_US = 10_000.0           # microseconds: the longest poll a client may ask for
 MAX_REPLY_PAYLOAD = 4 << 30      # largest reply payload a client takes (a server may announce less)
 # bytes: a mapped client's single put of a smaller value goes over the Unix socket as one PUT
 # (one round trip, the payload copied through the socket) instead of RESERVE, a memcpy into the

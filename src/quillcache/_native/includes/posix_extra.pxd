@@ -21,3 +21,7 @@ cdef extern from "<sys/eventfd.h>" nogil:
     int eventfd(unsigned int initval, int flags)
     enum: EFD_CLOEXEC
     enum: EFD_NONBLOCK
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t recv(int fd, void* buf, size_t n, int flags)
+    enum: MSG_DONTWAIT
