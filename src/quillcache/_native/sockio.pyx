@@ -17,7 +17,9 @@ from cpython.exc cimport PyErr_CheckSignals, PyErr_SetFromErrno
 from libc.errno cimport errno, EINTR
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
-from quillcache._native.includes.posix_extra cimport recv, MSG_DONTWAIT, EAGAIN   # = EWOULDBLOCK on Linux
+from quillcache._native.includes.posix_extra cimport (
+    recv, MSG_DONTWAIT, EAGAIN, poll, pollfd, POLLIN,   # EAGAIN = EWOULDBLOCK on Linux
+)
 
 MAX_SPIN_NS = 10_000_000        # ns: the longest poll a caller may ask for (10 ms)
 
@@ -34,18 +36,31 @@ cdef inline long long _now_ns() noexcept nogil:
 
 cdef ssize_t _poll(int fd, char* p, size_t n, long long spin_ns) noexcept nogil:
     """recv without blocking until data, EOF or an error come, for at most spin_ns (0: one
-    blocking recv instead): the last recv's result (errno set), or -2 if the poll ran out."""
+    blocking recv instead): the last recv's result (errno set), or -2 if the poll ran out.
+
+    Between the receives it waits on ``poll`` with a zero timeout, not on ``recv``: ``recv``
+    takes the socket's lock, and while a caller holds it the ACKs that come in for this
+    socket wait in its backlog, which holds back the tail of a large request still being
+    sent (a 4 MiB PUT polled with recv ran 0.88x of a sleeping one); ``poll`` reads the
+    socket's state without the lock."""
     cdef ssize_t r
-    cdef long long end = 0
+    cdef long long end
+    cdef pollfd pfd
     if spin_ns <= 0:
         return recv(fd, p, n, 0)
+    r = recv(fd, p, n, MSG_DONTWAIT)
+    if r >= 0 or errno != EAGAIN:
+        return r
+    end = _now_ns() + spin_ns
+    pfd.fd = fd
+    pfd.events = POLLIN
     while True:
-        r = recv(fd, p, n, MSG_DONTWAIT)
-        if r >= 0 or errno != EAGAIN:
-            return r
-        if end == 0:
-            end = _now_ns() + spin_ns
-        elif _now_ns() >= end:
+        pfd.revents = 0
+        if poll(&pfd, 1, 0) != 0:           # readable, hung up, an error (or EINTR): receive
+            r = recv(fd, p, n, MSG_DONTWAIT)
+            if r >= 0 or errno != EAGAIN:
+                return r
+        if _now_ns() >= end:
             return -2
 
 

@@ -25,3 +25,11 @@ cdef extern from "<sys/eventfd.h>" nogil:
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t recv(int fd, void* buf, size_t n, int flags)
     enum: MSG_DONTWAIT
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd* fds, unsigned long nfds, int timeout)
+    enum: POLLIN
