@@ -30,10 +30,13 @@ byte outside the timed call.
   run by run, the best of each.
 
     python bench/vs_peers.py [--systems quillcache,redis,mooncake,quillcache-zc,quillcache-shm,mooncake-zc]
-        [--sizes 1K,16K,64K,256K,4M] [--rounds 5] [--no-cold] [--floor] [--json-out results.json]
+        [--sizes 1K,16K,64K,256K,4M] [--rounds 5] [--no-cold] [--floor] [--qc-spin-us US]
+        [--json-out results.json]
 
 Servers, each started here on free loopback ports and stopped at the end:
-  quillcache   quillcached (the real daemon, DRAM tier only) + quillcache.client.Client
+  quillcache   quillcached (the real daemon, DRAM tier only) + quillcache.client.Client, as shipped:
+               its receives poll for spin_us (100 us) before they sleep; ``--qc-spin-us 0``
+               runs it sleeping at once, as redis-py's and Mooncake's clients do
   redis        redis-server --save '' --appendonly no; redis-py with hiredis
   mooncake     mooncake_master (with its HTTP metadata server) + a separate process lending a
                segment, MC_TCP_BIND_ADDRESS=127.0.0.1, protocol tcp
@@ -79,6 +82,7 @@ HERE = Path(__file__).resolve().parent
 VENV_BIN = Path(sys.executable).parent
 SERVER_CPUS = None             # set by main(): the CPUs server processes are started on (None: any)
 QC_LOOPBACK_CONGESTION = None  # set by main(): quillcached's [node] loopback_congestion (None: its default)
+QC_SPIN_US = None              # set by main(): the QuillCache clients' spin_us (None: the client's default)
 CLASSES = {"bytes": ("quillcache", "redis", "mooncake"),
            "zero-copy": ("quillcache-zc", "quillcache-shm", "mooncake-zc")}
 SYSTEMS = CLASSES["bytes"] + CLASSES["zero-copy"]
@@ -302,6 +306,8 @@ class QuillCacheServer:
             raise RuntimeError(f"quillcached did not start (see {workdir}/qc.log)")
         self.info = {"tcp": f"127.0.0.1:{port}", "unix": f"unix:{workdir}/qc/quillcached.sock",
                      "pids": [self.proc.pid]}
+        if QC_SPIN_US is not None:
+            self.info["spin_us"] = QC_SPIN_US
 
     def close(self):
         _stop(self.proc)
@@ -316,9 +322,11 @@ class QuillCacheAdapter:
 
     def __init__(self, info):
         from quillcache.client import Client
+        from quillcache.client.calls import DEFAULT_SPIN_US
         from quillcache.model import KvBlockKey
         self._Key = KvBlockKey
-        self.client = Client(info[self.address_key], timeout=120.0, client_name="vs_peers")
+        self.client = Client(info[self.address_key], timeout=120.0, client_name="vs_peers",
+                             spin_us=info.get("spin_us", DEFAULT_SPIN_US))
         self._keys = {}
         self.server_pids = info["pids"]
         self.size = 0
@@ -740,6 +748,8 @@ def versions():
     out["tcp congestion"] = system_congestion() or "unknown"   # every connection's but quillcached's same-host ones
     qc = LOOPBACK_CONGESTION if QC_LOOPBACK_CONGESTION is None else QC_LOOPBACK_CONGESTION
     out["quillcache loopback congestion"] = qc or "the system's"
+    from quillcache.client.calls import DEFAULT_SPIN_US
+    out["quillcache client spin_us"] = f"{DEFAULT_SPIN_US if QC_SPIN_US is None else QC_SPIN_US:g}"
     with contextlib.suppress(ImportError):
         from redis.utils import HIREDIS_AVAILABLE
         out["redis-py parser"] = "hiredis" if HIREDIS_AVAILABLE else "pure Python (pip install hiredis)"
@@ -850,6 +860,9 @@ def main(argv=None):
     ap.add_argument("--floor", action="store_true", help="also measure the 64-byte GET round-trip floor")
     ap.add_argument("--qc-loopback-congestion", metavar="NAME",
                     help='quillcached\'s [node] loopback_congestion ("" = the system\'s; default: the node\'s, reno)')
+    ap.add_argument("--qc-spin-us", type=float, metavar="US",
+                    help="the QuillCache clients' spin_us (0 = sleep at once; default: the client's, "
+                         "docs/protocol.md \"Busy-polling receives\")")
     ap.add_argument("--json-out", help="write the results as JSON here")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="let the scheduler place server and client (default: separate CPUs)")
@@ -873,8 +886,9 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
 
-    global SERVER_CPUS, QC_LOOPBACK_CONGESTION
+    global SERVER_CPUS, QC_LOOPBACK_CONGESTION, QC_SPIN_US
     QC_LOOPBACK_CONGESTION = args.qc_loopback_congestion
+    QC_SPIN_US = args.qc_spin_us
     SERVER_CPUS, client_cpus = _placement(args.pin)
     if client_cpus is not None:
         os.sched_setaffinity(0, client_cpus)

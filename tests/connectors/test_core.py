@@ -267,3 +267,21 @@ def test_a_failing_adapter_call_is_counted_every_time_and_logged_once_an_interva
         assert core.call_async(lambda c: c.exists_many(keys), what="load").result()[0] == 0     # reconnected
     finally:
         core.close()
+
+
+def test_the_connection_polls_for_replies_as_configured_and_stats_say_so(node):
+    keys = chain_keys(ident(), [f"spin-h{i}".encode() for i in range(4)], block_size=16)
+    src = blocks(4, 7)
+    polling, sleeping = ConnectorCore(node.addr), ConnectorCore(node.addr, spin_us=0)
+    try:
+        for core in (polling, sleeping):
+            assert core.save(keys, src)
+            for _ in range(20):
+                assert core.lookup(keys) == 4
+        caught = polling.stats()["receive_polls_caught"]
+        if (__import__("os").cpu_count() or 1) > 1:      # a one-CPU machine never polls
+            assert caught > 10
+        assert sleeping.stats()["receive_polls_caught"] == sleeping.stats()["receive_polls_missed"] == 0
+    finally:
+        polling.close()
+        sleeping.close()

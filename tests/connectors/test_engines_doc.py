@@ -89,6 +89,11 @@ def test_a_bad_value_names_the_setting_and_a_typo_is_reported(table):
         settings.parse(table, {"token": "a", "token_file": "/f"}, "where")
     _, unknown = settings.parse(table, {"adress": "127.0.0.1:7470"}, "where")
     assert unknown == ["adress"]
+    for bad in (-1, 10_001, "soon", True):
+        with pytest.raises(settings.SettingError, match="where: spin_us = "):
+            settings.parse(table, {"spin_us": bad}, "where")
+    assert settings.parse(table, {}, "where")[0]["spin_us"] == 100.0
+    assert settings.parse(table, {"spin_us": "0"}, "where")[0]["spin_us"] == 0.0
 
 
 def test_a_token_file_is_read_once_stripped_and_a_missing_one_is_a_clear_error(tmp_path):

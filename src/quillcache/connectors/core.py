@@ -134,13 +134,15 @@ class ConnectorCore:
     """
 
     def __init__(self, address: Optional[str] = None, *, token: Optional[str] = None, timeout: float = 5.0,
-                 client_factory: Optional[Callable[[str], Any]] = None, name: str = "quillcache") -> None:
+                 client_factory: Optional[Callable[[str], Any]] = None, name: str = "quillcache",
+                 spin_us: Optional[float] = None) -> None:
         from quillcache.client import Client
         self.address = address or None
         self.candidates = [address] if address else default_addresses()
         self.timeout = float(timeout)
         self.name = name
-        self._factory = client_factory or (lambda where: Client(where, token=token, timeout=self.timeout))
+        spin = {} if spin_us is None else {"spin_us": spin_us}       # None: the client's default
+        self._factory = client_factory or (lambda where: Client(where, token=token, timeout=self.timeout, **spin))
         self._client = None
         self.connected_to: Optional[str] = None     # the address of the live connection
         self._failing = False                       # the last connect failed (logged once per outage)
@@ -407,8 +409,15 @@ class ConnectorCore:
         return self.wait(self.save_async(keys, buffers), what="save")
 
     def stats(self) -> dict[str, int]:
+        """The counters, and what the live connection's receives polled (``spin_us``): replies
+        caught while polling, polls that ran out (``Client.receive_stats``; 0 without one)."""
         with self._lock:
-            return dict(self.counters)
+            out = dict(self.counters)
+        polled = getattr(self._client, "receive_stats", None)
+        polled = polled() if polled is not None else {}
+        out["receive_polls_caught"] = polled.get("caught", 0)
+        out["receive_polls_missed"] = polled.get("missed", 0)
+        return out
 
 
 def elapsed(t0: float) -> float:

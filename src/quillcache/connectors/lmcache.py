@@ -130,7 +130,8 @@ class QuillCacheRemoteConnector(RemoteConnector):
         self.tenant = values["tenant"]
         self.adapter = values["adapter"]
         self.core = ConnectorCore(values["address"], token=settings.resolve_token(values, where),
-                                  timeout=values["timeout_s"], name=f"LMCache plugin {self.plugin_name}")
+                                  timeout=values["timeout_s"], spin_us=values["spin_us"],
+                                  name=f"LMCache plugin {self.plugin_name}")
         self.bad_values = 0          # values that did not decode or found no memory: misses
 
     @classmethod

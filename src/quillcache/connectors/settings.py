@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from quillcache.client.calls import DEFAULT_SPIN_US, MAX_SPIN_US
+
 __all__ = ["Setting", "COMMON", "VLLM", "SGLANG", "SGLANG_OWN", "LMCACHE", "LMCACHE_OWN", "parse",
            "read_token", "resolve_token", "SettingError"]
 
@@ -63,6 +65,18 @@ def _flag(v: Any) -> bool:
     raise ValueError("not a boolean (true or false)")
 
 
+def _spin_us(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError("not a number of microseconds (e.g. 100)")
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ValueError("not a number of microseconds (e.g. 100)") from None
+    if not 0 <= f <= MAX_SPIN_US:
+        raise ValueError(f"must be 0 to {MAX_SPIN_US:g}")
+    return f
+
+
 def _kv_dtype(v: Any) -> str:
     from quillcache.connectors.kvquant import KV_DTYPES
     if v is None or v == "":
@@ -94,6 +108,8 @@ COMMON = (
     Setting("token", _opt_string, None, "the engine tenant's token ([[auth.tenants]]); never logged"),
     Setting("token_file", _opt_string, None, "a file holding the token (read once, at start)"),
     Setting("timeout_s", _positive_float, 5.0, "seconds: connect and every wait on the node"),
+    Setting("spin_us", _spin_us, DEFAULT_SPIN_US, "microseconds a receive polls before its thread sleeps (0: sleeps "
+            "at once; docs/protocol.md, \"Busy-polling receives\")"),
     Setting("model", _opt_string, None, "the model name in every key (default: the engine's)"),
     Setting("tokenizer_id", _opt_string, None, "the tokenizer id in every key (default: the engine's)"),
     Setting("tenant", _string, "", "the engine's default tenant"),

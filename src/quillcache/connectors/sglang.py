@@ -64,7 +64,8 @@ class QuillCacheStorage(HiCacheStorage):
         self.tokenizer_id = str(extra["tokenizer_id"] or self.model)
         self.default_tenant = extra["tenant"]
         self.core = ConnectorCore(extra["address"], token=settings.resolve_token(extra, where),
-                                  timeout=extra["timeout_s"], name=f"SGLang tp{cfg.tp_rank}")
+                                  timeout=extra["timeout_s"], spin_us=extra["spin_us"],
+                                  name=f"SGLang tp{cfg.tp_rank}")
         self.mem_pool_host = None
         self._metrics: dict[str, list] = {"prefetch": [], "backup": []}
 

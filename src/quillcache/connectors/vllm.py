@@ -156,7 +156,8 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self.publish_events = extra["events"]
         self.events_medium = extra["events_medium"]
         self.core = ConnectorCore(extra["address"], token=settings.resolve_token(extra, where),
-                                  timeout=extra["timeout_s"], name=f"vLLM {role.name.lower()}")
+                                  timeout=extra["timeout_s"], spin_us=extra["spin_us"],
+                                  name=f"vLLM {role.name.lower()}")
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._saving: set[str] = set()
