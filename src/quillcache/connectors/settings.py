@@ -33,13 +33,18 @@ def _opt_string(v: Any) -> Optional[str]:
     return None if v is None or v == "" else _string(v)
 
 
+def _number(v: Any, what: str) -> float:
+    """``v`` as a float (a bool is not a number here); ``what`` names it in the error."""
+    if not isinstance(v, bool):
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"not a number of {what}")
+
+
 def _positive_float(v: Any) -> float:
-    if isinstance(v, bool):
-        raise ValueError("not a number of seconds (e.g. 5)")
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise ValueError("not a number of seconds (e.g. 5)") from None
+    f = _number(v, "seconds (e.g. 5)")
     if not f > 0:
         raise ValueError("must be greater than 0")
     return f
@@ -66,12 +71,7 @@ def _flag(v: Any) -> bool:
 
 
 def _spin_us(v: Any) -> float:
-    if isinstance(v, bool):
-        raise ValueError("not a number of microseconds (e.g. 100)")
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise ValueError("not a number of microseconds (e.g. 100)") from None
+    f = _number(v, "microseconds (e.g. 100)")
     if not 0 <= f <= MAX_SPIN_US:
         raise ValueError(f"must be 0 to {MAX_SPIN_US:g}")
     return f
