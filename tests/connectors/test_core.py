@@ -280,7 +280,7 @@ def test_the_connection_polls_for_replies_as_configured_and_stats_say_so(node):
                 assert core.lookup(keys) == 4
         caught = polling.stats()["receive_polls_caught"]
         if (__import__("os").cpu_count() or 1) > 1:      # a one-CPU machine never polls
-            assert caught > 10
+            assert caught >= 5
         assert sleeping.stats()["receive_polls_caught"] == sleeping.stats()["receive_polls_missed"] == 0
     finally:
         polling.close()
