@@ -39,8 +39,8 @@ class OnNode:
             c.close()
         self.node.__exit__()
 
-    def connect(self, address: str) -> Client:
-        c = Client(self.node.unix if address == "unix" else self.node.tcp)
+    def connect(self, address: str, **options) -> Client:
+        c = Client(self.node.unix if address == "unix" else self.node.tcp, **options)
         self.closing.append(c)
         if address == "unix" and not c.shm:
             raise NotImplementedError(f"the Unix client did not map the arena: {c.shm_refused}")

@@ -6,12 +6,15 @@
                 prints the same figure per block, with the data paths beside it)
   BytesGet      ``get()`` (a new bytes object per block) against ``get_into`` (a caller's
                 buffer), over TCP and over the Unix socket, small and large blocks
+  ReceivePoll   single 1 KiB GETs over TCP from a client that polls before it sleeps
+                (``spin_us`` 100, the default) and from one that sleeps at once (0)
 """
 from ._node import ADDRESSES, OnNode, keys
 
 BATCH = 64                   # blocks per located GET / reserved PUT
 CONTROL_BYTES = 4096         # bytes per block of the control-cost batches
 GETS = 16                    # GETs per timed call
+POLL_BYTES = 1024            # bytes per block of the receive-poll comparison
 SIZES = (4 << 10, 256 << 10)   # bytes per block of the bytes-API comparison
 
 
@@ -66,3 +69,25 @@ class BytesGet(OnNode):
         get_into, buf = self.c.get_into, self.buf
         for k in self.keys:
             get_into(k, buf)
+
+
+class ReceivePoll(OnNode):
+    """GETS single GETs of a small block over TCP, the client polling its socket for up to
+    ``spin_us`` before it sleeps, or sleeping at once (0): what the poll saves of a round trip
+    (docs/protocol.md "Busy-polling receives"; bench/receive_poll.py prints the ratio)."""
+
+    params = ([0.0, 100.0],)
+    param_names = ["spin_us"]
+    timeout = 60
+
+    def prepare(self, spin_us):
+        self.c = self.connect("tcp", spin_us=spin_us)
+        self.keys = keys("poll", GETS)
+        self.c.put_many([(k, bytes([i]) * POLL_BYTES) for i, k in enumerate(self.keys)])
+        if any(self.c.get(k)[-1] != i for i, k in enumerate(self.keys)):
+            raise RuntimeError("GET: wrong bytes")
+
+    def time_get(self, spin_us):
+        get = self.c.get
+        for k in self.keys:
+            get(k)
