@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))        # vs_peers, _local_node
 from _local_node import LocalNode
+from cluster_transport import cpu_ns      # every thread's CPU ns, from schedstat
 from vs_peers import parse_sizes, size_label
 
 from quillcache.client import Client
@@ -34,22 +35,11 @@ WORKING_SET = 64 << 20          # bytes of distinct values per size ...
 MAX_KEYS = 1024                 # ... at most this many keys
 
 
-def _node_cpu_ns(pid: int) -> int:
-    total = 0
-    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
-        try:
-            with open(path) as f:
-                total += int(f.read().split()[0])
-        except OSError:             # a thread that ended meanwhile
-            pass
-    return total
-
-
 def one_pass(client: Client, keys, value, op: str, pid: int):
     """(request times, client CPU s per request, node CPU s per request) of one pass."""
     lat = []
     fn = client.get if op == "get" else (lambda k: client.put(k, value))
-    n0, c0 = _node_cpu_ns(pid), time.thread_time()
+    n0, c0 = cpu_ns(pid), time.thread_time()
     for k in keys:
         t0 = time.perf_counter()
         got = fn(k)
@@ -57,7 +47,7 @@ def one_pass(client: Client, keys, value, op: str, pid: int):
         if op == "get" and len(got) != len(value):
             raise AssertionError(f"GET returned {len(got)} bytes, {len(value)} were put")
     n = len(keys)
-    return lat, (time.thread_time() - c0) / n, (_node_cpu_ns(pid) - n0) / 1e9 / n
+    return lat, (time.thread_time() - c0) / n, (cpu_ns(pid) - n0) / 1e9 / n
 
 
 def main() -> None:
