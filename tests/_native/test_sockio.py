@@ -7,13 +7,13 @@ edges (EOF, a receive timeout, a closed descriptor, a signal, a read-only buffer
 import os
 import signal
 import socket
-import struct
 import threading
 import time
 
 import pytest
 
 from quillcache._native.sockio import MAX_SPIN_NS, SpinReceiver
+from quillcache.client.calls import timeval
 
 MISS_LIMIT = 8                  # the extension's constants (sockio.pyx), as the tests rely on them
 SKIP_AFTER_MISSES = 64
@@ -28,8 +28,7 @@ def pair():
 
 
 def _rcvtimeo(sock, seconds):
-    sec = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((seconds - sec) * 1e6)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(seconds))     # as the client sets it
 
 
 def test_data_already_there_is_received_without_polling_or_blocking(pair):
