@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -552,7 +553,7 @@ def test_a_bad_spin_us_is_refused_before_connecting(bad):
         Client(f"127.0.0.1:{port}", spin_us=bad)
 
 
-@pytest.mark.skipif((__import__("os").cpu_count() or 1) < 2, reason="receives poll only on a machine of 2+ CPUs")
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="receives poll only on a machine of 2+ CPUs")
 def test_receives_poll_by_default_and_catch_a_local_nodes_replies_byte_exact(daemon):
     values = {i: content(i, size) for i, size in enumerate((1, 1000, 4096, 65536, 300_000))}
     with Client(daemon.addr) as c:

@@ -3,6 +3,7 @@ mapped arena: identity mapping, batched exists/load/save, and failures as counte
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import numpy as np
@@ -279,7 +280,7 @@ def test_the_connection_polls_for_replies_as_configured_and_stats_say_so(node):
             for _ in range(20):
                 assert core.lookup(keys) == 4
         caught = polling.stats()["receive_polls_caught"]
-        if (__import__("os").cpu_count() or 1) > 1:      # a one-CPU machine never polls
+        if (os.cpu_count() or 1) > 1:      # a one-CPU machine never polls
             assert caught >= 5
         assert sleeping.stats()["receive_polls_caught"] == sleeping.stats()["receive_polls_missed"] == 0
     finally:
