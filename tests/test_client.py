@@ -129,6 +129,7 @@ def test_info_and_stats_are_parsed(client):
     assert {"Server", "Store", "Tiers", "Guard", "WAL", "Auth"} <= set(info)
     assert info["Server"]["mode"] == "open"
     assert info["Tiers"]["dram_capacity"] == 64 << 20
+    assert info["Tiers"]["dram_backing"] == "memfd"         # [store] hugepages is off by default
     stats = client.stats()
     assert stats["server"]["mode"] == "open" and "dram_hits" in stats["tiers"]
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from quillcache.errors import CapacityError, InvalidArgument
 from quillcache.model import KvBlockKey
-from quillcache.store.dram import ARENA_UNIT, MAX_BLOCK_LIMIT, DramTier
+from quillcache.store.dram import ARENA_UNIT, MAX_BLOCK_LIMIT, DramTier, hugepages_available
 from tests._support.clock import Clock
 
 
@@ -137,6 +137,43 @@ def test_prefaulted_hugepage_arena_works():
     assert tier.prefaulted
     tier.close()
     assert tier.closed
+
+
+def _arena_mapping(tier: DramTier) -> dict:
+    """The arena's entry of /proc/self/smaps: its fields (kB), by name."""
+    start = tier.array.ctypes.data
+    fields, inside = {}, False
+    with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= start < hi
+            elif inside and head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
+                fields[head[0][:-1]] = fields.get(head[0][:-1], 0) + int(head[1])
+    return fields
+
+
+@pytest.mark.parametrize("hugepages", [False, True])
+def test_a_prefaulted_arena_is_resident_and_gets_the_pages_it_was_advised(hugepages):
+    # Every page is faulted in before the first put, and after the huge-page advice: pages
+    # faulted first (MAP_POPULATE at mmap) stayed small pages under shmem_enabled = advise.
+    size = 8 << 20
+    tier = DramTier(size, hugepages=hugepages, prefault=True)
+    try:
+        smaps = _arena_mapping(tier)
+        if tier.backing == "memfd-hugetlb":             # reserved pages: not in Rss
+            assert smaps.get("Shared_Hugetlb", 0) + smaps.get("Private_Hugetlb", 0) >= size >> 10, smaps
+            return
+        assert smaps["Rss"] >= size >> 10, smaps
+        huge = smaps.get("ShmemPmdMapped", 0) + smaps.get("FilePmdMapped", 0)
+        if tier.backing == "memfd-thp":
+            assert huge >= (size >> 10) // 2, smaps     # most of it in 2 MiB pages
+        else:
+            assert tier.backing == "memfd" and (not hugepages or not hugepages_available())
+            assert huge == 0, smaps
+    finally:
+        tier.close()
 
 
 @settings(max_examples=60, deadline=None)

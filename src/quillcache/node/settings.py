@@ -109,9 +109,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("store", "put_timeout", parse_duration, "30s", True,
             "A started put that is not finished within this is aborted and its slot reclaimed."),
     Setting("store", "hugepages", boolean, False, False,
-            "Ask for transparent huge pages on the DRAM arena."),
+            "Ask for huge pages on the DRAM arena: 2 MiB hugetlb pages where enough are reserved "
+            "(vm.nr_hugepages), else shmem transparent huge pages where the kernel's shmem_enabled "
+            "allows them (advise, within_size or always); INFO's dram_backing says which."),
     Setting("store", "prefault", boolean, False, False,
-            "Touch every page of the DRAM arena at start."),
+            "Fault every page of the DRAM arena in at start (after the huge-page advice)."),
     Setting("ssd", "enabled", boolean, True, False,
             "Keep an SSD tier (a put with durable=true needs it)."),
     Setting("ssd", "path", string, "", False,

@@ -231,7 +231,7 @@ class LocalKvStore(Residency, Eviction, Demotion, Writes, Reads, Pins, BatchLeas
         out = {
             "dram": {"blocks": len(dram), "bytes": dram.published_bytes, "capacity": dram.capacity,
                      "used": dram.used if not dram.closed else 0, "largest_free": largest,
-                     **self._stats["dram"]},
+                     "backing": dram.backing, "prefaulted": dram.prefaulted, **self._stats["dram"]},
             "guard": self.guard.stats(),
             "store": {"policy": self.policy, "promote_on_get": self.promote_on_get,
                       "entries": len(self._entries), "entries_untouched": self._untouched,
