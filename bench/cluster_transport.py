@@ -176,9 +176,14 @@ def main(argv=None) -> int:
                     help="comma-separated: tcp, nixl (UCX default transports), nixl-ucx-tcp (UCX_TLS=tcp)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--cpu-gets", type=int, default=2000)
+    ap.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                    help="skip bench/nixl_ceiling.py (the ceiling the bytes alone leave, printed after nixl)")
+    ap.add_argument("--hugepages", action="store_true",
+                    help="the nodes' arenas with [store] hugepages = true (INFO's dram_backing is printed)")
     ap.add_argument("--client-heap", choices=("kept", "default"), default="kept",
                     help="kept: the client reuses freed memory (see above); default: glibc's defaults")
     args = ap.parse_args(argv)
+    store_section = "prefault = true\nhugepages = true" if args.hugepages else "prefault = true"
     if args.client_heap == "kept" and not keep_client_heap():
         print("# the client's heap could not be kept (not glibc): GET_MANY figures include its page faults")
     names = [n.strip() for n in args.transport.split(",") if n.strip()]
@@ -192,7 +197,7 @@ def main(argv=None) -> int:
             for n in names:
                 kind, tls, more = KINDS[n]
                 pool = Pool(tmp / n, etcd.endpoint, 2, lease_ttl="3s", dram="512MiB", max_block="16MiB",
-                            cache_remote=False, hop_timeout="2s", sections={"store": "prefault = true"},
+                            cache_remote=False, hop_timeout="2s", sections={"store": store_section},
                             cluster_id=f"bench-{n}", transport=kind, **more)
                 for d in pool.nodes.values():
                     d.env.pop("UCX_TLS", None)
@@ -225,7 +230,8 @@ def main(argv=None) -> int:
             for n, p in pools.items():
                 with Client(p["b"].addr) as c:
                     info = c.info("cluster")["Cluster"]
-                print(f"# {n}: B's transport {info['transport_transport']}, nixl_reads "
+                    backing = c.info("tiers")["Tiers"]["dram_backing"]
+                print(f"# {n}: arenas {backing}, B's transport {info['transport_transport']}, nixl_reads "
                       f"{info.get('transport_nixl_reads', 0)} ({info.get('transport_nixl_reads_inline', 0)} done at "
                       f"once), blocks read under a reused grant {info.get('transport_nixl_grant_reuses', 0)}, "
                       f"nixl_fallbacks {info.get('transport_nixl_fallbacks', 0)}, FETCHes {info['transport_fetches']}")
@@ -242,7 +248,37 @@ def main(argv=None) -> int:
         for n, (ha, _) in cpu.items():
             if n != "tcp":
                 print(f"holder CPU {n} / tcp: {ha / cpu['tcp'][0]:.2f}")
+    if "nixl" in names and args.ceiling:
+        print_ceiling({label: lo for label, n, lo, _, _ in rows if n == "nixl"}, args.hugepages)
     return 0
+
+
+def print_ceiling(local_mbs: dict[str, float], hugepages: bool) -> None:
+    """The best cross-node / local ratio a reader on this host can reach under UCX's default
+    transports: a local GET's time (this run's) plus one NIXL READ of the bytes and their CRC
+    (bench/nixl_ceiling.py, in a process of its own: it makes NIXL agents), done one after the other
+    as a node's loop does them."""
+    import json
+    import subprocess
+    cmd = [sys.executable, str(ROOT / "bench" / "nixl_ceiling.py"), "--json", "--reps", "100",
+           "--region-mib", "64"] + (["--hugepages"] if hugepages else [])
+    env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    got = next((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")), None)
+    if got is None:
+        print(f"\n# no ceiling: bench/nixl_ceiling.py said {(out.stdout + out.stderr).strip()[-300:]!r}")
+        return
+    print(f"\nWhat the bytes alone cost a reader on this host (bench/nixl_ceiling.py: the holder's arena "
+          f"{got['backing']}, 64 MiB read in turn), and the best cross-node / local they leave: "
+          f"local / (local + READ + CRC)\n")
+    print("| read | local µs (this run) | NIXL READ µs | CRC32C µs | ceiling |\n|---|---:|---:|---:|---:|")
+    for label, mbs in local_mbs.items():
+        c = got["cases"].get(label)
+        if c is None or mbs <= 0:
+            continue
+        local_us = c["bytes"] / mbs         # MB/s = bytes per µs
+        print(f"| {label} | {local_us:,.0f} | {c['read_us']:,.0f} | {c['crc_us']:,.0f} | "
+              f"{local_us / (local_us + c['read_us'] + c['crc_us']):.2f}x |")
 
 
 if __name__ == "__main__":
