@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from quillcache.errors import CapacityError, InvalidArgument
+from quillcache.errors import CapacityError, ConfigError, InvalidArgument
 from quillcache.model import KvBlockKey
-from quillcache.store.dram import ARENA_UNIT, MAX_BLOCK_LIMIT, DramTier, hugepages_available
+from quillcache.store.dram import ARENA_UNIT, MAX_BLOCK_LIMIT, DramTier, _populate, hugepages_available
 from tests._support.clock import Clock
 
 
@@ -237,3 +237,22 @@ def test_the_default_max_block_of_a_big_arena_is_the_record_limit():
         assert tier.used == 0
     finally:
         tier.close()
+
+
+def test_memory_that_cannot_be_faulted_in_is_a_clear_error_at_start():
+    # A mapping past its memfd's end: every page there would SIGBUS on first touch.  Prefaulting
+    # says so at once (the node exits 78 with the reason), instead of the first put dying on it.
+    import mmap
+    import os
+    fd = os.memfd_create("test-populate", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 4 << 20)
+        m = mmap.mmap(fd, 4 << 20, flags=mmap.MAP_SHARED)
+        os.ftruncate(fd, 1 << 20)          # the last 3 MiB of the mapping are past the end now
+        try:
+            with pytest.raises(ConfigError, match="could not be faulted in"):
+                _populate(m)
+        finally:
+            m.close()
+    finally:
+        os.close(fd)

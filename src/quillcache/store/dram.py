@@ -22,6 +22,7 @@ slot would have no offset of its own in the allocator.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import time
@@ -32,7 +33,7 @@ import numpy as np
 from quillcache._native import blocks as _blocks
 from quillcache._native.alloc import OffsetAllocator
 from quillcache._native.batch import drop_refs, place_many
-from quillcache.errors import InvalidArgument, NotFound
+from quillcache.errors import ConfigError, InvalidArgument, NotFound
 from quillcache.model import KvBlockKey
 
 __all__ = ["DramTier", "Slot", "PendingPut", "ARENA_UNIT", "MAX_ARENA_BYTES", "MAX_BLOCK_LIMIT",
@@ -65,12 +66,15 @@ def hugepages_available(path: str = _SHMEM_THP) -> bool:
 
 def _populate(m: mmap.mmap) -> None:
     """Fault every page of ``m`` in now, writable (``MADV_POPULATE_WRITE``, Linux 5.14; before it,
-    one write a page)."""
+    one write a page).  Memory the host cannot give is a ``ConfigError`` at start, not a SIGBUS
+    at the first put that lands there."""
     try:
         m.madvise(MADV_POPULATE_WRITE)
         return
-    except OSError:                     # EINVAL: an older kernel
-        pass
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:   # EINVAL: a kernel before 5.14; anything else: no memory
+            raise ConfigError(f"[store] prefault: the DRAM arena ({len(m)} bytes) could not be faulted "
+                              f"in: {exc.strerror}") from None
     np.frombuffer(m, dtype=np.uint8)[::PAGE_BYTES] = 0
 
 
@@ -85,12 +89,18 @@ def _map_memfd(capacity: int, hugepages: bool, prefault: bool) -> tuple[int, mma
             os.ftruncate(fd, capacity)
             # mmap reserves the hugetlb pages now: too few reserved fails here, not later by SIGBUS
             m = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED, prot=prot)
-            if prefault:
-                _populate(m)
-            return fd, m, "memfd-hugetlb"
         except OSError:
             if fd >= 0:
                 os.close(fd)
+        else:
+            if prefault:
+                try:
+                    _populate(m)
+                except BaseException:
+                    m.close()
+                    os.close(fd)
+                    raise
+            return fd, m, "memfd-hugetlb"
     fd = os.memfd_create(ARENA_NAME, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, capacity)
