@@ -81,6 +81,21 @@ def _populate(m: mmap.mmap) -> None:
 def _map_memfd(capacity: int, hugepages: bool, prefault: bool) -> tuple[int, mmap.mmap, str]:
     """(fd, shared mapping, backing) of a fresh memfd of ``capacity`` bytes, every page faulted
     in with ``prefault``."""
+    fd, m, backing = _map_fresh(capacity, hugepages)
+    # Faulted in after the huge-page advice, not by MAP_POPULATE at mmap: pages faulted before
+    # it are small pages and stay so (measured: a prefaulted 256 MiB arena under shmem_enabled =
+    # advise got no huge page).
+    if prefault:
+        try:
+            _populate(m)
+        except BaseException:
+            m.close()
+            os.close(fd)
+            raise
+    return fd, m, backing
+
+
+def _map_fresh(capacity: int, hugepages: bool) -> tuple[int, mmap.mmap, str]:
     prot = mmap.PROT_READ | mmap.PROT_WRITE
     if hugepages and hasattr(os, "MFD_HUGETLB") and capacity % HUGETLB_BYTES == 0:
         fd = -1
@@ -88,19 +103,10 @@ def _map_memfd(capacity: int, hugepages: bool, prefault: bool) -> tuple[int, mma
             fd = os.memfd_create(ARENA_NAME, os.MFD_CLOEXEC | os.MFD_HUGETLB)
             os.ftruncate(fd, capacity)
             # mmap reserves the hugetlb pages now: too few reserved fails here, not later by SIGBUS
-            m = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED, prot=prot)
+            return fd, mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED, prot=prot), "memfd-hugetlb"
         except OSError:
             if fd >= 0:
                 os.close(fd)
-        else:
-            if prefault:
-                try:
-                    _populate(m)
-                except BaseException:
-                    m.close()
-                    os.close(fd)
-                    raise
-            return fd, m, "memfd-hugetlb"
     fd = os.memfd_create(ARENA_NAME, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, capacity)
@@ -115,16 +121,6 @@ def _map_memfd(capacity: int, hugepages: bool, prefault: bool) -> tuple[int, mma
             backing = "memfd-thp"
         except OSError:
             pass
-    # Faulted in after the advice, not by MAP_POPULATE at mmap: pages faulted before it are
-    # small pages and stay so (measured: a prefaulted 256 MiB arena under shmem_enabled =
-    # advise got no huge page).
-    if prefault:
-        try:
-            _populate(m)
-        except BaseException:
-            m.close()
-            os.close(fd)
-            raise
     return fd, m, backing
 
 
