@@ -53,14 +53,18 @@ def _api():
     return importlib.import_module(NIXL_MODULE)
 
 
-def _agent(api, name: str):
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+def _agent(api, name: str, progress: bool):
+    """An agent made as a node makes its own (transfer/nixl.py): the holder's with a progress thread
+    that sleeps between rounds (NIXL's default spins a core, which would slow the reader on a
+    small host), the reader's with none."""
+    from quillcache.transfer.nixl import make_agent
+    return make_agent(api, name, progress=progress)
 
 
 def _holder(to_reader, from_reader, hugepages: bool, region_bytes: int) -> None:
     from quillcache.store.dram import DramTier
     api = _api()
-    agent = _agent(api, "ceiling-holder")
+    agent = _agent(api, "ceiling-holder", True)
     arena = DramTier(region_bytes, hugepages=hugepages, prefault=True)     # a node's arena, as it maps it
     region = arena.array
     for at in range(0, region_bytes, 16 << 20):
@@ -85,7 +89,7 @@ def measure(reps: int, hugepages: bool = False, region_bytes: int = REGION) -> t
     try:
         meta, remote, backing = to_reader.get(timeout=120)
         api = _api()
-        agent = _agent(api, "ceiling-reader")
+        agent = _agent(api, "ceiling-reader", False)
         staging = np.zeros(64 * BLOCK + (4 << 20), np.uint8)
         agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
         peer = agent.add_remote_agent(meta)

@@ -39,7 +39,7 @@ import numpy as np
 from quillcache.errors import CapacityError, InvalidArgument, QuillCacheError, Timeout
 
 __all__ = ["NixlEndpoint", "StagedRead", "TransferFailed", "nixl_missing", "agents_made", "exit_past_nixl",
-           "NIXL_INSTALL_HINT", "NIXL_MODULE", "DEFAULT_STAGING_BYTES"]
+           "make_agent", "NIXL_INSTALL_HINT", "NIXL_MODULE", "DEFAULT_STAGING_BYTES"]
 
 NIXL_MODULE = "nixl_cu12._api"          # the CUDA 12 variant's Python API (host memory needs no GPU)
 NIXL_INSTALL_HINT = ("pip install --no-deps 'nixl-cu12==1.5.1' (the [nixl] extra; --no-deps keeps pip "
@@ -96,7 +96,7 @@ def nixl_missing() -> Optional[str]:
     return None
 
 
-def _make_agent(api, name: str, *, progress: bool = True):
+def make_agent(api, name: str, *, progress: bool = True):
     """A NIXL agent with the UCX backend; without ``progress``, one with no progress thread (it
     progresses only when it is called: posting and polling its own READs).  With one, the
     progress thread sleeps ``PROGRESS_DELAY_US`` between rounds.
@@ -187,8 +187,8 @@ class NixlEndpoint:
         for var, value in UCX_TCP_SEGMENT.items():     # read by UCX when the agent starts
             os.environ.setdefault(var, value)
         self.name = name
-        self._holder = _make_agent(api, name)                  # peers read this one: its name is the node's
-        self._agent = _make_agent(api, f"{name}/reader", progress=False)
+        self._holder = make_agent(api, name)                  # peers read this one: its name is the node's
+        self._agent = make_agent(api, f"{name}/reader", progress=False)
         self.arena_address = int(arena.ctypes.data)
         self.arena_bytes = int(arena.nbytes)
         self._arena = arena                                    # keeps the mapping alive while registered
