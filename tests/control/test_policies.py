@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from quillcache.control.indexer import DEVICE, POOL, ArtIndexer, chain_hashes
 from quillcache.control.inflight import page_wait_us
 from quillcache.control.model import TCP_BYTES_PER_S, CostModel, us_per_mib
-from quillcache.control.policies import TailQuantile
+from quillcache.control.policies import BusyShare, TailQuantile
 from quillcache.control.router import Router, RouterConfig
 from quillcache.control.sim.engine import EngineConfig, H200_LLAMA3_8B
 from quillcache.control.sim.replay import build_requests, run_policy
@@ -160,6 +160,67 @@ def test_a_hot_prefix_spreads_when_the_holder_queue_exceeds_recomputing_it():
     set_load(r, "w1", 0, 0, 0)
     chosen = [r.route(A, hashes=h, request_tokens=64, request_id=f"q{i}").worker for i in range(6)]
     assert set(chosen) == {"w0", "w1"}          # later requests use both holders
+
+
+def test_under_load_the_queue_stretch_keeps_a_request_with_its_prefix():
+    """w0 holds all 16 blocks of the request behind Q = 150 queued tokens; w1 is idle and would
+    recompute all 64 tokens; w2 and w3 are far behind.  No decodes, pages unknown, no device
+    share yet: score = TTFT + busy x mean prefill queue (3 of 4 workers x 1 request = 0.75)
+    x stretch.  w0: 45 x (150 + 4) + 45 x 4 x 0.75 x s; w1: 45 x 64 + 45 x 64 x 0.75 x s.
+    w1 wins when 45 x 150 > 2,700 + 2,025 x s: at s = 1 (no load seen yet), not at s = 4
+    (a busy share of 0.75 or more: every later arrival waits that much longer behind the
+    2,880 us w1 would add)."""
+    h = chain_hashes(toks(16), BS)
+    r = router("quillcache", workers=("w0", "w1", "w2", "w3"))
+    r.indexer.add_blocks("w0", A, h, DEVICE)
+    set_load(r, "w0", 150, 1, 1)
+    set_load(r, "w2", 10_000, 1, 1)
+    set_load(r, "w3", 10_000, 1, 1)
+    assert r.busy.stretch(4) == 1.0
+    assert r.route(A, hashes=h, request_tokens=64, track=False).worker == "w1"
+    for _ in range(256):
+        r.busy.add(4, 4)                        # every worker busy at every recent arrival
+    assert r.busy.stretch(4) == 4.0             # rho capped at 1 - 1/4
+    d = r.route(A, hashes=h, request_tokens=64, track=False)
+    assert d.worker == "w0" and d.plan_names() == ["device"] * 16
+
+
+def test_busy_share_is_the_mean_share_of_workers_in_prefill_over_its_window():
+    b = BusyShare(window=4)
+    assert b.value() == 0.0 and b.stretch(8) == 1.0
+    for busy, workers in ((1, 2), (2, 2), (0, 2), (2, 2)):
+        b.add(busy, workers)
+    assert b.value() == 5 / 8
+    b.add(0, 4)                                 # the oldest, (1, 2), leaves the window
+    assert b.value() == 4 / 10
+    assert b.stretch(10) == pytest.approx(1 / 0.6)
+    full = BusyShare(window=4)
+    full.add(9, 10)
+    assert full.stretch(10) == pytest.approx(10.0) and full.stretch(2) == 2.0   # rho capped at 1 - 1/k
+    assert full.stretch(1) == 1.0               # one worker: the cap leaves it 1
+    for _ in range(10_000):                     # integer sums: no drift
+        b.add(1, 3)
+    assert b.value() == 1 / 3
+    with pytest.raises(ValueError, match="BusyShare"):
+        b.add(4, 3)
+    with pytest.raises(ValueError, match="BusyShare"):
+        BusyShare(window=0)
+
+
+def test_the_router_measures_the_busy_share_each_tracked_arrival_sees():
+    h = chain_hashes(toks(2), BS)
+    r = router("quillcache", workers=("w0", "w1", "w2", "w3"))
+    for name in ("w0", "w1", "w2"):
+        set_load(r, name, 100, 1, 1)
+    for i in range(3):
+        r.route(A, hashes=h, request_tokens=8, request_id=f"q{i}")
+        r.free(f"q{i}")                         # back to 3 of 4 for the next arrival
+    assert r.busy.value() == 0.75               # what each saw before it was placed
+    set_load(r, "w3", 100, 1, 1)
+    r.route(A, hashes=h, request_tokens=8, track=False)
+    assert r.busy.value() == 0.75               # a probe is not an arrival (it would see 4 of 4)
+    r.route(A, hashes=h, request_tokens=8, request_id="q3")
+    assert r.busy.value() == 1.0 * (3 * 0.75 + 1) / 4
 
 
 def test_admission_refuses_what_is_predicted_to_miss_k_times_the_slo():

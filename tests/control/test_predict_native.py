@@ -12,7 +12,7 @@ from quillcache.control.policies import Candidates, _block_us, predict_ttft
 
 
 def numpy_form(c: Candidates, cost: CostModel, *, block_bytes, batch_tokens, pool_us_per_mb, device_share,
-               pool_share):
+               pool_share, stretch=1.0):
     """``predict_ttft`` as it was written in numpy (the oracle)."""
     per_token = cost.prefill_us_per_token
     bs = c.block_size
@@ -40,7 +40,7 @@ def numpy_form(c: Candidates, cost: CostModel, *, block_bytes, batch_tokens, poo
     total = float(decodes.sum())
     busy = per_token * own + load
     imposed = busy * (decodes / total) if total else np.zeros(len(own))
-    behind = float(c.prefill_requests.mean()) if len(own) else 0.0
+    behind = float(c.prefill_requests.mean()) * stretch if len(own) else 0.0
     imposed = imposed + (busy + stall) * behind
     need = -(-c.n_tokens // bs) - c.device
     if c.free_pages is not None:
@@ -87,7 +87,8 @@ def cases(draw):
     kw = dict(block_bytes=draw(st.sampled_from([1 << 16, 2 << 20, 16 << 20])),
               batch_tokens=draw(st.sampled_from([2, 512, 8192])),
               pool_us_per_mb=draw(st.sampled_from([0, 38, 222, 10_000])),
-              device_share=draw(st.floats(0, 1)), pool_share=draw(st.floats(0, 1)))
+              device_share=draw(st.floats(0, 1)), pool_share=draw(st.floats(0, 1)),
+              stretch=draw(st.sampled_from([1.0, 1.25, 8.0]) | st.floats(1, 64)))
     return c, draw(st.sampled_from(COSTS)), kw
 
 

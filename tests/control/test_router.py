@@ -318,7 +318,7 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, infligh
         if policy == "quillcache":
             pred = predict_ttft(cand, cfg.cost, block_bytes=router._block_bytes, batch_tokens=cfg.batch_tokens,
                                 pool_us_per_mb=router._pool_us_per_mb, device_share=router.stats.device_share,
-                                pool_share=router.stats.pool_share)
+                                pool_share=router.stats.pool_share, stretch=router.busy.stretch(len(router.workers)))
             if cfg.goodput_placement:
                 pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=router.ttft_tail)
             logits = pred.score.tolist()

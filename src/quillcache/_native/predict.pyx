@@ -22,11 +22,12 @@ def predict(const int64_t[:] device, const int64_t[:] host, const int64_t[:] dis
             const double[:] memory_wait, const int64_t[:] free_pages, int64_t n_tokens, int64_t block_size,
             int64_t limit, int64_t n_blocks, bint use_pool, double per_token, double decode_us_per_token,
             double running_penalty_us, double batch_tokens, double host_us, double disk_us, double pool_us,
-            double refill, double device_share):
+            double refill, double device_share, double stretch=1.0):
     """(score, ttft, pool, wait): the ``Prediction`` fields, per worker.  ``memory_wait`` and
     ``free_pages`` may be None (the router does not know the engines' pages).  ``limit``: the
     blocks a request may reuse (it computes at least one token); ``n_blocks``: its blocks,
-    rounded up; ``refill``: what finding an evicted block again costs, us."""
+    rounded up; ``refill``: what finding an evicted block again costs, us; ``stretch``: how much
+    longer a queue lasts per microsecond added to it (``BusyShare.stretch``)."""
     cdef Py_ssize_t k = device.shape[0], i, h = 0
     if (host.shape[0] != k or disk.shape[0] != k or pool_in.shape[0] != k or prefill_tokens.shape[0] != k
             or prefill_requests.shape[0] != k or requests.shape[0] != k):
@@ -51,7 +52,7 @@ def predict(const int64_t[:] device, const int64_t[:] host, const int64_t[:] dis
         if device[i] > device[h]:
             h = i                               # np.argmax: the first of the deepest
     if k:
-        behind = behind / <double>k
+        behind = behind / <double>k * stretch
     for i in range(k):
         d = requests[i] - prefill_requests[i]
         decodes = <double>(d if d > 0 else 0)
@@ -89,7 +90,8 @@ def predict(const int64_t[:] device, const int64_t[:] host, const int64_t[:] dis
         # worker's share of the cluster's running decodes.
         imposed = busy * (decodes / total) if total else 0.0
         # Each microsecond of compute or loading it adds is one more of waiting for the requests
-        # that will queue behind it; the mean prefill queue over the workers says how many.  So
+        # that will queue behind it; the mean prefill queue over the workers says how many, and
+        # the stretch how much longer the queue lasts with it (1 / (1 - rho)).  So
         # is each microsecond it waits for KV pages past the compute queue: the engine admits in
         # order, so those behind it wait too while its compute idles.
         imposed = imposed + (busy + stall) * behind

@@ -32,7 +32,7 @@ from quillcache.control.model import CostModel
 
 __all__ = ["Candidates", "Prediction", "SGLANG_BALANCE_ABS", "SGLANG_BALANCE_REL", "SGLANG_CACHE_THRESHOLD",
            "LLMD_QUEUE_WEIGHT", "LLMD_PREFIX_WEIGHT", "sglang_scores", "llmd_scores", "mooncake_scores",
-           "predict_ttft", "goodput_placement", "TailQuantile"]
+           "predict_ttft", "goodput_placement", "TailQuantile", "BusyShare"]
 
 # SGLang model gateway, cache_aware defaults (sgl-router ``CacheAwareConfig``)
 SGLANG_BALANCE_ABS = 64           # requests
@@ -174,6 +174,50 @@ class TailQuantile:
         return self._value
 
 
+class BusyShare:
+    """The engines' busy share as the router's decisions see it: at each decision, how many of
+    the workers have a request in prefill (routed, first token not yet out), summed over the
+    last ``window`` decisions, against the workers counted.  Arrivals see time averages (for
+    Poisson arrivals exactly; PASTA), so this estimates the share of time an engine has prefill
+    work running or queued: the load ``bench/router_sweep.py`` sets.  Integer sums, so it does
+    not drift however long the router runs; bounded: two ``window``-long integer arrays."""
+
+    __slots__ = ("_busy", "_seen", "_n", "_busy_sum", "_seen_sum")
+
+    def __init__(self, window: int = 256) -> None:
+        if window < 1:
+            raise ValueError(f"BusyShare window={window!r}: need window >= 1")
+        self._busy = np.zeros(window, np.int64)
+        self._seen = np.zeros(window, np.int64)
+        self._n = 0
+        self._busy_sum = 0
+        self._seen_sum = 0
+
+    def add(self, busy: int, workers: int) -> None:
+        """One decision: ``busy`` of ``workers`` had a request in prefill."""
+        if not 0 <= busy <= workers:
+            raise ValueError(f"BusyShare.add: busy {busy!r} of {workers!r} workers")
+        j = self._n % len(self._busy)
+        self._busy_sum += busy - int(self._busy[j])
+        self._seen_sum += workers - int(self._seen[j])
+        self._busy[j], self._seen[j] = busy, workers
+        self._n += 1
+
+    def value(self) -> float:
+        """The share, 0 before any decision."""
+        return self._busy_sum / self._seen_sum if self._seen_sum else 0.0
+
+    def stretch(self, workers: int) -> float:
+        """``1 / (1 - rho)``: how much longer, on average, a busy period lasts for each
+        microsecond of work added to it at utilisation ``rho`` (M/G/1: a busy period started
+        by work ``w`` lasts ``w / (1 - rho)``).  ``rho`` is capped at ``1 - 1 / workers`` (the
+        factor at most the number of workers): near 1 a window of decisions cannot tell a full
+        cluster from an overloaded one, and an unbounded factor would let this one term decide
+        every placement."""
+        cap = 1.0 - 1.0 / workers if workers > 1 else 0.0
+        return 1.0 / (1.0 - min(self.value(), cap))
+
+
 def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
                       tail: Optional[TailQuantile] = None) -> Prediction:
     """Where a request goes that is predicted to miss its SLO on every worker.
@@ -218,7 +262,8 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
 
 
 def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_tokens: int,
-                 pool_us_per_mb: float, device_share: float = 0.0, pool_share: float = 0.0) -> Prediction:
+                 pool_us_per_mb: float, device_share: float = 0.0, pool_share: float = 0.0,
+                 stretch: float = 1.0) -> Prediction:
     """The ``quillcache`` policy: per worker, in microseconds,
 
     * the prefill work admitted there and not yet done (the queue it waits behind) plus its
@@ -231,6 +276,12 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
     * the slowdown its prefill imposes on the decodes running there: its compute time and its
       loads' (the engine's step waits for both), times that worker's share of the cluster's
       running decodes (the mean delay it adds to one);
+    * the wait it adds for the requests that will queue behind it: its compute and loads, and
+      its wait for KV pages past the compute queue (the engine admits in order, so those behind
+      it wait too), times the mean prefill queue over the workers, times ``stretch``
+      (``BusyShare.stretch``, 1 / (1 - rho): at utilisation rho each microsecond added to a
+      queue keeps it busy 1 / (1 - rho) microseconds longer, and the work arriving meanwhile
+      waits it too);
     * what its pages evict there: its blocks not on that device, less the pages free there
       (``Candidates.free_pages``, where the router knows the engines' KV pages), times the share
       of routed blocks found on the device (``device_share``, the router's measurement), times
@@ -267,5 +318,5 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
         max((c.n_tokens - 1) // bs, 0),            # the engine computes at least one token
         -(-c.n_tokens // bs), use_pool, per_token, cost.decode_us_per_token, cost.running_decode_penalty_us,
         float(batch_tokens), _block_us(cost.cpu_dram_us_per_mb, block_bytes),
-        _block_us(cost.local_ssd_us_per_mb, block_bytes), pool_us, refill, device_share)
+        _block_us(cost.local_ssd_us_per_mb, block_bytes), pool_us, refill, device_share, stretch)
     return Prediction(score, ttft, pool, wait)

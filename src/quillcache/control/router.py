@@ -46,7 +46,7 @@ from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
 from quillcache.control.inflight import InFlightBlocks, PagePlan, page_plan
 from quillcache.control.model import H200_LLAMA3_8B, TCP_BYTES_PER_S, CostModel, us_per_mib
 from quillcache.control.policies import (
-    Candidates, TailQuantile, goodput_placement, llmd_scores, mooncake_scores, predict_ttft, sglang_scores,
+    BusyShare, Candidates, TailQuantile, goodput_placement, llmd_scores, mooncake_scores, predict_ttft, sglang_scores,
 )
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sketch import CountMinSketch
@@ -242,6 +242,7 @@ class RouterStats:
 
 
 LATENCY_WINDOW = 8192
+BUSY_WINDOW = 256         # decisions the busy share is averaged over (BusyShare)
 PEERS = ("sglang", "llmd", "mooncake")
 BLIND_POLICIES = ("dynamo",) + PEERS     # they know no identity: every scope's blocks count
 
@@ -277,6 +278,8 @@ class Router:
         self.stats = RouterStats()
         # the p99 of the TTFTs predicted for the requests placed (goodput placement's tail bound)
         self.ttft_tail = TailQuantile(0.99, LATENCY_WINDOW)
+        # the engines' busy share as the decisions see it (the predictor's queue stretch)
+        self.busy = BusyShare(BUSY_WINDOW)
         self._histogram = None
         for w in workers:
             self.add_worker(w)
@@ -336,6 +339,14 @@ class Router:
               f"p99 of the TTFTs predicted for the last {LATENCY_WINDOW:,} requests placed "
               "(quillcache policy; NaN before 100)",
               registry=registry).set_function(self._predicted_p99_s)
+        Gauge("quillcache_router_busy_share",
+              f"Share of the workers with a request in prefill, over the last {BUSY_WINDOW} decisions "
+              "(the load the quillcache predictor stretches its queue term by)",
+              registry=registry).set_function(self._busy_share)
+
+    def _busy_share(self) -> float:
+        with self._lock:
+            return self.busy.value()
 
     def _predicted_p99_s(self) -> float:
         with self._lock:
@@ -406,6 +417,8 @@ class Router:
                 if ahead is not None:
                     dev, host, disk, pool = extend_device(ahead, dev, host, disk, pool)
             lt = self._table.rows[self._slots]
+            if track:       # what this arrival sees, before it is placed (a probe changes nothing)
+                self.busy.add(int(np.count_nonzero(self._table.rows[:, _PREFILL_REQUESTS] > 0)), len(self._loads))
             offered = pool                       # what credited_blocks counts (before the plan caps it)
             if policy in ("dynamo", "least_loaded", "prefix"):
                 raw = (lt[:, 0] + n_tokens) / cfg.block_size
@@ -431,7 +444,8 @@ class Router:
             elif policy == "quillcache":
                 pred = predict_ttft(cand, cfg.cost, block_bytes=self._block_bytes,
                                     batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
-                                    device_share=self.stats.device_share, pool_share=self.stats.pool_share)
+                                    device_share=self.stats.device_share, pool_share=self.stats.pool_share,
+                                    stretch=self.busy.stretch(len(self._loads)))
                 if cfg.goodput_placement:
                     pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=self.ttft_tail)
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
