@@ -82,6 +82,8 @@ def test_node_routes_by_the_engines_events_and_scopes_credit_by_identity(tmp_pat
             assert metric_value(text, "quillcache_router_decision_seconds_count") >= 5
             assert has_metric(text, "quillcache_router_predicted_ttft_p99_seconds")
             assert math.isnan(metric_value(text, "quillcache_router_predicted_ttft_p99_seconds"))
+            # the busy share: probes (track=False) are not arrivals, so none counted yet
+            assert metric_value(text, "quillcache_router_busy_share") == 0.0
     finally:
         e0.close()
         e1.close()

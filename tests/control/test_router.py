@@ -221,6 +221,20 @@ def test_the_predicted_ttft_p99_is_exported_to_prometheus():
         float(np.quantile(predicted, 0.99)) / 1e6)
 
 
+def test_the_busy_share_is_exported_to_prometheus():
+    reg = CollectorRegistry()
+    router = Router(RouterConfig(policy="quillcache", block_size=BS, seed=0), workers=["w0", "w1", "w2"])
+    router.export_metrics(reg)
+    assert reg.get_sample_value("quillcache_router_busy_share") == 0.0
+    for name in ("w0", "w1"):
+        ld = router.load(name)
+        ld.active_prefill_tokens, ld.prefill_requests, ld.active_requests = 100, 1, 1
+    for i in range(4):
+        router.route(A, tokens(3, salt=i), request_id=f"r{i}")
+        router.free(f"r{i}")
+    assert reg.get_sample_value("quillcache_router_busy_share") == pytest.approx(2 / 3)
+
+
 # ---- the router's fast path (native match, load table, candidate columns) against the
 # straightforward scorer: the dict indexer, one worker at a time, the loads as given
 
