@@ -71,6 +71,23 @@ def test_replay_is_deterministic_and_cache_aware_routing_hits_more():
     assert qc["ttft_p50_ms"] < rr["ttft_p50_ms"]
 
 
+def test_a_slice_from_the_middle_replays_as_the_same_slice_rebased_to_zero():
+    # Cut from a trace's middle, timestamps start late: the replay must not wait through the
+    # lead-in (the gateway replay paces on the wall clock) nor count it as idle engine time in
+    # the measured load, which the sweep calibrates its speed-ups on.
+    lines = [json.loads(x) for x in synthetic_trace()]
+    late = [json.dumps({**x, "timestamp": x["timestamp"] + 3_600_000}) for x in lines]
+    base, shifted = parse_trace(map(json.dumps, lines)), parse_trace(late)
+    assert base[0].timestamp_ms == 0
+    a, b = build_requests(base, speedup=2.0), build_requests(shifted, speedup=2.0)
+    assert b[0].arrival_us == 0
+    assert [r.arrival_us for r in a] == [r.arrival_us for r in b]
+    ra, rb = (run_policy(x, "quillcache", 3, small_config(), seed=5) for x in (a, b))
+    assert ra.ttft_ms == rb.ttft_ms
+    assert ra.summary(800, 80)["load"] == rb.summary(800, 80)["load"] > 0.01
+    assert build_requests([], speedup=1.0) == []
+
+
 def test_with_tenants_dynamo_credits_foreign_blocks_and_quillcache_does_not():
     trace = assign_tenants(parse_trace(synthetic_trace(conversations=30, turns=3)), 4, seed=2)
     reqs = build_requests(trace, speedup=1.0)

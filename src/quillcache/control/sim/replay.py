@@ -57,8 +57,13 @@ class ReplayRequest:
 
 def build_requests(trace: Sequence[TraceRequest], speedup: float, model: str = REPLAY_MODEL,
                    block_tokens: int = TRACE_BLOCK_TOKENS) -> list[ReplayRequest]:
+    """Each request with its arrival in microseconds after the trace's first: a slice cut from
+    the middle of a trace replays as the same slice rebased to 0 (no idle lead-in to wait
+    through on the gateway's wall clock, none counted in the measured load)."""
     if not speedup > 0:
         raise ValueError(f"speedup {speedup!r}: must be > 0")
+    # The rounded arrivals shift by one whole amount: a trace that starts at 0 is unchanged.
+    origin = int(round(min((t.timestamp_ms for t in trace), default=0.0) * 1000.0 / speedup))
     out = []
     scopes: dict[str, IdentityScope] = {}
     for t in trace:
@@ -70,7 +75,7 @@ def build_requests(trace: Sequence[TraceRequest], speedup: float, model: str = R
             tokens.extend(block_token_ids(h, block_tokens))
         out.append(ReplayRequest(t, scope, tuple(chain_hashes(scope, contents)),
                                  tuple(router_chain_hashes(tokens, block_tokens)),
-                                 int(round(t.timestamp_ms * 1000.0 / speedup))))
+                                 int(round(t.timestamp_ms * 1000.0 / speedup)) - origin))
     return out
 
 
