@@ -289,7 +289,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--conversation", default=DEFAULT_TRACE,
                     help="a Mooncake-format trace replayed as the 'conversation' trace (default: %(default)s)")
-    ap.add_argument("--traces", default="conversation,rag,agent")
+    ap.add_argument("--traces", default="conversation,rag,agent",
+                    help="comma-separated: conversation (--conversation) and the generated "
+                         f"{', '.join(sorted(GENERATORS))} (default: %(default)s)")
     ap.add_argument("--limit", type=int, default=3000, help="requests per trace")
     ap.add_argument("--loads", default="0.3,0.6,0.85")
     ap.add_argument("--load-tol", type=float, default=0.03)
@@ -305,6 +307,10 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None, help="write OUT.md, OUT.png and OUT.json")
     args = ap.parse_args(argv)
+    unknown = [t for t in args.traces.split(",") if t.strip() and t.strip() != "conversation"
+               and t.strip() not in GENERATORS]
+    if unknown:
+        ap.error(f"--traces: {', '.join(unknown)}: not a trace (conversation, {', '.join(sorted(GENERATORS))})")
     if "conversation" in args.traces.split(","):      # read once here; forked workers inherit it
         _TRACES["conversation"] = check_trace(ap, args.conversation, args.limit)
     t0 = time.perf_counter()

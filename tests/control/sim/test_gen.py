@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from quillcache.control.sim.gen import GENERATORS, agent_trace, rag_trace
+from quillcache.control.sim.gen import GENERATORS, agent_trace, apps_trace, rag_trace
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS as B, parse_trace
 
 
@@ -40,3 +40,20 @@ def test_agent_turns_extend_their_session_context():
             by_prefix[full[:n]] = True
     assert extended > 0.8 * len(trace)
     assert max(t.input_length for t in trace) <= 64_000 + B
+
+
+def test_apps_templated_calls_share_their_template_and_chat_shares_one_block():
+    trace = apps_trace(2000, seed=5, templates=((12, 0.4), (5, 0.15)))
+    groups = Counter(t.hash_ids[0] for t in trace)
+    system, first, second = sorted(groups)                # ids in the order they were taken
+    assert set(groups) == {system, first, second}
+    assert abs(groups[first] / 2000 - 0.4) < 0.04 and abs(groups[second] / 2000 - 0.15) < 0.03
+    firsts = [t for t in trace if t.hash_ids[0] == first]
+    assert len({t.hash_ids[:12] for t in firsts}) == 1 and all(t.output_length < 40 for t in firsts)
+    chat = [t for t in trace if t.hash_ids[0] == system]
+    own = Counter(h for t in chat for h in t.hash_ids[1:])
+    assert max(own.values()) == 1                         # a chat prompt shares only the system block
+    assert 900 <= min(t.input_length for t in chat) and max(t.input_length for t in chat) <= 120_000
+    assert all(t.output_length >= 200 for t in chat)
+    with pytest.raises(ValueError, match="no share for chat"):
+        apps_trace(10, templates=((4, 0.6), (2, 0.4)))

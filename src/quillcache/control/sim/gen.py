@@ -9,6 +9,12 @@ result).
   starts from a shared system-and-tools prompt; every turn appends a tool result or user
   message to the session's context and produces a short output (a tool call); sessions overlap,
   turns of one session are spaced by the agent's think time.
+* ``apps_trace``: several applications behind one endpoint.  Templated calls (classification,
+  extraction: a long template shared by every call of its application, a short input of their
+  own, a few tokens out) arrive beside open chat (one shared system block, then a long prompt
+  of its own, log-normal in length, and a long answer).  The shape of Mooncake's original
+  (arXiv) trace, where two templates carry 55 % of the requests: it asks whether a router
+  keeps the templates' engines clear of the long prompts that share nothing with them.
 
 Timestamps are milliseconds at speed-up 1; ``TRACE_BLOCK_TOKENS`` tokens per hash id, the last
 (partial) block of a prompt gets an id of its own, as in Mooncake's traces.
@@ -19,7 +25,7 @@ import numpy as np
 
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["rag_trace", "agent_trace", "GENERATORS"]
+__all__ = ["rag_trace", "agent_trace", "apps_trace", "GENERATORS"]
 
 B = TRACE_BLOCK_TOKENS
 
@@ -107,4 +113,36 @@ def agent_trace(n: int, seed: int = 0, *, sessions: int = 64, system_blocks: int
             for i, r in enumerate(out)]
 
 
-GENERATORS = {"rag": rag_trace, "agent": agent_trace}
+def apps_trace(n: int, seed: int = 0, *, templates: tuple[tuple[int, float], ...] = ((12, 0.40), (5, 0.15)),
+               input_tokens: tuple[int, int] = (16, 1200), template_output: tuple[int, int] = (3, 40),
+               chat_median_tokens: float = 6900.0, chat_sigma: float = 1.0,
+               chat_tokens: tuple[int, int] = (900, 120_000), chat_output: tuple[int, int] = (200, 700),
+               rate_per_s: float = 6.7) -> list[TraceRequest]:
+    """``templates``: (template blocks, share of the requests) per templated application; the
+    rest is chat.  A templated call is its template then ``input_tokens`` of its own and
+    ``template_output`` tokens out; a chat prompt is the shared system block then a log-normal
+    length (``chat_median_tokens``, ``chat_sigma``, clipped to ``chat_tokens``) of its own.
+    Poisson arrivals at ``rate_per_s``."""
+    if sum(share for _, share in templates) >= 1.0:
+        raise ValueError(f"apps_trace: templates {templates!r} leave no share for chat")
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    system = ids.take(1)
+    kinds = [ids.take(blocks) for blocks, _ in templates]
+    shares = np.array([share for _, share in templates] + [1.0 - sum(share for _, share in templates)])
+    t = 0.0
+    out = []
+    for i in range(n):
+        t += rng.exponential(1000.0 / rate_per_s)
+        k = int(rng.choice(len(shares), p=shares))
+        if k < len(kinds):
+            req = _request(i, round(t, 3), list(kinds[k]), int(rng.integers(*input_tokens)),
+                           int(rng.integers(*template_output)), ids)
+        else:
+            own = int(np.clip(rng.lognormal(np.log(chat_median_tokens), chat_sigma), *chat_tokens)) - B
+            req = _request(i, round(t, 3), list(system), own, int(rng.integers(*chat_output)), ids)
+        out.append(req)
+    return out
+
+
+GENERATORS = {"rag": rag_trace, "agent": agent_trace, "apps": apps_trace}
