@@ -35,7 +35,8 @@ def test_a_missing_or_bad_trace_is_one_usage_error_before_any_worker_starts(tmp_
             (gateway_replay.main, ["--trace", missing], "No such file"),
             (router_predict.main, ["--trace", "conversation", "--conversation", missing, "--speedup", "2"],
              "No such file"),
-            (router_sweep.main, ["--traces", "rag,chat"], "--traces: chat: not a trace (conversation, agent, apps, rag)")]
+            (router_sweep.main, ["--traces", "rag,chat"],
+             "--traces: chat: not a trace (conversation, agent, apps, rag)")]
     for main, argv, want in runs:
         with pytest.raises(SystemExit) as exc:
             main(argv)
