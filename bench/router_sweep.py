@@ -307,11 +307,11 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None, help="write OUT.md, OUT.png and OUT.json")
     args = ap.parse_args(argv)
-    unknown = [t for t in args.traces.split(",") if t.strip() and t.strip() != "conversation"
-               and t.strip() not in GENERATORS]
+    names = [t.strip() for t in args.traces.split(",") if t.strip()]
+    unknown = [t for t in names if t != "conversation" and t not in GENERATORS]
     if unknown:
         ap.error(f"--traces: {', '.join(unknown)}: not a trace (conversation, {', '.join(sorted(GENERATORS))})")
-    if "conversation" in args.traces.split(","):      # read once here; forked workers inherit it
+    if "conversation" in names:      # read once here; forked workers inherit it
         _TRACES["conversation"] = check_trace(ap, args.conversation, args.limit)
     t0 = time.perf_counter()
     doc = run(args)

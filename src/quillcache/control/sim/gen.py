@@ -123,13 +123,14 @@ def apps_trace(n: int, seed: int = 0, *, templates: tuple[tuple[int, float], ...
     ``template_output`` tokens out; a chat prompt is the shared system block then a log-normal
     length (``chat_median_tokens``, ``chat_sigma``, clipped to ``chat_tokens``) of its own.
     Poisson arrivals at ``rate_per_s``."""
-    if sum(share for _, share in templates) >= 1.0:
+    templated = np.array([share for _, share in templates])
+    if templated.sum() >= 1.0:
         raise ValueError(f"apps_trace: templates {templates!r} leave no share for chat")
+    shares = np.append(templated, 1.0 - templated.sum())
     rng = np.random.default_rng(seed)
     ids = _Ids()
     system = ids.take(1)
     kinds = [ids.take(blocks) for blocks, _ in templates]
-    shares = np.array([share for _, share in templates] + [1.0 - sum(share for _, share in templates)])
     t = 0.0
     out = []
     for i in range(n):
