@@ -11,7 +11,10 @@ engine had prefill work running or queued): for each trace, target AND pool sett
 speed-up is found by replaying ``dynamo`` (the baseline the issue measures against) in that
 setting (steps, then bisection on log speed-up) until its measured load is within
 ``--load-tol`` of the target; every policy then replays at that speed-up and its own measured
-load is in the table.  A pool takes work off the engines, so the same load needs a higher
+load is in the table.  A trace too short or too bursty to be paced to a load (all of it
+arriving at once is one load at every speed-up) gets the closest speed-up; where that is still
+further than ``--load-miss`` from the target, the setting is reported as not reached and its
+checks are not made: they would compare the policies at another load than the one named.  A pool takes work off the engines, so the same load needs a higher
 speed-up with one than without.
 
 Engines: ``bench/router_replay.py``'s (one H200 serving Llama-3-8B each).  The engines'
@@ -115,6 +118,11 @@ def calibrate(name: str, target: float, args, start: float, pool: bool = False) 
     return min(pts, key=lambda p: abs(p[1] - target))
 
 
+def reached(target: float, measured: float, args) -> bool:
+    """Whether the calibrated load is the target's, within ``--load-miss``."""
+    return abs(measured - target) <= args.load_miss
+
+
 def _replay_tagged(task) -> tuple:
     tag, inner = task
     key, out = replay(inner)
@@ -155,9 +163,11 @@ def run(args) -> dict:
             name, target, pool = key
             kv, pool_gib = sizes(name, args)
             share = args.engines * kv / (working_set_blocks(_trace(name, args)) * BLOCK_BYTES / GiB)
+            missed = ("; NOT REACHED: no speed-up paces this trace to that load, its checks are not made"
+                      if not reached(target, measured, args) else "")
             print(f"{name} load {target} {'pool' if pool else 'no pool'}: speed-up {s:.3f} (measured "
                   f"{measured:.3f}); KV {kv:.1f} GiB/engine ({share:.2f} of the working set), pool "
-                  f"{pool_gib:.0f} GiB ({time.perf_counter() - t0:.0f} s)", flush=True)
+                  f"{pool_gib:.0f} GiB{missed} ({time.perf_counter() - t0:.0f} s)", flush=True)
         tasks = [(name, target, cal[(name, target, pool)][0], policy, pool, args)
                  for name, target, pool in settings for policy in policies]
         # quillcache with the pool at the speed-up of the no-pool setting: the same offered
@@ -175,13 +185,15 @@ def run(args) -> dict:
     for (name, target, pool, policy), out in sorted(results.items(), key=lambda kv: (
             traces.index(kv[0][0]), kv[0][1], kv[0][2], policies.index(kv[0][3]))):
         rows.append({"trace": name, "target_load": target, "speedup": cal[(name, target, pool)][0],
-                     "calibrated_load": cal[(name, target, pool)][1], "pool": pool, "policy": policy, **out})
+                     "calibrated_load": cal[(name, target, pool)][1],
+                     "load_reached": reached(target, cal[(name, target, pool)][1], args),
+                     "pool": pool, "policy": policy, **out})
     kv = {name: sizes(name, args) for name in traces}
     same_rows = [{"trace": k[0], "target_load": k[1], "speedup": cal[(k[0], k[1], False)][0], "pool": True,
                   "policy": OURS, **out} for k, out in sorted(same_traffic.items())]
     return {"rows": rows, "pool_at_no_pool_speedup": same_rows, "config": {
         "traces": traces, "loads": loads, "policies": policies, "engines": args.engines,
-        "limit": args.limit, "seed": args.seed, "cache_share": args.cache_share,
+        "limit": args.limit, "seed": args.seed, "load_miss": args.load_miss, "cache_share": args.cache_share,
         "pool_share": args.pool_share, "pool_link": args.pool_link,
         "kv_gib": {n: v[0] for n, v in kv.items()}, "pool_gib": {n: v[1] for n, v in kv.items()},
         "slo": {"ttft_ms": SloTarget().ttft_ms, "tpot_ms": SloTarget().tpot_ms}}}
@@ -193,8 +205,14 @@ def verdicts(doc: dict) -> list[str]:
     for r in doc["rows"]:
         by.setdefault((r["trace"], r["target_load"], r["pool"]), {})[r["policy"]] = r
     out = []
+    missed = {k for k, g in by.items() if not all(r.get("load_reached", True) for r in g.values())}
     for (name, load, pool), g in by.items():
         if OURS not in g:
+            continue
+        if (name, load, pool) in missed:
+            r = next(iter(g.values()))
+            out.append(f"{name} load {load} {'pool' if pool else 'no pool'}: not reached (the closest speed-up, "
+                       f"{r['speedup']:.2f}, gives a calibrated load of {r['calibrated_load']:.2f}); no checks made")
             continue
         q = g[OURS]
         peers = [g[p] for p in PEERS if p in g]
@@ -217,7 +235,7 @@ def verdicts(doc: dict) -> list[str]:
                    f"({'calibrated' + cal + '; ' if cal else ''}quillcache p50 {q['ttft_p50_ms']:.0f} / best peer {p50:.0f} ms, p99 "
                    f"{q['ttft_p99_ms']:.0f} / {p99:.0f} ms, goodput {q['goodput']:.3f} / {good:.3f})")
     for (name, load, pool), g in by.items():
-        if pool or abs(load - 0.6) > 0.05 or OURS not in g:
+        if pool or abs(load - 0.6) > 0.05 or OURS not in g or {(name, load, False), (name, load, True)} & missed:
             continue
         with_pool = by.get((name, load, True), {})
         if OURS not in with_pool:
@@ -250,7 +268,8 @@ def table(doc: dict) -> str:
              "| hit rate | pool rate | load (measured) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
-        lines.append(f"| {r['trace']} | {r['target_load']} | {r['speedup']:.2f} | {'yes' if r['pool'] else 'no'} "
+        target = r["target_load"] if r.get("load_reached", True) else f"{r['target_load']} (not reached)"
+        lines.append(f"| {r['trace']} | {target} | {r['speedup']:.2f} | {'yes' if r['pool'] else 'no'} "
                      f"| {r['policy']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['goodput']:.3f} "
                      f"| {r['hit_rate']:.3f} | {r['pool_rate']:.3f} | {r['load']:.2f} |")
     return "\n".join(lines)
@@ -271,7 +290,8 @@ def plot(doc: dict, path: str) -> None:
             ax = axes[row][col]
             for policy in c["policies"]:
                 pts = sorted((r["target_load"], r[key]) for r in doc["rows"]
-                             if r["trace"] == trace and r["pool"] == pool and r["policy"] == policy)
+                             if r["trace"] == trace and r["pool"] == pool and r["policy"] == policy
+                             and r.get("load_reached", True))
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                             linewidth=2.5 if policy == OURS else 1.2, label=policy)
@@ -279,7 +299,8 @@ def plot(doc: dict, path: str) -> None:
                 ax.set_yscale("log")
             ax.set_title(f"{trace}, {'pool' if pool else 'no pool'}: {title}", fontsize=9)
             ax.set_xlabel("load (busy share)")
-    axes[0][2].legend(fontsize=7)
+    if axes[0][2].get_legend_handles_labels()[0]:     # none where no load was reached
+        axes[0][2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -294,7 +315,11 @@ def main(argv=None) -> int:
                          f"{', '.join(sorted(GENERATORS))} (default: %(default)s)")
     ap.add_argument("--limit", type=int, default=3000, help="requests per trace")
     ap.add_argument("--loads", default="0.3,0.6,0.85")
-    ap.add_argument("--load-tol", type=float, default=0.03)
+    ap.add_argument("--load-tol", type=float, default=0.03,
+                    help="calibration stops once the probe's load is this close to the target (default: %(default)s)")
+    ap.add_argument("--load-miss", type=float, default=0.1,
+                    help="a setting whose calibrated load is further than this from its target is reported "
+                         "as not reached, without checks (default: %(default)s)")
     ap.add_argument("--probes", type=int, default=8, help="calibration replays per load at most")
     ap.add_argument("--start-speedup", type=float, default=1.0)
     ap.add_argument("--policies", default=",".join(POLICIES + (ADMIT,)),
