@@ -19,6 +19,11 @@ def test_each_pool_setting_is_calibrated_to_the_target_busy_share(tmp_path):
     for r in (without, with_pool):
         assert abs(r["load"] - 0.5) <= 0.05, r
         assert r["load_reached"]
+    # the tally counts the checks printed above it, ok and NO alike
+    lines = router_sweep.verdicts(doc)
+    made = [part.strip() for c in lines[:-1] if c.startswith("agent load 0.5 ") for part in c.split(" (")[0].split(",")]
+    assert len(made) == 6, made
+    assert lines[-1].startswith(f"quillcache holds {sum(p.endswith(' ok') for p in made)} of 6 checks")
     # the pool check is printed at the same load and at the same traffic
     same = doc["pool_at_no_pool_speedup"]
     assert [s["speedup"] for s in same] == [without["speedup"]]
