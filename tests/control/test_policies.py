@@ -2,6 +2,7 @@
 hot-prefix spreading, pool awareness, admission, identity scoping over a replay, and the
 decision's work not growing with the index."""
 import math
+from statistics import NormalDist
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from quillcache.control.indexer import DEVICE, POOL, ArtIndexer, chain_hashes
 from quillcache.control.inflight import page_wait_us
 from quillcache.control.model import TCP_BYTES_PER_S, CostModel, us_per_mib
-from quillcache.control.policies import BusyShare, TailQuantile
+from quillcache.control.policies import BusyShare, DemandShare, TailQuantile, chance
 from quillcache.control.router import Router, RouterConfig
 from quillcache.control.sim.engine import EngineConfig, H200_LLAMA3_8B
 from quillcache.control.sim.replay import build_requests, run_policy
@@ -158,8 +159,11 @@ def test_a_hot_prefix_spreads_when_the_holder_queue_exceeds_recomputing_it():
     assert m.as_dict()["w0"][0] == 16 and m.as_dict()["w1"][0] == 16
     set_load(r, "w0", 0, 0, 0)
     set_load(r, "w1", 0, 0, 0)
-    chosen = [r.route(A, hashes=h, request_tokens=64, request_id=f"q{i}").worker for i in range(6)]
-    assert set(chosen) == {"w0", "w1"}          # later requests use both holders
+    # later requests, each computing 10 blocks past the shared 16, use both holders
+    longer = chain_hashes(toks(26), BS)
+    assert longer[:16] == h
+    chosen = [r.route(A, hashes=longer, request_tokens=104, request_id=f"q{i}").worker for i in range(6)]
+    assert set(chosen) == {"w0", "w1"}
 
 
 def test_under_load_the_queue_stretch_keeps_a_request_with_its_prefix():
@@ -221,6 +225,107 @@ def test_the_router_measures_the_busy_share_each_tracked_arrival_sees():
     assert r.busy.value() == 0.75               # a probe is not an arrival (it would see 4 of 4)
     r.route(A, hashes=h, request_tokens=8, request_id="q3")
     assert r.busy.value() == 1.0 * (3 * 0.75 + 1) / 4
+
+
+def test_demand_share_counts_where_arrivals_would_go_for_their_cache():
+    d = DemandShare(window=4)
+    slots = np.array([0, 1, 2, 3])
+    excess, saved = d.excess(slots, beyond_chance=False)
+    assert excess.tolist() == [0.0] * 4 and saved.tolist() == [0.0] * 4
+    d.add(slots, np.array([5, 5, 1, 0]), block_us=10.0)     # prefers slots 0 and 1: 4 blocks past the next
+    d.add(slots, np.array([2, 2, 2, 2]), block_us=10.0)     # the same everywhere: prefers none
+    d.add(slots, np.array([0, 0, 3, 0]), block_us=10.0)     # prefers slot 2: 3 blocks past the next
+    d.add(slots, np.array([9, 0, 0, 0]), block_us=10.0)
+    # demand: slot 0 = 1/2 + 1 + 1/4, slot 1 = 1/2 + 1/4, slot 2 = 1 + 1/4, slot 3 = 1/4 (of 4)
+    excess, saved = d.excess(slots, beyond_chance=False)
+    assert excess == pytest.approx([0.75, 0.0, 0.25, 0.0])
+    assert saved == pytest.approx([(20 + 90) / 1.5, 40.0, 30.0, 0.0])   # the mean over those preferring it
+    d.add(slots, np.array([0, 0, 0, 0]), block_us=10.0)     # the first, (5, 5, 1, 0), leaves the window
+    excess, saved = d.excess(slots, beyond_chance=False)                         # slots 0 and 2: 1 + 2/4 each, of 4
+    assert excess == pytest.approx([0.5, 0.0, 0.5, 0.0]) and saved == pytest.approx([90.0, 0.0, 30.0, 0.0])
+    # over a subset of the workers, against an even spread over that subset: 1 + 2/2 and 0 + 2/2
+    assert d.excess(np.array([0, 3]), beyond_chance=False)[0] == pytest.approx([2 * 2 / 3 - 1.0, 0.0])
+    # until the window fills, the arrivals it has not seen count as preferring none
+    young = DemandShare(window=100)
+    young.add(slots, np.array([1, 0, 0, 0]), block_us=1.0)
+    assert young.excess(slots, beyond_chance=False)[0] == pytest.approx([4 * (1 + 99 / 4) / 100 - 1.0, 0.0, 0.0, 0.0])
+    for i in range(10_000):                                 # recomputed once per window: no drift
+        d.add(slots, np.array([1, 1, 1, 0]) if i % 3 else np.array([2, 0, 0, 0]), block_us=7.0)
+    want = DemandShare(window=4)
+    for i in range(9_996, 10_000):
+        want.add(slots, np.array([1, 1, 1, 0]) if i % 3 else np.array([2, 0, 0, 0]), block_us=7.0)
+    assert d.excess(slots, beyond_chance=False)[0] == pytest.approx(
+        want.excess(slots, beyond_chance=False)[0], rel=1e-12, abs=1e-12)
+    d.add(np.array([0, 70]), np.array([0, 4]), block_us=1.0)   # slots past those seen: the sums grow
+    assert d.excess(np.array([0, 70]), beyond_chance=False)[1][1] == 4.0
+    with pytest.raises(ValueError, match="DemandShare"):
+        d.add(slots, np.array([1, 2]), block_us=1.0)
+    with pytest.raises(ValueError, match="DemandShare"):
+        d.add(slots, np.array([1, 2, 3, 4]), block_us=float("nan"))
+    with pytest.raises(ValueError, match="DemandShare"):
+        DemandShare(window=0)
+
+
+def test_demand_past_chance_only_protects_a_worker():
+    """An even spread of 256 arrivals over 8 workers still leaves some above the mean: the
+    busiest shows Blom's expected maximum of 8 standard normals (1.473) times a worker's relative
+    standard deviation (sqrt(7 / 256)) on average.  That much is taken off each worker's excess."""
+    assert chance(8, 256) == pytest.approx(NormalDist().inv_cdf(7.625 / 8.25) * math.sqrt(7 / 256))
+    assert 0.23 < chance(8, 256) < 0.25 and chance(1, 256) == 0.0 and chance(2, 256) < chance(8, 256)
+    rng = np.random.default_rng(7)
+    slots = np.arange(8)
+    busiest = []
+    for _ in range(200):                    # arrivals each preferring one worker, picked at random
+        d = DemandShare(window=256)
+        for w in rng.integers(0, 8, 256):
+            dev = np.zeros(8, np.int64)
+            dev[w] = 3
+            d.add(slots, dev, block_us=1.0)
+        busiest.append(d.excess(slots, beyond_chance=False)[0].max())
+        assert d.excess(slots)[0].max() <= max(busiest[-1] - chance(8, 256), 0.0) + 1e-12
+    assert np.mean(busiest) == pytest.approx(chance(8, 256), rel=0.1)   # what chance alone shows
+    # a worker that draws twice an even share keeps all but chance's part of its excess
+    d = DemandShare(window=256)
+    for i in range(256):
+        dev = np.zeros(8, np.int64)
+        dev[0 if i % 4 == 0 else 1 + i % 7] = 3
+        d.add(slots, dev, block_us=1.0)
+    raw = d.excess(slots, beyond_chance=False)[0]
+    assert raw[0] == pytest.approx(1.0) and d.excess(slots)[0][0] == pytest.approx(1.0 - chance(8, 256))
+
+
+def test_a_long_request_keeps_off_the_worker_many_arrivals_need_for_their_prefix():
+    """256 arrivals of a hot 4-block prefix held on w0 (each placed and done before the next:
+    no queue, busy share 0, stretch 1) make w0's demand 2 x an even spread's: excess 1, and
+    each saves 4 blocks x 4 tokens x 45 us = 720 us there.  Then a 40-block request cached
+    nowhere, behind one queued request on each worker (mean prefill queue 1), 100 queued
+    tokens on w0 and 110 on w1.  No decodes, no pages known: the terms other than the queue,
+    the wait behind and the excess are the same on both.
+    Past chance (``chance(2, 256)``: 256 arrivals spread evenly over two workers show ~0.037 of
+    excess on the busier) w0's excess is 1 - 0.037.
+    w0: 45 x (100 + 160) + 7,200 x 1 + min(7,200, 720) x 1 x (1 - 0.037); w1: 45 x (110 + 160)
+    + 7,200 x 1.  w1 scores ~243 us less: without the excess, w0 would by 450 (its shorter queue)."""
+    hot = chain_hashes(toks(4), BS)
+    r = router("quillcache", workers=("w0", "w1"))
+    r.indexer.add_blocks("w0", A, hot, DEVICE)
+    for i in range(256):
+        d = r.route(A, hashes=hot, request_tokens=16, request_id=f"h{i}")
+        assert d.worker == "w0"
+        r.first_token(f"h{i}")
+        r.free(f"h{i}")
+    assert r.busy.value() == 0.0
+    set_load(r, "w0", 100, 1, 1)
+    set_load(r, "w1", 110, 1, 1)
+    long = chain_hashes(toks(40, salt=9), BS)
+    d = r.route(A, hashes=long, request_tokens=160, track=False)
+    assert d.worker == "w1"
+    assert d.logits["w0"] - d.logits["w1"] == pytest.approx(720 * (1 - chance(2, 256)) - 450)
+    assert d.predicted_ttft_us == pytest.approx(45 * 270)
+    # the hot prefix's own arrivals still go to w0: each adds only its last block there
+    assert r.route(A, hashes=hot, request_tokens=16, track=False).worker == "w0"
+    # a probe is not an arrival: the demand is as it was
+    before = r.route(A, hashes=long, request_tokens=160, track=False).logits
+    assert r.route(A, hashes=long, request_tokens=160, track=False).logits == before
 
 
 def test_admission_refuses_what_is_predicted_to_miss_k_times_the_slo():

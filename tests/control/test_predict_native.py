@@ -1,7 +1,7 @@
 """The quillcache predictor's native arithmetic (``_native/predict.pyx``) gives the same bits as
 its numpy form, the one it replaced, on random candidate sets: pools on and off, the engines'
 pages known or not, no decodes anywhere, one worker, ties for the deepest prefix, int and float
-cost models; and bad shapes are refused before anything is computed."""
+cost models, the demand excess on and off; and bad shapes are refused before anything is computed."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -12,7 +12,7 @@ from quillcache.control.policies import Candidates, _block_us, predict_ttft
 
 
 def numpy_form(c: Candidates, cost: CostModel, *, block_bytes, batch_tokens, pool_us_per_mb, device_share,
-               pool_share, stretch=1.0):
+               pool_share, stretch=1.0, excess=None, saved=None):
     """``predict_ttft`` as it was written in numpy (the oracle)."""
     per_token = cost.prefill_us_per_token
     bs = c.block_size
@@ -42,6 +42,8 @@ def numpy_form(c: Candidates, cost: CostModel, *, block_bytes, batch_tokens, poo
     imposed = busy * (decodes / total) if total else np.zeros(len(own))
     behind = float(c.prefill_requests.mean()) * stretch if len(own) else 0.0
     imposed = imposed + (busy + stall) * behind
+    if excess is not None:
+        imposed = imposed + np.minimum(busy + stall, saved) * (behind * excess)
     need = -(-c.n_tokens // bs) - c.device
     if c.free_pages is not None:
         need = np.maximum(need - c.free_pages, 0)
@@ -89,6 +91,9 @@ def cases(draw):
               pool_us_per_mb=draw(st.sampled_from([0, 38, 222, 10_000])),
               device_share=draw(st.floats(0, 1)), pool_share=draw(st.floats(0, 1)),
               stretch=draw(st.sampled_from([1.0, 1.25, 8.0]) | st.floats(1, 64)))
+    if draw(st.booleans()):
+        kw["excess"] = np.array(draw(st.lists(st.just(0.0) | st.floats(0, 8), min_size=k, max_size=k)))
+        kw["saved"] = np.array(draw(st.lists(st.just(0.0) | st.floats(0, 2e6), min_size=k, max_size=k)))
     return c, draw(st.sampled_from(COSTS)), kw
 
 
@@ -129,3 +134,8 @@ def test_arrays_of_different_lengths_are_refused():
         predict(a, a, a, a, a, a, a, np.zeros(2), None, *args)
     with pytest.raises(ValueError, match="page arrays"):
         predict(a, a, a, a, a, a, a, None, b, *args)
+    f3, f2 = np.zeros(3), np.zeros(2)
+    with pytest.raises(ValueError, match="go together"):
+        predict(a, a, a, a, a, a, a, None, None, *args, 1.0, f3, None)
+    with pytest.raises(ValueError, match="3 workers"):
+        predict(a, a, a, a, a, a, a, None, None, *args, 1.0, f3, f2)

@@ -22,19 +22,27 @@ def predict(const int64_t[:] device, const int64_t[:] host, const int64_t[:] dis
             const double[:] memory_wait, const int64_t[:] free_pages, int64_t n_tokens, int64_t block_size,
             int64_t limit, int64_t n_blocks, bint use_pool, double per_token, double decode_us_per_token,
             double running_penalty_us, double batch_tokens, double host_us, double disk_us, double pool_us,
-            double refill, double device_share, double stretch=1.0):
+            double refill, double device_share, double stretch=1.0, const double[:] excess=None,
+            const double[:] saved=None):
     """(score, ttft, pool, wait): the ``Prediction`` fields, per worker.  ``memory_wait`` and
     ``free_pages`` may be None (the router does not know the engines' pages).  ``limit``: the
     blocks a request may reuse (it computes at least one token); ``n_blocks``: its blocks,
     rounded up; ``refill``: what finding an evicted block again costs, us; ``stretch``: how much
-    longer a queue lasts per microsecond added to it (``BusyShare.stretch``)."""
+    longer a queue lasts per microsecond added to it (``BusyShare.stretch``); ``excess`` and
+    ``saved`` (both or neither): per worker, the arrivals that queue there past an even spread
+    for their cache, against the mean, and what each saves there over its next-best worker, us
+    (``DemandShare.excess``)."""
     cdef Py_ssize_t k = device.shape[0], i, h = 0
     if (host.shape[0] != k or disk.shape[0] != k or pool_in.shape[0] != k or prefill_tokens.shape[0] != k
             or prefill_requests.shape[0] != k or requests.shape[0] != k):
         raise ValueError(f"predict: the arrays do not all have {k} workers")
-    cdef bint waits = memory_wait is not None, pages = free_pages is not None
+    cdef bint waits = memory_wait is not None, pages = free_pages is not None, weighed = excess is not None
     if (waits and memory_wait.shape[0] != k) or (pages and free_pages.shape[0] != k):
         raise ValueError(f"predict: page arrays do not have {k} workers")
+    if weighed != (saved is not None):
+        raise ValueError("predict: excess and saved go together")
+    if weighed and (excess.shape[0] != k or saved.shape[0] != k):
+        raise ValueError(f"predict: excess or saved does not have {k} workers")
     score_a = np.empty(k)
     ttft_a = np.empty(k)
     wait_a = np.empty(k)
@@ -42,7 +50,7 @@ def predict(const int64_t[:] device, const int64_t[:] host, const int64_t[:] dis
     cdef double[::1] score = score_a, ttft = ttft_a, wait = wait_a
     cdef int64_t[::1] pool = pool_a
     cdef int64_t local, reuse, own, work, need, strand, d
-    cdef double decodes, per_iter, room, load, busy, stall, imposed, total = 0.0, behind = 0.0, q
+    cdef double decodes, per_iter, room, load, busy, stall, imposed, cut, total = 0.0, behind = 0.0, q
     # The cluster's running decodes, the mean prefill queue and the worker holding the deepest
     # device prefix: what every worker's terms below are weighed against.
     for i in range(k):
@@ -95,6 +103,14 @@ def predict(const int64_t[:] device, const int64_t[:] host, const int64_t[:] dis
         # is each microsecond it waits for KV pages past the compute queue: the engine admits in
         # order, so those behind it wait too while its compute idles.
         imposed = imposed + (busy + stall) * behind
+        # A worker holding the prefix many arrivals share has more of them queue behind it than
+        # the mean: those past an even spread come for their cache, and each waits behind this
+        # one or goes elsewhere and recomputes what it saves here, whichever is less.
+        if weighed:
+            cut = busy + stall
+            if cut > saved[i]:
+                cut = saved[i]
+            imposed = imposed + cut * (behind * excess[i])
         # What it evicts: each page it takes (its blocks not on that device) beyond the pages
         # free there pushes one cached block out, which later requests would have found there at
         # the rate blocks are found on the device (``device_share``) and now load from the pool

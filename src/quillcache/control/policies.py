@@ -22,7 +22,10 @@ in microseconds, from the ``CostModel`` and measured link rates (``RouterConfig`
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Optional
 
 import numpy as np
@@ -32,7 +35,7 @@ from quillcache.control.model import CostModel
 
 __all__ = ["Candidates", "Prediction", "SGLANG_BALANCE_ABS", "SGLANG_BALANCE_REL", "SGLANG_CACHE_THRESHOLD",
            "LLMD_QUEUE_WEIGHT", "LLMD_PREFIX_WEIGHT", "sglang_scores", "llmd_scores", "mooncake_scores",
-           "predict_ttft", "goodput_placement", "TailQuantile", "BusyShare"]
+           "predict_ttft", "goodput_placement", "TailQuantile", "BusyShare", "DemandShare", "chance"]
 
 # SGLang model gateway, cache_aware defaults (sgl-router ``CacheAwareConfig``)
 SGLANG_BALANCE_ABS = 64           # requests
@@ -218,6 +221,114 @@ class BusyShare:
         return 1.0 / (1.0 - min(self.value(), cap))
 
 
+_NO_SLOTS = np.zeros(0, np.intp)
+
+
+@functools.lru_cache(maxsize=64)
+def chance(k: int, window: int) -> float:
+    """The excess over an even share that the busiest of ``k`` workers shows, on average, when
+    ``window`` arrivals each pick one of them at random: the expected largest of ``k`` standard
+    normals (Blom's approximation, ``Phi^-1((k - 0.375) / (k + 0.25))``) times a worker's
+    relative standard deviation, ``sqrt((k - 1) / window)``.  0 for one worker."""
+    if k <= 1 or window < 1:
+        return 0.0
+    return NormalDist().inv_cdf((k - 0.375) / (k + 0.25)) * math.sqrt((k - 1) / window)
+
+
+class DemandShare:
+    """Where the router's last ``window`` tracked arrivals would go for their cache, per
+    load-table slot, and what each would save there: who will queue behind a request's work
+    on each worker, and what they would lose by going elsewhere instead.
+
+    An arrival that finds a deeper device prefix on some candidates than on the others prefers
+    those (its one arrival split evenly among them), and saves there the blocks it holds past
+    its next-best candidate, which it would recompute elsewhere.  One that finds as much
+    everywhere prefers none: the router spreads it, so it counts ``1 / k`` to each of the
+    ``k`` candidates.  The count is of what arrivals would choose for their cache, not of
+    where the router sent them, which would feed its own placements back into itself.
+
+    Bounded: a ``window``-long ring of each arrival's preferred slots; the per-slot sums are
+    recomputed from the ring once per window, so they do not drift.  O(preferred) per arrival."""
+
+    __slots__ = ("_ring", "_n", "_pref", "_saved", "_even")
+
+    def __init__(self, window: int = 256) -> None:
+        if window < 1:
+            raise ValueError(f"DemandShare window={window!r}: need window >= 1")
+        self._ring: list = [None] * window          # (preferred slots, us saved there) per arrival
+        self._n = 0
+        self._pref = np.zeros(8)                    # per slot: the arrivals preferring it (split)
+        self._saved = np.zeros(8)                   # ... times what each saves there, us
+        self._even = 0                              # arrivals preferring none, in the window
+
+    def add(self, slots: np.ndarray, device: np.ndarray, block_us: float) -> None:
+        """One arrival: the candidates' load-table ``slots`` (distinct), the blocks of its
+        prefix each holds on the device, and what recomputing one block costs, us."""
+        if len(slots) != len(device):
+            raise ValueError(f"DemandShare.add: {len(slots)} slots, {len(device)} device depths")
+        if not block_us >= 0.0:
+            raise ValueError(f"DemandShare.add: block_us {block_us!r}")
+        j = self._n % len(self._ring)
+        old = self._ring[j]
+        if old is not None:
+            if len(old[0]):
+                self._pref[old[0]] -= 1.0 / len(old[0])
+                self._saved[old[0]] -= old[1] / len(old[0])
+            else:
+                self._even -= 1
+        entry = (_NO_SLOTS, 0.0)
+        if len(device) and device.max() > device.min():
+            top = device == device.max()
+            entry = (np.asarray(slots, np.intp)[top], float(device.max() - device[~top].max()) * block_us)
+        best, saved = entry
+        if len(best):
+            end = int(best.max()) + 1
+            if end > len(self._pref):
+                size = max(2 * len(self._pref), end)
+                self._pref = np.concatenate([self._pref, np.zeros(size - len(self._pref))])
+                self._saved = np.concatenate([self._saved, np.zeros(size - len(self._saved))])
+            self._pref[best] += 1.0 / len(best)
+            self._saved[best] += saved / len(best)
+        else:
+            self._even += 1
+        self._ring[j] = entry
+        self._n += 1
+        if self._n % len(self._ring) == 0:
+            self._pref[:] = 0.0
+            self._saved[:] = 0.0
+            for b, v in self._ring:
+                if len(b):
+                    self._pref[b] += 1.0 / len(b)
+                    self._saved[b] += v / len(b)
+
+    def excess(self, slots: np.ndarray, beyond_chance: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Per candidate: the arrivals that would come there past an even spread over
+        ``slots``, against the mean (0 where no more than even), and what each of those saves
+        there on average, us.  The part of the window not yet filled counts as arrivals
+        preferring none: until the window has seen its arrivals, an even spread, not the first
+        few, says who comes where.  All 0 before any arrival.
+
+        With ``beyond_chance``, only what lies past chance counts: ``window`` arrivals spread
+        evenly over ``k`` workers still put more on some than on others (a worker's count is
+        binomial, its standard deviation ``sqrt((k - 1) / window)`` of the mean), and the
+        busiest of the ``k`` shows ``chance(k, window)`` of excess on average.  That much is
+        taken off every worker's, so arrivals that merely happened to fall unevenly protect no
+        one."""
+        k = len(slots)
+        pref, saved = np.zeros(k), np.zeros(k)
+        inside = slots < len(self._pref)
+        pref[inside] = self._pref[slots[inside]]
+        saved[inside] = self._saved[slots[inside]]
+        even = self._even + max(0, len(self._ring) - self._n)
+        demand = pref + (even / k if k else 0.0)
+        total = float(demand.sum())
+        if total <= 0.0:
+            return np.zeros(k), np.zeros(k)
+        noise = chance(k, len(self._ring)) if beyond_chance else 0.0
+        return (np.maximum(0.0, demand * (k / total) - 1.0 - noise),
+                np.divide(saved, pref, out=np.zeros(k), where=pref > 0.0))
+
+
 def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
                       tail: Optional[TailQuantile] = None) -> Prediction:
     """Where a request goes that is predicted to miss its SLO on every worker.
@@ -263,7 +374,8 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
 
 def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_tokens: int,
                  pool_us_per_mb: float, device_share: float = 0.0, pool_share: float = 0.0,
-                 stretch: float = 1.0) -> Prediction:
+                 stretch: float = 1.0, excess: Optional[np.ndarray] = None,
+                 saved: Optional[np.ndarray] = None) -> Prediction:
     """The ``quillcache`` policy: per worker, in microseconds,
 
     * the prefill work admitted there and not yet done (the queue it waits behind) plus its
@@ -282,6 +394,10 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
       (``BusyShare.stretch``, 1 / (1 - rho): at utilisation rho each microsecond added to a
       queue keeps it busy 1 / (1 - rho) microseconds longer, and the work arriving meanwhile
       waits it too);
+    * the wait it adds for those past an even spread who come to that worker for their cache
+      (``excess`` and ``saved``, from ``DemandShare.excess``: a worker holding a prefix many
+      arrivals share has more of them behind what is sent there): each waits behind it or
+      recomputes what it saves there elsewhere, whichever is less, times as many of them;
     * what its pages evict there: its blocks not on that device, less the pages free there
       (``Candidates.free_pages``, where the router knows the engines' KV pages), times the share
       of routed blocks found on the device (``device_share``, the router's measurement), times
@@ -318,5 +434,6 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
         max((c.n_tokens - 1) // bs, 0),            # the engine computes at least one token
         -(-c.n_tokens // bs), use_pool, per_token, cost.decode_us_per_token, cost.running_decode_penalty_us,
         float(batch_tokens), _block_us(cost.cpu_dram_us_per_mb, block_bytes),
-        _block_us(cost.local_ssd_us_per_mb, block_bytes), pool_us, refill, device_share, stretch)
+        _block_us(cost.local_ssd_us_per_mb, block_bytes), pool_us, refill, device_share, stretch,
+        None if excess is None else _typed(excess, np.float64), None if saved is None else _typed(saved, np.float64))
     return Prediction(score, ttft, pool, wait)

@@ -46,7 +46,8 @@ from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
 from quillcache.control.inflight import InFlightBlocks, PagePlan, page_plan
 from quillcache.control.model import H200_LLAMA3_8B, TCP_BYTES_PER_S, CostModel, us_per_mib
 from quillcache.control.policies import (
-    BusyShare, Candidates, TailQuantile, goodput_placement, llmd_scores, mooncake_scores, predict_ttft, sglang_scores,
+    BusyShare, Candidates, DemandShare, TailQuantile, goodput_placement, llmd_scores, mooncake_scores, predict_ttft,
+    sglang_scores,
 )
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sketch import CountMinSketch
@@ -280,6 +281,8 @@ class Router:
         self.ttft_tail = TailQuantile(0.99, LATENCY_WINDOW)
         # the engines' busy share as the decisions see it (the predictor's queue stretch)
         self.busy = BusyShare(BUSY_WINDOW)
+        # where the tracked arrivals would go for their cache (who queues behind what is sent where)
+        self.demand = DemandShare(BUSY_WINDOW)
         self._histogram = None
         for w in workers:
             self.add_worker(w)
@@ -417,6 +420,8 @@ class Router:
                 if ahead is not None:
                     dev, host, disk, pool = extend_device(ahead, dev, host, disk, pool)
             lt = self._table.rows[self._slots]
+            if track and policy == "quillcache":
+                self.demand.add(self._slots, dev, float(cfg.block_size * cfg.cost.prefill_us_per_token))
             if track:       # what this arrival sees, before it is placed (a probe changes nothing)
                 self.busy.add(int(np.count_nonzero(self._table.rows[:, _PREFILL_REQUESTS] > 0)), len(self._loads))
             offered = pool                       # what credited_blocks counts (before the plan caps it)
@@ -445,7 +450,8 @@ class Router:
                 pred = predict_ttft(cand, cfg.cost, block_bytes=self._block_bytes,
                                     batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
                                     device_share=self.stats.device_share, pool_share=self.stats.pool_share,
-                                    stretch=self.busy.stretch(len(self._loads)))
+                                    stretch=self.busy.stretch(len(self._loads)),
+                                    **dict(zip(("excess", "saved"), self.demand.excess(self._slots))))
                 if cfg.goodput_placement:
                     pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=self.ttft_tail)
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
