@@ -798,3 +798,23 @@ def test_a_wait_for_kv_pages_counts_for_the_requests_behind_it_like_compute():
     d = r.route(A, hashes=chain_hashes(toks(24), BS), request_tokens=96, track=False)
     assert d.worker == "w1" and d.predicted_ttft_us == pytest.approx(22320)
     assert d.logits == pytest.approx({"w0": 46720, "w1": 33120})
+
+
+def test_the_native_demand_excess_gives_the_numpy_forms_bits():
+    """``DemandShare.excess`` runs natively; ``excess_numpy`` is the form it replaced.  Over
+    random windows, candidate subsets (some past every slot seen), both chance settings and an
+    empty window, the two give the same bits."""
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        k_all = int(rng.integers(1, 70))
+        d = DemandShare(window=int(rng.integers(1, 300)))
+        slots_all = np.arange(k_all)
+        for _ in range(int(rng.integers(0, 400))):
+            dev = rng.integers(0, 4, k_all) * rng.integers(0, 2, k_all)
+            d.add(slots_all, dev, block_us=float(rng.choice([0.0, 7.0, 23_040.0])))
+        cand = rng.choice(k_all + 5, size=int(rng.integers(0, k_all + 1)), replace=False).astype(np.intp)
+        for beyond in (True, False):
+            got, want = d.excess(cand, beyond), d.excess_numpy(cand, beyond)
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype == np.float64 and g.shape == w.shape
+                assert g.tobytes() == w.tobytes(), (trial, beyond, g, w)

@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from quillcache._native.predict import predict as _native_predict
+from quillcache._native.predict import demand_excess as _native_excess, predict as _native_predict
 from quillcache.control.model import CostModel
 
 __all__ = ["Candidates", "Prediction", "SGLANG_BALANCE_ABS", "SGLANG_BALANCE_REL", "SGLANG_CACHE_THRESHOLD",
@@ -314,6 +314,13 @@ class DemandShare:
         busiest of the ``k`` shows ``chance(k, window)`` of excess on average.  That much is
         taken off every worker's, so arrivals that merely happened to fall unevenly protect no
         one."""
+        even = self._even + max(0, len(self._ring) - self._n)
+        noise = chance(len(slots), len(self._ring)) if beyond_chance else 0.0
+        # natively (``_native/predict.pyx``): the same operations as excess_numpy, one call
+        return _native_excess(self._pref, self._saved, _typed(slots, np.int64), float(even), noise)
+
+    def excess_numpy(self, slots: np.ndarray, beyond_chance: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """``excess`` in numpy, the form the native one replaced (kept as its oracle in the tests)."""
         k = len(slots)
         pref, saved = np.zeros(k), np.zeros(k)
         inside = slots < len(self._pref)
