@@ -800,8 +800,25 @@ def test_a_wait_for_kv_pages_counts_for_the_requests_behind_it_like_compute():
     assert d.logits == pytest.approx({"w0": 46720, "w1": 33120})
 
 
+def numpy_excess(d: DemandShare, slots: np.ndarray, beyond_chance: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``DemandShare.excess`` as it was written in numpy (the oracle of the native form)."""
+    k = len(slots)
+    pref, saved = np.zeros(k), np.zeros(k)
+    inside = slots < len(d._pref)
+    pref[inside] = d._pref[slots[inside]]
+    saved[inside] = d._saved[slots[inside]]
+    even = d._even + max(0, len(d._ring) - d._n)
+    demand = pref + (even / k if k else 0.0)
+    total = float(demand.sum())
+    if total <= 0.0:
+        return np.zeros(k), np.zeros(k)
+    noise = chance(k, len(d._ring)) if beyond_chance else 0.0
+    return (np.maximum(0.0, demand * (k / total) - 1.0 - noise),
+            np.divide(saved, pref, out=np.zeros(k), where=pref > 0.0))
+
+
 def test_the_native_demand_excess_gives_the_numpy_forms_bits():
-    """``DemandShare.excess`` runs natively; ``excess_numpy`` is the form it replaced.  Over
+    """``DemandShare.excess`` runs natively; ``numpy_excess`` is the form it replaced.  Over
     random windows, candidate subsets (some past every slot seen), both chance settings and an
     empty window, the two give the same bits."""
     rng = np.random.default_rng(11)
@@ -814,7 +831,7 @@ def test_the_native_demand_excess_gives_the_numpy_forms_bits():
             d.add(slots_all, dev, block_us=float(rng.choice([0.0, 7.0, 23_040.0])))
         cand = rng.choice(k_all + 5, size=int(rng.integers(0, k_all + 1)), replace=False).astype(np.intp)
         for beyond in (True, False):
-            got, want = d.excess(cand, beyond), d.excess_numpy(cand, beyond)
+            got, want = d.excess(cand, beyond), numpy_excess(d, cand, beyond)
             for g, w in zip(got, want):
                 assert g.dtype == w.dtype == np.float64 and g.shape == w.shape
                 assert g.tobytes() == w.tobytes(), (trial, beyond, g, w)

@@ -277,9 +277,10 @@ class DemandShare:
             else:
                 self._even -= 1
         entry = (_NO_SLOTS, 0.0)
-        if len(device) and device.max() > device.min():
-            top = device == device.max()
-            entry = (np.asarray(slots, np.intp)[top], float(device.max() - device[~top].max()) * block_us)
+        deepest = device.max() if len(device) else 0
+        if len(device) and deepest > device.min():
+            top = device == deepest
+            entry = (np.asarray(slots, np.intp)[top], float(deepest - device[~top].max()) * block_us)
         best, saved = entry
         if len(best):
             end = int(best.max()) + 1
@@ -316,24 +317,8 @@ class DemandShare:
         one."""
         even = self._even + max(0, len(self._ring) - self._n)
         noise = chance(len(slots), len(self._ring)) if beyond_chance else 0.0
-        # natively (``_native/predict.pyx``): the same operations as excess_numpy, one call
+        # natively (``_native/predict.pyx``): the numpy form it replaced is the tests' oracle
         return _native_excess(self._pref, self._saved, _typed(slots, np.int64), float(even), noise)
-
-    def excess_numpy(self, slots: np.ndarray, beyond_chance: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """``excess`` in numpy, the form the native one replaced (kept as its oracle in the tests)."""
-        k = len(slots)
-        pref, saved = np.zeros(k), np.zeros(k)
-        inside = slots < len(self._pref)
-        pref[inside] = self._pref[slots[inside]]
-        saved[inside] = self._saved[slots[inside]]
-        even = self._even + max(0, len(self._ring) - self._n)
-        demand = pref + (even / k if k else 0.0)
-        total = float(demand.sum())
-        if total <= 0.0:
-            return np.zeros(k), np.zeros(k)
-        noise = chance(k, len(self._ring)) if beyond_chance else 0.0
-        return (np.maximum(0.0, demand * (k / total) - 1.0 - noise),
-                np.divide(saved, pref, out=np.zeros(k), where=pref > 0.0))
 
 
 def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
