@@ -119,6 +119,11 @@ def calibrate(name: str, target: float, args, start: float, pool: bool = False) 
     return min(pts, key=lambda p: abs(p[1] - target))
 
 
+def trace_names(spec: str) -> list[str]:
+    """``--traces``: the names, comma-separated, blanks dropped."""
+    return [t.strip() for t in spec.split(",") if t.strip()]
+
+
 def reached(target: float, measured: float, args) -> bool:
     """Whether the calibrated load is the target's, within ``--load-miss``."""
     return abs(measured - target) <= args.load_miss
@@ -152,7 +157,7 @@ def _map(mp, fn, tasks):
 
 
 def run(args) -> dict:
-    traces = [t.strip() for t in args.traces.split(",") if t.strip()]
+    traces = trace_names(args.traces)
     loads = [float(x) for x in args.loads.split(",")]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     settings = [(name, target, pool) for name in traces for target in loads for pool in (False, True)]
@@ -338,7 +343,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None, help="write OUT.md, OUT.png and OUT.json")
     args = ap.parse_args(argv)
-    names = [t.strip() for t in args.traces.split(",") if t.strip()]
+    names = trace_names(args.traces)
     unknown = [t for t in names if t != "conversation" and t not in GENERATORS]
     if unknown:
         ap.error(f"--traces: {', '.join(unknown)}: not a trace (conversation, {', '.join(sorted(GENERATORS))})")
