@@ -141,3 +141,29 @@ def test_before_route_sees_every_arrival_and_changes_nothing():
     probed = run_policy(reqs, "quillcache", 3, small_config(), before_route=probe)
     assert seen == [r.trace.index for r in reqs]
     assert probed.ttft_ms == plain.ttft_ms and probed.hit_tokens == plain.hit_tokens
+
+
+def _steady(n: int, every_ms: int, output: int) -> list:
+    """``n`` prompts of 2,048 tokens sharing nothing, one every ``every_ms``."""
+    return build_requests(parse_trace(
+        json.dumps({"timestamp": i * every_ms, "input_length": 2048, "output_length": output,
+                    "hash_ids": [4 * i + j for j in range(4)]}) for i in range(n)), speedup=1.0)
+
+
+def test_load_is_the_busy_share_while_the_trace_offers_work_not_while_the_engines_drain():
+    cfg = small_config()
+    alone = run_policy(_steady(1, 0, 2), "round_robin", 1, cfg).prefill_busy_us[0]   # one prompt's prefill
+    # One arrival per two prefills' time on one engine: half loaded, whatever follows the last.
+    half = run_policy(_steady(40, 2 * alone // 1000, 2), "round_robin", 1, cfg)
+    assert abs(half.summary(800, 80)["load"] - 0.5) <= 0.05
+    # Twice what two engines can take, with long outputs: past the last arrival the engines
+    # drain their queues, then only decode.  Over the whole replay that reads as a moderate
+    # load; while the trace offered work the engines never had their prefill queues empty.
+    roomy = EngineConfig(block_size=BS, capacity_blocks=2048, max_num_seqs=256, max_batched_tokens=4096)
+    over = run_policy(_steady(80, alone // 1000 // 4, 3000), "round_robin", 2, roomy)
+    assert over.makespan_us > 3 * over.window_us
+    assert over.summary(800, 80)["load"] >= 0.97
+    assert sum(over.prefill_busy_us) / (2 * over.makespan_us) < 0.6
+    # every arrival at once: no window, so over the whole replay as before
+    burst = run_policy(_steady(8, 0, 2), "round_robin", 2, cfg)
+    assert burst.window_us == 0 and burst.summary(800, 80)["load"] > 0.5

@@ -341,6 +341,15 @@ class SimEngine:
         self._plan_start = now_us
         return self._plan
 
+    def prefill_busy_at(self, now_us: int) -> int:
+        """``prefill_busy_us`` as of ``now_us``: with the part of the iteration in flight that
+        has run by then, where it has prefill work running or waiting (as ``finish_step`` will
+        count it)."""
+        plan = self._plan
+        if plan is None or not (plan.prefill_tokens or self._waiting):
+            return self.prefill_busy_us
+        return self.prefill_busy_us + min(max(now_us - self._plan_start, 0), plan.duration_us)
+
     def finish_step(self) -> StepResult:
         plan = self._plan
         if plan is None:

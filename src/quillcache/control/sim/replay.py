@@ -95,6 +95,8 @@ class PolicyResult:
     pool_tokens: int = 0
     transfer_tokens: int = 0
     makespan_us: int = 0
+    window_us: int = 0                # first arrival to last: while the trace offers work
+    window_prefill_busy_us: int = 0   # the engines' prefill-busy time in that window, summed
     busy_us: list[int] = field(default_factory=list)
     prefill_busy_us: list[int] = field(default_factory=list)
     decision_us: list[float] = field(default_factory=list)
@@ -104,11 +106,18 @@ class PolicyResult:
         good = sum(1 for a, b in zip(self.ttft_ms, self.tpot_ms, strict=False)
                    if a <= ttft_slo_ms and b <= tpot_slo_ms)
         offered = n + self.admission_refused
-        span = len(self.busy_us) * self.makespan_us
         # Load: the share of time an engine had prefill work running or queued, i.e. the
         # chance that an arriving request waits behind another's prefill (decode-only
-        # iterations take a new request at once).
-        util = sum(self.prefill_busy_us) / span if span else 0.0
+        # iterations take a new request at once), while the trace offers work: from its
+        # first arrival to its last.  Past the last arrival the engines only drain, and how
+        # long that takes says nothing of the load (over the whole makespan an overload of
+        # 2 x reads as ~0.8).  A trace whose arrivals all coincide has no such window: then
+        # over the makespan.
+        if self.window_us > 0:
+            util = self.window_prefill_busy_us / (len(self.busy_us) * self.window_us)
+        else:
+            span = len(self.busy_us) * self.makespan_us
+            util = sum(self.prefill_busy_us) / span if span else 0.0
         return {
             "requests": n,
             "ttft_p50_ms": percentile(self.ttft_ms, 50),
@@ -213,6 +222,9 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
             next_arrival = key + 1
             r = requests[key]
             rid = f"r{r.trace.index}"
+            if next_arrival == len(requests):
+                result.window_us = now - arrivals[0]
+                result.window_prefill_busy_us = sum(s.prefill_busy_at(now) for s in sims)
             if before_route is not None:
                 before_route(router, sims, r, now)
             d = router.route(r.scope, hashes=r.router_hashes, request_tokens=r.trace.input_length,
