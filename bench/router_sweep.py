@@ -7,7 +7,9 @@ the JSON they come from.
         --limit 3000 --loads 0.3,0.6,0.85 --out docs/router_sweep
 
 Load is set by the speed-up and measured as the engines' busy share (the share of time an
-engine had prefill work running or queued): for each trace, target AND pool setting, the
+engine had prefill work running or queued) while the trace offers work, from its first arrival
+to its last (``PolicyResult.summary``; over the whole replay, drain included, an overload of 2 x
+reads as ~0.8, so no target would tell 1.1 x from 2 x): for each trace, target AND pool setting, the
 speed-up is found by replaying ``dynamo`` (the baseline the issue measures against) in that
 setting (steps, then bisection on log speed-up) until its measured load is within
 ``--load-tol`` of the target; every policy then replays at that speed-up and its own measured
