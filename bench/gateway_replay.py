@@ -195,6 +195,18 @@ class Run:
             return
         out[i] = ("ok", sent, first, last, n, dec)
 
+    async def window_busy(self, session, t0: float) -> int:
+        """The engines' prefill-busy time (modelled us) from the first arrival to the last: read
+        from each engine when the last request is due (both start at ``t0``: the engines idle
+        before it)."""
+        last = t0 + self.requests[-1].arrival_us / 1e6 * self.args.time_scale
+        await asyncio.sleep(max(0.0, last - time.monotonic()))
+        total = 0
+        for url in self.engine_urls:
+            async with session.get(url + "/sim/stats") as r:
+                total += int((await r.json())["prefill_busy_now_us"])
+        return total
+
     async def replay(self) -> dict:
         a = self.args
         conn = aiohttp.TCPConnector(limit=0)
@@ -202,8 +214,10 @@ class Run:
             base = await self.start(s)
             out: list = [None] * len(self.requests)
             t0 = time.monotonic() + 0.2
+            window = asyncio.create_task(self.window_busy(s, t0))
             await asyncio.gather(*(self.one(s, base, i, t0, out) for i in range(len(self.requests))))
             span_s = time.monotonic() - t0
+            window_busy_us = await window
             stats = []
             for url in self.engine_urls:
                 async with s.get(url + "/sim/stats") as r:
@@ -234,9 +248,12 @@ class Run:
         res.makespan_us = int(span_s * 1e6 / scale)
         res.busy_us = [st["busy_us"] for st in stats]
         res.prefill_busy_us = [st["prefill_busy_us"] for st in stats]
+        # the load while the trace arrives, as on the virtual clock (PolicyResult.summary)
+        res.window_us = self.requests[-1].arrival_us - self.requests[0].arrival_us
+        res.window_prefill_busy_us = window_busy_us
         slo = SloTarget()
         summary = res.summary(slo.ttft_ms, slo.tpot_ms)
-        summary.update(errors=len(errors), error_samples=errors[:3], wall_s=span_s,
+        summary.update(errors=len(errors), error_samples=errors[:3], wall_s=span_s, window_s=res.window_us / 1e6,
                        credited_hit_rate=decision_hits / prompt_blocks if prompt_blocks else 0.0,
                        engine_late_ms=sum(st.get("late_us", 0) for st in stats) / 1e3,
                        engine_late_max_ms=max((st.get("late_max_us", 0) for st in stats), default=0) / 1e3,

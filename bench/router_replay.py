@@ -77,11 +77,14 @@ def check_trace(ap: argparse.ArgumentParser, path: str, limit: int = 0) -> list:
     """Read the trace once here: a missing file or a bad line is one usage error naming the
     file and line, not a traceback from a worker process."""
     try:
-        return load_trace(path, limit)
+        trace = load_trace(path, limit)
     except OSError as exc:
         ap.error(f"trace {path}: {exc.strerror or exc}")
     except TraceError as exc:
         ap.error(f"trace {exc}")
+    if not trace:
+        ap.error(f"trace {path}: no requests")
+    return trace
 
 
 _WORK: dict = {}

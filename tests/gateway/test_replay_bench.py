@@ -3,6 +3,8 @@ real gateway process in front of real simulated engines, two policies, two tenan
 import json
 
 from bench import gateway_replay
+from quillcache.control.sim.replay import build_requests
+from quillcache.control.sim.trace import parse_trace
 from tests._support.sim import synthetic_trace
 
 
@@ -16,12 +18,18 @@ def test_gateway_replay_prints_the_table_with_every_request_answered(tmp_path, c
                                 "--tenants", "2", "--policies", "round_robin,quillcache", "--kv-gib", "3",
                                 "--time-scale", "0.02", "--limit", "0", "--json-out", str(out)]) == 0
     doc = json.loads(out.read_text())
+    reqs = build_requests(parse_trace(path.read_text().splitlines()), 240)
     for name in ("round_robin", "quillcache"):
         row = doc["policies"][name]
         assert row["requests"] == 12 and row["errors"] == 0
         assert row["ttft_p50_ms"] > 0 and 0 <= row["goodput"] <= 1
         assert row["cross_identity_served_blocks"] == 0       # the engines key their caches by tenant
         assert row["cross_identity_credited_blocks"] == 0     # quillcache and round robin credit none
+        # the load is the engines' prefill-busy share from the first arrival to the last, read from
+        # the engines when the last request is due, as on the virtual clock (here a window of
+        # 60 ms of wall time, which a loaded machine may pass before the engines see a request)
+        assert row["window_s"] == (reqs[-1].arrival_us - reqs[0].arrival_us) / 1e6 > 0
+        assert 0 <= row["load"] <= 1
     assert doc["config"]["through"] == "quillcache-gateway"
     printed = capsys.readouterr().out
     assert "p50/rr" in printed and "round_robin" in printed and "client errors 0" in printed

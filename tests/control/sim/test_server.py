@@ -285,3 +285,26 @@ def test_the_engine_clock_does_not_drift_with_the_loop_s_own_work():
     assert runner.steps >= steps
     assert wall < busy + steps * hog_s / 2, (wall, busy)  # drifting, it would be >= busy + 0.36 s
     assert runner.late_us > 0 and runner.slipped_us == 0
+
+
+def test_stats_count_the_prefill_in_flight_for_the_load_while_a_trace_arrives():
+    """``prefill_busy_now_us``: the prefill-busy time with the iteration in flight counted up to
+    now (what bench/gateway_replay.py reads when the last request is due); ``prefill_busy_us``
+    counts an iteration when it ends."""
+    # one 800 ms prefill iteration (40 tokens at 20 ms), in real time
+    with SimEngine(block_size=4, capacity_blocks=256, max_num_seqs=4, max_batched_tokens=256,
+                   prefill_us_per_token=20_000, time_scale=1.0, events=False) as eng:
+        done = []
+        t = threading.Thread(target=lambda: done.append(
+            eng.post("/v1/completions", {"prompt": "abcd " * 8, "max_tokens": 2})))
+        t.start()
+        deadline = time.monotonic() + WAIT_S
+        st = eng.stats()
+        while time.monotonic() < deadline and not (st["running"] and st["prefill_busy_now_us"] >= 100_000):
+            time.sleep(0.02)
+            st = eng.stats()
+        assert st["prefill_busy_us"] == 0 < st["prefill_busy_now_us"] <= 800_000
+        t.join(WAIT_S)
+        assert done
+        st = eng.stats()
+        assert st["prefill_busy_now_us"] == st["prefill_busy_us"] >= 800_000

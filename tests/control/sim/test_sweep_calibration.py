@@ -61,11 +61,15 @@ def test_a_missing_or_bad_trace_is_one_usage_error_before_any_worker_starts(tmp_
     bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
                    '{"timestamp": 1, "input_length": 600, "output_length": 5, "hash_ids": [1]}\n')
     missing = str(tmp_path / "nowhere.jsonl")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
     runs = [(router_sweep.main, ["--conversation", missing, "--traces", "conversation"], "No such file"),
             (router_sweep.main, ["--conversation", str(bad), "--traces", "conversation"],
              f"{bad}:2: 1 hash_ids for input_length 600"),
             (router_replay.main, ["--trace", str(bad)], f"{bad}:2:"),
             (gateway_replay.main, ["--trace", missing], "No such file"),
+            (gateway_replay.main, ["--trace", str(empty)], f"{empty}: no requests"),
+            (router_sweep.main, ["--conversation", str(empty), "--traces", "conversation"], "no requests"),
             (router_predict.main, ["--trace", "conversation", "--conversation", missing, "--speedup", "2"],
              "No such file"),
             (router_sweep.main, ["--traces", "rag,chat"],

@@ -260,6 +260,7 @@ class _Api:
             "hit_tokens": e.hit_tokens_total, "pool_tokens": e.pool_tokens_total,
             "remote_tokens": e.remote_tokens_total, "aborted": e.aborted,
             "busy_us": e.busy_us, "prefill_busy_us": e.prefill_busy_us, "now_us": self.runner.now_us(),
+            "prefill_busy_now_us": e.prefill_busy_at(self.runner.now_us()),
             "cross_identity_hits": e.cross_identity_hits, "late_us": self.runner.late_us,
             "late_max_us": self.runner.late_max_us, "slipped_us": self.runner.slipped_us,
         })
