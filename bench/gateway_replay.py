@@ -201,11 +201,15 @@ class Run:
         before it)."""
         last = t0 + self.requests[-1].arrival_us / 1e6 * self.args.time_scale
         await asyncio.sleep(max(0.0, last - time.monotonic()))
-        total = 0
+        return sum(int(st["prefill_busy_now_us"]) for st in await self.engine_stats(session))
+
+    async def engine_stats(self, session) -> list[dict]:
+        """Each engine's ``/sim/stats``, in the order of ``engine_urls``."""
+        stats = []
         for url in self.engine_urls:
             async with session.get(url + "/sim/stats") as r:
-                total += int((await r.json())["prefill_busy_now_us"])
-        return total
+                stats.append(await r.json())
+        return stats
 
     async def replay(self) -> dict:
         a = self.args
@@ -218,10 +222,7 @@ class Run:
             await asyncio.gather(*(self.one(s, base, i, t0, out) for i in range(len(self.requests))))
             span_s = time.monotonic() - t0
             window_busy_us = await window
-            stats = []
-            for url in self.engine_urls:
-                async with s.get(url + "/sim/stats") as r:
-                    stats.append(await r.json())
+            stats = await self.engine_stats(s)
             async with s.get(f"http://127.0.0.1:{self.admin_port}/metrics") as r:      # the operator's
                 metrics = await r.text()
         scale = a.time_scale

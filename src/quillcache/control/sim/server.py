@@ -252,6 +252,7 @@ class _Api:
 
     async def stats(self, request: web.Request) -> web.Response:
         e = self.runner.engine
+        now = self.runner.now_us()        # one instant for both clock fields
         return web.json_response({
             "model": self.cfg.model, "block_size": e.config.block_size,
             "capacity_blocks": e.config.capacity_blocks, "used_blocks": e.used_blocks,
@@ -259,8 +260,8 @@ class _Api:
             "steps": self.runner.steps, "prompt_tokens": e.prompt_tokens_total,
             "hit_tokens": e.hit_tokens_total, "pool_tokens": e.pool_tokens_total,
             "remote_tokens": e.remote_tokens_total, "aborted": e.aborted,
-            "busy_us": e.busy_us, "prefill_busy_us": e.prefill_busy_us, "now_us": self.runner.now_us(),
-            "prefill_busy_now_us": e.prefill_busy_at(self.runner.now_us()),
+            "busy_us": e.busy_us, "prefill_busy_us": e.prefill_busy_us, "now_us": now,
+            "prefill_busy_now_us": e.prefill_busy_at(now),
             "cross_identity_hits": e.cross_identity_hits, "late_us": self.runner.late_us,
             "late_max_us": self.runner.late_max_us, "slipped_us": self.runner.slipped_us,
         })
