@@ -83,3 +83,55 @@ def test_a_missing_or_bad_trace_is_one_usage_error_before_any_worker_starts(tmp_
     # the default trace is the one beside the checkout, wherever the checkout is
     assert router_replay.DEFAULT_TRACE.endswith("/shared/data/traces/mooncake_conversation_trace.jsonl")
     assert router_sweep.DEFAULT_TRACE == router_replay.DEFAULT_TRACE
+
+
+def test_jitter_replays_each_setting_at_multiples_of_its_speed_up_and_counts_each_check(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert router_sweep.main(["--traces", "agent", "--limit", "300", "--loads", "0.5", "--policies",
+                              "dynamo,quillcache,quillcache+admission", "--jobs", "1", "--jitter", "1.1,0.9",
+                              "--out", str(out)]) == 0
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert doc["config"]["jitter"] == [0.9, 1.1]
+    cal = {(r["pool"], r["policy"]): r["speedup"] for r in doc["rows"]}
+    jit = doc["jitter_rows"]
+    # every policy but the admission variant, at each multiple, with and without the pool
+    assert sorted((r["factor"], r["pool"], r["policy"]) for r in jit) == sorted(
+        (f, pool, p) for f in (0.9, 1.1) for pool in (False, True) for p in ("dynamo", "quillcache"))
+    for r in jit:
+        assert r["speedup"] == pytest.approx(cal[(r["pool"], r["policy"])] * r["factor"])
+    # a faster replay of the same trace is a higher load
+    by = {(r["factor"], r["pool"], r["policy"]): r for r in jit}
+    assert by[(0.9, False, "dynamo")]["load"] < by[(1.1, False, "dynamo")]["load"]
+    lines = router_sweep.jitter_verdicts(doc)
+    assert lines[0].startswith("agent load 0.5 no pool, speed-up x 0.9, 1, 1.1: p50<=1.05xbest ")
+    assert lines[-1].startswith("across the jittered speed-ups quillcache holds ")
+    assert lines[-1].endswith(" of 18 checks")
+    assert lines[-1] in capsys.readouterr().out
+    assert lines[-1] in (tmp_path / "sweep.md").read_text()
+
+
+def test_jitter_verdicts_count_where_a_check_holds_and_where_it_does_not():
+    def row(policy, p50, factor=None, load_reached=True):
+        r = {"trace": "t", "target_load": 0.85, "pool": False, "policy": policy, "ttft_p50_ms": p50,
+             "ttft_p99_ms": 1000.0, "goodput": 0.8 if policy == "quillcache" else 0.5, "load_reached": load_reached}
+        return r if factor is None else {**r, "factor": factor}
+    doc = {"rows": [row("quillcache", 100.0), row("prefix", 100.0), row("dynamo", 300.0)],
+           "jitter_rows": [row("quillcache", 120.0, 0.97), row("prefix", 100.0, 0.97), row("dynamo", 300.0, 0.97),
+                           row("quillcache", 90.0, 1.03), row("prefix", 100.0, 1.03), row("dynamo", 300.0, 1.03)],
+           "config": {"jitter": [0.97, 1.03]}}
+    assert router_sweep.jitter_verdicts(doc) == [
+        "t load 0.85 no pool, speed-up x 0.97, 1, 1.03: p50<=1.05xbest 2/3, goodput>=best-0.01 3/3, "
+        "p99<=1.2xbest 3/3, goodput>=1.3xdynamo 3/3",
+        "across the jittered speed-ups quillcache holds 11 of 12 checks"]
+    # a setting no speed-up reached says so here too; without --jitter there is nothing to say
+    doc["rows"] = [{**r, "load_reached": False} for r in doc["rows"]]
+    assert "NOT REACHED" in router_sweep.jitter_verdicts(doc)[0]
+    assert router_sweep.jitter_verdicts({**doc, "jitter_rows": []}) == []
+
+
+@pytest.mark.parametrize("jitter", ["1.0", "0.9,1", "-0.5", "abc", "0.9,,x", "12"])
+def test_a_bad_jitter_is_a_usage_error(jitter, capsys):
+    with pytest.raises(SystemExit) as exc:
+        router_sweep.main(["--traces", "agent", "--limit", "50", "--jitter", jitter])
+    assert exc.value.code == 2
+    assert "--jitter" in capsys.readouterr().err
