@@ -425,6 +425,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="tenant assignment")
     ap.add_argument("--kv-gib", type=float, default=router_replay.H200_KV_GIB, help="KV cache per engine")
     ap.add_argument("--limit", type=int, default=160, help="replay only the first N requests (0: all)")
+    router_replay.add_trace_block_arg(ap)
     ap.add_argument("--time-scale", type=float, default=1.0,
                     help="wall seconds per modelled second (< 1: faster than the modelled GPU)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -436,7 +437,7 @@ def main(argv=None) -> int:
     if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or not args.time_scale > 0 \
             or args.repeats < 1:
         ap.error("--engines, --tenants and --repeats must be >= 1, --speedup and --time-scale > 0")
-    trace = router_replay.check_trace(ap, args.trace, args.limit)
+    trace = router_replay.check_trace(ap, args.trace, args.limit, args.trace_block_tokens)
     t0 = time.perf_counter()
     doc = run(args, trace)
     print(router_replay.table(doc))

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from router_replay import DEFAULT_TRACE, check_trace, engine_config, pool_blocks
+from router_replay import DEFAULT_TRACE, add_trace_block_arg, check_trace, engine_config, pool_blocks
 from router_sweep import sizes
 
 from quillcache.control.sim.engine import SimRequest
@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default="agent", help="conversation, rag or agent")
     ap.add_argument("--conversation", default=DEFAULT_TRACE)
+    add_trace_block_arg(ap)
     ap.add_argument("--load", type=float, default=None,
                     help="take the speed-up docs/router_sweep.json calibrated for this load")
     ap.add_argument("--speedup", type=float, default=None)
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         if not match:
             ap.error(f"docs/router_sweep.json has no {args.trace} row at load {args.load}")
         speedup = match[0]
-    trace = (check_trace(ap, args.conversation, args.limit) if args.trace == "conversation"
+    trace = (check_trace(ap, args.conversation, args.limit, args.trace_block_tokens) if args.trace == "conversation"
              else GENERATORS[args.trace](args.limit, seed=args.seed))
     kv_gib, pool_gib = sizes(args.trace, args, trace)
     cfg = engine_config(kv_gib, args.pool_link)

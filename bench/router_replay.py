@@ -35,7 +35,8 @@ from quillcache.control.model import HOST_TO_HBM_BYTES_PER_S, TCP_BYTES_PER_S, S
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sim.engine import H200_LLAMA3_8B, KV_BYTES_PER_TOKEN_LLAMA3_8B, EngineConfig, cost_with
 from quillcache.control.sim.replay import build_requests, run_policy
-from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, TraceError, assign_tenants, load_trace
+from quillcache.control.sim.trace import (MAX_TRACE_TOKENS, TRACE_BLOCK_TOKENS, TraceError, assign_tenants,
+                                         load_trace)
 
 GiB = 1 << 30
 H200_KV_GIB = 100        # 141 GB HBM x 0.9 utilisation - 16 GB of weights - activations
@@ -73,15 +74,25 @@ DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "t
                     / "mooncake_conversation_trace.jsonl")
 
 
-def check_trace(ap: argparse.ArgumentParser, path: str, limit: int = 0) -> list:
+def add_trace_block_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--trace-block-tokens", type=int, default=TRACE_BLOCK_TOKENS, metavar="N",
+                    help="tokens per hash id in the trace (default: %(default)s, Mooncake's); a trace cut in "
+                         f"blocks of another size is re-cut into {TRACE_BLOCK_TOKENS}-token blocks")
+
+
+def check_trace(ap: argparse.ArgumentParser, path: str, limit: int = 0,
+                block_tokens: int = TRACE_BLOCK_TOKENS) -> list:
     """Read the trace once here: a missing file or a bad line is one usage error naming the
     file and line, not a traceback from a worker process."""
+    if not 1 <= block_tokens <= MAX_TRACE_TOKENS:
+        ap.error(f"--trace-block-tokens {block_tokens}: from 1 to {MAX_TRACE_TOKENS}")
     try:
-        trace = load_trace(path, limit)
+        trace = load_trace(path, limit, block_tokens)
     except OSError as exc:
         ap.error(f"trace {path}: {exc.strerror or exc}")
     except TraceError as exc:
-        ap.error(f"trace {exc}")
+        hint = f": pass --trace-block-tokens {exc.fits[0]}" if exc.fits else ""
+        ap.error(f"trace {exc}{hint}")
     if not trace:
         ap.error(f"trace {path}: no requests")
     return trace
@@ -202,6 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="tenant assignment and router tie-breaks")
     ap.add_argument("--kv-gib", type=float, default=H200_KV_GIB, help="KV cache per engine")
     ap.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
+    add_trace_block_arg(ap)
     ap.add_argument("--jobs", type=int, default=2, help="policies replayed in parallel processes")
     ap.add_argument("--pool", type=float, default=0.0, metavar="GIB", help="a shared pool of GIB GiB (0: none)")
     ap.add_argument("--pool-link", choices=sorted(POOL_LINKS), default="host",
@@ -213,7 +225,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or args.pool < 0:
         ap.error("--engines and --tenants must be >= 1, --speedup > 0 and --pool >= 0")
-    trace = check_trace(ap, args.trace, args.limit)
+    trace = check_trace(ap, args.trace, args.limit, args.trace_block_tokens)
     t0 = time.perf_counter()
     doc = run(args, trace)
     print(table(doc))

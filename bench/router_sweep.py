@@ -45,8 +45,8 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from router_replay import (BLOCK_BYTES, DEFAULT_TRACE, GiB, H200_KV_GIB, check_trace, engine_config, pool_blocks,
-                           working_set_blocks)
+from router_replay import (BLOCK_BYTES, DEFAULT_TRACE, GiB, H200_KV_GIB, add_trace_block_arg, check_trace,
+                           engine_config, pool_blocks, working_set_blocks)
 
 from quillcache.control.model import SloTarget
 from quillcache.control.sim.gen import GENERATORS
@@ -66,7 +66,7 @@ _REQS: dict = {}
 def _trace(name: str, args) -> list:
     if name not in _TRACES:
         if name == "conversation":
-            _TRACES[name] = load_trace(args.conversation, args.limit)
+            _TRACES[name] = load_trace(args.conversation, args.limit, args.trace_block_tokens)
         else:
             _TRACES[name] = GENERATORS[name](args.limit, seed=args.seed)
     return _TRACES[name]
@@ -390,6 +390,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--conversation", default=DEFAULT_TRACE,
                     help="a Mooncake-format trace replayed as the 'conversation' trace (default: %(default)s)")
+    add_trace_block_arg(ap)
     ap.add_argument("--traces", default="conversation,rag,agent",
                     help="comma-separated: conversation (--conversation) and the generated "
                          f"{', '.join(sorted(GENERATORS))} (default: %(default)s)")
@@ -427,7 +428,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--traces: {', '.join(unknown)}: not a trace (conversation, {', '.join(sorted(GENERATORS))})")
     if "conversation" in names:      # read once here; forked workers inherit it
-        _TRACES["conversation"] = check_trace(ap, args.conversation, args.limit)
+        _TRACES["conversation"] = check_trace(ap, args.conversation, args.limit, args.trace_block_tokens)
     t0 = time.perf_counter()
     doc = run(args)
     text = table(doc)

@@ -167,3 +167,68 @@ def test_load_is_the_busy_share_while_the_trace_offers_work_not_while_the_engine
     # every arrival at once: no window, so over the whole replay as before
     burst = run_policy(_steady(8, 0, 2), "round_robin", 2, cfg)
     assert burst.window_us == 0 and burst.summary(800, 80)["load"] > 0.5
+
+
+def _cut(lines: list[str], size: int) -> list[str]:
+    """The same trace cut in blocks of ``size`` tokens, in a new id space: each piece named by
+    its position and the 512-token ids that cover the tokens up to its end (a prefix-chained
+    name, as a generator's rolling hash gives)."""
+    names: dict = {}
+    out = []
+    for line in lines:
+        r = json.loads(line)
+        n, ids = r["input_length"], r["hash_ids"]
+        pieces = [(i, tuple(ids[:(min((i + 1) * size, n) - 1) // BS + 1])) for i in range(-(-n // size))]
+        r["hash_ids"] = [names.setdefault(p, 5 * len(names) + 11) for p in pieces]
+        out.append(json.dumps(r))
+    return out
+
+
+@pytest.mark.parametrize("size", [16, 64, 100, 1024])
+def test_a_trace_in_other_block_sizes_is_recut_to_the_same_shared_prefixes(size):
+    lines = synthetic_trace(conversations=6, turns=3)
+    cut = _cut(lines, size)
+    with pytest.raises(TraceError, match="blocks of 512 tokens") as exc:
+        parse_trace(cut)
+    assert exc.value.fits == (() if size == 100 else (size,))
+    base, recut = parse_trace(lines), parse_trace(cut, block_tokens=size)
+    src = [json.loads(x)["hash_ids"] for x in cut]
+
+    def covering(i: int, j: int) -> list:        # request i's source ids up to its block j's end
+        return src[i][:-(-min((j + 1) * BS, recut[i].input_length) // size)]
+
+    for i, a in enumerate(recut):
+        assert len(a.hash_ids) == len(base[i].hash_ids) and a.input_length == base[i].input_length
+        for j, b in enumerate(recut):
+            for k in range(min(len(a.hash_ids), len(b.hash_ids))):
+                # a 512-token block is shared exactly when every source block up to its end is
+                assert (a.hash_ids[:k + 1] == b.hash_ids[:k + 1]) == all(
+                    covering(i, m) == covering(j, m) for m in range(k + 1))
+            if size in (16, 64):    # sizes that divide 512: the full blocks shared as at 512
+                full = min(a.input_length, b.input_length) // BS
+                assert (a.hash_ids[:full] == b.hash_ids[:full]) == (base[i].hash_ids[:full] == base[j].hash_ids[:full])
+    with pytest.raises(ValueError, match="block_tokens"):
+        parse_trace(cut, block_tokens=0)
+
+
+def test_the_bench_replays_a_trace_cut_in_64_token_blocks_as_its_512_token_original(tmp_path, capsys):
+    lines = synthetic_trace()
+    orig, cut = tmp_path / "t512.jsonl", tmp_path / "t64.jsonl"
+    orig.write_text("\n".join(lines) + "\n")
+    cut.write_text("\n".join(_cut(lines, 64)) + "\n")
+    common = ["--engines", "2", "--speedup", "4", "--policies", "prefix,quillcache", "--kv-gib", "0.5", "--jobs", "1"]
+    with pytest.raises(SystemExit):
+        router_replay.main(["--trace", str(cut)] + common)
+    err = capsys.readouterr().err
+    assert "t64.jsonl:1" in err and "pass --trace-block-tokens 64" in err
+    docs = []
+    for path, extra in ((orig, []), (cut, ["--trace-block-tokens", "64"])):
+        out = tmp_path / (path.stem + ".json")
+        assert router_replay.main(["--trace", str(path), "--json-out", str(out)] + common + extra) == 0
+        docs.append(json.loads(out.read_text())["policies"])
+    for policy in ("prefix", "quillcache"):
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "hit_rate", "goodput"):
+            assert docs[0][policy][key] == docs[1][policy][key], (policy, key)
+    with pytest.raises(SystemExit):
+        router_replay.main(["--trace", str(orig), "--trace-block-tokens", "0"] + common)
+    assert "--trace-block-tokens 0" in capsys.readouterr().err

@@ -3,6 +3,11 @@
 A trace is JSON lines ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
 "hash_ids": [block ids]}``: each id names the content of one ``TRACE_BLOCK_TOKENS``-token
 block, and equal ids are equal content (a shared prefix).
+
+A trace cut in blocks of another size (a generator's ``block_size``) is read with its size
+(``block_tokens``) and re-cut into ``TRACE_BLOCK_TOKENS``-token blocks: each new block is
+named by the block before it and the ids of the blocks it overlaps, so two requests share a
+new block exactly when they share every block of theirs up to its end.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 __all__ = ["TraceRequest", "TraceError", "load_trace", "parse_trace", "assign_tenants",
-           "conversation_keys", "TRACE_BLOCK_TOKENS", "HUB_CHILDREN", "MAX_TRACE_LINE"]
+           "conversation_keys", "TRACE_BLOCK_TOKENS", "HUB_CHILDREN", "MAX_TRACE_LINE", "fitting_block_sizes"]
 
 TRACE_BLOCK_TOKENS = 512        # tokens per hash_id in Mooncake traces
 MAX_TRACE_LINE = 1 << 22        # bytes per JSON line
@@ -23,7 +28,12 @@ HUB_CHILDREN = 8
 
 
 class TraceError(ValueError):
-    """A trace line that is not a valid Mooncake record (the message names the line)."""
+    """A trace line that is not a valid Mooncake record (the message names the line).
+    ``fits``: where its hash_ids are too many or too few, the block sizes they would fit."""
+
+    def __init__(self, message: str, fits: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.fits = tuple(fits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +53,39 @@ def _field_int(rec: dict, name: str, where: str, lo: int, hi: int) -> int:
     return value
 
 
-def parse_trace(lines: Iterable[str], name: str = "trace", limit: int = 0) -> list[TraceRequest]:
+def fitting_block_sizes(n_tokens: int, n_ids: int) -> list[int]:
+    """The power-of-two block sizes (16 to 4,096 tokens) that cut ``n_tokens`` into ``n_ids``
+    blocks: what a record's block size could be, for an error that says so."""
+    return [b for b in (1 << k for k in range(4, 13)) if -(-n_tokens // b) == n_ids]
+
+
+class _Recut:
+    """Re-cuts hash ids of ``src``-token blocks into ``TRACE_BLOCK_TOKENS``-token blocks, with
+    the ids it hands out interned across the trace (one entry per distinct new block)."""
+
+    def __init__(self, src: int) -> None:
+        self.src = src
+        self.ids: dict[tuple, int] = {}
+
+    def __call__(self, ids: list[int], n_tokens: int) -> tuple[int, ...]:
+        out: list[int] = []
+        prev = -1
+        for j in range(-(-n_tokens // TRACE_BLOCK_TOKENS)):
+            lo = j * TRACE_BLOCK_TOKENS // self.src
+            hi = (min((j + 1) * TRACE_BLOCK_TOKENS, n_tokens) - 1) // self.src
+            prev = self.ids.setdefault((prev, *ids[lo:hi + 1]), len(self.ids))
+            out.append(prev)
+        return tuple(out)
+
+
+def parse_trace(lines: Iterable[str], name: str = "trace", limit: int = 0,
+                block_tokens: int = TRACE_BLOCK_TOKENS) -> list[TraceRequest]:
+    """The trace's records, checked line by line.  ``block_tokens``: the tokens per hash id in
+    this trace; ids of another size than ``TRACE_BLOCK_TOKENS`` are re-cut (module docstring)."""
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) \
+            or not 1 <= block_tokens <= MAX_TRACE_TOKENS:
+        raise ValueError(f"block_tokens {block_tokens!r}: an integer in 1..{MAX_TRACE_TOKENS}")
+    recut = _Recut(block_tokens) if block_tokens != TRACE_BLOCK_TOKENS else None
     out: list[TraceRequest] = []
     for lineno, line in enumerate(lines, 1):
         if limit and len(out) >= limit:
@@ -68,20 +110,24 @@ def parse_trace(lines: Iterable[str], name: str = "trace", limit: int = 0) -> li
         if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool)
                                                 and h >= 0 for h in ids):
             raise TraceError(f"{where}: hash_ids must be a list of integers >= 0")
-        expect = -(-n_in // TRACE_BLOCK_TOKENS)
+        expect = -(-n_in // block_tokens)
         if len(ids) != expect:
+            fits = fitting_block_sizes(n_in, len(ids))
             raise TraceError(f"{where}: {len(ids)} hash_ids for input_length {n_in} "
-                             f"(expected {expect} blocks of {TRACE_BLOCK_TOKENS} tokens)")
+                             f"(expected {expect} blocks of {block_tokens} tokens"
+                             + (f"; blocks of {' or '.join(map(str, fits))} tokens fit" if fits else "") + ")",
+                             fits)
         if out and ts < out[-1].timestamp_ms:
             raise TraceError(f"{where}: timestamp {ts} goes back in time (previous "
                              f"{out[-1].timestamp_ms})")
-        out.append(TraceRequest(len(out), float(ts), n_in, n_out, tuple(ids)))
+        out.append(TraceRequest(len(out), float(ts), n_in, n_out,
+                                tuple(ids) if recut is None else recut(ids, n_in)))
     return out
 
 
-def load_trace(path: str, limit: int = 0) -> list[TraceRequest]:
+def load_trace(path: str, limit: int = 0, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[TraceRequest]:
     with open(path, encoding="utf-8") as f:
-        return parse_trace(f, name=path, limit=limit)
+        return parse_trace(f, name=path, limit=limit, block_tokens=block_tokens)
 
 
 def conversation_keys(requests: Sequence[TraceRequest]) -> list[tuple[int, ...]]:
