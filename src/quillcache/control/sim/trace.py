@@ -102,6 +102,9 @@ def parse_trace(lines: Iterable[str], name: str = "trace", limit: int = 0,
         if not isinstance(rec, dict):
             raise TraceError(f"{where}: a record must be a JSON object")
         ts = rec.get("timestamp")
+        if ts is None and "delay" in rec:
+            raise TraceError(f"{where}: no timestamp: a row timed by its delay after the turn before (a "
+                             f"session's) is not replayed; the replay sends at absolute times, so give it one")
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
             raise TraceError(f"{where}: timestamp {ts!r}: must be a number of ms >= 0")
         n_in = _field_int(rec, "input_length", where, 1, MAX_TRACE_TOKENS)
