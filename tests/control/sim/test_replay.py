@@ -28,6 +28,7 @@ def test_trace_lines_are_validated_with_the_line_named():
         ('{"timestamp": -1, "input_length": 6, "output_length": 5, "hash_ids": [1]}', "timestamp"),
         ('{"timestamp": 0, "input_length": 6, "output_length": 0, "hash_ids": [1]}', "output_length"),
         ('{"timestamp": 0, "input_length": 6, "output_length": 5, "hash_ids": ["a"]}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": 6, "output_length": 5, "hash_ids": [18446744073709551616]}', r"2\*\*64"),
         ('{"session_id": "s", "delay": 5, "input_length": 6, "output_length": 5, "hash_ids": [1]}', "absolute"),
         ("[1, 2]", "object"),
         ("{nope", "not JSON"),

@@ -111,8 +111,8 @@ def parse_trace(lines: Iterable[str], name: str = "trace", limit: int = 0,
         n_out = _field_int(rec, "output_length", where, 1, MAX_TRACE_TOKENS)
         ids = rec.get("hash_ids")
         if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool)
-                                                and h >= 0 for h in ids):
-            raise TraceError(f"{where}: hash_ids must be a list of integers >= 0")
+                                                and 0 <= h < 1 << 64 for h in ids):
+            raise TraceError(f"{where}: hash_ids must be a list of integers in 0..2**64-1")
         expect = -(-n_in // block_tokens)
         if len(ids) != expect:
             fits = fitting_block_sizes(n_in, len(ids))
