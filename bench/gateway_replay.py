@@ -383,6 +383,7 @@ def run(args, trace: list) -> dict:
     doc = {"policies": results, "runs": runs,
             "config": {"trace": args.trace, "engines": args.engines, "speedup": args.speedup,
                        "tenants": args.tenants, "seed": args.seed, "kv_gib": args.kv_gib, "limit": args.limit,
+                       "trace_block_tokens": args.trace_block_tokens,
                        "time_scale": args.time_scale, "through": "quillcache-gateway",
                        "slo": {"ttft_ms": SloTarget().ttft_ms, "tpot_ms": SloTarget().tpot_ms},
                        "cost_model": {"prefill_us_per_token": H200_LLAMA3_8B.prefill_us_per_token,

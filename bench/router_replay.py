@@ -139,8 +139,8 @@ def run(args, trace: list) -> dict:
     return {"policies": {p: results[p] for p in policies},
             "config": {"trace": args.trace, "engines": args.engines, "speedup": args.speedup,
                        "tenants": args.tenants, "seed": args.seed, "kv_gib": args.kv_gib,
-                       "limit": args.limit, "slo": {"ttft_ms": SloTarget().ttft_ms,
-                                                    "tpot_ms": SloTarget().tpot_ms},
+                       "limit": args.limit, "trace_block_tokens": args.trace_block_tokens,
+                       "slo": {"ttft_ms": SloTarget().ttft_ms, "tpot_ms": SloTarget().tpot_ms},
                        "cost_model": {"prefill_us_per_token": H200_LLAMA3_8B.prefill_us_per_token,
                                       "decode_us_per_token": H200_LLAMA3_8B.decode_us_per_token,
                                       "running_decode_penalty_us":

@@ -219,7 +219,7 @@ def run(args) -> dict:
     return {"rows": rows, "pool_at_no_pool_speedup": same_rows, "jitter_rows": jitter_rows, "config": {
         "traces": traces, "loads": loads, "policies": policies, "engines": args.engines, "jitter": args.jitter,
         "limit": args.limit, "seed": args.seed, "load_miss": args.load_miss, "cache_share": args.cache_share,
-        "pool_share": args.pool_share, "pool_link": args.pool_link,
+        "pool_share": args.pool_share, "pool_link": args.pool_link, "trace_block_tokens": args.trace_block_tokens,
         "kv_gib": {n: v[0] for n, v in kv.items()}, "pool_gib": {n: v[1] for n, v in kv.items()},
         "slo": {"ttft_ms": SloTarget().ttft_ms, "tpot_ms": SloTarget().tpot_ms}}}
 
