@@ -23,6 +23,8 @@ def small_config():
 def test_trace_lines_are_validated_with_the_line_named():
     good = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'
     assert parse_trace([good])[0].hash_ids == (1, 2)
+    aliased = parse_trace(['{"timestamp": 0, "input_tokens": 600, "output_tokens": 5, "hash_ids": [1, 2]}'])[0]
+    assert (aliased.input_length, aliased.output_length) == (600, 5)
     bad = [
         ('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1]}', "expected 2"),
         ('{"timestamp": -1, "input_length": 6, "output_length": 5, "hash_ids": [1]}', "timestamp"),
@@ -30,6 +32,7 @@ def test_trace_lines_are_validated_with_the_line_named():
         ('{"timestamp": 0, "input_length": 6, "output_length": 5, "hash_ids": ["a"]}', "hash_ids"),
         ('{"timestamp": 0, "input_length": 6, "output_length": 5, "hash_ids": [18446744073709551616]}', r"2\*\*64"),
         ('{"session_id": "s", "delay": 5, "input_length": 6, "output_length": 5, "hash_ids": [1]}', "absolute"),
+        ('{"timestamp": 0, "input_length": 6, "input_tokens": 7, "output_length": 5, "hash_ids": [1]}', "disagree"),
         ("[1, 2]", "object"),
         ("{nope", "not JSON"),
     ]

@@ -1,8 +1,9 @@
 """Mooncake-format traces: loading with clear errors, and the seeded tenant assignment.
 
 A trace is JSON lines ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
-"hash_ids": [block ids]}``: each id names the content of one ``TRACE_BLOCK_TOKENS``-token
-block, and equal ids are equal content (a shared prefix).
+"hash_ids": [block ids]}`` (``input_tokens`` and ``output_tokens`` are read as the lengths too):
+each id names the content of one ``TRACE_BLOCK_TOKENS``-token block, and equal ids are equal
+content (a shared prefix).
 
 A trace cut in blocks of another size (a generator's ``block_size``) is read with its size
 (``block_tokens``) and re-cut into ``TRACE_BLOCK_TOKENS``-token blocks: each new block is
@@ -46,8 +47,17 @@ class TraceRequest:
     tenant: str = "t0"
 
 
+# Other names some producers write for the same fields (Dynamo's trace tools read them too).
+_ALIASES = {"input_length": "input_tokens", "output_length": "output_tokens"}
+
+
 def _field_int(rec: dict, name: str, where: str, lo: int, hi: int) -> int:
     value = rec.get(name)
+    alias = _ALIASES.get(name)
+    if alias is not None and alias in rec:
+        if name in rec and rec[alias] != value:
+            raise TraceError(f"{where}: {name} {value!r} and {alias} {rec[alias]!r} disagree")
+        value = rec[alias]
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise TraceError(f"{where}: {name} {value!r}: must be an integer in {lo}..{hi}")
     return value
