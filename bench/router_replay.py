@@ -35,8 +35,7 @@ from quillcache.control.model import HOST_TO_HBM_BYTES_PER_S, TCP_BYTES_PER_S, S
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sim.engine import H200_LLAMA3_8B, KV_BYTES_PER_TOKEN_LLAMA3_8B, EngineConfig, cost_with
 from quillcache.control.sim.replay import build_requests, run_policy
-from quillcache.control.sim.trace import (MAX_TRACE_TOKENS, TRACE_BLOCK_TOKENS, TraceError, assign_tenants,
-                                         load_trace)
+from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, TraceError, assign_tenants, load_trace
 
 GiB = 1 << 30
 H200_KV_GIB = 100        # 141 GB HBM x 0.9 utilisation - 16 GB of weights - activations
@@ -84,8 +83,6 @@ def check_trace(ap: argparse.ArgumentParser, path: str, limit: int = 0,
                 block_tokens: int = TRACE_BLOCK_TOKENS) -> list:
     """Read the trace once here: a missing file or a bad line is one usage error naming the
     file and line, not a traceback from a worker process."""
-    if not 1 <= block_tokens <= MAX_TRACE_TOKENS:
-        ap.error(f"--trace-block-tokens {block_tokens}: from 1 to {MAX_TRACE_TOKENS}")
     try:
         trace = load_trace(path, limit, block_tokens)
     except OSError as exc:
@@ -93,6 +90,8 @@ def check_trace(ap: argparse.ArgumentParser, path: str, limit: int = 0,
     except TraceError as exc:
         hint = f": pass --trace-block-tokens {exc.fits[0]}" if exc.fits else ""
         ap.error(f"trace {exc}{hint}")
+    except ValueError as exc:          # parse_trace's own bound on the block size
+        ap.error(f"--trace-block-tokens {block_tokens}: {exc}")
     if not trace:
         ap.error(f"trace {path}: no requests")
     return trace

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 __all__ = ["TraceRequest", "TraceError", "load_trace", "parse_trace", "assign_tenants",
-           "conversation_keys", "TRACE_BLOCK_TOKENS", "HUB_CHILDREN", "MAX_TRACE_LINE", "fitting_block_sizes"]
+           "conversation_keys", "TRACE_BLOCK_TOKENS", "HUB_CHILDREN", "MAX_TRACE_LINE"]
 
 TRACE_BLOCK_TOKENS = 512        # tokens per hash_id in Mooncake traces
 MAX_TRACE_LINE = 1 << 22        # bytes per JSON line
@@ -63,7 +63,7 @@ def _field_int(rec: dict, name: str, where: str, lo: int, hi: int) -> int:
     return value
 
 
-def fitting_block_sizes(n_tokens: int, n_ids: int) -> list[int]:
+def _fitting_block_sizes(n_tokens: int, n_ids: int) -> list[int]:
     """The power-of-two block sizes (16 to 4,096 tokens) that cut ``n_tokens`` into ``n_ids``
     blocks: what a record's block size could be, for an error that says so."""
     return [b for b in (1 << k for k in range(4, 13)) if -(-n_tokens // b) == n_ids]
@@ -125,7 +125,7 @@ def parse_trace(lines: Iterable[str], name: str = "trace", limit: int = 0,
             raise TraceError(f"{where}: hash_ids must be a list of integers in 0..2**64-1")
         expect = -(-n_in // block_tokens)
         if len(ids) != expect:
-            fits = fitting_block_sizes(n_in, len(ids))
+            fits = _fitting_block_sizes(n_in, len(ids))
             raise TraceError(f"{where}: {len(ids)} hash_ids for input_length {n_in} "
                              f"(expected {expect} blocks of {block_tokens} tokens"
                              + (f"; blocks of {' or '.join(map(str, fits))} tokens fit" if fits else "") + ")",
