@@ -29,13 +29,14 @@ import json
 import multiprocessing
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from quillcache.control.model import HOST_TO_HBM_BYTES_PER_S, TCP_BYTES_PER_S, SloTarget, us_per_mib
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sim.engine import H200_LLAMA3_8B, KV_BYTES_PER_TOKEN_LLAMA3_8B, EngineConfig, cost_with
 from quillcache.control.sim.replay import build_requests, run_policy
-from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, TraceError, assign_tenants, load_trace
+from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, TraceError, TraceWarning, assign_tenants, load_trace
 
 GiB = 1 << 30
 H200_KV_GIB = 100        # 141 GB HBM x 0.9 utilisation - 16 GB of weights - activations
@@ -82,9 +83,14 @@ def add_trace_block_arg(ap: argparse.ArgumentParser) -> None:
 def check_trace(ap: argparse.ArgumentParser, path: str, limit: int = 0,
                 block_tokens: int = TRACE_BLOCK_TOKENS) -> list:
     """Read the trace once here: a missing file or a bad line is one usage error naming the
-    file and line, not a traceback from a worker process."""
+    file and line, not a traceback from a worker process; a trace replayed otherwise than as
+    written (rows out of time order) is said on stderr."""
     try:
-        trace = load_trace(path, limit, block_tokens)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", TraceWarning)
+            trace = load_trace(path, limit, block_tokens)
+        for w in said:
+            print(f"trace {w.message}", file=sys.stderr)
     except OSError as exc:
         ap.error(f"trace {path}: {exc.strerror or exc}")
     except TraceError as exc:

@@ -1,7 +1,9 @@
 """The trace replay on a small synthetic Mooncake trace: every policy runs through the real
 router, identity is enforced by the engines, and the bench script writes its table, PNG and
 JSON."""
+import argparse
 import json
+import warnings
 
 import pytest
 
@@ -9,7 +11,7 @@ from bench import router_replay
 from quillcache.control.sim.engine import EngineConfig
 from quillcache.control.sim.replay import build_requests, percentile, run_policy
 from quillcache.control.sim.trace import (
-    HUB_CHILDREN, TraceError, assign_tenants, conversation_keys, parse_trace,
+    HUB_CHILDREN, TraceError, TraceWarning, assign_tenants, conversation_keys, parse_trace,
 )
 from tests._support.sim import synthetic_trace
 
@@ -40,9 +42,68 @@ def test_trace_lines_are_validated_with_the_line_named():
         with pytest.raises(TraceError, match=needle) as exc:
             parse_trace([good, line], name="t.jsonl")
         assert "t.jsonl:2" in str(exc.value)
-    late = '{"timestamp": 5, "input_length": 6, "output_length": 5, "hash_ids": [1]}'
-    with pytest.raises(TraceError, match="back in time"):
-        parse_trace([late, good])
+    missing = [
+        ('{"input_length": 6, "output_length": 5, "hash_ids": [1]}', "no timestamp"),
+        ('{"timestamp": 0, "input_length": 6, "hash_ids": [1]}', "no output_length"),
+        ('{"timestamp": 0, "text_input": "hi", "output_length": 5}', "given as text_input"),
+        ('{"timestamp": 0, "messages": [], "output_length": 5}', "given as messages"),
+        ('{"timestamp": NaN, "input_length": 6, "output_length": 5, "hash_ids": [1]}', "timestamp"),
+    ]
+    for line, needle in missing:
+        with pytest.raises(TraceError, match=needle) as exc:
+            parse_trace([good, line], name="t.jsonl")
+        assert "t.jsonl:2" in str(exc.value)
+
+
+def row(ts, n_in, ids=None, n_out=5):
+    rec = {"timestamp": ts, "input_length": n_in, "output_length": n_out}
+    return json.dumps(rec if ids is None else {**rec, "hash_ids": ids})
+
+
+def test_a_row_without_hash_ids_is_a_prompt_of_its_own():
+    # AIPerf's mooncake_trace reads input_length alone as a synthetic prompt that shares nothing:
+    # each such row gets ids of its own, one per 512 tokens, that no other row has.
+    trace = parse_trace([row(0, 1100, [0, 1, 2]), row(1, 1100), row(2, 600, [0, 3]), row(3, 1100), row(4, 5)])
+    named = {h for r in trace if r.index in (0, 2) for h in r.hash_ids}
+    own = [trace[i].hash_ids for i in (1, 3, 4)]
+    assert [len(ids) for ids in own] == [3, 3, 1]
+    flat = [h for ids in own for h in ids]
+    assert len(set(flat)) == len(flat) and not set(flat) & named
+    assert all(0 <= h < 1 << 64 for h in flat)
+    # Re-cut traces too: the ids of its own are in 512-token blocks, beside the re-cut ones.
+    cut = parse_trace([row(0, 1100, list(range(18))), row(1, 1100)], block_tokens=64)
+    assert len(cut[1].hash_ids) == 3 and not set(cut[1].hash_ids) & set(cut[0].hash_ids)
+    # The rows replay: nothing of theirs is credited anywhere.
+    res = run_policy(build_requests(trace, speedup=1.0), "quillcache", 2, small_config())
+    assert len(res.ttft_ms) == 5
+
+
+def test_rows_out_of_time_order_are_replayed_in_time_order():
+    ordered = [row(t, 600, [t, 1000 + t]) for t in (0, 10, 10, 20, 30, 40)]
+    shuffled = [ordered[3], ordered[0], ordered[1], ordered[5], ordered[2], ordered[4]]
+    with pytest.warns(TraceWarning, match=r"t.jsonl:2: timestamps go back in time: the 6 requests") as said:
+        got = parse_trace(shuffled, name="t.jsonl")
+    assert len(said) == 1
+    want = parse_trace(ordered)
+    assert [(r.index, r.timestamp_ms, r.hash_ids) for r in got] == [(r.index, r.timestamp_ms, r.hash_ids) for r in want]
+    # Rows of one timestamp keep the order they are written in (a stable sort).
+    assert [r.hash_ids[0] for r in got if r.timestamp_ms == 10] == [10, 10]
+    # With a limit, the first rows in time, not in the file: the whole trace is read.
+    with pytest.warns(TraceWarning):
+        first = parse_trace(shuffled, limit=3)
+    assert [r.timestamp_ms for r in first] == [0, 10, 10]
+    # A trace in order says nothing and stops reading at the limit (a bad line past it is not read).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(parse_trace(ordered + ["{nope"], limit=6)) == 6
+
+
+def test_the_cli_says_it_put_the_rows_in_time_order(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join([row(5, 600, [1, 2]), row(0, 600, [1, 3])]) + "\n")
+    trace = router_replay.check_trace(argparse.ArgumentParser(), str(path))
+    assert [r.timestamp_ms for r in trace] == [0, 5]
+    assert f"trace {path}:2: timestamps go back in time" in capsys.readouterr().err
 
 
 def test_tenants_follow_conversations_and_keep_content_shared():

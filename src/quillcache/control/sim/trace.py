@@ -9,15 +9,22 @@ A trace cut in blocks of another size (a generator's ``block_size``) is read wit
 (``block_tokens``) and re-cut into ``TRACE_BLOCK_TOKENS``-token blocks: each new block is
 named by the block before it and the ids of the blocks it overlaps, so two requests share a
 new block exactly when they share every block of theirs up to its end.
+
+What other producers of the format write is read as they mean it (AIPerf's ``mooncake_trace``
+dataset): a row without ``hash_ids`` is a prompt that shares nothing (it gets ids no other row
+has), and rows out of time order are replayed in time order (with a ``TraceWarning``). A row
+that gives its prompt as text (``text_input``, ``messages``) has no token counts to replay
+and is refused, as is one timed only by a ``delay`` after the turn before.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
-__all__ = ["TraceRequest", "TraceError", "load_trace", "parse_trace", "assign_tenants",
+__all__ = ["TraceRequest", "TraceError", "TraceWarning", "load_trace", "parse_trace", "assign_tenants",
            "conversation_keys", "TRACE_BLOCK_TOKENS", "HUB_CHILDREN", "MAX_TRACE_LINE"]
 
 TRACE_BLOCK_TOKENS = 512        # tokens per hash_id in Mooncake traces
@@ -35,6 +42,10 @@ class TraceError(ValueError):
     def __init__(self, message: str, fits: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.fits = tuple(fits)
+
+
+class TraceWarning(UserWarning):
+    """A trace replayed otherwise than in the order its lines are written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +69,13 @@ def _field_int(rec: dict, name: str, where: str, lo: int, hi: int) -> int:
         if name in rec and rec[alias] != value:
             raise TraceError(f"{where}: {name} {value!r} and {alias} {rec[alias]!r} disagree")
         value = rec[alias]
+    if value is None:
+        text = [k for k in ("text_input", "messages") if k in rec] if name == "input_length" else []
+        if text:
+            raise TraceError(f"{where}: the prompt is given as {text[0]}, without input_length: the replay "
+                             f"needs each prompt's length in tokens (and hash_ids for what it shares)")
+        raise TraceError(f"{where}: no {name}" + (f" (nor {alias})" if alias else "")
+                         + f": an integer in {lo}..{hi} is needed")
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise TraceError(f"{where}: {name} {value!r}: must be an integer in {lo}..{hi}")
     return value
@@ -96,9 +114,10 @@ def parse_trace(lines: Iterable[str], name: str = "trace", limit: int = 0,
             or not 1 <= block_tokens <= MAX_TRACE_TOKENS:
         raise ValueError(f"block_tokens {block_tokens!r}: an integer in 1..{MAX_TRACE_TOKENS}")
     recut = _Recut(block_tokens) if block_tokens != TRACE_BLOCK_TOKENS else None
-    out: list[TraceRequest] = []
+    rows: list[tuple[float, int, int, Optional[tuple[int, ...]]]] = []   # ids None: shares nothing
+    latest, back = -1.0, 0          # back: the first line whose timestamp goes back in time
     for lineno, line in enumerate(lines, 1):
-        if limit and len(out) >= limit:
+        if limit and len(rows) >= limit and not back:
             break
         where = f"{name}:{lineno}"
         if len(line) > MAX_TRACE_LINE:
@@ -115,11 +134,19 @@ def parse_trace(lines: Iterable[str], name: str = "trace", limit: int = 0,
         if ts is None and "delay" in rec:
             raise TraceError(f"{where}: no timestamp: a row timed by its delay after the turn before (a "
                              f"session's) is not replayed; the replay sends at absolute times, so give it one")
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
+        if ts is None:
+            raise TraceError(f"{where}: no timestamp: the replay sends each request at its timestamp (ms)")
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts < float("inf"):
             raise TraceError(f"{where}: timestamp {ts!r}: must be a number of ms >= 0")
         n_in = _field_int(rec, "input_length", where, 1, MAX_TRACE_TOKENS)
         n_out = _field_int(rec, "output_length", where, 1, MAX_TRACE_TOKENS)
         ids = rec.get("hash_ids")
+        if ts < latest and not back:
+            back = lineno
+        latest = max(latest, float(ts))
+        if ids is None:                  # no prefix named: a prompt of its own (AIPerf's reading)
+            rows.append((float(ts), n_in, n_out, None))
+            continue
         if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool)
                                                 and 0 <= h < 1 << 64 for h in ids):
             raise TraceError(f"{where}: hash_ids must be a list of integers in 0..2**64-1")
@@ -130,12 +157,26 @@ def parse_trace(lines: Iterable[str], name: str = "trace", limit: int = 0,
                              f"(expected {expect} blocks of {block_tokens} tokens"
                              + (f"; blocks of {' or '.join(map(str, fits))} tokens fit" if fits else "") + ")",
                              fits)
-        if out and ts < out[-1].timestamp_ms:
-            raise TraceError(f"{where}: timestamp {ts} goes back in time (previous "
-                             f"{out[-1].timestamp_ms})")
-        out.append(TraceRequest(len(out), float(ts), n_in, n_out,
-                                tuple(ids) if recut is None else recut(ids, n_in)))
-    return out
+        rows.append((float(ts), n_in, n_out, tuple(ids) if recut is None else recut(ids, n_in)))
+    if back:
+        # A stable sort: rows of one timestamp keep their order.  With a limit the whole trace
+        # was read, so the first ``limit`` rows are the first in time.
+        rows.sort(key=lambda row: row[0])
+        del rows[limit or len(rows):]
+        warnings.warn(f"{name}:{back}: timestamps go back in time: the {len(rows)} requests are replayed "
+                      f"in time order", TraceWarning, stacklevel=2)
+    return [TraceRequest(i, ts, n_in, n_out, ids) for i, (ts, n_in, n_out, ids) in enumerate(_own_ids(rows))]
+
+
+def _own_ids(rows: list) -> list:
+    """``rows`` with each row that names no hash_ids given ids of its own, one per
+    ``TRACE_BLOCK_TOKENS`` tokens, none of them any other row's."""
+    if all(row[3] is not None for row in rows):
+        return rows
+    used = {h for row in rows if row[3] is not None for h in row[3]}
+    fresh = (h for h in range(1 << 64) if h not in used)
+    return [row if row[3] is not None else
+            (*row[:3], tuple(next(fresh) for _ in range(-(-row[1] // TRACE_BLOCK_TOKENS)))) for row in rows]
 
 
 def load_trace(path: str, limit: int = 0, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[TraceRequest]:
