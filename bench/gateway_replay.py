@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -59,6 +61,11 @@ from tests._support.ports import free_port  # noqa: E402
 
 START_TIMEOUT_S = 60.0          # seconds each process has to come up
 MAX_MODEL_LEN = 1 << 20         # tokens: the engines refuse nothing the router replay would take
+# What the live path adds to a request before its engine sees it (client, two HTTP hops, the
+# gateway's parse and routing), measured here (docs/router.md, "Live: through the gateway"): a
+# request alone on an idle engine reaches its first token 4-10 ms later live than on the virtual
+# clock, from 300 to 20,000 prompt tokens.  The virtual repeats vary the arrivals by that much.
+VIRTUAL_JITTER_MS = 10.0
 
 
 def prompt_tokens(hash_ids, input_length: int, bs: int = TRACE_BLOCK_TOKENS) -> list[int]:
@@ -340,12 +347,27 @@ def agreement(live: dict[str, list[float]], virtual: dict[str, list[float]]) -> 
             "live_ranking": sorted(names, key=med_live.get), "virtual_ranking": sorted(names, key=med_virt.get)}
 
 
+def jittered(requests: list, jitter_ms: float, seed: int) -> list:
+    """``requests`` with each arrival later by a uniform draw in [0, ``jitter_ms``) (seeded), in
+    arrival order: live, a request reaches its engine after the client's send, two HTTP hops and
+    the gateway's parse and routing, none of which takes the same time twice."""
+    if not jitter_ms > 0:
+        return list(requests)
+    rng = random.Random(seed)
+    out = [dataclasses.replace(r, arrival_us=r.arrival_us + int(rng.random() * jitter_ms * 1000)) for r in requests]
+    out.sort(key=lambda r: r.arrival_us)
+    return out
+
+
 def virtual_runs(args, requests, policies: list[str]) -> dict[str, list[dict]]:
-    """The same requests on the virtual clock (router_replay's engines), once per router seed
-    (its tie breaks are what varies between runs there)."""
+    """The same requests on the virtual clock (router_replay's engines), ``--repeats`` times: run
+    ``i`` with router seed ``i`` (its tie breaks) and arrivals jittered by ``--virtual-jitter-ms``
+    with seed ``i`` (the live path's own variation), so that the virtual clock's spread, like the
+    live one's, shows how far the exact arrival times move a figure."""
     slo = SloTarget()
     cfg = router_replay.engine_config(args.kv_gib)
-    return {p: [run_policy(requests, p, args.engines, cfg, seed=seed).summary(slo.ttft_ms, slo.tpot_ms)
+    return {p: [run_policy(jittered(requests, args.virtual_jitter_ms, seed), p, args.engines, cfg,
+                           seed=seed).summary(slo.ttft_ms, slo.tpot_ms)
                 for seed in range(args.repeats)] for p in policies}
 
 
@@ -385,6 +407,7 @@ def run(args, trace: list) -> dict:
                        "tenants": args.tenants, "seed": args.seed, "kv_gib": args.kv_gib, "limit": args.limit,
                        "trace_block_tokens": args.trace_block_tokens,
                        "time_scale": args.time_scale, "through": "quillcache-gateway",
+                       "virtual_jitter_ms": args.virtual_jitter_ms if args.virtual else None,
                        "slo": {"ttft_ms": SloTarget().ttft_ms, "tpot_ms": SloTarget().tpot_ms},
                        "cost_model": {"prefill_us_per_token": H200_LLAMA3_8B.prefill_us_per_token,
                                       "decode_us_per_token": H200_LLAMA3_8B.decode_us_per_token,
@@ -433,11 +456,16 @@ def main(argv=None) -> int:
                     help="live runs per policy (the run-to-run noise), and router seeds on the virtual clock")
     ap.add_argument("--virtual", action="store_true",
                     help="also replay on the virtual clock and compare the rankings beyond the noise")
+    ap.add_argument("--virtual-jitter-ms", type=float, default=VIRTUAL_JITTER_MS, metavar="MS",
+                    help="on the virtual clock, each arrival later by a uniform draw in [0, MS) per repeat, "
+                         "the variation the live path adds (default: %(default)s; 0: the trace's exact times)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or not args.time_scale > 0 \
             or args.repeats < 1:
         ap.error("--engines, --tenants and --repeats must be >= 1, --speedup and --time-scale > 0")
+    if not 0 <= args.virtual_jitter_ms <= 60_000:
+        ap.error(f"--virtual-jitter-ms {args.virtual_jitter_ms}: must be in 0..60000")
     trace = router_replay.check_trace(ap, args.trace, args.limit, args.trace_block_tokens)
     t0 = time.perf_counter()
     doc = run(args, trace)

@@ -52,6 +52,7 @@ def test_two_runs_each_and_the_virtual_clock_give_a_judged_comparison(tmp_path, 
         assert sorted(a["live_ranking"]) == sorted(a["virtual_ranking"]) == ["quillcache", "round_robin"]
     for run in doc["runs"]["quillcache"]:
         assert run["engine_late_ms"] >= 0 and run["engine_slipped_ms"] >= 0
+    assert doc["config"]["virtual_jitter_ms"] == gateway_replay.VIRTUAL_JITTER_MS
     assert "pairs separated beyond the noise on both clocks" in capsys.readouterr().out
 
 
@@ -70,3 +71,19 @@ def test_pairs_within_the_noise_are_not_judged():
     assert got["live_ranking"][0] == "a" and got["virtual_ranking"][0] == "c"
     assert gateway_replay.spearman({"x": 1, "y": 2, "z": 3}, {"x": 10, "y": 20, "z": 30}) == 1.0
     assert gateway_replay.ranks({"x": 1, "y": 1, "z": 3}) == {"x": 1.5, "y": 1.5, "z": 3}
+
+
+def test_the_virtual_repeats_vary_the_arrivals_by_the_live_path_s_jitter():
+    # Live, no request reaches its engine at the trace's exact time; on the virtual clock each
+    # repeat delays each arrival by its own seeded draw in [0, jitter), so that the virtual spread
+    # shows what the exact arrival times decide.
+    reqs = build_requests(parse_trace(synthetic_trace(conversations=12, turns=3)), 50)
+    assert gateway_replay.jittered(reqs, 0.0, 3) == reqs
+    a, b = gateway_replay.jittered(reqs, 10.0, 1), gateway_replay.jittered(reqs, 10.0, 2)
+    assert a == gateway_replay.jittered(reqs, 10.0, 1) and a != b
+    for got in (a, b):
+        assert [r.arrival_us for r in got] == sorted(r.arrival_us for r in got)
+        orig = {r.trace.index: r.arrival_us for r in reqs}
+        assert sorted(r.trace.index for r in got) == sorted(orig)
+        assert all(0 <= r.arrival_us - orig[r.trace.index] < 10_000 for r in got)
+        assert any(r.arrival_us != orig[r.trace.index] for r in got)

@@ -69,6 +69,7 @@ def test_a_missing_or_bad_trace_is_one_usage_error_before_any_worker_starts(tmp_
             (router_replay.main, ["--trace", str(bad)], f"{bad}:2:"),
             (gateway_replay.main, ["--trace", missing], "No such file"),
             (gateway_replay.main, ["--trace", str(empty)], f"{empty}: no requests"),
+            (gateway_replay.main, ["--trace", missing, "--virtual-jitter-ms", "-1"], "--virtual-jitter-ms -1.0"),
             (router_sweep.main, ["--conversation", str(empty), "--traces", "conversation"], "no requests"),
             (router_predict.main, ["--trace", "conversation", "--conversation", missing, "--speedup", "2"],
              "No such file"),
