@@ -453,7 +453,7 @@ def main(argv=None) -> int:
     ap.add_argument("--time-scale", type=float, default=1.0,
                     help="wall seconds per modelled second (< 1: faster than the modelled GPU)")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="live runs per policy (the run-to-run noise), and router seeds on the virtual clock")
+                    help="live runs per policy (the run-to-run noise), and virtual runs (router seed and arrival jitter each)")
     ap.add_argument("--virtual", action="store_true",
                     help="also replay on the virtual clock and compare the rankings beyond the noise")
     ap.add_argument("--virtual-jitter-ms", type=float, default=VIRTUAL_JITTER_MS, metavar="MS",
