@@ -173,9 +173,10 @@ def table(doc: dict) -> str:
                      f"{r['load']:>5.2f}")
     if "quillcache" in pols and "dynamo" in pols:
         q, d = pols["quillcache"], pols["dynamo"]
-        lines.append(f"quillcache - dynamo goodput: {q['goodput'] - d['goodput']:+.3f}; "
-                     f"TTFT p50 quillcache/round_robin: "
-                     f"{q['ttft_p50_ms'] / base['ttft_p50_ms'] if base else float('nan'):.2f}x")
+        line = f"quillcache - dynamo goodput: {q['goodput'] - d['goodput']:+.3f}"
+        if base and base["ttft_p50_ms"]:          # without round_robin in the run there is no ratio
+            line += f"; TTFT p50 quillcache/round_robin: {q['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x"
+        lines.append(line)
     return "\n".join(lines)
 
 

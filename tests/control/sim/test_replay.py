@@ -187,6 +187,10 @@ def test_bench_writes_table_json_and_png(tmp_path, capsys):
     assert (tmp_path / "out.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "p50/rr" in printed and "quillcache - dynamo goodput" in printed
+    # Without round_robin in the run there is no ratio against it: none is printed, not "nan".
+    del doc["policies"]["round_robin"]
+    text = router_replay.table(doc)
+    assert "quillcache - dynamo goodput" in text and "nan" not in text and "quillcache/round_robin" not in text
 
 
 def test_before_route_sees_every_arrival_and_changes_nothing():
