@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from quillcache.control.sim.gen import GENERATORS, agent_trace, apps_trace, rag_trace
+from quillcache.control.sim.gen import GENERATORS, agent_trace, apps_trace, rag_trace, unique_trace
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS as B, parse_trace
 
 
@@ -57,3 +57,18 @@ def test_apps_templated_calls_share_their_template_and_chat_shares_one_block():
     assert all(t.output_length >= 200 for t in chat)
     with pytest.raises(ValueError, match="no share for chat"):
         apps_trace(10, templates=((4, 0.6), (2, 0.4)))
+
+
+def test_unique_prompts_share_at_most_the_system_block():
+    trace = unique_trace(3000, seed=2)
+    system = Counter(t.hash_ids[0] for t in trace).most_common(1)[0][0]
+    starting = [t for t in trace if t.hash_ids[0] == system]
+    assert abs(len(starting) / 3000 - 2 / 3) < 0.04
+    own = Counter(h for t in trace for h in (t.hash_ids[1:] if t.hash_ids[0] == system else t.hash_ids))
+    assert max(own.values()) == 1 and system not in own       # no other block is shared
+    assert 200 <= min(t.input_length for t in trace) and max(t.input_length for t in trace) <= 9000
+    assert 5 <= min(t.output_length for t in trace) and max(t.output_length for t in trace) <= 300
+    span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000
+    assert abs(3000 / span_s - 2.5) < 0.2                     # Poisson at 2.5 a second
+    with pytest.raises(ValueError, match="system_share"):
+        unique_trace(10, system_share=1.5)

@@ -74,7 +74,7 @@ def test_a_missing_or_bad_trace_is_one_usage_error_before_any_worker_starts(tmp_
             (router_predict.main, ["--trace", "conversation", "--conversation", missing, "--speedup", "2"],
              "No such file"),
             (router_sweep.main, ["--traces", "rag,chat"],
-             "--traces: chat: not a trace (conversation, agent, apps, rag)")]
+             "--traces: chat: not a trace (conversation, agent, apps, rag, unique)")]
     for main, argv, want in runs:
         with pytest.raises(SystemExit) as exc:
             main(argv)

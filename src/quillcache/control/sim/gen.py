@@ -15,6 +15,9 @@ result).
   of its own, log-normal in length, and a long answer).  The shape of Mooncake's original
   (arXiv) trace, where two templates carry 55 % of the requests: it asks whether a router
   keeps the templates' engines clear of the long prompts that share nothing with them.
+* ``unique_trace``: nothing to reuse.  Prompts of uniform length, most of them starting with one
+  shared system block and the rest with nothing shared, short to medium answers, Poisson
+  arrivals: what is left to a router is balancing, and the engines' KV memory binds first.
 
 Timestamps are milliseconds at speed-up 1; ``TRACE_BLOCK_TOKENS`` tokens per hash id, the last
 (partial) block of a prompt gets an id of its own, as in Mooncake's traces.
@@ -25,7 +28,7 @@ import numpy as np
 
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["rag_trace", "agent_trace", "apps_trace", "GENERATORS"]
+__all__ = ["rag_trace", "agent_trace", "apps_trace", "unique_trace", "GENERATORS"]
 
 B = TRACE_BLOCK_TOKENS
 
@@ -146,4 +149,25 @@ def apps_trace(n: int, seed: int = 0, *, templates: tuple[tuple[int, float], ...
     return out
 
 
-GENERATORS = {"rag": rag_trace, "agent": agent_trace, "apps": apps_trace}
+def unique_trace(n: int, seed: int = 0, *, system_share: float = 2 / 3, prompt_tokens: tuple[int, int] = (200, 9000),
+                 output: tuple[int, int] = (5, 300), rate_per_s: float = 2.5) -> list[TraceRequest]:
+    """``system_share`` of the prompts start with one shared system block; every other block of
+    every prompt is its own.  Prompt lengths uniform in ``prompt_tokens`` (the system block
+    counted), outputs uniform in ``output``, Poisson arrivals at ``rate_per_s``."""
+    if not 0.0 <= system_share <= 1.0:
+        raise ValueError(f"unique_trace: system_share {system_share!r} must be in 0..1")
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    system = ids.take(1)
+    t = 0.0
+    out = []
+    for i in range(n):
+        t += rng.exponential(1000.0 / rate_per_s)
+        tokens = int(rng.integers(prompt_tokens[0], prompt_tokens[1] + 1))
+        shared = list(system) if tokens > B and rng.random() < system_share else []
+        answer = int(rng.integers(output[0], output[1] + 1))
+        out.append(_request(i, round(t, 3), shared, tokens - len(shared) * B, answer, ids))
+    return out
+
+
+GENERATORS = {"rag": rag_trace, "agent": agent_trace, "apps": apps_trace, "unique": unique_trace}
