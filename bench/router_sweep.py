@@ -291,9 +291,7 @@ def verdicts(doc: dict) -> list[str]:
     held = made = 0
     missed = {k for k, g in by.items() if not all(r.get("load_reached", True) for r in g.values())}
     for (name, load, pool), g in by.items():
-        if OURS not in g:
-            continue
-        if not any(p in g for p in PEERS):
+        if OURS not in g or not any(p in g for p in PEERS):
             continue
         q = g[OURS]
         p50, p99, good = _best(g)

@@ -131,10 +131,10 @@ def parse_trace(lines: Iterable[str], name: str = "trace", limit: int = 0,
         if not isinstance(rec, dict):
             raise TraceError(f"{where}: a record must be a JSON object")
         ts = rec.get("timestamp")
-        if ts is None and "delay" in rec:
-            raise TraceError(f"{where}: no timestamp: a row timed by its delay after the turn before (a "
-                             f"session's) is not replayed; the replay sends at absolute times, so give it one")
         if ts is None:
+            if "delay" in rec:
+                raise TraceError(f"{where}: no timestamp: a row timed by its delay after the turn before (a "
+                                 f"session's) is not replayed; the replay sends at absolute times, so give it one")
             raise TraceError(f"{where}: no timestamp: the replay sends each request at its timestamp (ms)")
         if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts < float("inf"):
             raise TraceError(f"{where}: timestamp {ts!r}: must be a number of ms >= 0")
