@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -114,15 +115,18 @@ class Run:
         self.bodies = bodies
         self.tenants = tenants
         self.procs: list[subprocess.Popen] = []
+        self.logs: list = []
         self.tmp = Path(tempfile.mkdtemp(prefix="qc-gwreplay-"))
 
     def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "wb")
+        self.logs.append(log)
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.procs.append(p)
         return p
 
-    def stop(self) -> None:
+    def stop(self, keep: bool) -> None:
+        """Stop the processes; keep their logs and config only when asked, or when the run went wrong."""
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -132,6 +136,13 @@ class Run:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for log in self.logs:
+            log.close()
+        if keep:
+            print(f"gateway_replay: the {self.policy} run's logs and gateway.toml are in {self.tmp}",
+                  file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     async def start(self, session) -> str:
         a = self.args
@@ -393,8 +404,10 @@ def run(args, trace: list) -> dict:
             r = Run(args, policy, requests, bodies, tenants)
             try:
                 got = asyncio.run(r.replay())
-            finally:
-                r.stop()
+            except BaseException:
+                r.stop(keep=True)
+                raise
+            r.stop(keep=args.keep_logs or got["errors"] > 0)
             got["loadavg"] = os.getloadavg()[0]
             runs[policy].append(got)
             print(f"  {policy} (run {rep + 1}/{args.repeats}): {got['requests']} requests, {got['errors']} errors, "
@@ -460,6 +473,8 @@ def main(argv=None) -> int:
                     help="on the virtual clock, each arrival later by a uniform draw in [0, MS) per repeat, "
                          "the variation the live path adds (default: %(default)s; 0: the trace's exact times)")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep each run's engine and gateway logs (they are kept anyway where a run fails)")
     args = ap.parse_args(argv)
     if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or not args.time_scale > 0 \
             or args.repeats < 1:
