@@ -19,17 +19,15 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._support.ports
+from bench._serve import Processes
 from tests._support.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,24 +44,29 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
-async def wait_http(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
+def prefixes() -> list[str]:
+    return [" ".join(f"p{i}w{j}" for j in range(120)) for i in range(PREFIXES)]
+
+
+async def warm(urls: list[str]) -> None:
+    """Each shared prefix once on every engine, before either phase: the first phase would
+    otherwise pay for the engines' cold caches and first requests, and the second not."""
     async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                async with s.get(url) as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{url} did not come up")
-            await asyncio.sleep(0.2)
+        for url in urls:
+            for prefix in prefixes():
+                body = {"model": "sim-model", "prompt": prefix, "max_tokens": 1, "stream": False}
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        raise SystemExit(f"gateway_load: warming {url}: HTTP {r.status}: {(await r.read())[:200]!r}")
+                    await r.read()
 
 
-async def load(urls: list[str], clients: int, seconds: float, seed: int) -> dict:
+async def load(urls: list[str], clients: int, seconds: float, seed: int, phase: str) -> dict:
+    """``clients`` streaming clients for ``seconds``; the prompts draw the same prefixes and lengths
+    in each phase (``seed``) and name the phase after the prefix, so that no phase finds the
+    other's prompts cached."""
     rng = random.Random(seed)
-    prefixes = [" ".join(f"p{i}w{j}" for j in range(120)) for i in range(PREFIXES)]
+    prefixes_ = prefixes()
     ttft, errors, done = [], 0, 0
     stop_at = time.monotonic() + seconds
     conn = aiohttp.TCPConnector(limit=0)
@@ -74,7 +77,7 @@ async def load(urls: list[str], clients: int, seconds: float, seed: int) -> dict
             while time.monotonic() < stop_at:
                 url = urls[(c + i) % len(urls)]
                 i += 1
-                prompt = rng.choice(prefixes) + f" question {c} {i} " + "x " * rng.randrange(8, 64)
+                prompt = rng.choice(prefixes_) + f" {phase} question {c} {i} " + "x " * rng.randrange(8, 64)
                 body = {"model": "sim-model", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}
                 t0 = time.perf_counter()
                 try:
@@ -100,29 +103,31 @@ async def load(urls: list[str], clients: int, seconds: float, seed: int) -> dict
 
 
 async def main_async(args) -> dict:
-    procs = []
-    tmp = tempfile.mkdtemp(prefix="qc-gwload-")
+    procs = Processes("qc-gwload-", "gateway_load")
+    ok = False
     try:
         engines = []
-        for _ in range(args.engines):
-            port, ev, rp = free_port(), free_port(), free_port()
-            procs.append(subprocess.Popen(
-                [str(BIN / "quillcache-sim-engine"), "--port", str(port), "--model", "sim-model",
-                 "--kv-events", f"tcp://127.0.0.1:{ev}", "--kv-events-replay", f"tcp://127.0.0.1:{rp}",
-                 "--capacity-blocks", "16384"], stdout=subprocess.DEVNULL))
-            engines.append((f"http://127.0.0.1:{port}", ev, rp))
-        for url, _, _ in engines:
-            await wait_http(url + "/health")
+        async with aiohttp.ClientSession() as session:
+            for i in range(args.engines):
+                port, ev, rp = free_port(), free_port(), free_port()
+                p = procs.spawn([str(BIN / "quillcache-sim-engine"), "--port", str(port), "--model", "sim-model",
+                                 "--kv-events", f"tcp://127.0.0.1:{ev}", "--kv-events-replay",
+                                 f"tcp://127.0.0.1:{rp}", "--capacity-blocks", "16384"], f"engine-{i}")
+                engines.append((f"http://127.0.0.1:{port}", ev, rp, p))
+            for i, (url, _, _, p) in enumerate(engines):
+                await procs.wait_http(session, url + "/health", p, f"engine-{i}")
         gport = free_port()
-        cfg = Path(tmp) / "gateway.toml"
+        cfg = procs.tmp / "gateway.toml"
         cfg.write_text(f'[gateway]\nlisten = "127.0.0.1:{gport}"\nadmin_listen = "127.0.0.1:{free_port()}"\nqueue_limit = {10 * args.clients}\n' + "".join(
             f'[[gateway.engines]]\nid = "e{i}"\nurl = "{u}"\nmodel = "sim-model"\n'
             f'kv_events = "tcp://127.0.0.1:{ev}"\nkv_replay = "tcp://127.0.0.1:{rp}"\n'
-            for i, (u, ev, rp) in enumerate(engines)))
-        direct = await load([u for u, _, _ in engines], args.clients, args.seconds, seed=1)
-        gw = subprocess.Popen([str(BIN / "quillcache-gateway"), "--config", str(cfg)], stderr=subprocess.DEVNULL)
-        procs.append(gw)
-        await wait_http(f"http://127.0.0.1:{gport}/health")
+            for i, (u, ev, rp, _) in enumerate(engines)))
+        await warm([u for u, _, _, _ in engines])
+        direct = await load([u for u, _, _, _ in engines], args.clients, args.seconds, seed=1,
+                            phase="direct")
+        gw = procs.spawn([str(BIN / "quillcache-gateway"), "--config", str(cfg)], "gateway")
+        async with aiohttp.ClientSession() as session:
+            await procs.wait_http(session, f"http://127.0.0.1:{gport}/health", gw, "gateway")
         rss = [rss_kib(gw.pid)]
 
         async def sample() -> None:
@@ -131,19 +136,13 @@ async def main_async(args) -> dict:
                 rss.append(rss_kib(gw.pid))
 
         sampler = asyncio.create_task(sample())
-        via = await load([f"http://127.0.0.1:{gport}"], args.clients, args.seconds, seed=1)
+        via = await load([f"http://127.0.0.1:{gport}"], args.clients, args.seconds, seed=1, phase="gateway")
         sampler.cancel()
         rss.append(rss_kib(gw.pid))
         alive = gw.poll() is None
+        ok = alive and direct["errors"] == 0 and via["errors"] == 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        procs.stop(keep=args.keep_logs or not ok)
     return {"clients": args.clients, "seconds": args.seconds, "direct": direct, "gateway": via,
             "gateway_alive_at_end": alive,
             "added_ttft_p50_ms": via["ttft_p50_ms"] - direct["ttft_p50_ms"],
@@ -151,7 +150,7 @@ async def main_async(args) -> dict:
             "gateway_rss_mib": {"start": rss[0] / 1024, "peak": max(rss) / 1024, "end": rss[-1] / 1024}}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=60.0)
@@ -159,7 +158,11 @@ def main() -> int:
                     help="1 (default): routing cannot help, so the difference is the gateway's cost; "
                          "more: direct round robin against the gateway's cache-aware routing")
     ap.add_argument("--json-out")
-    args = ap.parse_args()
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep the engines' and the gateway's logs (kept anyway where the run fails)")
+    args = ap.parse_args(argv)
+    if args.clients < 1 or args.engines < 1 or not args.seconds > 0:
+        ap.error("--clients and --engines must be >= 1, --seconds > 0")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     r = asyncio.run(main_async(args))
     d, g = r["direct"], r["gateway"]

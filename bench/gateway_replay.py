@@ -33,12 +33,8 @@ import json
 import math
 import os
 import random
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import router_replay  # noqa: E402
+from bench._serve import Processes  # noqa: E402
 from quillcache.settings.convert import hash_token  # noqa: E402
 from quillcache.control.model import SloTarget  # noqa: E402
 from quillcache.protocol.route import POLICIES  # noqa: E402
@@ -60,7 +57,6 @@ from quillcache.control.sim.replay import (  # noqa: E402
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, assign_tenants  # noqa: E402
 from tests._support.ports import free_port  # noqa: E402
 
-START_TIMEOUT_S = 60.0          # seconds each process has to come up
 MAX_MODEL_LEN = 1 << 20         # tokens: the engines refuse nothing the router replay would take
 # What the live path adds to a request before its engine sees it (client, two HTTP hops, the
 # gateway's parse and routing), measured here (docs/router.md, "Live: through the gateway"): a
@@ -81,22 +77,6 @@ def tenant_key(tenant: str) -> str:
     return f"replay-key-{tenant}-0123456789"
 
 
-async def wait_http(session, url: str, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"gateway_replay: {what} exited with {proc.returncode}")
-        try:
-            async with session.get(url) as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"gateway_replay: {what} did not answer {url} in {START_TIMEOUT_S:.0f}s")
-        await asyncio.sleep(0.1)
-
-
 def scrape(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -114,35 +94,8 @@ class Run:
         self.requests = requests
         self.bodies = bodies
         self.tenants = tenants
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list = []
-        self.tmp = Path(tempfile.mkdtemp(prefix="qc-gwreplay-"))
-
-    def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "wb")
-        self.logs.append(log)
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.procs.append(p)
-        return p
-
-    def stop(self, keep: bool) -> None:
-        """Stop the processes; keep their logs and config only when asked, or when the run went wrong."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for log in self.logs:
-            log.close()
-        if keep:
-            print(f"gateway_replay: the {self.policy} run's logs and gateway.toml are in {self.tmp}",
-                  file=sys.stderr, flush=True)
-        else:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        self.procs = Processes("qc-gwreplay-", f"gateway_replay ({policy})")
+        self.tmp = self.procs.tmp
 
     async def start(self, session) -> str:
         a = self.args
@@ -150,7 +103,7 @@ class Run:
         engines = []
         for i in range(a.engines):
             port, ev, rp = free_port(), free_port(), free_port()
-            p = self._spawn([str(BIN / "quillcache-sim-engine"), "--port", str(port), "--model", REPLAY_MODEL,
+            p = self.procs.spawn([str(BIN / "quillcache-sim-engine"), "--port", str(port), "--model", REPLAY_MODEL,
                              "--block-size", str(cap.block_size), "--capacity-blocks", str(cap.capacity_blocks),
                              "--max-num-seqs", str(cap.max_num_seqs), "--max-batched-tokens",
                              str(cap.max_batched_tokens), "--max-model-len", str(MAX_MODEL_LEN),
@@ -169,10 +122,10 @@ class Run:
                         f'kv_replay = "tcp://127.0.0.1:{rp}"\n' for eid, url, ev, rp, _ in engines)
         (self.tmp / "gateway.toml").write_text(text)
         for eid, url, _, _, p in engines:
-            await wait_http(session, url + "/health", p, eid)
-        gw = self._spawn([str(BIN / "quillcache-gateway"), "--config", str(self.tmp / "gateway.toml")], "gateway")
+            await self.procs.wait_http(session, url + "/health", p, eid)
+        gw = self.procs.spawn([str(BIN / "quillcache-gateway"), "--config", str(self.tmp / "gateway.toml")], "gateway")
         base = f"http://127.0.0.1:{gport}"
-        await wait_http(session, base + "/health", gw, "quillcache-gateway")
+        await self.procs.wait_http(session, base + "/health", gw, "gateway")
         await asyncio.sleep(0.5)                  # ZMQ slow joiner: the event subscriptions connect
         self.engine_urls = [url for _, url, _, _, _ in engines]
         return base
@@ -405,9 +358,9 @@ def run(args, trace: list) -> dict:
             try:
                 got = asyncio.run(r.replay())
             except BaseException:
-                r.stop(keep=True)
+                r.procs.stop(keep=True)
                 raise
-            r.stop(keep=args.keep_logs or got["errors"] > 0)
+            r.procs.stop(keep=args.keep_logs or got["errors"] > 0)
             got["loadavg"] = os.getloadavg()[0]
             runs[policy].append(got)
             print(f"  {policy} (run {rep + 1}/{args.repeats}): {got['requests']} requests, {got['errors']} errors, "

@@ -1,0 +1,79 @@
+"""bench/gateway_load.py at a tiny size, so that it cannot rot (real engine and gateway
+processes on loopback), and the process handling it shares with bench/gateway_replay.py
+(bench/_serve.py): logs kept only when asked or when a run fails, a dead process named."""
+import asyncio
+import json
+import sys
+import tempfile
+
+import aiohttp
+import pytest
+
+from bench import gateway_load
+from bench._serve import Processes
+
+
+def test_both_phases_run_and_leave_nothing_behind(tmp_path, capsys, monkeypatch):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    out = tmp_path / "load.json"
+    assert gateway_load.main(["--clients", "2", "--seconds", "1", "--json-out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    for phase in ("direct", "gateway"):
+        assert doc[phase]["requests"] > 0 and doc[phase]["errors"] == 0
+        assert doc[phase]["ttft_p50_ms"] > 0
+    assert doc["gateway_alive_at_end"] is True
+    assert doc["gateway_rss_mib"]["peak"] >= doc["gateway_rss_mib"]["start"] > 0
+    assert "| through the gateway |" in capsys.readouterr().out
+    assert list(scratch.iterdir()) == []          # a clean run removes its logs
+
+
+@pytest.mark.parametrize("argv", [["--clients", "0"], ["--seconds", "0"], ["--engines", "0"]])
+def test_bad_arguments_are_a_usage_error(argv):
+    with pytest.raises(SystemExit) as e:
+        gateway_load.main(argv)
+    assert e.value.code == 2
+
+
+def test_logs_are_removed_unless_kept(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for keep in (False, True):
+        procs = Processes("qc-test-", "a bench")
+        procs.spawn([sys.executable, "-c", "print('engine says hello')"], "engine-0").wait(timeout=30)
+        procs.stop(keep=keep)
+        assert procs.tmp.exists() is keep
+        assert all(log.closed for log in procs.logs)
+    assert (procs.tmp / "engine-0.log").read_text() == "engine says hello\n"
+    assert f"a bench: logs are in {procs.tmp}" in capsys.readouterr().err
+
+
+def test_a_process_that_dies_before_it_answers_is_named_with_its_log(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    procs = Processes("qc-test-", "a bench")
+    proc = procs.spawn([sys.executable, "-c", "import sys; print('bad flag'); sys.exit(3)"], "engine-0")
+
+    async def wait() -> None:
+        async with aiohttp.ClientSession() as s:
+            await procs.wait_http(s, "http://127.0.0.1:9/health", proc, "engine-0", timeout_s=30)
+
+    with pytest.raises(SystemExit) as e:
+        asyncio.run(wait())
+    assert str(e.value) == f"a bench: engine-0 exited with 3 (log: {procs.tmp / 'engine-0.log'})"
+    procs.stop(keep=True)
+    assert (procs.tmp / "engine-0.log").read_text() == "bad flag\n"
+
+
+def test_a_process_that_never_answers_times_out_with_its_log(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    procs = Processes("qc-test-", "a bench")
+    proc = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], "gateway")
+
+    async def wait() -> None:
+        async with aiohttp.ClientSession() as s:
+            await procs.wait_http(s, "http://127.0.0.1:9/health", proc, "gateway", timeout_s=0.3)
+
+    with pytest.raises(SystemExit, match=r"a bench: gateway did not answer http://127.0.0.1:9/health in 0s"):
+        asyncio.run(wait())
+    procs.stop(keep=False)
+    assert proc.poll() is not None and not procs.tmp.exists()
