@@ -147,7 +147,8 @@ async def main_async(args) -> dict:
             "gateway_alive_at_end": alive,
             "added_ttft_p50_ms": via["ttft_p50_ms"] - direct["ttft_p50_ms"],
             "added_ttft_p99_ms": via["ttft_p99_ms"] - direct["ttft_p99_ms"],
-            "gateway_rss_mib": {"start": rss[0] / 1024, "peak": max(rss) / 1024, "end": rss[-1] / 1024}}
+            "gateway_rss_mib": {"start": rss[0] / 1024, "peak": max(rss) / 1024, "end": rss[-1] / 1024},
+            "gateway_rss_mib_each_second": [round(r / 1024, 1) for r in rss]}
 
 
 def main(argv: list[str] | None = None) -> int:

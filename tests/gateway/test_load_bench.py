@@ -25,6 +25,8 @@ def test_both_phases_run_and_leave_nothing_behind(tmp_path, capsys, monkeypatch)
         assert doc[phase]["ttft_p50_ms"] > 0
     assert doc["gateway_alive_at_end"] is True
     assert doc["gateway_rss_mib"]["peak"] >= doc["gateway_rss_mib"]["start"] > 0
+    each = doc["gateway_rss_mib_each_second"]      # sampled each second: a leak shows as a slope
+    assert len(each) >= 2 and max(each) == round(doc["gateway_rss_mib"]["peak"], 1)
     assert "| through the gateway |" in capsys.readouterr().out
     assert list(scratch.iterdir()) == []          # a clean run removes its logs
 

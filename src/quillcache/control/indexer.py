@@ -102,7 +102,9 @@ class _Base:
         # per worker and tier: engine hash -> (scope id, router hash)
         self._engine: list[tuple[dict[BlockHash, tuple[int, int]], ...]] = []
         self._alias: dict[tuple[int, BlockHash], int] = {}
-        self._direct: list[list[int]] = []   # per worker and tier: blocks told by add_blocks (not deduplicated)
+        # per worker and tier: key -> how many add_blocks calls hold it (less remove_blocks's): a
+        # block is added to the index when its first holder comes and leaves with its last
+        self._direct: list[tuple[dict[bytes, int], ...]] = []
         # per worker (id order, as a Match's columns): its device blocks, events' and add_blocks'
         self._device_n = np.zeros(8, np.int64)
         self.orphans = 0          # stored blocks whose parent this indexer never saw
@@ -118,7 +120,7 @@ class _Base:
             self._worker_ids[name] = w
             self._worker_names.append(name)
             self._engine.append(tuple({} for _ in range(_N_TIERS)))
-            self._direct.append([0] * _N_TIERS)
+            self._direct.append(tuple({} for _ in range(_N_TIERS)))
             if w == len(self._device_n):
                 self._device_n = np.concatenate([self._device_n, np.zeros(w, np.int64)])
         if pool:
@@ -217,6 +219,13 @@ class _Base:
         n = 0
         for tier, emap in enumerate(self._engine[w]):
             n += self.removed(w, list(emap), tier)
+        for tier, refs in enumerate(self._direct[w]):     # and what was told directly
+            keys = list(refs)
+            refs.clear()
+            if tier == DEVICE:
+                self._device_n[w] -= len(keys)
+            self._remove_keys(keys, w, tier)
+            n += len(keys)
         return n
 
     def tree_blocks(self, names: Sequence[str]) -> list[int]:
@@ -225,7 +234,7 @@ class _Base:
         out = []
         for name in names:
             w = self._worker_ids.get(name)
-            out.append(0 if w is None else sum(map(len, self._engine[w])) + sum(self._direct[w]))
+            out.append(0 if w is None else sum(map(len, self._engine[w])) + sum(map(len, self._direct[w])))
         return out
 
     def device_blocks(self, names: Sequence[str]) -> list[int]:
@@ -241,21 +250,39 @@ class _Base:
 
     # ---- direct use (tests, the approximate mode): router hashes, no engine hashes
     def add_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int], tier: int) -> None:
+        """Residency told directly (tests, predict-on-route, the approximate mode), counted:
+        a block told twice is indexed and counted once, and leaves with its last
+        ``remove_blocks``."""
         w = self.worker(worker, tier == POOL)
-        self._direct[w][tier] += len(hashes)
+        refs = self._direct[w][tier]
+        new = []
+        for k in map(_KEY.pack, repeat(self.scope_id(scope)), hashes):
+            n = refs.get(k, 0)
+            refs[k] = n + 1
+            if not n:
+                new.append(k)
         if tier == DEVICE:
-            self._device_n[w] += len(hashes)
-        self._add_keys(list(map(_KEY.pack, repeat(self.scope_id(scope)), hashes)), w, tier)
+            self._device_n[w] += len(new)
+        self._add_keys(new, w, tier)
 
     def remove_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int], tier: int) -> None:
+        """Undo one ``add_blocks`` of each block; one never told is left alone."""
         w = self._worker_ids.get(worker)
         sid = self._scope_ids.get(scope)
-        if w is not None and sid is not None:
-            gone = min(self._direct[w][tier], len(hashes))
-            self._direct[w][tier] -= gone
-            if tier == DEVICE:
-                self._device_n[w] -= gone
-            self._remove_keys(list(map(_KEY.pack, repeat(sid), hashes)), w, tier)
+        if w is None or sid is None:
+            return
+        refs = self._direct[w][tier]
+        gone = []
+        for k in map(_KEY.pack, repeat(sid), hashes):
+            n = refs.get(k, 0)
+            if n > 1:
+                refs[k] = n - 1
+            elif n == 1:
+                del refs[k]
+                gone.append(k)
+        if tier == DEVICE:
+            self._device_n[w] -= len(gone)
+        self._remove_keys(gone, w, tier)
 
     def find_matches(self, scope: Optional[IdentityScope], hashes: Sequence[int]) -> Match:
         raise NotImplementedError

@@ -726,7 +726,10 @@ class Router:
     # ---- approximate mode: residency predicted from routing, forgotten after a TTL
     def _predict(self, worker: str, scope: IdentityScope, hashes: Sequence[int]) -> None:
         expiry = time.monotonic() + self.config.approx_ttl_s
-        self.indexer.add_blocks(worker, scope, hashes, DEVICE)
+        # A block predicted again only lives longer: it was added once and _expire removes it once.
+        new = [h for h in hashes if (worker, scope, h) not in self._approx]
+        if new:
+            self.indexer.add_blocks(worker, scope, new, DEVICE)
         for h in hashes:
             self._approx[(worker, scope, h)] = expiry
             heapq.heappush(self._approx_heap, (expiry, worker, scope, h))

@@ -10,7 +10,9 @@ comes from two sources, both identity-scoped:
   under the request's full identity.  A sweep keeps a prediction while the engine's events
   show the same block chain on that worker (confirmed) and drops it when they do not
   (contradicted: never stored, removed, or cleared).  For an engine without events a
-  prediction lives ``[gateway] predict_ttl``.
+  prediction lives ``[gateway] predict_ttl``.  A request of the open tenant is not predicted
+  where its engine sends events (the events' own scope: they alone say what it holds), and a
+  prefix predicted again counts its blocks once (the indexer counts ``add_blocks`` per block).
 
 So a tenant-b request never earns credit for tenant a's prefix.  The decision's figures
 (overlap, local hits, plan) are the request's own identity's whatever the policy; how many
@@ -242,13 +244,19 @@ class GatewayRouter:
         mr = self._of_worker.get(worker)
         if not hashes or mr is None:             # nothing to record, or the engine left meanwhile
             return
+        has_events = bool(mr.specs[worker].kv_events)
+        if has_events and identity.tenant_id == "":
+            # The engine's own event scope: its events say what it holds, and a prediction
+            # would only double their blocks (and outlive them where the events chain the
+            # blocks from a parent this gateway never saw, as after a restart).
+            return
         now = self._clock()
         key = (worker, identity, hashes[-1])
-        if key in self._predictions:
-            p = self._predictions.pop(key)          # re-inserted last: the freshest
+        old = self._predictions.pop(key, None)
+        if old is not None:
+            self._drop(old)                         # predicted again: its blocks count once
         elif len(self._predictions) >= MAX_PREDICTIONS:
             self._drop(self._predictions.popitem(last=False)[1])
-        has_events = bool(mr.specs[worker].kv_events)
         p = _Prediction(worker, identity, tuple(hashes), now + CONFIRM_AFTER_S,
                         float("inf") if has_events else now + self.predict_ttl)
         self._predictions[key] = p
@@ -276,9 +284,6 @@ class GatewayRouter:
                 dropped += 1
                 continue
             if now < p.checked_at or p.expires_at != float("inf"):
-                continue
-            if p.scope.tenant_id == "":
-                del self._predictions[key]           # the events' own scope: nothing to confirm
                 continue
             mr = self._of_worker[p.worker]
             m = mr.router.find_matches(self._engine_scope(p.scope), p.hashes)
