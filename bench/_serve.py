@@ -1,9 +1,11 @@
 """Processes a bench starts on this machine (simulated engines, a gateway): each one's output
 in a log under one scratch folder, a wait for its HTTP port that notices it dying, and a stop
-that removes the folder unless asked to keep it (or the run failed), saying where it is."""
+that removes the folder unless asked to keep it (or the run failed), saying where it is.
+``scratch`` is the same rule for a bench's folder alone (the cluster benches' etcd and nodes)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -12,11 +14,25 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import aiohttp
 
 START_TIMEOUT_S = 60.0          # seconds each process has to come up
 STOP_TIMEOUT_S = 15.0           # seconds each has to exit on SIGTERM before it is killed
+
+
+@contextlib.contextmanager
+def scratch(prefix: str, what: str) -> Iterator[Path]:
+    """A scratch folder for one run: removed when the run ends well, kept (and named on stderr)
+    when it raises, so that its logs can be read."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield tmp
+    except BaseException:
+        print(f"{what}: logs are in {tmp}", file=sys.stderr, flush=True)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Processes:

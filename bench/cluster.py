@@ -33,7 +33,6 @@ import signal
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from quillcache.protocol.opcodes import Opcode
 from tests._support.cluster import Pool, cluster_view, member, unix_addr
 from tests._support.etcd import EtcdServer
 from bench._rawsock import REQUEST, accept, listen, raw_server, recv_exact
+from bench._serve import scratch
 
 
 def key(i: int, tag: str) -> KvBlockKey:
@@ -65,12 +65,14 @@ def batch_seconds(client: Client, keys, size: int, check: bytes) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(one, other, batches, rounds: int) -> tuple[float, float, float]:
-    """Time ``one(batch)`` and ``other(batch)`` alternately (the order flips every round);
-    returns (median seconds of one batch, of the other, median of the adjacent ratios
-    one/other: the throughput of ``other`` relative to ``one``)."""
+def interleaved(one, other, batches, rounds: int, first_round: int = 0) -> tuple[float, float, float]:
+    """Time ``one(batch)`` and ``other(batch)`` alternately (the order flips every round; a
+    caller running one round at a time passes its round number as ``first_round``, so that
+    the order flips between its calls too); returns (median seconds of one batch, of the
+    other, median of the adjacent ratios one/other: the throughput of ``other`` relative to
+    ``one``)."""
     t_one, t_other, ratios = [], [], []
-    for r in range(rounds):
+    for r in range(first_round, first_round + rounds):
         for batch in batches:
             if r % 2:
                 b = other(batch)
@@ -280,8 +282,7 @@ def main(argv=None) -> int:
     ap.add_argument("--locate-samples", type=int, default=3000)
     ap.add_argument("--detect-trials", type=int, default=3)
     args = ap.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="qc-bench-cluster-"))
-    with EtcdServer(tmp / "etcd") as etcd, \
+    with scratch("qc-bench-cluster-", "bench/cluster.py") as tmp, EtcdServer(tmp / "etcd") as etcd, \
             Pool(tmp, etcd.endpoint, 3, lease_ttl="3s", dram="1GiB", max_block="16MiB",
                  cache_remote=False, hop_timeout="2s", sections={"store": "prefault = true"}) as pool:
         pool.wait_members(3, timeout=30)

@@ -14,7 +14,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from quillcache import Client
 from quillcache._native.crc import crc32c
 from tests._support.cluster import Pool, member
 from tests._support.etcd import EtcdServer
+from bench._serve import scratch
 
 
 def login_vs_hello(addr: str, samples: int) -> tuple[float, float]:
@@ -54,8 +54,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=200)
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="qc-login-"))
-    with EtcdServer(tmp / "etcd") as etcd, Pool(tmp, etcd.endpoint, 1, lease_ttl="3s") as pool:
+    with scratch("qc-login-", "bench/cluster_login.py") as tmp, EtcdServer(tmp / "etcd") as etcd, \
+            Pool(tmp, etcd.endpoint, 1, lease_ttl="3s") as pool:
         pool.wait_members(1)
         plain, login = login_vs_hello(pool["a"].addr, args.samples)
     print(f"connect + HELLO, p50              {plain * 1e3:8.3f} ms")

@@ -32,7 +32,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from cluster import BATCH, batch_seconds, interleaved, key  # noqa: E402  (bench
 from quillcache import Client  # noqa: E402
 from tests._support.cluster import Pool  # noqa: E402
 from tests._support.etcd import EtcdServer  # noqa: E402
+from bench._serve import scratch  # noqa: E402
 
 KINDS = {"tcp": ("tcp", None, {}), "nixl": ("nixl", None, {}), "nixl-ucx-tcp": ("nixl", "tcp", {}),
          "nixl-no-reuse": ("nixl", None, {"grant_reuse": "0s"}),
@@ -140,8 +140,10 @@ def measure(sides: dict[str, Side], rounds: int) -> dict[str, tuple[float, float
         # last one measured ran slow locally in every run) falls on each in turn
         for name in names[r % len(names):] + names[:r % len(names)]:
             s = sides[name]
+            # one round at a time: its number flips which read goes first (the second finds the
+            # batch's pages warm from the first)
             lo, re, ratio = interleaved(lambda ks, s=s: s.timed(s.a, ks), lambda ks, s=s: s.timed(s.b, ks),
-                                        s.batches(), 1)
+                                        s.batches(), 1, first_round=r)
             n = len(s.batches()[0])
             per[name][0].append(n * s.size / lo)
             per[name][1].append(n * s.size / re)
@@ -190,9 +192,8 @@ def main(argv=None) -> int:
     for n in names:
         if n not in KINDS:
             raise SystemExit(f"--transport {n!r}: one of {', '.join(KINDS)}")
-    tmp = Path(tempfile.mkdtemp(prefix="qc-bench-transport-"))
     pools: dict[str, Pool] = {}
-    with EtcdServer(tmp / "etcd") as etcd:
+    with scratch("qc-bench-transport-", "bench/cluster_transport.py") as tmp, EtcdServer(tmp / "etcd") as etcd:
         try:
             for n in names:
                 kind, tls, more = KINDS[n]

@@ -125,10 +125,16 @@ class Pool:
         return daemon
 
     def start(self) -> "Pool":
-        for daemon in self.nodes.values():
-            daemon.start(wait=False)
-        for daemon in self.nodes.values():
-            daemon.wait_ready()
+        """Start every node, then wait for each; one that does not come up stops them all
+        (``__exit__`` does not run when ``__enter__`` raises)."""
+        try:
+            for daemon in self.nodes.values():
+                daemon.start(wait=False)
+            for daemon in self.nodes.values():
+                daemon.wait_ready()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __getitem__(self, letter: str) -> Daemon:

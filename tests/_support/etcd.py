@@ -62,7 +62,11 @@ class EtcdServer:
             "--initial-cluster", f"qc={peer}", "--initial-cluster-state", "new",
             "--log-level", "warn", "--logger", "zap"],
             stdout=self._log, stderr=subprocess.STDOUT)
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop(signal.SIGKILL)       # not left running: __exit__ does not run when __enter__ raises
+            raise
         return self
 
     def wait_ready(self) -> None:

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from bench import gateway_load
-from bench._serve import Processes
+from bench._serve import Processes, scratch
 
 
 def test_both_phases_run_and_leave_nothing_behind(tmp_path, capsys, monkeypatch):
@@ -79,3 +79,16 @@ def test_a_process_that_never_answers_times_out_with_its_log(tmp_path, monkeypat
         asyncio.run(wait())
     procs.stop(keep=False)
     assert proc.poll() is not None and not procs.tmp.exists()
+
+
+def test_a_scratch_folder_goes_when_the_run_ends_well_and_stays_when_it_raises(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with scratch("qc-test-", "a bench") as tmp:
+        (tmp / "etcd.log").write_text("fine")
+    assert not tmp.exists()
+    with pytest.raises(ValueError):
+        with scratch("qc-test-", "a bench") as tmp:
+            (tmp / "etcd.log").write_text("what went wrong")
+            raise ValueError("the bench failed")
+    assert (tmp / "etcd.log").read_text() == "what went wrong"
+    assert f"a bench: logs are in {tmp}" in capsys.readouterr().err
