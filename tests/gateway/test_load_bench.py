@@ -50,33 +50,22 @@ def test_logs_are_removed_unless_kept(tmp_path, capsys, monkeypatch):
     assert f"a bench: logs are in {procs.tmp}" in capsys.readouterr().err
 
 
-def test_a_process_that_dies_before_it_answers_is_named_with_its_log(tmp_path, monkeypatch):
+@pytest.mark.parametrize("code, name, timeout_s, said", [
+    ("import sys; print('bad flag'); sys.exit(3)", "engine-0", 30.0, "exited with 3"),
+    ("import time; time.sleep(60)", "gateway", 0.3, "did not answer http://127.0.0.1:9/health in 0s"),
+])
+def test_a_process_that_does_not_answer_is_named_with_its_log(tmp_path, monkeypatch, code, name, timeout_s, said):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     procs = Processes("qc-test-", "a bench")
-    proc = procs.spawn([sys.executable, "-c", "import sys; print('bad flag'); sys.exit(3)"], "engine-0")
+    proc = procs.spawn([sys.executable, "-c", code], name)
 
     async def wait() -> None:
         async with aiohttp.ClientSession() as s:
-            await procs.wait_http(s, "http://127.0.0.1:9/health", proc, "engine-0", timeout_s=30)
+            await procs.wait_http(s, "http://127.0.0.1:9/health", proc, name, timeout_s=timeout_s)
 
     with pytest.raises(SystemExit) as e:
         asyncio.run(wait())
-    assert str(e.value) == f"a bench: engine-0 exited with 3 (log: {procs.tmp / 'engine-0.log'})"
-    procs.stop(keep=True)
-    assert (procs.tmp / "engine-0.log").read_text() == "bad flag\n"
-
-
-def test_a_process_that_never_answers_times_out_with_its_log(tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    procs = Processes("qc-test-", "a bench")
-    proc = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], "gateway")
-
-    async def wait() -> None:
-        async with aiohttp.ClientSession() as s:
-            await procs.wait_http(s, "http://127.0.0.1:9/health", proc, "gateway", timeout_s=0.3)
-
-    with pytest.raises(SystemExit, match=r"a bench: gateway did not answer http://127.0.0.1:9/health in 0s"):
-        asyncio.run(wait())
+    assert str(e.value) == f"a bench: {name} {said} (log: {procs.tmp / name}.log)"
     procs.stop(keep=False)
     assert proc.poll() is not None and not procs.tmp.exists()
 
