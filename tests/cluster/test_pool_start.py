@@ -7,7 +7,7 @@ from tests._support.cluster import Pool
 
 
 def test_a_node_that_does_not_come_up_stops_the_ones_started_before_it(etcd, tmp_path):
-    pool = Pool(tmp_path / "pool", etcd.endpoint, 2)
+    pool = Pool(tmp_path / "pool", etcd.endpoint, 2, transport="tcp")     # no UCX: a killed node leaves no /dev/shm
     pool["b"].config.write_text("this is not a config [")
     with pytest.raises(RuntimeError, match="quillcached exited"):
         with pool:
