@@ -98,3 +98,22 @@ def test_a_removed_engine_leaves_no_predicted_block_behind():
     assert r.indexer.device_blocks(["e0", "e1"]) == [0, 3]
     m = r.find_matches(ALICE, [1, 2, 3])
     assert [int(m.depth(i)) for i in range(len(m.workers))] == [0 if w == "e0" else 3 for w in m.workers]
+
+
+def test_where_the_engine_sends_events_a_tenant_s_prediction_is_a_credit_not_more_pages():
+    from quillcache.control.events import BlockStored, EventBatch
+    clock = Clock()
+    gr, r = _router(WITH_EVENTS, clock)
+    bs = r.config.block_size
+    tokens = tuple(range(10 * bs))
+    hashes = r.hashes(tokens)
+    gr.predict("e0", ALICE, hashes)               # before any event: the prediction is all it knows
+    assert _device(r) == 10
+    engine_scope = IdentityScope("m", "m", None, "")
+    r.apply_events("e0", EventBatch(0.0, (BlockStored(tuple(range(1, 11)), None, tokens, bs),)), engine_scope)
+    assert _device(r) == 10                       # the engine's 10 pages, not 20
+    m = r.find_matches(ALICE, hashes)
+    assert int(m.depth(list(m.workers).index("e0"))) == 10       # and ALICE keeps her credit
+    clock.t += routing.CONFIRM_AFTER_S + 1
+    gr.sweep()                                    # confirmed by the events: kept
+    assert len(gr._predictions) == 1 and _device(r) == 10

@@ -105,8 +105,11 @@ class _Base:
         # per worker and tier: key -> how many add_blocks calls hold it (less remove_blocks's): a
         # block is added to the index when its first holder comes and leaves with its last
         self._direct: list[tuple[dict[bytes, int], ...]] = []
-        # per worker (id order, as a Match's columns): its device blocks, events' and add_blocks'
+        # per worker (id order, as a Match's columns): its device blocks, the pages they fill: the
+        # events' once the worker has sent one (what the engine holds), else add_blocks's
         self._device_n = np.zeros(8, np.int64)
+        self._direct_n = np.zeros(8, np.int64)     # device blocks told by add_blocks
+        self._evented: set[int] = set()             # workers that have sent an event batch
         self.orphans = 0          # stored blocks whose parent this indexer never saw
         self.bad_events = 0       # events with a token count that does not match
 
@@ -123,6 +126,7 @@ class _Base:
             self._direct.append(tuple({} for _ in range(_N_TIERS)))
             if w == len(self._device_n):
                 self._device_n = np.concatenate([self._device_n, np.zeros(w, np.int64)])
+                self._direct_n = np.concatenate([self._direct_n, np.zeros(w, np.int64)])
         if pool:
             self._pool_sources.add(w)
         return w
@@ -148,6 +152,12 @@ class _Base:
         ``lora_name`` replaces the adapter; a pool event's ``quill_scope`` replaces it all).
         Returns the number of blocks stored or removed."""
         w = self.worker(worker, pool)
+        if w not in self._evented:
+            # From its first event on, a worker's pages are what its events say it holds: a
+            # block told by add_blocks (a tenant's predicted prefix) is a credit over the same
+            # pages, not more of them.
+            self._evented.add(w)
+            self._device_n[w] -= self._direct_n[w]
         n = 0
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -223,7 +233,7 @@ class _Base:
             keys = list(refs)
             refs.clear()
             if tier == DEVICE:
-                self._device_n[w] -= len(keys)
+                self._count_direct(w, -len(keys))
             self._remove_keys(keys, w, tier)
             n += len(keys)
         return n
@@ -238,8 +248,8 @@ class _Base:
         return out
 
     def device_blocks(self, names: Sequence[str]) -> list[int]:
-        """Blocks each worker holds on its device (GPU) tier, as its events and ``add_blocks``
-        told: what fills its KV memory, O(1) per worker."""
+        """Blocks each worker holds on its device (GPU) tier: what fills its KV memory, as its
+        events told once it has sent one, else as ``add_blocks`` told; O(1) per worker."""
         ids = self._worker_ids
         return [0 if ids.get(n) is None else int(self._device_n[ids[n]]) for n in names]
 
@@ -262,7 +272,7 @@ class _Base:
             if not n:
                 new.append(k)
         if tier == DEVICE:
-            self._device_n[w] += len(new)
+            self._count_direct(w, len(new))
         self._add_keys(new, w, tier)
 
     def remove_blocks(self, worker: str, scope: IdentityScope, hashes: Sequence[int], tier: int) -> None:
@@ -281,8 +291,13 @@ class _Base:
                 del refs[k]
                 gone.append(k)
         if tier == DEVICE:
-            self._device_n[w] -= len(gone)
+            self._count_direct(w, -len(gone))
         self._remove_keys(gone, w, tier)
+
+    def _count_direct(self, w: int, n: int) -> None:
+        self._direct_n[w] += n
+        if w not in self._evented:
+            self._device_n[w] += n
 
     def find_matches(self, scope: Optional[IdentityScope], hashes: Sequence[int]) -> Match:
         raise NotImplementedError
