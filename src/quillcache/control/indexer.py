@@ -108,7 +108,6 @@ class _Base:
         # per worker (id order, as a Match's columns): its device blocks, the pages they fill: the
         # events' once the worker has sent one (what the engine holds), else add_blocks's
         self._device_n = np.zeros(8, np.int64)
-        self._direct_n = np.zeros(8, np.int64)     # device blocks told by add_blocks
         self._evented: set[int] = set()             # workers that have sent an event batch
         self.orphans = 0          # stored blocks whose parent this indexer never saw
         self.bad_events = 0       # events with a token count that does not match
@@ -126,7 +125,6 @@ class _Base:
             self._direct.append(tuple({} for _ in range(_N_TIERS)))
             if w == len(self._device_n):
                 self._device_n = np.concatenate([self._device_n, np.zeros(w, np.int64)])
-                self._direct_n = np.concatenate([self._direct_n, np.zeros(w, np.int64)])
         if pool:
             self._pool_sources.add(w)
         return w
@@ -157,7 +155,7 @@ class _Base:
             # block told by add_blocks (a tenant's predicted prefix) is a credit over the same
             # pages, not more of them.
             self._evented.add(w)
-            self._device_n[w] -= self._direct_n[w]
+            self._device_n[w] -= len(self._direct[w][DEVICE])
         n = 0
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -295,7 +293,8 @@ class _Base:
         self._remove_keys(gone, w, tier)
 
     def _count_direct(self, w: int, n: int) -> None:
-        self._direct_n[w] += n
+        """``n`` more (or fewer) device blocks told by ``add_blocks``: pages only for a worker
+        that has sent no event (one that has is counted by its events)."""
         if w not in self._evented:
             self._device_n[w] += n
 
