@@ -18,8 +18,10 @@ rewrite, which is what the target is set on; and of 256 keys never put before, a
 save of a new prefix is: each then also makes the block's entry and its residency record): the best of the rounds (the cost; the median on
 a shared machine is mostly other processes), the median, and the CPU seconds the client and
 the node spent per block (``time.process_time`` and /proc/<pid>/stat).  Every GET result is checked against what was
-put, outside the timed calls.  MB/s = MiB moved / seconds inside the calls (median of the
-rounds); ratios are against TCP in the same run.
+put, outside the timed calls.  The sides of a direction run interleaved, after one untimed
+call each: each round calls every side once, in an order rotated each round, so none is timed
+on arena pages or socket buffers that another side warmed for it.  MB/s = MiB moved / seconds
+inside the calls (median of the rounds); ratios are against TCP in the same run.
 
     python bench/local_path.py [--rounds N] [--no-pin]
 
@@ -56,13 +58,30 @@ def _keys(size: int):
     return [KvBlockKey("bench-model", "tok", None, "", "local-path", f"{size}-{i}", 0, 16) for i in range(BATCH)]
 
 
-def _timed(fn, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _interleaved(sides: dict, rounds: int, after=None) -> dict:
+    """Median seconds per call of each side in ``sides`` ({name: fn}).
+
+    Every side is called once untimed first (its first call touches arena pages and socket
+    buffers no other side has), then ``rounds`` rounds call every side once each, the order
+    rotated by one each round: no side always runs first, on pages its predecessor left cold
+    or warm, and a change in the machine's load falls on every side alike. ``after(name)``
+    runs outside the timing after each call (the byte checks).
+    """
+    names = list(sides)
+    times: dict = {n: [] for n in names}
+    for n in names:
+        sides[n]()
+        if after:
+            after(n)
+    for r in range(rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            sides[n]()
+            times[n].append(time.perf_counter() - t0)
+            if after:
+                after(n)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def _pin(node_pid: int, enabled: bool) -> str:
@@ -89,7 +108,6 @@ def run_size(tcp, uni, size: int, rounds: int) -> dict:
     bufs = [dst[i * size:(i + 1) * size] for i in range(BATCH)]
     sums = src.view(np.uint64).reshape(BATCH, -1).sum(axis=1, dtype=np.uint64)
     total = size * BATCH
-    res: dict = {}
 
     def check(what: str) -> None:
         if not np.array_equal(dst, src):
@@ -114,25 +132,27 @@ def run_size(tcp, uni, size: int, rounds: int) -> dict:
             for v, b in zip(views, blocks):
                 np.copyto(np.frombuffer(v, np.uint8), b)
 
-    res["put tcp"] = total / _timed(lambda: tcp.put_many(items), rounds)
-    res["put unix memcpy"] = total / _timed(lambda: uni.put_many(items), rounds)
-    res["put reserved"] = total / _timed(reserved, rounds)
     per = max(1, TCP_REPLY_BYTES // size)
 
     def tcp_get():
         for i in range(0, BATCH, per):      # the client takes GET_MANY replies up to 256 MiB
             tcp.get_many_into(keys[i:i + per], bufs[i:i + per])
 
-    for name, fn in (("get tcp", tcp_get),
-                     ("get unix memcpy", lambda: uni.get_many_into(keys, bufs)),
-                     ("get located copy", located_copy)):
-        fn()
-        check(name)                      # once untimed (and checked), then timed
-        res[name] = total / _timed(fn, rounds)
-        check(name)
-    res["get located read"] = total / _timed(located_read, rounds)
-    if not np.array_equal(np.array(got_sums, dtype=np.uint64), sums):
-        raise SystemExit("get located read: wrong bytes")
+    puts = _interleaved({"put tcp": lambda: tcp.put_many(items),
+                         "put unix memcpy": lambda: uni.put_many(items),
+                         "put reserved": reserved}, rounds)
+
+    def checked(name: str) -> None:
+        if name != "get located read":
+            check(name)
+        elif not np.array_equal(np.array(got_sums, dtype=np.uint64), sums):
+            raise SystemExit("get located read: wrong bytes")
+
+    gets = _interleaved({"get tcp": tcp_get,
+                         "get unix memcpy": lambda: uni.get_many_into(keys, bufs),
+                         "get located copy": located_copy,
+                         "get located read": located_read}, rounds, after=checked)
+    res = {name: total / t for name, t in (puts | gets).items()}
     return res
 
 
