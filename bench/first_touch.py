@@ -9,7 +9,8 @@ budget then), its RSS right after start, and MB/s of three passes of PUTs (``put
 ``batch`` values, about 4 MiB a request) and one of GETs (``get_many``) over the working set.
 Pass 1 writes fresh arena pages unless the arena was prefaulted; a replaced value's slot is
 freed after its new one is published, so pass 2 may still land on pages never touched.
-MiB = 2^20 bytes; "MB/s" here is MiB/s.  Best of ``--runs`` per column.
+MiB = 2^20 bytes; "MB/s" here is MiB/s.  Best of ``--runs`` per column; the last row is
+each column with the prefault over the same column without it, both measured in this run.
 """
 import argparse
 import os
@@ -88,6 +89,9 @@ def main(argv=None) -> int:
         b = best[prefault]
         print(f"| {str(prefault).lower()} | {b['start_s']:.2f} | {b['rss_after_start'] / 2**20:.0f} | {b['put1']:.0f} | "
               f"{b['put2']:.0f} | {b['put3']:.0f} | {b['get']:.0f} |")
+    off, on = best[False], best[True]
+    cols = ("start_s", "rss_after_start", "put1", "put2", "put3", "get")
+    print("| true / false | " + " | ".join(f"{on[k] / off[k]:.2f}x" if off[k] else "-" for k in cols) + " |")
     return 0
 
 
