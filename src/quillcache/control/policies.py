@@ -17,8 +17,10 @@ Peers, each as its project documents it (sources in ``docs/router.md``):
   moving it costs less than recomputing it, the transfer time is added and the prefix counted
   as present.  The minimum wins.
 
-``predict_ttft`` is the ``quillcache`` policy: the predicted time to first token on each worker
-in microseconds, from the ``CostModel`` and measured link rates (``RouterConfig``).
+``predict_ttft`` is the ``quillcache`` policy's predictor: the predicted time to first token on
+each worker in microseconds, from the ``CostModel`` and measured link rates (``RouterConfig``);
+``predict_placement`` is how the router asks it (the pool as the means of a spread, not a reason
+for one).
 """
 from __future__ import annotations
 

@@ -449,10 +449,10 @@ class Router:
             elif policy == "quillcache":
                 excess, saved = self.demand.excess(self._slots)
                 pred = predict_placement(cand, cfg.cost, block_bytes=self._block_bytes,
-                                    batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
-                                    device_share=self.stats.device_share, pool_share=self.stats.pool_share,
-                                    stretch=self.busy.stretch(len(self._loads)),
-                                    excess=excess, saved=saved)
+                                         batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
+                                         device_share=self.stats.device_share, pool_share=self.stats.pool_share,
+                                         stretch=self.busy.stretch(len(self._loads)),
+                                         excess=excess, saved=saved)
                 if cfg.goodput_placement:
                     pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=self.ttft_tail)
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
