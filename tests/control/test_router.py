@@ -278,8 +278,8 @@ def memory_wait(cfg, inflight, name, scope, hashes, n_tokens, decodes):
 def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, inflight=()):
     """(logits, choices allowed, per-worker facts) computed worker by worker from the dict
     indexer's match, the requests in prefill and the loads as the test set them."""
-    from quillcache.control.policies import (Candidates, goodput_placement, llmd_scores, mooncake_scores,
-                                             predict_placement, sglang_scores)
+    from quillcache.control.policies import (Candidates, goodput_placement, llmd_scores, mooncake_scores, predict_ttft,
+                                             sglang_scores)
     from quillcache.control.router import BLIND_POLICIES
     cfg = router.config
     scoped = ref.find_matches(scope, hashes).as_dict()
@@ -330,10 +330,9 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, infligh
         cand = Candidates(tuple(names), *col, a(apt), a(preq), a(req), trees, n_tokens, len(hashes), cfg.block_size,
                           waits, free)
         if policy == "quillcache":
-            pred = predict_placement(cand, cfg.cost, block_bytes=router._block_bytes, batch_tokens=cfg.batch_tokens,
-                                     pool_us_per_mb=router._pool_us_per_mb, device_share=router.stats.device_share,
-                                     pool_share=router.stats.pool_share,
-                                     stretch=router.busy.stretch(len(router.workers)))
+            pred = predict_ttft(cand, cfg.cost, block_bytes=router._block_bytes, batch_tokens=cfg.batch_tokens,
+                                pool_us_per_mb=router._pool_us_per_mb, device_share=router.stats.device_share,
+                                pool_share=router.stats.pool_share, stretch=router.busy.stretch(len(router.workers)))
             if cfg.goodput_placement:
                 pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=router.ttft_tail)
             logits = pred.score.tolist()

@@ -17,14 +17,11 @@ Peers, each as its project documents it (sources in ``docs/router.md``):
   moving it costs less than recomputing it, the transfer time is added and the prefix counted
   as present.  The minimum wins.
 
-``predict_ttft`` is the ``quillcache`` policy's predictor: the predicted time to first token on
-each worker in microseconds, from the ``CostModel`` and measured link rates (``RouterConfig``);
-``predict_placement`` is how the router asks it (the pool as the means of a spread, not a reason
-for one).
+``predict_ttft`` is the ``quillcache`` policy: the predicted time to first token on each worker
+in microseconds, from the ``CostModel`` and measured link rates (``RouterConfig``).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -38,8 +35,7 @@ from quillcache.control.model import CostModel
 
 __all__ = ["Candidates", "Prediction", "SGLANG_BALANCE_ABS", "SGLANG_BALANCE_REL", "SGLANG_CACHE_THRESHOLD",
            "LLMD_QUEUE_WEIGHT", "LLMD_PREFIX_WEIGHT", "sglang_scores", "llmd_scores", "mooncake_scores",
-           "predict_ttft", "predict_placement", "goodput_placement", "TailQuantile", "BusyShare", "DemandShare",
-           "chance"]
+           "predict_ttft", "goodput_placement", "TailQuantile", "BusyShare", "DemandShare", "chance"]
 
 # SGLang model gateway, cache_aware defaults (sgl-router ``CacheAwareConfig``)
 SGLANG_BALANCE_ABS = 64           # requests
@@ -433,35 +429,3 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
         _block_us(cost.local_ssd_us_per_mb, block_bytes), pool_us, refill, device_share, stretch,
         None if excess is None else _typed(excess, np.float64), None if saved is None else _typed(saved, np.float64))
     return Prediction(score, ttft, pool, wait)
-
-
-def predict_placement(c: Candidates, cost: CostModel, **kw) -> Prediction:
-    """``predict_ttft`` with the pool as the means of a spread, not a reason for one.
-
-    Credited with the pool, every worker looks nearly as good as the holder of a prefix: loading
-    it costs a few microseconds a token.  Requests for a shared prefix (a document, a template)
-    then leave its holder for any shorter queue, the prefix is copied onto every worker, the
-    workers' caches hold the same few prefixes instead of different ones, and short requests
-    share every worker with long ones.  None of that is in one request's prediction.  So whether
-    a request leaves the worker(s) holding its prefix deepest on the device is decided as if the
-    pool held nothing past what each worker holds: it leaves when recomputing elsewhere beats
-    waiting there, which is the spread of a hot prefix without a pool.  A request that leaves, or
-    whose prefix no worker holds on its device, is placed with the pool credited, and loads what
-    it can from the pool.  Where it stays, the holders keep their credited scores (a holder
-    loads from the pool what follows its device prefix) and the others are scored without the
-    pool; the predicted TTFTs and the blocks loaded are the credited ones.  ``kw`` are
-    ``predict_ttft``'s."""
-    credited = predict_ttft(c, cost, **kw)
-    if not len(c.device) or not np.any(c.pool):
-        return credited
-    top = int(np.max(c.device))
-    if top == 0:
-        return credited
-    alone = predict_ttft(dataclasses.replace(c, pool=np.zeros_like(c.pool)), cost, **kw)
-    held = c.device == top
-    if not held[int(np.argmin(alone.score))]:
-        return credited
-    # It stays: the holders are scored as what they would do (credited: the pool cheapens only
-    # their own score, so one of them still wins), the others as without the pool.
-    return Prediction(np.where(held, credited.score, alone.score), credited.ttft_us, credited.pool_blocks,
-                      credited.wait_us)

@@ -46,8 +46,8 @@ from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
 from quillcache.control.inflight import InFlightBlocks, PagePlan, page_plan
 from quillcache.control.model import H200_LLAMA3_8B, TCP_BYTES_PER_S, CostModel, us_per_mib
 from quillcache.control.policies import (
-    BusyShare, Candidates, DemandShare, TailQuantile, goodput_placement, llmd_scores, mooncake_scores,
-    predict_placement, sglang_scores,
+    BusyShare, Candidates, DemandShare, TailQuantile, goodput_placement, llmd_scores, mooncake_scores, predict_ttft,
+    sglang_scores,
 )
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sketch import CountMinSketch
@@ -448,11 +448,11 @@ class Router:
                 choice = self._select(logits)
             elif policy == "quillcache":
                 excess, saved = self.demand.excess(self._slots)
-                pred = predict_placement(cand, cfg.cost, block_bytes=self._block_bytes,
-                                         batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
-                                         device_share=self.stats.device_share, pool_share=self.stats.pool_share,
-                                         stretch=self.busy.stretch(len(self._loads)),
-                                         excess=excess, saved=saved)
+                pred = predict_ttft(cand, cfg.cost, block_bytes=self._block_bytes,
+                                    batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
+                                    device_share=self.stats.device_share, pool_share=self.stats.pool_share,
+                                    stretch=self.busy.stretch(len(self._loads)),
+                                    excess=excess, saved=saved)
                 if cfg.goodput_placement:
                     pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=self.ttft_tail)
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
