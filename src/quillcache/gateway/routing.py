@@ -253,14 +253,16 @@ class GatewayRouter:
         now = self._clock()
         key = (worker, identity, hashes[-1])
         old = self._predictions.pop(key, None)
-        if old is not None:
-            self._drop(old)                         # predicted again: its blocks count once
-        elif len(self._predictions) >= MAX_PREDICTIONS:
+        if old is None and len(self._predictions) >= MAX_PREDICTIONS:
             self._drop(self._predictions.popitem(last=False)[1])
         p = _Prediction(worker, identity, tuple(hashes), now + CONFIRM_AFTER_S,
                         float("inf") if has_events else now + self.predict_ttl)
         self._predictions[key] = p
         mr.router.add_blocks(worker, identity, hashes, DEVICE)
+        if old is not None:
+            # Predicted again: its blocks count once.  Dropped after the add, so the blocks both
+            # hold only change their count (the index is not emptied and refilled).
+            self._drop(old)
 
     def _drop(self, p: _Prediction, keep: int = 0) -> None:
         mr = self._of_worker[p.worker]
