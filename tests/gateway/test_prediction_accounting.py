@@ -14,20 +14,13 @@ from quillcache.gateway import routing
 from quillcache.gateway.routing import GatewayRouter
 from quillcache.gateway.settings import load_gateway_config
 from quillcache.model import IdentityScope
+from tests._support.clock import Clock
 
 WITH_EVENTS = ('[[gateway.engines]]\nid = "e0"\nurl = "http://127.0.0.1:9000"\nmodel = "m"\n'
                'kv_events = "tcp://127.0.0.1:9100"\n')
 NO_EVENTS = '[[gateway.engines]]\nid = "e0"\nurl = "http://127.0.0.1:9000"\nmodel = "m"\n'
 OPEN = IdentityScope("m", "m", None, "")           # no API key: the engine's own event scope
 ALICE = IdentityScope("m", "m", None, "alice")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _router(text: str, clock: Clock) -> tuple[GatewayRouter, Router]:
