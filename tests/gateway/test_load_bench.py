@@ -50,11 +50,12 @@ def test_logs_are_removed_unless_kept(tmp_path, capsys, monkeypatch):
     assert f"a bench: logs are in {procs.tmp}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("code, name, timeout_s, said", [
-    ("import sys; print('bad flag'); sys.exit(3)", "engine-0", 30.0, "exited with 3"),
-    ("import time; time.sleep(60)", "gateway", 0.3, "did not answer http://127.0.0.1:9/health in 0s"),
+@pytest.mark.parametrize("code, name, timeout_s, said, logged", [
+    ("import sys; print('bad flag'); sys.exit(3)", "engine-0", 30.0, "exited with 3", "bad flag\n"),
+    ("import time; time.sleep(60)", "gateway", 0.3, "did not answer http://127.0.0.1:9/health in 0s", ""),
 ])
-def test_a_process_that_does_not_answer_is_named_with_its_log(tmp_path, monkeypatch, code, name, timeout_s, said):
+def test_a_process_that_does_not_answer_is_named_with_its_log(tmp_path, monkeypatch, code, name, timeout_s, said,
+                                                               logged):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     procs = Processes("qc-test-", "a bench")
     proc = procs.spawn([sys.executable, "-c", code], name)
@@ -66,6 +67,7 @@ def test_a_process_that_does_not_answer_is_named_with_its_log(tmp_path, monkeypa
     with pytest.raises(SystemExit) as e:
         asyncio.run(wait())
     assert str(e.value) == f"a bench: {name} {said} (log: {procs.tmp / name}.log)"
+    assert (procs.tmp / f"{name}.log").read_text() == logged      # the log it names holds the output
     procs.stop(keep=False)
     assert proc.poll() is not None and not procs.tmp.exists()
 
