@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from quillcache.control.indexer import DEVICE, POOL, ArtIndexer, chain_hashes
 from quillcache.control.inflight import page_wait_us
 from quillcache.control.model import TCP_BYTES_PER_S, CostModel, us_per_mib
-from quillcache.control.policies import BusyShare, DemandShare, TailQuantile, chance
+from quillcache.control.policies import BranchPoints, BusyShare, DemandShare, TailQuantile, chance
 from quillcache.control.router import Router, RouterConfig
 from quillcache.control.sim.engine import EngineConfig, H200_LLAMA3_8B
 from quillcache.control.sim.replay import build_requests, run_policy
@@ -19,6 +19,7 @@ from quillcache.control.sim.trace import TraceRequest, assign_tenants
 from quillcache.model import IdentityScope
 
 A = IdentityScope("m", "t", None, "acme")
+B = IdentityScope("m", "t", None, "globex")
 BS = 4
 KV = 131072                              # bytes per token: a block of 4 tokens is 0.5 MiB
 COST = CostModel()                       # 45 us per prefill token, 55 us per MiB from host
@@ -142,6 +143,82 @@ def test_pool_lets_the_idle_worker_take_the_hot_prefix():
     r.indexer.add_blocks("node", A, h, POOL)    # with the pool, w1: 4 x 45 + 15 x 0.5 MiB x 55 = 592 us
     d = r.route(A, hashes=h, request_tokens=64, track=False)
     assert d.worker == "w1" and d.plan_names() == ["pool"] * 15 + ["recompute"]
+
+
+def doc_and(*tails):
+    """A 16-block document, then one block per tail (a question, a turn)."""
+    return chain_hashes(toks(16) + [t for tail in tails for t in [1000 + tail] * BS], BS)
+
+
+def test_a_prefix_requests_branch_from_leaves_its_holder_as_without_a_pool():
+    """w0 holds a 16-block document on its device behind 30 queued tokens (w0: (30 + 4) x 45 =
+    1530 us for a request of the document and one block more); the pool holds it too (w1: 4 x
+    45 + 16 x 0.5 MiB x 55 us = 620 us).  While no arrival has branched from the document, a
+    request follows the pool to w1, as a private context would.  Once an arrival went on from it
+    with another block (a second question on the same document), whether to leave w0 is decided
+    without the pool: w1 would recompute 68 tokens (3060 us), so it stays."""
+    r = router("quillcache", workers=("w0", "w1"))
+    r.indexer.add_blocks("w0", A, doc_and()[:16], DEVICE)
+    r.indexer.add_blocks("node", A, doc_and()[:16], POOL)
+    set_load(r, "w0", 30, 1, 1)
+    q1 = doc_and(1)
+    d = r.route(A, hashes=q1, request_tokens=68, track=False)
+    assert d.worker == "w1" and d.plan_names() == ["pool"] * 16 + ["recompute"]
+    r.route(A, hashes=doc_and(2), request_tokens=68, track=False)      # a probe records nothing
+    assert r.route(A, hashes=q1, request_tokens=68, track=False).worker == "w1"
+    r.route(A, hashes=doc_and(2), request_tokens=68, candidates=["w1"], request_id="q2")  # tracked: it branched off
+    r.free("q2")                                                        # (and holds nothing on w1 now)
+    set_load(r, "w0", 30, 1, 1)
+    set_load(r, "w1", 0, 0, 0)
+    d = r.route(A, hashes=q1, request_tokens=68, track=False)
+    assert d.worker == "w0" and d.plan_names() == ["device"] * 16 + ["recompute"]
+    assert d.predicted_ttft_us == pytest.approx(1530) and d.logits["w1"] > d.logits["w0"]
+    # a continuation of the arrival's own chain (its next turn) is no branch: it follows the pool
+    d = r.route(A, hashes=doc_and(2, 3), request_tokens=72, track=False)
+    assert d.worker == "w1" and d.plan_names() == ["pool"] * 16 + ["recompute"] * 2
+    # behind 200 queued tokens it leaves even without the pool (the spread of a hot prefix), and
+    # the pool makes the move a load
+    set_load(r, "w0", 200, 1, 1)
+    d = r.route(A, hashes=q1, request_tokens=68, track=False)
+    assert d.worker == "w1" and d.plan_names() == ["pool"] * 16 + ["recompute"]
+    assert d.predicted_ttft_us == pytest.approx(620)
+
+
+def test_another_tenants_branches_say_nothing_of_a_prefix():
+    """Tenant B's requests branch from the same document under B's identity (B's own copy on
+    w0): A's request still follows the pool, as if B had sent nothing."""
+    r = router("quillcache", workers=("w0", "w1"))
+    for scope in (A, B):
+        r.indexer.add_blocks("w0", scope, doc_and()[:16], DEVICE)
+        r.indexer.add_blocks("node", scope, doc_and()[:16], POOL)
+    for tail in (1, 2, 3):
+        r.route(B, hashes=doc_and(tail), request_tokens=68, candidates=["w1"], request_id=f"b{tail}")
+        r.free(f"b{tail}")
+    set_load(r, "w0", 30, 1, 1)
+    set_load(r, "w1", 0, 0, 0)
+    assert r.route(B, hashes=doc_and(4), request_tokens=68, track=False).worker == "w0"   # B's own: branched
+    d = r.route(A, hashes=doc_and(4), request_tokens=68, track=False)
+    assert d.worker == "w1" and d.plan_names() == ["pool"] * 16 + ["recompute"]
+
+
+def test_branch_points_over_a_window():
+    b = BranchPoints(window=3)
+    assert not b.branched("p", "x")                      # nothing seen
+    b.add("p", "x")
+    assert not b.branched("p", "x") and b.branched("p", "y")
+    assert b.branched("p", None)                         # ending at the prefix: unlike any other
+    b.add("q", None)
+    assert b.branched("q", "x") and b.branched("q", None)
+    b.add(None, None)                                    # an arrival that reused nothing
+    assert b.branched("p", "y")
+    b.add(None, None)                                    # "p" leaves the window of 3
+    assert not b.branched("p", "y") and b.branched("q", "x")
+    b.add("q", "x")
+    b.add("q", "x")                                      # "q"'s None has left: only x now
+    assert not b.branched("q", "x") and b.branched("q", "y")
+    assert b._next == {"q": {"x": 2}}                    # nothing outlives the window
+    with pytest.raises(ValueError, match="BranchPoints"):
+        BranchPoints(window=0)
 
 
 def test_a_hot_prefix_spreads_when_the_holder_queue_exceeds_recomputing_it():

@@ -275,11 +275,12 @@ def memory_wait(cfg, inflight, name, scope, hashes, n_tokens, decodes):
                         cfg.cost.decode_us_per_token + cfg.cost.running_decode_penalty_us * decodes)
 
 
-def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, inflight=()):
+def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, inflight=(), branches=()):
     """(logits, choices allowed, per-worker facts) computed worker by worker from the dict
-    indexer's match, the requests in prefill and the loads as the test set them."""
-    from quillcache.control.policies import (Candidates, goodput_placement, llmd_scores, mooncake_scores, predict_ttft,
-                                             sglang_scores)
+    indexer's match, the requests in prefill and the loads as the test set them; ``branches``:
+    the (prefix, next block) the arrivals before it recorded (``BranchPoints``)."""
+    from quillcache.control.policies import (Candidates, goodput_placement, llmd_scores, mooncake_scores,
+                                             predict_placement, sglang_scores)
     from quillcache.control.router import BLIND_POLICIES
     cfg = router.config
     scoped = ref.find_matches(scope, hashes).as_dict()
@@ -330,9 +331,15 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, infligh
         cand = Candidates(tuple(names), *col, a(apt), a(preq), a(req), trees, n_tokens, len(hashes), cfg.block_size,
                           waits, free)
         if policy == "quillcache":
-            pred = predict_ttft(cand, cfg.cost, block_bytes=router._block_bytes, batch_tokens=cfg.batch_tokens,
-                                pool_us_per_mb=router._pool_us_per_mb, device_share=router.stats.device_share,
-                                pool_share=router.stats.pool_share, stretch=router.busy.stretch(len(router.workers)))
+            # a branch point: an arrival reused the prefix deepest on a device and went on otherwise
+            top = int(col[0].max())
+            mine = hashes[top] if top < len(hashes) else None
+            branched = top > 0 and any(key == (scope, hashes[top - 1]) and (nxt != mine or nxt is None)
+                                       for key, nxt in branches)
+            pred = predict_placement(cand, cfg.cost, branched=branched, block_bytes=router._block_bytes,
+                                     batch_tokens=cfg.batch_tokens, pool_us_per_mb=router._pool_us_per_mb,
+                                     device_share=router.stats.device_share, pool_share=router.stats.pool_share,
+                                     stretch=router.busy.stretch(len(router.workers)))
             if cfg.goodput_placement:
                 pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=router.ttft_tail)
             logits = pred.score.tolist()
@@ -370,13 +377,14 @@ load_st = st.tuples(st.integers(0, 5000), st.integers(0, 6), st.integers(0, 9), 
        st.sampled_from(POLICIES), st.booleans(), st.one_of(st.none(), st.permutations(range(6))),
        st.integers(1, 6), st.integers(0, 3),
        st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1), st.integers(1, 10), st.integers(0, 100)),
-                max_size=4), st.sampled_from([None, 8, 30]))
+                max_size=4), st.sampled_from([None, 8, 30]),
+       st.lists(st.tuples(st.integers(0, 1), st.integers(1, 9), st.integers(0, 2)), max_size=6))
 def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, policy, pool_first, order,
-                                                         n_cand, extra_tokens, inflight, kv_blocks):
+                                                         n_cand, extra_tokens, inflight, kv_blocks, branched):
     """Random residency (2 identities, every tier, a pool node registered before or after
     the workers), requests in prefill, random loads, random candidate subsets in any order,
-    every policy: the router's logits, choice, overlap, plan and counters are the
-    straightforward scorer's."""
+    prefixes earlier arrivals branched from, every policy: the router's logits, choice,
+    overlap, plan and counters are the straightforward scorer's."""
     names = [f"w{i}" for i in range(6)]
     cfg = RouterConfig(policy=policy, block_size=BS, seed=5, cost=H200, kv_bytes_per_token=131072,
                        batch_tokens=64, kv_blocks=kv_blocks)
@@ -408,9 +416,14 @@ def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, po
     cands = None if order is None else [names[i] for i in order[:n_cand]]
     hashes = chain[:qlen] if qlen else [12345]
     n_tokens = len(hashes) * BS + extra_tokens
+    branches = []        # earlier arrivals' prefix and next block: the chain's own, none, another
+    for s, depth, kind in branched:
+        entry = ((A, B)[s], chain[depth - 1]), (chain[depth], None, 99999)[kind]
+        router.branches.add(*entry)
+        branches.append(entry)
     d = router.route(A, hashes=hashes, request_tokens=n_tokens, track=False, candidates=cands)
     logits, allowed, facts = straight(router, ref, given_loads, A, hashes, n_tokens, policy, cands or names,
-                                      routed)
+                                      routed, branches)
     assert d.logits == logits                   # exactly: the same numbers, not close ones
     assert d.worker in allowed
     f = facts[d.worker]
@@ -475,4 +488,4 @@ def test_quillcache_memory_waits_equal_the_straightforward_scorer(places, loads,
     """The same, for quillcache with KV memory known and requests in flight on small engines:
     the pages they hold and the wait for them."""
     test_fast_decisions_equal_the_straightforward_scorer.hypothesis.inner_test(
-        places, loads, qlen, "quillcache", False, None, 6, extra_tokens, inflight, kv_blocks)
+        places, loads, qlen, "quillcache", False, None, 6, extra_tokens, inflight, kv_blocks, ())

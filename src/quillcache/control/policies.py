@@ -17,11 +17,14 @@ Peers, each as its project documents it (sources in ``docs/router.md``):
   moving it costs less than recomputing it, the transfer time is added and the prefix counted
   as present.  The minimum wins.
 
-``predict_ttft`` is the ``quillcache`` policy: the predicted time to first token on each worker
-in microseconds, from the ``CostModel`` and measured link rates (``RouterConfig``).
+``predict_ttft`` is the ``quillcache`` policy's predictor: the predicted time to first token on
+each worker in microseconds, from the ``CostModel`` and measured link rates (``RouterConfig``);
+``predict_placement`` is how the router asks it (for a prefix that requests branch from, the pool
+is the means of a spread, not a reason for one: ``BranchPoints``).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -35,7 +38,8 @@ from quillcache.control.model import CostModel
 
 __all__ = ["Candidates", "Prediction", "SGLANG_BALANCE_ABS", "SGLANG_BALANCE_REL", "SGLANG_CACHE_THRESHOLD",
            "LLMD_QUEUE_WEIGHT", "LLMD_PREFIX_WEIGHT", "sglang_scores", "llmd_scores", "mooncake_scores",
-           "predict_ttft", "goodput_placement", "TailQuantile", "BusyShare", "DemandShare", "chance"]
+           "predict_ttft", "predict_placement", "goodput_placement", "TailQuantile", "BusyShare", "DemandShare",
+           "BranchPoints", "chance"]
 
 # SGLang model gateway, cache_aware defaults (sgl-router ``CacheAwareConfig``)
 SGLANG_BALANCE_ABS = 64           # requests
@@ -321,6 +325,60 @@ class DemandShare:
         return _native_excess(self._pref, self._saved, _typed(slots, np.int64), float(even), noise)
 
 
+class BranchPoints:
+    """Which prefixes the router's last ``window`` tracked arrivals branched from.
+
+    Each arrival reuses a prefix: the deepest one any tier holds for it (on a device, in host or
+    disk memory, in the pool).  It records the prefix's last block and the block it goes on with
+    (None where it ends there).  A prefix is a branch point for a request when some arrival in
+    the window reused it and went on otherwise than that request does: a document or a template
+    that distinct requests share.  A private context (a session whose next turn extends the last)
+    is not: its turns go on alike, each past the last turn's end.  The router asks this of the
+    prefix a request finds deepest on a device (``predict_placement``).
+
+    Keys are the caller's (the router's are identity-scoped, so one tenant's traffic says nothing
+    of another's prefixes).  Bounded: a ``window``-long ring of (prefix, next block) and a count
+    of each pair still in it; O(1) per arrival and per question."""
+
+    __slots__ = ("_ring", "_n", "_next")
+
+    def __init__(self, window: int = 256) -> None:
+        if window < 1:
+            raise ValueError(f"BranchPoints window={window!r}: need window >= 1")
+        self._ring: list = [None] * window      # (prefix, next) per arrival; None: it reused nothing
+        self._n = 0
+        self._next: dict = {}                   # prefix -> {next block: arrivals in the window}
+
+    def add(self, prefix, nxt) -> None:
+        """One arrival that reused the prefix ending at block ``prefix`` and goes on with block
+        ``nxt`` (None: it ends there); ``prefix`` None: it reused nothing."""
+        j = self._n % len(self._ring)
+        old = self._ring[j]
+        if old is not None:
+            seen = self._next[old[0]]
+            seen[old[1]] -= 1
+            if not seen[old[1]]:
+                del seen[old[1]]
+                if not seen:
+                    del self._next[old[0]]
+        entry = None if prefix is None else (prefix, nxt)
+        if entry is not None:
+            seen = self._next.setdefault(prefix, {})
+            seen[nxt] = seen.get(nxt, 0) + 1
+        self._ring[j] = entry
+        self._n += 1
+
+    def branched(self, prefix, nxt) -> bool:
+        """Whether an arrival in the window reused ``prefix`` and went on otherwise than ``nxt``.
+        An arrival that ended at the prefix went on otherwise than any other (its partial last
+        block is not in the chain), so a request ending there counts every arrival that reused
+        it."""
+        seen = self._next.get(prefix)
+        if not seen:
+            return False
+        return nxt is None or None in seen or len(seen) > 1 or nxt not in seen
+
+
 def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
                       tail: Optional[TailQuantile] = None) -> Prediction:
     """Where a request goes that is predicted to miss its SLO on every worker.
@@ -429,3 +487,37 @@ def predict_ttft(c: Candidates, cost: CostModel, *, block_bytes: int, batch_toke
         _block_us(cost.local_ssd_us_per_mb, block_bytes), pool_us, refill, device_share, stretch,
         None if excess is None else _typed(excess, np.float64), None if saved is None else _typed(saved, np.float64))
     return Prediction(score, ttft, pool, wait)
+
+
+def predict_placement(c: Candidates, cost: CostModel, *, branched: bool = False, **kw) -> Prediction:
+    """``predict_ttft``, with the pool as the means of a spread, not a reason for one, where the
+    prefix a request finds deepest on a device is a branch point (``BranchPoints``).
+
+    Credited with the pool, every worker looks nearly as good as the holder of a prefix: loading
+    it costs a few microseconds a token.  Requests for a prefix that distinct requests share (a
+    document, a template) then leave its holder for any shorter queue; the prefix is copied onto
+    every worker, the caches hold the same few prefixes instead of different ones, and short
+    requests share every worker with long ones.  None of that is in one request's prediction.  So
+    for such a prefix, whether a request leaves the worker(s) holding it deepest on the device is
+    decided as if the pool held nothing past what each worker holds: it leaves when recomputing
+    elsewhere beats waiting there, the spread of a hot prefix without a pool.  One that leaves is
+    placed with the pool credited and loads what it can from the pool.  Where it stays, the
+    holders keep their credited scores (a holder loads from the pool what follows its device
+    prefix) and the others are scored without the pool; the predicted TTFTs and the blocks
+    loaded are the credited ones.
+
+    A private context (``branched`` False) follows the pool to a short queue: moving it copies
+    nothing another request needs twice, and what the copy it leaves behind costs is priced
+    (``predict_ttft``'s stranded copy).  ``kw`` are ``predict_ttft``'s."""
+    credited = predict_ttft(c, cost, **kw)
+    if not branched or not len(c.device) or not np.any(c.pool):
+        return credited
+    top = int(np.max(c.device))
+    if top == 0:
+        return credited
+    alone = predict_ttft(dataclasses.replace(c, pool=np.zeros_like(c.pool)), cost, **kw)
+    held = c.device == top
+    if not held[int(np.argmin(alone.score))]:
+        return credited
+    return Prediction(np.where(held, credited.score, alone.score), credited.ttft_us, credited.pool_blocks,
+                      credited.wait_us)

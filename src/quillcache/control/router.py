@@ -46,8 +46,8 @@ from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
 from quillcache.control.inflight import InFlightBlocks, PagePlan, page_plan
 from quillcache.control.model import H200_LLAMA3_8B, TCP_BYTES_PER_S, CostModel, us_per_mib
 from quillcache.control.policies import (
-    BusyShare, Candidates, DemandShare, TailQuantile, goodput_placement, llmd_scores, mooncake_scores, predict_ttft,
-    sglang_scores,
+    BranchPoints, BusyShare, Candidates, DemandShare, TailQuantile, goodput_placement, llmd_scores, mooncake_scores,
+    predict_placement, sglang_scores,
 )
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sketch import CountMinSketch
@@ -283,6 +283,8 @@ class Router:
         self.busy = BusyShare(BUSY_WINDOW)
         # where the tracked arrivals would go for their cache (who queues behind what is sent where)
         self.demand = DemandShare(BUSY_WINDOW)
+        # which prefixes distinct arrivals branched from (a shared prefix spreads as without a pool)
+        self.branches = BranchPoints(BUSY_WINDOW)
         self._histogram = None
         for w in workers:
             self.add_worker(w)
@@ -448,11 +450,13 @@ class Router:
                 choice = self._select(logits)
             elif policy == "quillcache":
                 excess, saved = self.demand.excess(self._slots)
-                pred = predict_ttft(cand, cfg.cost, block_bytes=self._block_bytes,
-                                    batch_tokens=cfg.batch_tokens, pool_us_per_mb=self._pool_us_per_mb,
-                                    device_share=self.stats.device_share, pool_share=self.stats.pool_share,
-                                    stretch=self.busy.stretch(len(self._loads)),
-                                    excess=excess, saved=saved)
+                pred = predict_placement(cand, cfg.cost, branched=self._branched(scope, hashes, dev),
+                                         block_bytes=self._block_bytes, batch_tokens=cfg.batch_tokens,
+                                         pool_us_per_mb=self._pool_us_per_mb, device_share=self.stats.device_share,
+                                         pool_share=self.stats.pool_share, stretch=self.busy.stretch(len(self._loads)),
+                                         excess=excess, saved=saved)
+                if track:
+                    self._branch(scope, hashes, dev + host + disk + pool)
                 if cfg.goodput_placement:
                     pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=self.ttft_tail)
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
@@ -600,6 +604,22 @@ class Router:
         still to compute (their uncached tokens; they take pages that no event shows yet)."""
         computing = -(-lt[:, _PREFILL_TOKENS] // self.config.block_size)
         return np.maximum(self.config.kv_blocks - cached - computing, 0)
+
+    def _branched(self, scope: IdentityScope, hashes: Sequence[int], dev: np.ndarray) -> bool:
+        """Whether the prefix this request finds deepest on a device is one recent arrivals
+        branched from (``BranchPoints``; keyed by identity)."""
+        top = int(dev.max()) if len(dev) else 0
+        if not top:
+            return False
+        return self.branches.branched((scope, hashes[top - 1]), hashes[top] if top < len(hashes) else None)
+
+    def _branch(self, scope: IdentityScope, hashes: Sequence[int], depth: np.ndarray) -> None:
+        """Record the prefix this (tracked) arrival reuses: the deepest any tier holds for it."""
+        top = int(depth.max()) if len(depth) else 0
+        if not top:
+            self.branches.add(None, None)
+        else:
+            self.branches.add((scope, hashes[top - 1]), hashes[top] if top < len(hashes) else None)
 
     def _drop_ahead(self, a: _Active) -> None:
         self._ahead.drop(a.worker, a.ahead)
