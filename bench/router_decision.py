@@ -7,6 +7,11 @@ per-decision work grows with the blocks indexed; the absolute time is the machin
 ``--in-flight N --kv-blocks K``: first N requests in flight on every worker (tracked, half of
 them past their first token) and engines of K KV pages, so the decisions also read the blocks
 and pages of the requests in flight (``control/inflight.py``) and play the page waits forward.
+
+``--branch-points``: before each decision (untimed) an arrival is recorded that reused the prefix
+the request finds deepest on a device and went on otherwise, so every decision meets a branch
+point (``policies.BranchPoints``) and, where the pool holds its chain too, predicts twice: the
+worst case of ``predict_placement``.
 """
 from __future__ import annotations
 
@@ -60,13 +65,18 @@ def fill(r: Router, chains: list[list[int]], per_worker: int, seed: int) -> None
                 r.first_token(d.request_id)
 
 
-def measure(r: Router, chains: list[list[int]], decisions: int, policy: str, seed: int) -> np.ndarray:
+def measure(r: Router, chains: list[list[int]], decisions: int, policy: str, seed: int,
+            branch_points: bool = False) -> np.ndarray:
     rng = random.Random(seed)
     out = np.empty(decisions)
     for i in range(decisions):
         chain = chains[rng.randrange(len(chains))]
         depth = rng.randrange(1, 129)
         hashes = chain[:depth] + [10**12 + i * 128 + k for k in range(128 - depth)]
+        if branch_points:
+            top = int(r.find_matches(SCOPE, hashes).device.max())
+            if top:
+                r.branches.add((SCOPE, hashes[top - 1]), -1 - i)      # a continuation no request has
         t0 = time.perf_counter()
         r.route(SCOPE, hashes=hashes, request_tokens=128 * 16, policy=policy, track=False)
         out[i] = (time.perf_counter() - t0) * 1e6
@@ -83,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--in-flight", type=int, default=0, help="requests in flight per worker")
     ap.add_argument("--kv-blocks", type=int, default=None, help="KV pages per engine (router blocks)")
+    ap.add_argument("--branch-points", action="store_true",
+                    help="every decision meets a prefix an earlier arrival branched from")
     args = ap.parse_args(argv)
     if args.in_flight < 0 or (args.kv_blocks is not None and args.kv_blocks <= 0):
         ap.error("--in-flight must be >= 0 and --kv-blocks > 0")
@@ -96,10 +108,11 @@ def main(argv=None) -> int:
     print(f"indexed {len(big.indexer)} and {len(small.indexer)} blocks over {args.workers} workers "
           f"({time.perf_counter() - t0:.1f} s)")
     for policy in [p.strip() for p in args.policies.split(",") if p.strip() in POLICIES]:
-        measure(big, big_chains, 200, policy, args.seed)            # warm both
-        measure(small, small_chains, 200, policy, args.seed)
-        b = measure(big, big_chains, args.decisions, policy, args.seed + 1)
-        s = measure(small, small_chains, args.decisions, policy, args.seed + 1)
+        bp = args.branch_points
+        measure(big, big_chains, 200, policy, args.seed, bp)            # warm both
+        measure(small, small_chains, 200, policy, args.seed, bp)
+        b = measure(big, big_chains, args.decisions, policy, args.seed + 1, bp)
+        s = measure(small, small_chains, args.decisions, policy, args.seed + 1, bp)
         print(f"{policy:<11} p50 {np.percentile(b, 50):7.1f} us  p99 {np.percentile(b, 99):7.1f} us at "
               f"{len(big.indexer)} blocks; p50 {np.percentile(s, 50):7.1f} us  p99 {np.percentile(s, 99):7.1f} us "
               f"at {len(small.indexer)}: ratio p50 {np.percentile(b, 50) / np.percentile(s, 50):.2f}")
