@@ -25,3 +25,25 @@ def test_interleaved_times_each_side_by_itself():
     medians = local_path._interleaved(sides, 3)
     assert medians["slow"] >= 0.05 > medians["fast"]
 
+
+
+def test_router_decision_branch_points_make_every_pooled_decision_predict_twice(monkeypatch):
+    """``bench/router_decision.py --branch-points`` measures ``predict_placement``'s worst case:
+    every decision whose prefix is on a device and in the pool (the chains the bench's pool node
+    holds) meets a branch point and predicts twice; without the flag none does."""
+    from bench import router_decision
+    import quillcache.control.policies as policies
+
+    calls = []
+    real = policies.predict_ttft
+    monkeypatch.setattr(policies, "predict_ttft", lambda *a, **k: calls.append(1) or real(*a, **k))
+    r, chains = router_decision.build(128 * 64, 8, 0)
+    for flag in (False, True):
+        calls.clear()
+        out = router_decision.measure(r, chains, 200, "quillcache", 1, flag)
+        assert len(out) == 200 and (out > 0).all()
+        twice = len(calls) - 200
+        if flag:
+            assert 25 <= twice <= 75             # a quarter of the chains are in the pool
+        else:
+            assert twice == 0
