@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests._support import ucxshm
 from tests._support.net import free_port
 
 QUILLCACHED = str(Path(sys.executable).with_name("quillcached"))
@@ -76,6 +77,7 @@ class Daemon:
         self.write_config(ssd=ssd, sections=sections, dram=dram, max_block=max_block)
         self.env = dict(os.environ, **(env or {}))
         self.proc: subprocess.Popen | None = None
+        self._killed_shm: set[str] = set()   # UCX segments of a process killed here (``ucxshm``)
 
     @property
     def addr(self) -> str:
@@ -90,6 +92,8 @@ class Daemon:
     def start(self, wait: bool = True) -> "Daemon":
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError("this Daemon is already running (a second start would leak it)")
+        if self.proc is not None:
+            self._reap()
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([QUILLCACHED, "--config", str(self.config)], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=self.env)
@@ -116,6 +120,8 @@ class Daemon:
             return ""
 
     def send(self, sig: int) -> None:
+        if sig == signal.SIGKILL:
+            self._killed_shm |= ucxshm.segments(self.proc.pid)
         self.proc.send_signal(sig)
 
     def wait(self, timeout: float = 30.0) -> int:
@@ -124,14 +130,26 @@ class Daemon:
         finally:
             if self.proc.returncode is not None:
                 self._log.close()
+                self._reap()
+
+    def _reap(self) -> None:
+        # a process killed with SIGKILL never unlinks its UCX segments (a NIXL agent's)
+        if self._killed_shm:
+            ucxshm.reap(self._killed_shm)
+            self._killed_shm = set()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc is None or self.proc.poll() is not None:
+            if self.proc is not None:
+                self._reap()
             return self.proc.returncode if self.proc else 0
+        if sig == signal.SIGKILL:
+            self._killed_shm |= ucxshm.segments(self.proc.pid)
         self.proc.send_signal(sig)
         try:
             return self.wait(timeout)
         except subprocess.TimeoutExpired:
+            self._killed_shm |= ucxshm.segments(self.proc.pid)
             self.proc.kill()
             self.wait(5)
             raise

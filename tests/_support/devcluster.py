@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from quillcache import Client
+from tests._support import ucxshm
 from tests._support.cluster import CREDENTIAL, Pool, cluster_view
 from tests._support.etcd import EtcdServer
 
@@ -152,14 +153,20 @@ def _banner(etcd: EtcdServer, pool: Pool) -> None:
 def _watch(etcd: EtcdServer, pool: Pool, stop: list[int]) -> None:
     """Until a stop signal: report each process that ends, keep the others serving."""
     reported: set[str] = set()
+    shm: dict[str, set[str]] = {}      # each live node's UCX segments, as last seen (``ucxshm``)
     while True:
         time.sleep(POLL_S)
         if stop:
             return
         for name, proc, log, _ in _processes(etcd, pool):
-            if name in reported or proc.poll() is None:
+            if name in reported:
+                continue
+            if proc.poll() is None:
+                if name != "etcd":
+                    shm[name] = ucxshm.segments(proc.pid)
                 continue
             reported.add(name)
+            ucxshm.reap(shm.pop(name, set()))    # a node killed with SIGKILL never unlinks its own
             alive = [k for k, d in pool.nodes.items() if d.proc.poll() is None]
             print(f"make cluster: {name} (pid {proc.pid}) {_how(proc.returncode)}; see {log}", flush=True)
             if name == "etcd":
