@@ -13,7 +13,7 @@ from tests._support import ucxshm
 
 # A child that creates two segments under UCX's prefix, maps one and keeps the other open (as a
 # UCX worker does), then waits to be killed.
-CHILD = textwrap.dedent("""
+CREATE = textwrap.dedent("""
     import mmap, os, sys, time
     mapped, opened = sys.argv[1], sys.argv[2]
     fd = os.open(mapped, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -31,16 +31,38 @@ def _names(n: int) -> list[str]:
     return [f"{ucxshm.PREFIX}test{tag}{i}" for i in range(n)]
 
 
-def _child(*paths: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, *paths], stdout=subprocess.PIPE, text=True)
+# A child that maps a segment another process created (UCX attaching to a peer's) and creates one.
+ATTACH = textwrap.dedent("""
+    import mmap, os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR)
+    m = mmap.mmap(fd, 1 << 16)
+    os.close(fd)
+    own = os.open(sys.argv[2], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def _child(script: str, *paths: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", script, *paths], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
 
+def _clean(procs: list[subprocess.Popen], paths: list[str]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    for path in paths:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def test_a_killed_processes_segments_are_reaped_and_a_live_ones_are_not():
     mapped, opened, other = _names(3)
-    victim = _child(mapped, opened)
-    bystander = _child(other, other + "b")          # a live process's segments
+    victim = _child(CREATE, mapped, opened)
+    bystander = _child(CREATE, other, other + "b")  # a live process's segments
     try:
         taken = ucxshm.segments(victim.pid)
         assert taken == {mapped, opened}
@@ -54,32 +76,16 @@ def test_a_killed_processes_segments_are_reaped_and_a_live_ones_are_not():
         assert not os.path.exists(mapped) and not os.path.exists(opened) and os.path.exists(other)
         assert ucxshm.reap(taken) == []             # twice is harmless
     finally:
-        for p in (victim, bystander):
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        for path in (mapped, opened, other, other + "b"):
-            if os.path.exists(path):
-                os.unlink(path)
+        _clean([victim, bystander], [mapped, opened, other, other + "b"])
 
 
 def test_a_segment_a_live_peer_maps_is_kept_after_the_killer_dies():
     """The killed node mapped a peer's segment (UCX attaches to its peers' segments): the peer is
     alive and still maps it, so its name stays."""
     own, peer_seg = _names(2)
-    peer = _child(peer_seg, peer_seg + "b")
-    attach = textwrap.dedent("""
-        import mmap, os, sys, time
-        fd = os.open(sys.argv[1], os.O_RDWR)
-        m = mmap.mmap(fd, 1 << 16)
-        os.close(fd)
-        fd2 = os.open(sys.argv[2], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        print("ready", flush=True)
-        time.sleep(60)
-    """)
-    victim = subprocess.Popen([sys.executable, "-c", attach, peer_seg, own], stdout=subprocess.PIPE, text=True)
+    peer = _child(CREATE, peer_seg, peer_seg + "b")
+    victim = _child(ATTACH, peer_seg, own)
     try:
-        assert victim.stdout.readline().strip() == "ready"
         taken = ucxshm.segments(victim.pid)
         assert taken == {peer_seg, own}
         victim.send_signal(signal.SIGKILL)
@@ -87,10 +93,4 @@ def test_a_segment_a_live_peer_maps_is_kept_after_the_killer_dies():
         assert ucxshm.reap(taken) == [own]
         assert os.path.exists(peer_seg) and not os.path.exists(own)
     finally:
-        for p in (victim, peer):
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        for path in (own, peer_seg, peer_seg + "b"):
-            if os.path.exists(path):
-                os.unlink(path)
+        _clean([victim, peer], [own, peer_seg, peer_seg + "b"])

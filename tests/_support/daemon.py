@@ -92,8 +92,7 @@ class Daemon:
     def start(self, wait: bool = True) -> "Daemon":
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError("this Daemon is already running (a second start would leak it)")
-        if self.proc is not None:
-            self._reap()
+        self._reap()
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([QUILLCACHED, "--config", str(self.config)], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=self.env)
@@ -140,17 +139,13 @@ class Daemon:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc is None or self.proc.poll() is not None:
-            if self.proc is not None:
-                self._reap()
+            self._reap()
             return self.proc.returncode if self.proc else 0
-        if sig == signal.SIGKILL:
-            self._killed_shm |= ucxshm.segments(self.proc.pid)
-        self.proc.send_signal(sig)
+        self.send(sig)
         try:
             return self.wait(timeout)
         except subprocess.TimeoutExpired:
-            self._killed_shm |= ucxshm.segments(self.proc.pid)
-            self.proc.kill()
+            self.send(signal.SIGKILL)
             self.wait(5)
             raise
 

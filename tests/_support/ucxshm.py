@@ -15,8 +15,9 @@ import os
 PREFIX = "/dev/shm/ucx_shm_posix_"
 
 
-def _paths(pid: int | str) -> set[str]:
-    """The UCX segments process ``pid`` has open or mapped (empty if it is gone or unreadable)."""
+def segments(pid: int | str) -> set[str]:
+    """The UCX segments process ``pid`` has open or mapped (empty if it is gone or unreadable):
+    take them before killing it."""
     found: set[str] = set()
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -40,11 +41,6 @@ def _paths(pid: int | str) -> set[str]:
     return found
 
 
-def segments(pid: int) -> set[str]:
-    """Take before killing ``pid``: its UCX segments."""
-    return _paths(pid)
-
-
 def reap(paths: set[str]) -> list[str]:
     """Remove the segments of ``paths`` that still exist and that no live process has open or
     mapped; returns those removed."""
@@ -52,11 +48,10 @@ def reap(paths: set[str]) -> list[str]:
     if not left:
         return []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and entry != str(os.getpid()):
-            left -= _paths(entry)
+        if entry.isdigit():
+            left -= segments(entry)
             if not left:
                 return []
-    left -= _paths(os.getpid())
     removed = []
     for p in sorted(left):
         try:
