@@ -605,21 +605,25 @@ class Router:
         computing = -(-lt[:, _PREFILL_TOKENS] // self.config.block_size)
         return np.maximum(self.config.kv_blocks - cached - computing, 0)
 
+    @staticmethod
+    def _prefix(scope: IdentityScope, hashes: Sequence[int], depths: np.ndarray) -> tuple:
+        """The deepest of ``depths`` as ``BranchPoints`` keys it: (its last block, keyed by
+        identity; the block the request goes on with, None where it ends there), or (None, None)
+        where it is empty."""
+        top = int(depths.max()) if len(depths) else 0
+        if not top:
+            return None, None
+        return (scope, hashes[top - 1]), hashes[top] if top < len(hashes) else None
+
     def _branched(self, scope: IdentityScope, hashes: Sequence[int], dev: np.ndarray) -> bool:
         """Whether the prefix this request finds deepest on a device is one recent arrivals
-        branched from (``BranchPoints``; keyed by identity)."""
-        top = int(dev.max()) if len(dev) else 0
-        if not top:
-            return False
-        return self.branches.branched((scope, hashes[top - 1]), hashes[top] if top < len(hashes) else None)
+        branched from (``BranchPoints``)."""
+        prefix, nxt = self._prefix(scope, hashes, dev)
+        return prefix is not None and self.branches.branched(prefix, nxt)
 
     def _branch(self, scope: IdentityScope, hashes: Sequence[int], depth: np.ndarray) -> None:
         """Record the prefix this (tracked) arrival reuses: the deepest any tier holds for it."""
-        top = int(depth.max()) if len(depth) else 0
-        if not top:
-            self.branches.add(None, None)
-        else:
-            self.branches.add((scope, hashes[top - 1]), hashes[top] if top < len(hashes) else None)
+        self.branches.add(*self._prefix(scope, hashes, depth))
 
     def _drop_ahead(self, a: _Active) -> None:
         self._ahead.drop(a.worker, a.ahead)
