@@ -1,11 +1,13 @@
-"""``bench/local_path.py`` times the sides it compares under the same conditions: each is
-called once untimed before any is timed (the first writer of fresh arena pages pays their
-faults), and the rounds rotate the order, so no side always follows the same one."""
+"""The benches measure what they say.  ``bench/local_path.py`` times the sides it compares under
+the same conditions: each is called once untimed before any is timed (the first writer of fresh
+arena pages pays their faults), and the rounds rotate the order, so no side always follows the
+same one.  ``bench/router_decision.py --branch-points`` does meet the shared-prefix rule."""
 from __future__ import annotations
 
 import time
 
-from bench import local_path
+import quillcache.control.policies as policies
+from bench import local_path, router_decision
 
 
 def test_interleaved_warms_every_side_then_rotates_the_order():
@@ -26,14 +28,10 @@ def test_interleaved_times_each_side_by_itself():
     assert medians["slow"] >= 0.05 > medians["fast"]
 
 
-
 def test_router_decision_branch_points_make_every_pooled_decision_predict_twice(monkeypatch):
     """``bench/router_decision.py --branch-points`` measures ``predict_placement``'s worst case:
     every decision whose prefix is on a device and in the pool (the chains the bench's pool node
     holds) meets a branch point and predicts twice; without the flag none does."""
-    from bench import router_decision
-    import quillcache.control.policies as policies
-
     calls = []
     real = policies.predict_ttft
     monkeypatch.setattr(policies, "predict_ttft", lambda *a, **k: calls.append(1) or real(*a, **k))
