@@ -8,11 +8,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
+from quillcache.control.events import BlockStored, EventBatch
 from quillcache.control.indexer import _KEY, DEVICE, DISK, HOST, POOL, DictIndexer, chain_hashes
 from quillcache.control.inflight import page_wait_us
 from quillcache.control.model import H200_LLAMA3_8B as H200
 from quillcache.protocol.route import POLICIES
 from quillcache.control.router import NoWorkers, Router, RouterConfig
+from quillcache.control.sim.kvevents import scope_tuple
 from quillcache.model import IdentityScope
 
 A = IdentityScope("m", "t", None, "acme")
@@ -167,6 +169,69 @@ def test_load_spreads_requests_without_cache():
     router = Router(RouterConfig(block_size=BS, seed=0), workers=W)
     chosen = [router.route(A, tokens(4, salt=i)).worker for i in range(8)]
     assert Counter(chosen) == Counter(dict.fromkeys(W, 2))
+
+
+def ehash(toks, i):
+    return bytes([toks[0] % 256, i + 1]) * 16
+
+
+def stored(scope, toks, start, end, parent=None):
+    """An engine's BlockStored event for blocks ``start:end`` of ``toks`` (engine hashes made
+    up from the first token and the block index: ``ehash``), under ``scope``'s identity."""
+    return BlockStored(tuple(ehash(toks, i) for i in range(start, end)),
+                       parent, tuple(toks[start * BS:end * BS]), BS, quill_scope=scope_tuple(scope))
+
+
+def test_prefill_progress_from_the_engines_events_shortens_the_queue():
+    """A prompt half computed (its blocks stored, chunk by chunk) is half the work queued there:
+    quillcache's queue counts what the events show computed off, for its own requests, under
+    their own identity, in arrival order; the last token stays until the first token; the peers'
+    load is what it was."""
+    toks = tokens(8)
+    engine = IdentityScope("m", "t", None, "")
+    router = Router(RouterConfig(policy="quillcache", block_size=BS, seed=0, batch_tokens=8), workers=["w0", "w1"])
+    router.route(A, toks, request_id="r1", candidates=["w0"])
+    router.route(A, tokens(6, salt=5), request_id="r2", candidates=["w0"])
+    ld = router.load("w0")
+
+    def probe():
+        return router.route(A, tokens(2, salt=9), track=False, candidates=["w0"]).predicted_ttft_us
+
+    before = probe()
+    assert (ld.active_prefill_tokens, ld.prefilled_tokens) == (32 + 24, 0)
+    # the same tokens stored under another tenant's identity say nothing of r1's progress
+    router.apply_events("w0", EventBatch(1.0, (stored(B, toks, 0, 4),)), engine)
+    assert ld.prefilled_tokens == 0 and probe() == before
+    # r2's blocks stored while r1, ahead of it, has not started: another request's work (the
+    # engine admits in order), not r2's progress
+    router.apply_events("w0", EventBatch(1.5, (stored(A, tokens(6, salt=5), 0, 2),)), engine)
+    assert ld.prefilled_tokens == 0 and router._active["r2"].prefilled == 0
+    router.apply_events("w0", EventBatch(2.0, (stored(A, toks, 0, 4),)), engine)
+    assert ld.prefilled_tokens == 16 and router._active["r1"].prefilled == 16
+    assert before - probe() == pytest.approx(16 * router.config.cost.prefill_us_per_token)
+    # every block stored: all but its last token counted off until its first token
+    router.apply_events("w0", EventBatch(3.0, (stored(A, toks, 4, 8, ehash(toks, 3)),)), engine)
+    assert router._active["r1"].prefilled == 31
+    # r1 in its last chunk (under batch_tokens to go): r2 may start beside it, so its blocks count
+    assert router._active["r2"].prefilled == 8 and ld.prefilled_tokens == 39
+    assert router.first_token("r1")
+    assert (ld.active_prefill_tokens, ld.prefilled_tokens) == (24, 8)
+    # its progress goes on, and leaves with it when it is aborted in prefill
+    t2 = tokens(6, salt=5)
+    router.apply_events("w0", EventBatch(4.0, (stored(A, t2, 2, 3, ehash(t2, 1)),)), engine)
+    assert ld.prefilled_tokens == 12
+    assert router.free("r2") and (ld.active_prefill_tokens, ld.prefilled_tokens) == (0, 0)
+    # a request routed behind one whose prompt it extends: what that one stores (its last chunk
+    # too, which the engine recomputes for the one behind) is not the progress of the other
+    router.route(A, toks, request_id="r3", candidates=["w1"])
+    router.route(A, toks + list(range(100, 100 + 4 * BS)), request_id="r4", candidates=["w1"])
+    router.apply_events("w1", EventBatch(5.0, (stored(A, toks, 0, 8),)), engine)
+    assert (router._active["r3"].prefilled, router._active["r4"].prefilled) == (31, 0)
+    # a peer's load counts the whole prompt until its first token, as its project does
+    peer = Router(RouterConfig(policy="dynamo", block_size=BS, seed=0), workers=["w0"])
+    peer.route(A, toks, request_id="r1")
+    peer.apply_events("w0", EventBatch(1.0, (stored(A, toks, 0, 4),)), engine)
+    assert (peer.load("w0").active_prefill_tokens, peer.load("w0").prefilled_tokens) == (32, 0)
 
 
 def test_approximate_mode_predicts_then_forgets_after_the_ttl():
@@ -441,21 +506,24 @@ def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, po
     assert d.predicted_ttft_us == f["predicted"]
 
 
-op_load = st.tuples(st.sampled_from(["route", "first", "free", "remove", "add"]), st.integers(0, 5),
+op_load = st.tuples(st.sampled_from(["route", "first", "free", "remove", "add", "stored"]), st.integers(0, 5),
                     st.integers(1, 40))
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(op_load, max_size=40))
-def test_load_table_equals_the_sum_over_requests_in_flight(ops):
-    """The per-worker load rows after any sequence of routes, first tokens, frees, removals
-    and re-additions equal the plain sum over the router's requests in flight."""
+@given(st.lists(op_load, max_size=40), st.sampled_from(["least_loaded", "quillcache"]))
+def test_load_table_equals_the_sum_over_requests_in_flight(ops, policy):
+    """The per-worker load rows after any sequence of routes, first tokens, frees, removals,
+    re-additions and engine events storing a request's blocks equal the plain sum over the
+    router's requests in flight."""
     names = [f"w{i}" for i in range(6)]
-    router = Router(RouterConfig(policy="least_loaded", block_size=BS, seed=0, batch_tokens=8), workers=names[:4])
-    rids = []
+    router = Router(RouterConfig(policy=policy, block_size=BS, seed=0, batch_tokens=8), workers=names[:4])
+    rids, toks = [], {}
     for kind, w, n in ops:
         if kind == "route":
-            rids.append(router.route(A, tokens(1 + n % 8, salt=n), request_tokens=n * BS).request_id)
+            t = tokens(1 + n % 8, salt=n)
+            rids.append(router.route(A, t, request_tokens=n * BS).request_id)
+            toks[rids[-1]] = t
         elif kind == "first" and rids:
             router.first_token(rids[w % len(rids)])
         elif kind == "free" and rids:
@@ -464,10 +532,19 @@ def test_load_table_equals_the_sum_over_requests_in_flight(ops):
             router.remove_worker(router.workers[w % len(router.workers)])
         elif kind == "add":
             router.add_worker(names[w])
+        elif kind == "stored" and rids:
+            rid = rids[w % len(rids)]
+            a = router._active.get(rid)
+            if a is not None:
+                t = toks[rid]
+                router.apply_events(a.worker, EventBatch(0.0, (stored(A, t, 0, min(n, len(t) // BS)),)), A)
     for name in router.workers:
         mine = [a for a in router._active.values() if a.worker == name]
         ld = router.load(name)
         assert ld.active_prefill_tokens == sum(a.prefill_tokens for a in mine if a.prefilling)
+        assert ld.prefilled_tokens == sum(a.prefilled for a in mine if a.prefilling)
+        assert all(0 <= a.prefilled < max(a.prefill_tokens, 1) for a in mine)
+        assert policy == "quillcache" or ld.prefilled_tokens == 0
         assert ld.prefill_requests == sum(1 for a in mine if a.prefilling)
         assert ld.active_requests == len(mine)
         assert ld.decode_blocks == sum(a.blocks for a in mine)

@@ -4,7 +4,8 @@ cache before the engine's events say it.
 Two uses (``Router``): the blocks a request in prefill will have computed for the requests
 queued behind it on the same worker, and the blocks every request in flight pins in its
 engine's KV memory until it ends.  Keys are ``(scope, router hash)``: identity-scoped, as
-the engines' caches are.
+the engines' caches are.  And once the events do say it: how far the engine has got with the
+prompts queued there (``prefill_progress``).
 """
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import bisect
 import heapq
 import itertools
 from collections import Counter
-from typing import Hashable, Iterable, Optional, Sequence
+from typing import Callable, Hashable, Iterable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["InFlightBlocks", "PagePlan", "page_plan", "page_wait_us"]
+__all__ = ["InFlightBlocks", "PagePlan", "extend_device", "page_plan", "page_wait_us", "prefill_progress"]
 
 
 class InFlightBlocks:
@@ -103,6 +104,17 @@ class InFlightBlocks:
         return Counter({(key, w): n for key, hs in self._holders.items() for w, n in hs.items()})
 
 
+def extend_device(ahead: np.ndarray, dev: np.ndarray, host: np.ndarray, disk: np.ndarray,
+                  pool: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The per-tier prefix with the device prefix at least ``ahead`` blocks deep: each tier
+    extends the one before, so a tier the deeper device prefix covers shrinks."""
+    d = np.maximum(dev, ahead)
+    h = np.maximum(dev + host, d)
+    k = np.maximum(dev + host + disk, d)
+    p = np.maximum(dev + host + disk + pool, d)
+    return d, h - d, k - h, p - k
+
+
 def page_wait_us(requests: Iterable[tuple[bool, int, int, int]], need: float, capacity: float, held: float,
                  prefill_us_per_token: float, iteration_us: float) -> float:
     """When a request needing ``need`` KV pages would start on one engine, in us from now:
@@ -167,3 +179,35 @@ def page_plan(requests: Iterable[tuple[bool, int, int, int]], capacity: float, h
             compute = max(compute, t) + tokens * prefill_us_per_token
             heapq.heappush(ends, (compute + decode_tokens * iteration_us, pages))
     return PagePlan(t, compute, free, sorted(ends))
+
+
+def prefill_progress(requests: Iterable, depth: Callable[[Hashable, Sequence[int]], int], block_size: int,
+                     chunk: int) -> int:
+    """How much more of the prompts queued on one engine its events show computed: with chunked
+    prefill the engine stores a prompt's blocks chunk by chunk, so a long prompt half computed is
+    half the work still queued there, not all of it until its first token.
+
+    ``requests``: the router's requests in flight there (``_Active``), in arrival order; read are
+    those in prefill with a ``chain`` ((scope, hashes, the blocks that are not its own work: those
+    it reused when routed, and those the requests in flight there hold or compute), each at
+    ``depth(scope, hashes)``, its device prefix there under its own identity (another identity's
+    blocks say nothing of it).  The engine admits in order and gives each iteration's ``chunk``
+    tokens to the prompts in that order, so a request can have started only while the work still
+    to do ahead of it is under one chunk: the reading stops at the first one behind a chunk or
+    more.  A request's last token stays counted until its first token.  Updates each one's
+    ``prefilled`` (tokens of its ``prefill_tokens`` done; it only grows) and returns the sum of
+    what they grew by."""
+    moved = ahead = 0
+    for a in requests:
+        if not a.prefilling:
+            continue
+        if ahead >= chunk:
+            break
+        if a.chain:
+            scope, hashes, base = a.chain
+            done = min(max(depth(scope, hashes) - base, 0) * block_size, a.prefill_tokens - 1)
+            if done > a.prefilled:
+                moved += done - a.prefilled
+                a.prefilled = done
+        ahead += a.prefill_tokens - a.prefilled
+    return moved

@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from quillcache.control.indexer import DEVICE, ArtIndexer, Match, chain_hashes
-from quillcache.control.inflight import InFlightBlocks, PagePlan, page_plan
+from quillcache.control.inflight import InFlightBlocks, PagePlan, extend_device, page_plan, prefill_progress
 from quillcache.control.model import H200_LLAMA3_8B, TCP_BYTES_PER_S, CostModel, us_per_mib
 from quillcache.control.policies import (
     BranchPoints, BusyShare, Candidates, DemandShare, TailQuantile, goodput_placement, llmd_scores, mooncake_scores,
@@ -113,8 +113,8 @@ class RouterConfig:
 
 # The columns of the load table, in the order a decision reads them (a counter added here is
 # one more column of every row and one more property of WorkerLoad).
-_PREFILL_TOKENS, _PREFILL_REQUESTS, _REQUESTS, _DECODE_BLOCKS, _PAGES = range(5)
-_LOAD_COLUMNS = 5
+_PREFILL_TOKENS, _PREFILL_REQUESTS, _REQUESTS, _DECODE_BLOCKS, _PAGES, _PREFILLED = range(6)
+_LOAD_COLUMNS = 6
 
 
 class _LoadTable:
@@ -140,17 +140,6 @@ class _LoadTable:
     def release(self, slot: int) -> None:
         self.rows[slot] = 0
         self._free.append(slot)
-
-
-def extend_device(ahead: np.ndarray, dev: np.ndarray, host: np.ndarray, disk: np.ndarray,
-                  pool: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The per-tier prefix with the device prefix at least ``ahead`` blocks deep: each tier
-    extends the one before, so a tier the deeper device prefix covers shrinks."""
-    d = np.maximum(dev, ahead)
-    h = np.maximum(dev + host, d)
-    k = np.maximum(dev + host + disk, d)
-    p = np.maximum(dev + host + disk + pool, d)
-    return d, h - d, k - h, p - k
 
 
 def _column(col: int, doc: str) -> property:
@@ -179,11 +168,12 @@ class WorkerLoad:
     active_requests = _column(_REQUESTS, "requests in flight")
     decode_blocks = _column(_DECODE_BLOCKS, "blocks of the requests in flight")
     pages = _column(_PAGES, "KV pages the requests in flight hold: their distinct blocks, each one's partial last")
+    prefilled_tokens = _column(_PREFILLED, "of those, what the engine's events show done (quillcache's requests)")
 
     def __repr__(self) -> str:
-        return (f"WorkerLoad(active_prefill_tokens={self.active_prefill_tokens}, decode_blocks="
-                f"{self.decode_blocks}, active_requests={self.active_requests}, "
-                f"prefill_requests={self.prefill_requests}, pages={self.pages})")
+        return (f"WorkerLoad(active_prefill_tokens={self.active_prefill_tokens}, decode_blocks={self.decode_blocks}, "
+                f"active_requests={self.active_requests}, prefill_requests={self.prefill_requests}, "
+                f"pages={self.pages}, prefilled_tokens={self.prefilled_tokens})")
 
 
 @dataclass
@@ -197,6 +187,8 @@ class _Active:
     decode_tokens: int = 0               # the tokens it will generate (as its caller says; 0: not said)
     ahead: tuple = ()                    # the blocks it computes for those behind it, until its first token
     rid: str = ""
+    chain: tuple = ()                    # (scope, hashes, blocks not its own work): its progress is read
+    prefilled: int = 0                   # ... and how many of its prefill_tokens the events show computed
 
 
 @dataclass
@@ -363,7 +355,20 @@ class Router:
         with self._lock:
             if not pool:
                 self._add_load(worker)
-            return self.indexer.apply(worker, batch, scope, pool=pool)
+            n = self.indexer.apply(worker, batch, scope, pool=pool)
+            if not pool and worker in self._by_worker:
+                self._progress(worker)
+            return n
+
+    def _progress(self, worker: str) -> None:
+        """What the engine's events show done of the prompts queued there (``prefill_progress``)."""
+        col = self.indexer.workers.index(worker)         # its column in every Match
+        moved = prefill_progress(self._by_worker[worker].values(),
+                                 lambda scope, hashes: int(self.indexer.find_matches(scope, hashes).device[col]),
+                                 self.config.block_size, self.config.batch_tokens)
+        if moved:
+            self._table.rows[self._slot_of[worker], _PREFILLED] += moved
+            self._page_plans.pop(worker, None)
 
     def clear_source(self, worker: str) -> None:
         with self._lock:
@@ -440,7 +445,8 @@ class Router:
                 if policy == "quillcache" and cfg.kv_blocks is not None:
                     waits = self._memory_waits(scope, hashes, n_tokens, names, lt)
                     free = self._free_pages(self.indexer.device_counts()[idx], lt)
-                cand = Candidates(tuple(names), dev, host, disk, pool, lt[:, 0], lt[:, 1], lt[:, 2], trees,
+                queued = lt[:, 0] - lt[:, _PREFILLED] if policy == "quillcache" else lt[:, 0]
+                cand = Candidates(tuple(names), dev, host, disk, pool, queued, lt[:, 1], lt[:, 2], trees,
                                   n_tokens, len(hashes), cfg.block_size, waits, free)
             if policy == "dynamo":
                 credit = (cfg.device_weight * dev + cfg.host_weight * host + cfg.disk_weight * disk
@@ -506,6 +512,9 @@ class Router:
             if track:
                 self._start(rid, worker, n_tokens, d + h + k + p, self._load_tokens(policy, h, k, p),
                             decode_tokens or 0)
+                if policy == "quillcache" and not cfg.approximate:     # its own progress: past what it reuses
+                    held = self._pinned.depths(scope, hashes, (worker,))  # and what the others there compute
+                    self._active[rid].chain = (scope, hashes, max(d + h + k + p, 0 if held is None else int(held[0])))
                 self._hold(self._active[rid], scope, hashes, n_tokens, n_tokens - (d + h + k + p) * cfg.block_size)
             if cfg.approximate:
                 self._predict(worker, scope, hashes)
@@ -592,7 +601,8 @@ class Router:
                 # depends on nothing else), then a bisection per decision
                 decodes = max(int(lt[i, _REQUESTS] - lt[i, _PREFILL_REQUESTS]), 0)
                 plan = plans[name] = page_plan(
-                    ((a.prefilling, a.prefill_tokens, a.decode_tokens, a.blocks) for a in acts.values()),
+                    ((a.prefilling, a.prefill_tokens - a.prefilled, a.decode_tokens, a.blocks)
+                     for a in acts.values()),
                     cfg.kv_blocks, float(held[i]), cost.prefill_us_per_token,
                     cost.decode_us_per_token + cost.running_decode_penalty_us * decodes)
             waits[i] = plan.wait(nd)
@@ -602,7 +612,7 @@ class Router:
         """Per candidate, the KV pages free in its engine (``kv_blocks``): less the blocks its
         events say its device caches (``cached``), and the blocks the requests routed there have
         still to compute (their uncached tokens; they take pages that no event shows yet)."""
-        computing = -(-lt[:, _PREFILL_TOKENS] // self.config.block_size)
+        computing = -(-(lt[:, _PREFILL_TOKENS] - lt[:, _PREFILLED]) // self.config.block_size)
         return np.maximum(self.config.kv_blocks - cached - computing, 0)
 
     @staticmethod
@@ -705,6 +715,7 @@ class Router:
         ld.pages -= pages
         if a.prefilling:
             ld.active_prefill_tokens -= a.prefill_tokens
+            ld.prefilled_tokens -= a.prefilled
             ld.prefill_requests -= 1
         ld.decode_blocks -= a.blocks
         ld.active_requests -= 1
@@ -721,6 +732,7 @@ class Router:
             ld = self._loads.get(a.worker)
             if ld is not None:
                 ld.active_prefill_tokens -= a.prefill_tokens
+                ld.prefilled_tokens -= a.prefilled
                 ld.prefill_requests -= 1
             return True
 
