@@ -227,7 +227,7 @@ def test_prefill_progress_from_the_engines_events_shortens_the_queue():
     router.route(A, toks + list(range(100, 100 + 4 * BS)), request_id="r4", candidates=["w1"])
     router.apply_events("w1", EventBatch(5.0, (stored(A, toks, 0, 8),)), engine)
     assert (router._active["r3"].prefilled, router._active["r4"].prefilled) == (31, 0)
-    # a peer's load counts the whole prompt until its first token, as its project does
+    # a peer's load counts the whole prompt until its first token, as before
     peer = Router(RouterConfig(policy="dynamo", block_size=BS, seed=0), workers=["w0"])
     peer.route(A, toks, request_id="r1")
     peer.apply_events("w0", EventBatch(1.0, (stored(A, toks, 0, 4),)), engine)
