@@ -59,8 +59,8 @@ def test_a_request_predicted_to_miss_the_slo_gets_429_and_retry_after_and_reache
         assert _metric(metrics, "quillcache_gateway_rejected_total") == 0    # not the queue limit
         # The refusal left nothing on the engine's books: no load, nothing routed or in flight.
         (worker,) = json.loads(gp.get("/quillcache/workers", admin=True)[2])["workers"]
-        assert (worker["routed"], worker["in_flight"], worker["active_prefill_tokens"],
-                worker["active_requests"]) == (0, 0, 0, 0)
+        assert (worker["routed"], worker["in_flight"], worker["active_prefill_tokens"], worker["prefilled_tokens"],
+                worker["active_requests"]) == (0, 0, 0, 0, 0)
         # The SLO is the gateway's slo_ttft (1 ms), not the router's default 800 ms: a prompt
         # predicted at 29 ms is refused, with the floor of Retry-After.
         status, headers, _ = gp.complete("y" * 1000)

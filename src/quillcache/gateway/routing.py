@@ -226,7 +226,8 @@ class GatewayRouter:
         if mr is None:
             return {}
         ld = mr.router.load(worker)
-        return {"active_prefill_tokens": ld.active_prefill_tokens, "decode_blocks": ld.decode_blocks,
+        return {"active_prefill_tokens": ld.active_prefill_tokens, "prefilled_tokens": ld.prefilled_tokens,
+                "decode_blocks": ld.decode_blocks,
                 "active_requests": ld.active_requests, "kv_pages": ld.pages,
                 "kv_blocks": mr.router.config.kv_blocks, "kv_tokens_said": self._kv_tokens.get(worker)}
 
