@@ -279,9 +279,15 @@ def test_the_connection_polls_for_replies_as_configured_and_stats_say_so(node):
             assert core.save(keys, src)
             for _ in range(20):
                 assert core.lookup(keys) == 4
-        caught = polling.stats()["receive_polls_caught"]
         if (os.cpu_count() or 1) > 1:      # a one-CPU machine never polls
-            assert caught >= 5
+            # A reply is caught only if it comes within the spin window, which a loaded machine
+            # (the whole suite on two cores) can miss for a burst of lookups: ask more, up to a
+            # bound, until five were caught.  A client that never polls catches none in 500.
+            for _ in range(500):
+                if polling.stats()["receive_polls_caught"] >= 5:
+                    break
+                assert polling.lookup(keys) == 4
+            assert polling.stats()["receive_polls_caught"] >= 5
         assert sleeping.stats()["receive_polls_caught"] == sleeping.stats()["receive_polls_missed"] == 0
     finally:
         polling.close()
