@@ -362,7 +362,7 @@ class Router:
 
     def _progress(self, worker: str) -> None:
         """What the engine's events show done of the prompts queued there (``prefill_progress``)."""
-        col = self.indexer.workers.index(worker)         # its column in every Match
+        col = self.indexer.worker(worker)                 # its column in every Match
         moved = prefill_progress(self._by_worker[worker].values(),
                                  lambda scope, hashes: int(self.indexer.find_matches(scope, hashes).device[col]),
                                  self.config.block_size, self.config.batch_tokens)
@@ -714,9 +714,7 @@ class Router:
             return
         ld.pages -= pages
         if a.prefilling:
-            ld.active_prefill_tokens -= a.prefill_tokens
-            ld.prefilled_tokens -= a.prefilled
-            ld.prefill_requests -= 1
+            self._unload_prefill(ld, a)
         ld.decode_blocks -= a.blocks
         ld.active_requests -= 1
 
@@ -731,10 +729,15 @@ class Router:
             self._drop_ahead(a)
             ld = self._loads.get(a.worker)
             if ld is not None:
-                ld.active_prefill_tokens -= a.prefill_tokens
-                ld.prefilled_tokens -= a.prefilled
-                ld.prefill_requests -= 1
+                self._unload_prefill(ld, a)
             return True
+
+    @staticmethod
+    def _unload_prefill(ld: WorkerLoad, a: _Active) -> None:
+        """Its prefill leaves the worker's load: at its first token, or when it ends before it."""
+        ld.active_prefill_tokens -= a.prefill_tokens
+        ld.prefilled_tokens -= a.prefilled
+        ld.prefill_requests -= 1
 
     def free(self, request_id: str) -> bool:
         """The request ended, was aborted or its client went away."""
