@@ -166,13 +166,19 @@ class Run:
             return
         out[i] = ("ok", sent, first, last, n, dec)
 
-    async def window_busy(self, session, t0: float) -> int:
-        """The engines' prefill-busy time (modelled us) from the first arrival to the last: read
-        from each engine when the last request is due (both start at ``t0``: the engines idle
-        before it)."""
-        last = t0 + self.requests[-1].arrival_us / 1e6 * self.args.time_scale
+    async def window_busy(self, session, t0: float) -> tuple[int, int]:
+        """The engines' prefill-busy time (modelled us) from the first arrival to the last, and
+        the window it covers: read from each engine when the last request is due (both start at
+        ``t0``: the engines idle before it).  Where the read comes late (a loaded machine wakes
+        this task after the last arrival), the engines went on working meanwhile, and the window
+        is the one the read covers: from the first arrival to the read, in modelled time."""
+        scale = self.args.time_scale
+        first = t0 + self.requests[0].arrival_us / 1e6 * scale
+        last = t0 + self.requests[-1].arrival_us / 1e6 * scale
         await asyncio.sleep(max(0.0, last - time.monotonic()))
-        return sum(int(st["prefill_busy_now_us"]) for st in await self.engine_stats(session))
+        busy = sum(int(st["prefill_busy_now_us"]) for st in await self.engine_stats(session))
+        window = self.requests[-1].arrival_us - self.requests[0].arrival_us
+        return busy, max(window, round((time.monotonic() - first) / scale * 1e6))
 
     async def engine_stats(self, session) -> list[dict]:
         """Each engine's ``/sim/stats``, in the order of ``engine_urls``."""
@@ -192,7 +198,7 @@ class Run:
             window = asyncio.create_task(self.window_busy(s, t0))
             await asyncio.gather(*(self.one(s, base, i, t0, out) for i in range(len(self.requests))))
             span_s = time.monotonic() - t0
-            window_busy_us = await window
+            window_busy_us, window_us = await window
             stats = await self.engine_stats(s)
             async with s.get(f"http://127.0.0.1:{self.admin_port}/metrics") as r:      # the operator's
                 metrics = await r.text()
@@ -221,11 +227,13 @@ class Run:
         res.busy_us = [st["busy_us"] for st in stats]
         res.prefill_busy_us = [st["prefill_busy_us"] for st in stats]
         # the load while the trace arrives, as on the virtual clock (PolicyResult.summary)
-        res.window_us = self.requests[-1].arrival_us - self.requests[0].arrival_us
+        res.window_us = window_us
         res.window_prefill_busy_us = window_busy_us
         slo = SloTarget()
         summary = res.summary(slo.ttft_ms, slo.tpot_ms)
-        summary.update(errors=len(errors), error_samples=errors[:3], wall_s=span_s, window_s=res.window_us / 1e6,
+        summary.update(errors=len(errors), error_samples=errors[:3], wall_s=span_s,
+                       window_s=(self.requests[-1].arrival_us - self.requests[0].arrival_us) / 1e6,
+                       load_window_s=window_us / 1e6,
                        credited_hit_rate=decision_hits / prompt_blocks if prompt_blocks else 0.0,
                        engine_late_ms=sum(st.get("late_us", 0) for st in stats) / 1e3,
                        engine_late_max_ms=max((st.get("late_max_us", 0) for st in stats), default=0) / 1e3,

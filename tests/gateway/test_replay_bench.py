@@ -33,6 +33,8 @@ def test_gateway_replay_prints_the_table_with_every_request_answered(tmp_path, c
         # the engines when the last request is due, as on the virtual clock (here a window of
         # 60 ms of wall time, which a loaded machine may pass before the engines see a request)
         assert row["window_s"] == (reqs[-1].arrival_us - reqs[0].arrival_us) / 1e6 > 0
+        # the load's window: the trace's, or up to the read where a loaded machine read it late
+        assert row["load_window_s"] >= row["window_s"]
         assert 0 <= row["load"] <= 1
     assert doc["config"]["through"] == "quillcache-gateway"
     printed = capsys.readouterr().out
