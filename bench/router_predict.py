@@ -98,6 +98,10 @@ def main(argv=None) -> int:
 
     res = run_policy(build_requests(trace, speedup), "quillcache", args.engines, cfg, seed=args.seed,
                      pool_blocks=pool_blocks(pool_gib) if args.pool else 0, before_route=compare)
+    if not out:
+        print(f"router_predict: no prediction compared: --every {args.every} is more than the "
+              f"{len(trace)} arrivals", file=sys.stderr)
+        return 2
     a = np.array(out, dtype=float)
     pred, act, credited, hit = a[:, 0] / 1e3, a[:, 1] / 1e3, a[:, 2], a[:, 3]
     err = act - pred

@@ -1,7 +1,8 @@
 """The benches measure what they say.  ``bench/local_path.py`` times the sides it compares under
 the same conditions: each is called once untimed before any is timed (the first writer of fresh
 arena pages pays their faults), and the rounds rotate the order, so no side always follows the
-same one.  ``bench/router_decision.py --branch-points`` does meet the shared-prefix rule."""
+same one.  ``bench/router_decision.py --branch-points`` does meet the shared-prefix rule, and
+``bench/router_predict.py`` says when it had nothing to compare."""
 from __future__ import annotations
 
 import time
@@ -45,3 +46,15 @@ def test_router_decision_branch_points_make_every_pooled_decision_predict_twice(
             assert 25 <= twice <= 75             # a quarter of the chains are in the pool
         else:
             assert twice == 0
+
+
+def test_router_predict_says_when_it_compared_nothing(capsys):
+    """``bench/router_predict.py`` compares at every Nth arrival: with fewer arrivals than N it
+    says so and exits 2 (it used to fail on an empty array); with enough it prints its table."""
+    from bench import router_predict
+    args = ["--trace", "agent", "--speedup", "5", "--limit", "12"]
+    assert router_predict.main(args + ["--every", "13"]) == 2
+    assert "no prediction compared: --every 13 is more than the 12 arrivals" in capsys.readouterr().err
+    assert router_predict.main(args + ["--every", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "16 predictions (every 6th arrival x 8 workers)" in out and "  all " in out
