@@ -166,6 +166,11 @@ class Run:
             return
         out[i] = ("ok", sent, first, last, n, dec)
 
+    @property
+    def trace_window_us(self) -> int:
+        """From the trace's first arrival to its last."""
+        return self.requests[-1].arrival_us - self.requests[0].arrival_us
+
     async def window_busy(self, session, t0: float) -> tuple[int, int]:
         """The engines' prefill-busy time (modelled us) from the first arrival to the last, and
         the window it covers: read from each engine when the last request is due (both start at
@@ -177,8 +182,7 @@ class Run:
         last = t0 + self.requests[-1].arrival_us / 1e6 * scale
         await asyncio.sleep(max(0.0, last - time.monotonic()))
         busy = sum(int(st["prefill_busy_now_us"]) for st in await self.engine_stats(session))
-        window = self.requests[-1].arrival_us - self.requests[0].arrival_us
-        return busy, max(window, round((time.monotonic() - first) / scale * 1e6))
+        return busy, max(self.trace_window_us, round((time.monotonic() - first) / scale * 1e6))
 
     async def engine_stats(self, session) -> list[dict]:
         """Each engine's ``/sim/stats``, in the order of ``engine_urls``."""
@@ -232,7 +236,7 @@ class Run:
         slo = SloTarget()
         summary = res.summary(slo.ttft_ms, slo.tpot_ms)
         summary.update(errors=len(errors), error_samples=errors[:3], wall_s=span_s,
-                       window_s=(self.requests[-1].arrival_us - self.requests[0].arrival_us) / 1e6,
+                       window_s=self.trace_window_us / 1e6,
                        load_window_s=window_us / 1e6,
                        credited_hit_rate=decision_hits / prompt_blocks if prompt_blocks else 0.0,
                        engine_late_ms=sum(st.get("late_us", 0) for st in stats) / 1e3,
