@@ -27,6 +27,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._support.ports
+from bench._outpath import out_path
 from bench._serve import Processes
 from tests._support.ports import free_port
 
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", type=int, default=1,
                     help="1 (default): routing cannot help, so the difference is the gateway's cost; "
                          "more: direct round robin against the gateway's cache-aware routing")
-    ap.add_argument("--json-out")
+    ap.add_argument("--json-out", type=out_path)
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep the engines' and the gateway's logs (kept anyway where the run fails)")
     args = ap.parse_args(argv)

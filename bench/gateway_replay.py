@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import router_replay  # noqa: E402
+from bench._outpath import out_path  # noqa: E402
 from bench._serve import Processes  # noqa: E402
 from quillcache.settings.convert import hash_token  # noqa: E402
 from quillcache.control.model import SloTarget  # noqa: E402
@@ -437,7 +438,7 @@ def main(argv=None) -> int:
     ap.add_argument("--virtual-jitter-ms", type=float, default=VIRTUAL_JITTER_MS, metavar="MS",
                     help="on the virtual clock, each arrival later by a uniform draw in [0, MS) per repeat, "
                          "the variation the live path adds (default: %(default)s; 0: the trace's exact times)")
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--json-out", type=out_path, default=None)
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep each run's engine and gateway logs (they are kept anyway where a run fails)")
     args = ap.parse_args(argv)

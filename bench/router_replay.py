@@ -38,6 +38,11 @@ from quillcache.control.sim.engine import H200_LLAMA3_8B, KV_BYTES_PER_TOKEN_LLA
 from quillcache.control.sim.replay import build_requests, run_policy
 from quillcache.control.sim.trace import TRACE_BLOCK_TOKENS, TraceError, TraceWarning, assign_tenants, load_trace
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from bench._outpath import out_path  # noqa: E402
+
 GiB = 1 << 30
 H200_KV_GIB = 100        # 141 GB HBM x 0.9 utilisation - 16 GB of weights - activations
 VLLM_MAX_BATCHED_TOKENS = 8192      # vLLM's default for the OpenAI server on a large GPU
@@ -226,8 +231,8 @@ def main(argv=None) -> int:
                     help="how engines load from the pool: host (55 GB/s) or tcp (4.5 GB/s)")
     ap.add_argument("--admission", choices=("off", "predict"), default="off",
                     help="quillcache refuses what it predicts will miss the TTFT SLO (a miss)")
-    ap.add_argument("--json-out", default=None)
-    ap.add_argument("--png-out", default=None, help="default: the JSON path with .png")
+    ap.add_argument("--json-out", type=out_path, default=None)
+    ap.add_argument("--png-out", type=out_path, default=None, help="default: the JSON path with .png")
     args = ap.parse_args(argv)
     if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or args.pool < 0:
         ap.error("--engines and --tenants must be >= 1, --speedup > 0 and --pool >= 0")

@@ -48,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from router_replay import (BLOCK_BYTES, DEFAULT_TRACE, GiB, H200_KV_GIB, add_trace_block_arg, check_trace,
                            engine_config, pool_blocks, working_set_blocks)
 
+from bench._outpath import out_path  # the root is on the path: router_replay puts it there
+
 from quillcache.control.model import SloTarget
 from quillcache.control.sim.gen import GENERATORS
 from quillcache.control.sim.replay import build_requests, run_policy
@@ -412,7 +414,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jitter", default="",
                     help="comma-separated multiples of each calibrated speed-up (say 0.94,0.97,1.03,1.06) to "
                          "replay every setting at too: in how many speed-ups each check holds")
-    ap.add_argument("--out", default=None, help="write OUT.md, OUT.png and OUT.json")
+    ap.add_argument("--out", type=out_path, default=None, help="write OUT.md, OUT.png and OUT.json")
     args = ap.parse_args(argv)
     try:
         args.jitter = sorted({float(x) for x in args.jitter.split(",") if x.strip()})

@@ -39,6 +39,7 @@ from pathlib import Path
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # bench.lsm_index when run as a script
+from bench._outpath import out_path  # noqa: E402
 TOKENS_PER_BLOCK = 512
 KV_BYTES_PER_TOKEN = 128 << 10          # bytes: llama-3-8b, fp16, 32 layers x 8 KV heads x 128 x 2 x 2
 SYNC_EVERY_PUTS = 1000                  # puts per group commit while loading
@@ -350,7 +351,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="memory,art,art-persistent,lsm")
     ap.add_argument("--workdir", type=Path, default=None, help="where the on-disk backends go (temp)")
     ap.add_argument("--no-docs", action="store_true", help="print only; do not write docs/")
-    ap.add_argument("--json-out", type=Path, help="also write the results as JSON here")
+    ap.add_argument("--json-out", type=lambda text: Path(out_path(text)), help="also write the results as JSON here")
     ap.add_argument("--from-json", type=Path,
                     help="do not measure: render docs/ from a --json-out file (or this script's output)")
     args = ap.parse_args(argv)

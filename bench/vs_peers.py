@@ -65,6 +65,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests._support.ports
+from bench._outpath import out_path
 from tests._support.ports import free_port as _free_port
 
 KiB = 1 << 10
@@ -863,7 +864,7 @@ def main(argv=None):
     ap.add_argument("--qc-spin-us", type=float, metavar="US",
                     help="the QuillCache clients' spin_us (0 = sleep at once; default: the client's, "
                          "docs/protocol.md \"Busy-polling receives\")")
-    ap.add_argument("--json-out", help="write the results as JSON here")
+    ap.add_argument("--json-out", type=out_path, help="write the results as JSON here")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="let the scheduler place server and client (default: separate CPUs)")
     ap.add_argument("--mooncake-lend", nargs=3, help=argparse.SUPPRESS)

@@ -2,10 +2,13 @@
 the same conditions: each is called once untimed before any is timed (the first writer of fresh
 arena pages pays their faults), and the rounds rotate the order, so no side always follows the
 same one.  ``bench/router_decision.py --branch-points`` does meet the shared-prefix rule, and
-``bench/router_predict.py`` says when it had nothing to compare."""
+``bench/router_predict.py`` says when it had nothing to compare.  A bench asked to write where
+it cannot says so before it runs, not after."""
 from __future__ import annotations
 
 import time
+
+import pytest
 
 import quillcache.control.policies as policies
 from bench import local_path, router_decision
@@ -58,3 +61,31 @@ def test_router_predict_says_when_it_compared_nothing(capsys):
     assert router_predict.main(args + ["--every", "6"]) == 0
     out = capsys.readouterr().out
     assert "16 predictions (every 6th arrival x 8 workers)" in out and "  all " in out
+
+
+@pytest.mark.parametrize("script,option,extra", [
+    ("router_replay", "--json-out", ["--trace", "agent"]),
+    ("router_replay", "--png-out", ["--trace", "agent"]),
+    ("router_sweep", "--out", []),
+    ("gateway_replay", "--json-out", ["--trace", "agent"]),
+    ("gateway_load", "--json-out", []),
+    ("storage_study", "--json-out", []),
+    ("vs_peers", "--json-out", []),
+])
+def test_a_bench_refuses_an_output_it_cannot_write_before_it_runs(script, option, extra, tmp_path, capsys):
+    """Each bench that writes its results at the end checks the path when it parses its
+    arguments: a directory that does not exist, or a directory given as the file, is a usage
+    error (exit 2, naming the path) before any replay or server starts; a writable path passes."""
+    import importlib
+    main = importlib.import_module(f"bench.{script}").main
+    missing = tmp_path / "no-such-dir" / "out.json"
+    with pytest.raises(SystemExit) as exc:
+        main(extra + [option, str(missing)])
+    assert exc.value.code == 2
+    assert f"no directory {missing.parent}; create it first" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(extra + [option, str(tmp_path)])
+    assert exc.value.code == 2
+    assert f"{tmp_path}: is a directory" in capsys.readouterr().err
+    from bench._outpath import out_path
+    assert out_path(str(tmp_path / "out.json")) == str(tmp_path / "out.json")
