@@ -130,6 +130,26 @@ def test_jitter_verdicts_count_where_a_check_holds_and_where_it_does_not():
     assert router_sweep.jitter_verdicts({**doc, "jitter_rows": []}) == []
 
 
+def test_every_policy_is_asked_the_same_checks_against_the_best_of_the_others():
+    """Worked by hand: at 0.85 `prefix` has the best median and `dynamo` the best tail, so no
+    policy holds all its checks; each is checked against the best of all the others
+    (``quillcache`` among them), `dynamo` is not asked for 1.3 x its own goodput, and the
+    admission variant is neither asked nor anyone's best."""
+    def row(policy, p50, p99, good, load=0.85):
+        return {"trace": "t", "target_load": load, "pool": False, "policy": policy, "ttft_p50_ms": p50,
+                "ttft_p99_ms": p99, "goodput": good}
+    doc = {"rows": [row("quillcache", 120.0, 2000.0, 0.80), row("prefix", 100.0, 9000.0, 0.70),
+                    row("dynamo", 240.0, 1500.0, 0.50), row("quillcache+admission", 50.0, 500.0, 0.99)]}
+    # quillcache: p50 120 > 105 NO, goodput ok, p99 2000 > 1800 NO, 0.80 >= 0.65 ok -> 2 of 4
+    # prefix: p50 ok, goodput 0.70 < 0.79 NO, p99 NO, 0.70 >= 0.65 ok -> 2 of 4
+    # dynamo: p50 NO, goodput NO, p99 ok (no 1.3 x its own) -> 1 of 3
+    assert router_sweep.every_policy(doc) == ("the same checks for every policy, each against the best of the "
+                                             "others: prefix 2/4, quillcache 2/4, dynamo 1/3")
+    doc["rows"][0]["ttft_p50_ms"], doc["rows"][0]["ttft_p99_ms"] = 104.0, 1800.0
+    assert router_sweep.every_policy(doc).endswith("quillcache 4/4, prefix 2/4, dynamo 1/3")
+    assert router_sweep.every_policy({"rows": [row("quillcache", 1.0, 1.0, 1.0)]}) == ""
+
+
 @pytest.mark.parametrize("jitter", ["1.0", "0.9,1", "-0.5", "abc", "0.9,,x", "12"])
 def test_a_bad_jitter_is_a_usage_error(jitter, capsys):
     with pytest.raises(SystemExit) as exc:
