@@ -44,7 +44,8 @@ def three_way(policy):
     """w0 holds 8 of the request's 10 blocks behind a long queue; w1 holds nothing behind a
     short one; w2 holds 2 blocks with an empty queue but more queued tokens than w1.
 
-    sglang: loads 3, 2, 0 are balanced (spread 3 <= 64) and w0's match 0.8 > 0.3 -> w0.
+    sglang: loads 3, 2, 0 are balanced (spread 3 <= 64) and w0's match 0.8 > 0.3 -> w0 (its
+          gateway routed those prompts there: its tree is what it routed, not the events).
     llmd: queue scores 0, 1/3, 1 (waiting 3, 2, 0); prefix 0.8, 0, 0.2;
           2q + 3p = 2.4, 0.67, 2.6 -> w2.
     mooncake: TTFT (45 us/token): w0 4000 + 8 tokens; w1 100 + 8 tokens plus moving w0's 8
@@ -54,6 +55,8 @@ def three_way(policy):
     h = chain_hashes(toks(10), BS)
     r.indexer.add_blocks("w0", A, h[:8], DEVICE)
     r.indexer.add_blocks("w2", A, h[:2], DEVICE)
+    r.routed.insert(h[:8], "w0")
+    r.routed.insert(h[:2], "w2")
     set_load(r, "w0", 4000, 3, 3)
     set_load(r, "w1", 100, 2, 2)
     set_load(r, "w2", 500, 0, 0)
@@ -76,7 +79,7 @@ def test_the_peers_choose_differently_on_one_hand_worked_example():
 def test_sglang_takes_the_least_loaded_when_imbalanced_else_the_smallest_tree():
     r = router("sglang")
     h = chain_hashes(toks(10), BS)
-    r.indexer.add_blocks("w0", A, h, DEVICE)                  # a full match ...
+    r.routed.insert(h, "w0")                                  # a full match ...
     set_load(r, "w0", 0, 0, 100)
     set_load(r, "w1", 0, 0, 30)                               # 100 - 30 > 64 and 100 > 1.5 x 30
     set_load(r, "w2", 0, 0, 31)
@@ -84,11 +87,53 @@ def test_sglang_takes_the_least_loaded_when_imbalanced_else_the_smallest_tree():
     set_load(r, "w1", 0, 0, 40)                               # 100 - 40 = 60: balanced -> the match
     set_load(r, "w2", 0, 0, 40)
     assert r.route(A, hashes=h, request_tokens=40, track=False).worker == "w0"
-    # no match above 0.3: the smallest tree (w0 holds 10 blocks, w1 5, w2 2)
-    r.indexer.add_blocks("w1", A, chain_hashes(toks(5, salt=1), BS), DEVICE)
-    r.indexer.add_blocks("w2", A, chain_hashes(toks(2, salt=2), BS), DEVICE)
+    # no match above 0.3: the smallest tree (w0 was sent 10 blocks, w1 5, w2 2)
+    r.routed.insert(chain_hashes(toks(5, salt=1), BS), "w1")
+    r.routed.insert(chain_hashes(toks(2, salt=2), BS), "w2")
     other = chain_hashes(toks(10, salt=9), BS)
     assert r.route(A, hashes=other, request_tokens=40, track=False).worker == "w2"
+
+
+def test_sglang_matches_what_its_gateway_routed_not_what_the_engines_report():
+    """sgl-router inserts each prompt into the chosen worker's tree as it routes it.  A burst
+    for one new prefix follows its first request before any engine has stored a block; a burst
+    of unmatched prompts spreads by the size of what was sent; blocks an engine reports but the
+    gateway never sent there attract nothing; a probe (``track=False``) inserts nothing."""
+    r = router("sglang", workers=("w0", "w1", "w2", "w3"))
+    doc = chain_hashes(toks(10, salt=5), BS)
+    first = r.route(A, hashes=doc, request_tokens=40).worker
+    assert all(r.route(A, hashes=doc, request_tokens=40).worker == first for _ in range(5))
+    assert r.routed.sizes(r.workers).tolist() == [10 if w == first else 0 for w in r.workers]
+    # unmatched prompts of 10 blocks: each goes to a worker not yet sent anything, then ties
+    sent = [r.route(A, hashes=chain_hashes(toks(10, salt=100 + i), BS), request_tokens=40).worker for i in range(3)]
+    assert sorted(sent + [first]) == sorted(r.workers)
+    # the engines' events: w3 caches a prompt no one sent it; sglang's tree does not see it
+    lone = chain_hashes(toks(10, salt=7), BS)
+    r.indexer.add_blocks("w3", A, lone, DEVICE)
+    assert r.routed.depths(lone, r.workers).tolist() == [0, 0, 0, 0]
+    before = r.routed.sizes(r.workers).tolist()
+    r.route(A, hashes=lone, request_tokens=40, track=False)
+    assert r.routed.sizes(r.workers).tolist() == before
+    r.remove_worker(first)
+    assert r.routed.depths(doc, r.workers).tolist() == [0, 0, 0]
+
+
+def test_the_routed_tree_evicts_leaves_first_and_stays_bounded():
+    from quillcache.control.routed import RoutedTree, default_max_blocks
+    assert default_max_blocks(512) == 8192          # 2^24 characters at 4 a token, in 512-token blocks
+    t = RoutedTree(max_blocks=6)
+    old, new = chain_hashes(toks(4), BS), chain_hashes(toks(4, salt=1), BS)
+    t.insert(old, "w")
+    t.insert(new, "w")                              # 8 blocks: the old prompt's two deepest go
+    assert t.sizes(["w"]).tolist() == [6]
+    assert t.depths(old, ["w"]).tolist() == [2] and t.depths(new, ["w"]).tolist() == [4]
+    t.insert(old[:1], "w")                          # used again: its head is the most recent
+    t.insert(chain_hashes(toks(2, salt=2), BS), "w")
+    assert t.depths(old, ["w"]).tolist() == [1]     # the head stays, the leaves went
+    t.remove_worker("w")
+    assert t.sizes(["w"]).tolist() == [0] and not t._held
+    with pytest.raises(ValueError):
+        RoutedTree(0)
 
 
 def test_llmd_queue_scorer_is_neutral_when_all_queues_are_equal():

@@ -1,5 +1,6 @@
 """The router against a brute-force scorer, its selection rules, load feedback, the
 approximate mode and the decision-latency export."""
+import dataclasses
 import math
 from collections import Counter
 
@@ -340,10 +341,12 @@ def memory_wait(cfg, inflight, name, scope, hashes, n_tokens, decodes):
                         cfg.cost.decode_us_per_token + cfg.cost.running_decode_penalty_us * decodes)
 
 
-def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, inflight=(), branches=()):
+def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, inflight=(), branches=(), sent=()):
     """(logits, choices allowed, per-worker facts) computed worker by worker from the dict
     indexer's match, the requests in prefill and the loads as the test set them; ``branches``:
-    the (prefix, next block) the arrivals before it recorded (``BranchPoints``)."""
+    the (prefix, next block) the arrivals before it recorded (``BranchPoints``); ``sent``: the
+    (worker, chain) of the prompts routed before it, which are all ``sglang`` matches (its
+    gateway's own tree, not the engines' events)."""
     from quillcache.control.policies import (Candidates, goodput_placement, llmd_scores, mooncake_scores,
                                              predict_placement, sglang_scores)
     from quillcache.control.router import BLIND_POLICIES
@@ -383,7 +386,8 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, infligh
     allowed = None
     if policy in ("sglang", "llmd", "mooncake", "quillcache"):
         col = [np.array([facts[n]["tiers"][t] for n in names], np.int64) for t in range(4)]
-        trees = np.array(ref.tree_blocks(names) if policy == "sglang" else [0] * len(names), np.int64)
+        held = {n: {h for w, chain in sent if w == n for h in chain} for n in names}
+        trees = np.array([len(held[n]) if policy == "sglang" else 0 for n in names], np.int64)
         a = lambda v: np.array(v, np.int64)
         waits = None
         free = None
@@ -419,7 +423,9 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, infligh
         elif policy == "llmd":
             logits = llmd_scores(cand).tolist()
         else:
-            score, eligible = sglang_scores(cand)
+            lead = [next((j for j, h in enumerate(hashes) if h not in held[n]), len(hashes)) for n in names]
+            no = np.zeros(len(names), np.int64)
+            score, eligible = sglang_scores(dataclasses.replace(cand, device=a(lead), host=no, disk=no))
             logits = score.tolist()
             allowed = {n for n, e in zip(names, eligible) if e}
     if allowed is None and policy == "prefix":
@@ -467,6 +473,9 @@ def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, po
         tier = POOL if w == 6 else min(tier, DISK)
         for idx in (router.indexer, ref):
             idx.add_blocks(worker, (A, B)[s], chain[start:start + n], tier)
+    sent = [(names[w], chain[:start + n]) for w, s, tier, start, n in places if w < 6 and s == 0]
+    for w, chain_sent in sent:          # prompts sglang's gateway routed: its tree, whatever the engines hold
+        router.routed.insert(chain_sent, w)
     routed = []
     for w, s, q, extra in inflight:      # requests in prefill: their blocks are in no event yet
         n_in = q * BS + extra
@@ -488,7 +497,7 @@ def test_fast_decisions_equal_the_straightforward_scorer(places, loads, qlen, po
         branches.append(entry)
     d = router.route(A, hashes=hashes, request_tokens=n_tokens, track=False, candidates=cands)
     logits, allowed, facts = straight(router, ref, given_loads, A, hashes, n_tokens, policy, cands or names,
-                                      routed, branches)
+                                      routed, branches, sent)
     assert d.logits == logits                   # exactly: the same numbers, not close ones
     assert d.worker in allowed
     f = facts[d.worker]

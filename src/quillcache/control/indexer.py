@@ -236,15 +236,6 @@ class _Base:
             n += len(keys)
         return n
 
-    def tree_blocks(self, names: Sequence[str]) -> list[int]:
-        """Blocks each worker caches (every tier), as its events and ``add_blocks`` told: the
-        size of its tree, O(1) per worker."""
-        out = []
-        for name in names:
-            w = self._worker_ids.get(name)
-            out.append(0 if w is None else sum(map(len, self._engine[w])) + sum(map(len, self._direct[w])))
-        return out
-
     def device_blocks(self, names: Sequence[str]) -> list[int]:
         """Blocks each worker holds on its device (GPU) tier: what fills its KV memory, as its
         events told once it has sent one, else as ``add_blocks`` told; O(1) per worker."""

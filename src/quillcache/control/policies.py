@@ -7,7 +7,8 @@ Peers, each as its project documents it (sources in ``docs/router.md``):
   in-flight request count.  If the load is imbalanced (``max - min > balance_abs_threshold``
   and ``max > balance_rel_threshold * min``) take the least loaded worker; otherwise, if the
   best prefix match ratio (matched tokens / request tokens) is above ``cache_threshold``, the
-  worker with the best match; otherwise the worker with the smallest cached tree.
+  worker with the best match; otherwise the worker with the smallest cached tree.  The match and
+  the tree are the gateway's own tree of the prompts it routed (``control/routed.py``).
 * ``llmd``: llm-d's default scheduler profile: queue scorer (weight 2) plus prefix-cache
   scorer (weight 3), highest sum wins.  The queue scorer is min-max normalised over the
   candidates (shortest queue 1, longest 0, all equal 1); the prefix scorer is the share of the
@@ -59,7 +60,7 @@ class Candidates:
     worker holds (the prefix another instance could hand over).  Loads are the router's own
     accounting: ``prefill_tokens`` uncached prompt tokens routed and not yet past their first
     token, ``prefill_requests`` those requests, ``requests`` every request in flight;
-    ``tree_blocks`` the blocks each worker's events say it caches."""
+    ``tree_blocks`` the blocks in each worker's tree (``sglang``'s: the prompts routed there)."""
 
     names: tuple[str, ...]
     device: np.ndarray

@@ -49,6 +49,7 @@ from quillcache.control.policies import (
     BranchPoints, BusyShare, Candidates, DemandShare, TailQuantile, goodput_placement, llmd_scores, mooncake_scores,
     predict_placement, sglang_scores,
 )
+from quillcache.control.routed import RoutedTree, default_max_blocks
 from quillcache.protocol.route import POLICIES
 from quillcache.control.sketch import CountMinSketch
 from quillcache.model import IdentityScope
@@ -277,6 +278,7 @@ class Router:
         self.demand = DemandShare(BUSY_WINDOW)
         # which prefixes distinct arrivals branched from (a shared prefix spreads as without a pool)
         self.branches = BranchPoints(BUSY_WINDOW)
+        self.routed = RoutedTree(default_max_blocks(config.block_size))    # the sglang peer's own tree
         self._histogram = None
         for w in workers:
             self.add_worker(w)
@@ -311,6 +313,7 @@ class Router:
                 self._names = tuple(self._loads)
                 self._idx_key = None
             self.indexer.clear_worker(name)
+            self.routed.remove_worker(name)
             for rid in [r for r, a in self._active.items() if a.worker == name]:
                 self._release(self._active.pop(rid))
 
@@ -439,8 +442,7 @@ class Router:
             predicted = np.zeros(k)
             transfer = np.zeros(k, np.int64)
             if policy in PEERS or policy == "quillcache":
-                trees = (np.array(self.indexer.tree_blocks(names), dtype=np.int64) if policy == "sglang"
-                         else self._zeros(k))
+                trees = self.routed.sizes(names) if policy == "sglang" else self._zeros(k)
                 waits = free = None
                 if policy == "quillcache" and cfg.kv_blocks is not None:
                     waits = self._memory_waits(scope, hashes, n_tokens, names, lt)
@@ -475,8 +477,11 @@ class Router:
                 logits = llmd_scores(cand)
                 choice = self._select(logits)
             elif policy == "sglang":
-                logits, eligible = sglang_scores(cand)
+                logits, eligible = sglang_scores(replace(cand, device=self.routed.depths(hashes, names),
+                                                         host=self._zeros(k), disk=self._zeros(k)))
                 choice = self._select(np.where(eligible, 0.0, 1.0))
+                if track:                           # sgl-router inserts the prompt as it routes it
+                    self.routed.insert(hashes, names[choice])
             elif policy == "least_loaded":
                 logits = cfg.prefill_load_scale * raw + decode + cfg.active_request_weight * active
                 choice = self._select(logits)
