@@ -459,7 +459,9 @@ def main(argv=None) -> int:
     doc = run(args)
     text = table(doc)
     checks = verdicts(doc) + jitter_verdicts(doc)
-    checks += [line for line in (every_policy(doc),) if line]
+    same_bar = every_policy(doc)
+    if same_bar:
+        checks.append(same_bar)
     print(text)
     print("\n".join(checks))
     print(f"({time.perf_counter() - t0:.0f} s)")
