@@ -226,6 +226,14 @@ def run(args) -> dict:
         "slo": {"ttft_ms": SloTarget().ttft_ms, "tpot_ms": SloTarget().tpot_ms}}}
 
 
+def _by_setting(rows) -> dict:
+    """``rows`` grouped by setting: (trace, target load, pool) -> policy -> row."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["trace"], r["target_load"], r["pool"]), {})[r["policy"]] = r
+    return by
+
+
 def _best(g: dict, ours: str = OURS) -> tuple[float, float, float]:
     """The best peer's figures in one setting (``g``: policy -> row; at least one peer): the
     lowest TTFT p50 and p99, and the highest goodput.  A peer is any policy but ``ours`` and
@@ -255,9 +263,7 @@ def every_policy(doc: dict) -> str:
     (``quillcache`` among them) at the calibrated speed-ups: how hard the bar is on these traces.
     Where no one policy holds them all, the best figures of a setting come from policies that
     trade one against another (say, the median against the tail)."""
-    by: dict = {}
-    for r in doc["rows"]:
-        by.setdefault((r["trace"], r["target_load"], r["pool"]), {})[r["policy"]] = r
+    by = _by_setting(doc["rows"])
     tally: dict = {}
     for (_, load, _), g in by.items():
         for pol in g:
@@ -312,9 +318,7 @@ def jitter_verdicts(doc: dict) -> list[str]:
 
 def verdicts(doc: dict) -> list[str]:
     """The issue's 'must hold' points, checked row group by row group."""
-    by: dict = {}
-    for r in doc["rows"]:
-        by.setdefault((r["trace"], r["target_load"], r["pool"]), {})[r["policy"]] = r
+    by = _by_setting(doc["rows"])
     out = []
     held = made = 0
     missed = {k for k, g in by.items() if not all(r.get("load_reached", True) for r in g.values())}
