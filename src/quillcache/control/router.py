@@ -442,13 +442,12 @@ class Router:
             predicted = np.zeros(k)
             transfer = np.zeros(k, np.int64)
             if policy in PEERS or policy == "quillcache":
-                trees = self.routed.sizes(names) if policy == "sglang" else self._zeros(k)
                 waits = free = None
                 if policy == "quillcache" and cfg.kv_blocks is not None:
                     waits = self._memory_waits(scope, hashes, n_tokens, names, lt)
                     free = self._free_pages(self.indexer.device_counts()[idx], lt)
                 queued = lt[:, 0] - lt[:, _PREFILLED] if policy == "quillcache" else lt[:, 0]
-                cand = Candidates(tuple(names), dev, host, disk, pool, queued, lt[:, 1], lt[:, 2], trees,
+                cand = Candidates(tuple(names), dev, host, disk, pool, queued, lt[:, 1], lt[:, 2], self._zeros(k),
                                   n_tokens, len(hashes), cfg.block_size, waits, free)
             if policy == "dynamo":
                 credit = (cfg.device_weight * dev + cfg.host_weight * host + cfg.disk_weight * disk
@@ -477,8 +476,10 @@ class Router:
                 logits = llmd_scores(cand)
                 choice = self._select(logits)
             elif policy == "sglang":
+                # its match and its trees are its gateway's own tree of routed prompts, not the events
                 logits, eligible = sglang_scores(replace(cand, device=self.routed.depths(hashes, names),
-                                                         host=self._zeros(k), disk=self._zeros(k)))
+                                                         host=self._zeros(k), disk=self._zeros(k),
+                                                         tree_blocks=self.routed.sizes(names)))
                 choice = self._select(np.where(eligible, 0.0, 1.0))
                 if track:                           # sgl-router inserts the prompt as it routes it
                     self.routed.insert(hashes, names[choice])
