@@ -113,7 +113,9 @@ gateway: build
 # ruff runs once, inside the suite (tests/test__sourcecode.py); `make lint` runs it alone.
 # The engines' venv (torch, vLLM, ...: downloads and unpacking, mostly waiting) installs in the
 # background while the main suite runs, and the engine tests run there as soon as it is ready:
-# the main suite keeps one of the two cores busy only three quarters of the time.  Their outputs
+# the main suite keeps one of the two cores busy only three quarters of the time.  The two pytest
+# processes pick their servers' ports from disjoint slices (QUILLCACHE_PORT_SLICE, tests/_support/ports.py),
+# so neither can take a port the other has just picked.  Their outputs
 # go to $(ENGINES_LOG) (the install) and $(ENGINES_TEST_LOG) (the tests), printed after the main
 # suite.  The background job builds $(ESTAMP), not `engines`: `build` would copy the extensions in
 # place again under the running suite.  Exit 99 of that job: the venv could not be built.
@@ -126,9 +128,9 @@ else
 	@echo "(meanwhile $(ENGINES_VENV) installs and the engine tests run in the background: logs in $(ENGINES_LOG) and $(ENGINES_TEST_LOG))"
 	@rm -f $(ENGINES_TEST_LOG); \
 	( $(BG_MAKE) --no-print-directory $(ESTAMP) > $(ENGINES_LOG) 2>&1 || exit 99; \
-	  VLLM_TARGET_DEVICE=cpu $(EPY) -m pytest -q -m engines $(ENGINE_TESTS) $(PYTEST_ARGS) \
+	  QUILLCACHE_PORT_SLICE=1/2 VLLM_TARGET_DEVICE=cpu $(EPY) -m pytest -q -m engines $(ENGINE_TESTS) $(PYTEST_ARGS) \
 	      > $(ENGINES_TEST_LOG) 2>&1 ) & bg=$$!; \
-	$(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS); rc=$$?; \
+	QUILLCACHE_PORT_SLICE=0/2 $(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS); rc=$$?; \
 	wait $$bg; brc=$$?; \
 	if [ $$brc -eq 99 ]; then cat $(ENGINES_LOG); echo "*** $(ENGINES_VENV) could not be built (log above): the engine \
 	tests need it (first build downloads ~500 MB). Fix the network/index, or run \
