@@ -1,6 +1,7 @@
 """The routing peers against hand-worked examples, the quillcache predictor term by term,
 hot-prefix spreading, pool awareness, admission, identity scoping over a replay, and the
 decision's work not growing with the index."""
+import dataclasses
 import math
 from statistics import NormalDist
 
@@ -333,6 +334,23 @@ def test_busy_share_is_the_mean_share_of_workers_in_prefill_over_its_window():
         BusyShare(window=0)
 
 
+def test_busy_share_is_saturated_only_when_no_arrival_of_a_full_window_found_a_worker_free():
+    b = BusyShare(window=4)
+    assert not b.saturated()                    # no decision yet
+    for _ in range(3):
+        b.add(3, 3)
+    assert not b.saturated()                    # every worker busy, but not yet a full window
+    b.add(3, 3)
+    assert b.saturated() and b.value() == 1.0
+    b.add(2, 3)                                 # one arrival found a worker free
+    assert not b.saturated()
+    for _ in range(3):
+        b.add(3, 3)
+    assert not b.saturated()                    # it is still in the window
+    b.add(3, 3)
+    assert b.saturated()                        # and now it has left it
+
+
 def test_the_router_measures_the_busy_share_each_tracked_arrival_sees():
     h = chain_hashes(toks(2), BS)
     r = router("quillcache", workers=("w0", "w1", "w2", "w3"))
@@ -658,6 +676,45 @@ def test_a_doomed_request_waits_past_the_mean_only_where_it_does_not_become_the_
     for _ in range(200):
         r.ttft_tail.add(1_500_000.0)
     assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w1"
+
+
+def saturated_case(w0_tokens=20_000, saturated=True):
+    """Four workers, SLO 800 ms, 45 us a token, no decodes.  Queues: w0 20,000 tokens (0.9 s),
+    w1 25,000 (1.125 s), w2 30,000 (1.35 s), w3 40,000 (1.8 s): every one past the SLO.  The
+    mean wait is 1.294 s, so 1.2 x the mean is 1.553 s.  ``saturated``: a full window of
+    arrivals found every worker with prefill work."""
+    r = router("quillcache", workers=("w0", "w1", "w2", "w3"), slo_ttft_ms=800.0)
+    for name, tokens in (("w0", w0_tokens), ("w1", 25_000), ("w2", 30_000), ("w3", 40_000)):
+        set_load(r, name, tokens, 1, 1)
+    for _ in range(256):
+        r.busy.add(4 if saturated else 3, 4)
+    assert r.busy.saturated() == saturated
+    return r, chain_hashes(toks(5000), BS)
+
+
+def test_in_an_overload_a_doomed_request_goes_to_the_fullest_queue_within_the_tail_budget():
+    # Not saturated: the best-scored queue past the SLO within the mean (w0, 0.9 s; w1 is
+    # 1.125 s), as above.
+    r, h = saturated_case(saturated=False)
+    assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w0"
+    # Saturated, every queue past the SLO: an even spread makes every worker late together.  It
+    # goes to the fullest queue within 1.2 x the mean: w2 (1.35 s); w3 (1.8 s) is past it.
+    r, h = saturated_case()
+    d = r.route(A, hashes=h, request_tokens=20_000, track=False)
+    assert d.worker == "w2" and d.predicted_ttft_us == pytest.approx(45 * 50_000)
+    # Saturated, but w0's queue (0.45 s) is under the SLO: not every worker is late, and the
+    # rule above applies (w1, 1.125 s, the best-scored queue past the SLO within the mean).
+    r, h = saturated_case(w0_tokens=10_000)
+    assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w1"
+    # Saturated, a prefix it holds on w0's device: its own work elsewhere is more than twice
+    # its work on w0, so it stays with its holder.
+    r, h = saturated_case()
+    r.indexer.add_blocks("w0", A, h[:4000], DEVICE)
+    assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w0"
+    # Without goodput placement, its fastest worker
+    r, h = saturated_case()
+    r.config = dataclasses.replace(r.config, goodput_placement=False)
+    assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w0"
 
 
 def test_the_router_counts_the_ttft_it_predicted_for_each_request_it_places():

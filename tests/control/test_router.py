@@ -410,7 +410,8 @@ def straight(router, ref, loads, scope, hashes, n_tokens, policy, names, infligh
                                      device_share=router.stats.device_share, pool_share=router.stats.pool_share,
                                      stretch=router.busy.stretch(len(router.workers)))
             if cfg.goodput_placement:
-                pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=router.ttft_tail)
+                pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=router.ttft_tail,
+                                         saturated=router.busy.saturated())
             logits = pred.score.tolist()
             for i, n in enumerate(names):
                 facts[n]["predicted"] = float(pred.ttft_us[i])

@@ -215,6 +215,11 @@ class BusyShare:
         """The share, 0 before any decision."""
         return self._busy_sum / self._seen_sum if self._seen_sum else 0.0
 
+    def saturated(self) -> bool:
+        """Every worker had prefill work at each of the last ``window`` decisions (a full
+        window of them): no arrival found a worker free.  Exact: integer sums."""
+        return self._n >= len(self._busy) and self._seen_sum > 0 and self._busy_sum == self._seen_sum
+
     def stretch(self, workers: int) -> float:
         """``1 / (1 - rho)``: how much longer, on average, a busy period lasts for each
         microsecond of work added to it at utilisation ``rho`` (M/G/1: a busy period started
@@ -381,7 +386,7 @@ class BranchPoints:
 
 
 def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
-                      tail: Optional[TailQuantile] = None) -> Prediction:
+                      tail: Optional[TailQuantile] = None, saturated: bool = False) -> Prediction:
     """Where a request goes that is predicted to miss its SLO on every worker.
 
     It misses wherever it goes; what its placement still decides is whom it delays.  Its work
@@ -404,6 +409,15 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
       mean is most often a long prompt, the tail already; sent behind a long queue too, it
       becomes the new p99.
 
+    ``saturated`` (``BusyShare.saturated``: every worker had prefill work at each of the last
+    window of arrivals) with every worker's queue past the SLO is an overload: arrivals outpace
+    the cluster, and spread evenly they make every worker late together, so that no queue ever
+    drains back under the SLO.  Then the request goes to the *fullest* queue past the SLO
+    within ``1 + tail_slack`` times the mean (the first bound above still holds): the overload
+    gathers where requests miss anyway, and the other queues drain back to where they serve
+    requests in time.  The tail is not asked there: the fullest queue is the tail by
+    construction, and the tail budget is what bounds it.
+
     Where no worker qualifies (a request doomed by its own size, or queues all alike) the
     placement is unchanged."""
     if not len(p.ttft_us) or float(p.ttft_us.min()) <= slo_us:
@@ -411,6 +425,13 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
     own = p.ttft_us - p.wait_us
     best = int(np.argmin(p.score))
     mean = float(p.wait_us.mean())
+    if saturated and float(p.wait_us.min()) >= slo_us:
+        past = (own - own[best] <= own[best]) & (p.wait_us <= (1.0 + tail_slack) * mean)
+        if not past.any():
+            return p
+        fullest = int(np.argmax(np.where(past, p.wait_us, -1.0)))
+        return Prediction(np.where(np.arange(len(past)) == fullest, p.score, p.score + float(p.score.max()) + 1.0),
+                          p.ttft_us, p.pool_blocks, p.wait_us, True)
     even = p.wait_us <= mean
     tail_us = tail.value() if tail is not None else None
     if tail_us is not None:

@@ -465,7 +465,8 @@ class Router:
                 if track:
                     self._branch(scope, hashes, dev + host + disk + pool)
                 if cfg.goodput_placement:
-                    pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=self.ttft_tail)
+                    pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=self.ttft_tail,
+                                             saturated=self.busy.saturated())
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
                 choice = self._select(logits)
             elif policy == "mooncake":
