@@ -717,6 +717,25 @@ def test_in_an_overload_a_doomed_request_goes_to_the_fullest_queue_within_the_ta
     assert r.route(A, hashes=h, request_tokens=20_000, track=False).worker == "w0"
 
 
+def test_goodput_placement_never_turns_an_admitted_request_into_a_refused_one():
+    # saturated_case with a 10,000-token request (0.45 s of its own work): 1.35 s on w0, 1.575
+    # on w1, 1.8 on w2, 2.25 on w3.  Gathered, it goes to w2, the fullest queue within 1.2 x the
+    # mean (1.553 s).  With admission at k = 2 (1.6 s) it is admissible on its best worker, w0,
+    # so it is gathered only among the workers where it stays within 1.6 s: w1, admitted.
+    r, h = saturated_case()
+    assert r.route(A, hashes=h[:2500], request_tokens=10_000, track=False).worker == "w2"
+    r, h = saturated_case()
+    r.config = dataclasses.replace(r.config, admission="predict", admission_k=2.0)
+    d = r.route(A, hashes=h[:2500], request_tokens=10_000, track=False)
+    assert d.worker == "w1" and d.admitted and d.predicted_ttft_us == pytest.approx(45 * 35_000)
+    # At k = 1.4 (1.12 s) it is past the limit even on w0: refused, and the refusal reports its
+    # TTFT on its best worker (1.35 s), not on the fullest queue
+    r, h = saturated_case()
+    r.config = dataclasses.replace(r.config, admission="predict", admission_k=1.4)
+    d = r.route(A, hashes=h[:2500], request_tokens=10_000, track=False)
+    assert not d.admitted and d.worker == "w0" and d.predicted_ttft_us == pytest.approx(45 * 30_000)
+
+
 def test_the_router_counts_the_ttft_it_predicted_for_each_request_it_places():
     r, h = doomed_case()
     small = chain_hashes(toks(100), BS)

@@ -386,7 +386,8 @@ class BranchPoints:
 
 
 def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
-                      tail: Optional[TailQuantile] = None, saturated: bool = False) -> Prediction:
+                      tail: Optional[TailQuantile] = None, saturated: bool = False,
+                      admit_us: Optional[float] = None) -> Prediction:
     """Where a request goes that is predicted to miss its SLO on every worker.
 
     It misses wherever it goes; what its placement still decides is whom it delays.  Its work
@@ -418,15 +419,23 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
     requests in time.  The tail is not asked there: the fullest queue is the tail by
     construction, and the tail budget is what bounds it.
 
+    ``admit_us`` (admission ``predict``: ``admission_k`` x the SLO): a request whose TTFT on its
+    best-scored worker is past it is refused, and its placement is left as it is (its predicted
+    TTFT there is what the refusal reports); one within it is moved only to workers where it
+    stays within it, so that the move never turns an admitted request into a refused one.
+
     Where no worker qualifies (a request doomed by its own size, or queues all alike) the
     placement is unchanged."""
     if not len(p.ttft_us) or float(p.ttft_us.min()) <= slo_us:
         return p
     own = p.ttft_us - p.wait_us
     best = int(np.argmin(p.score))
+    if admit_us is not None and float(p.ttft_us[best]) > admit_us:
+        return p
+    admissible = p.ttft_us <= (np.inf if admit_us is None else admit_us)
     mean = float(p.wait_us.mean())
     if saturated and float(p.wait_us.min()) >= slo_us:
-        past = (own - own[best] <= own[best]) & (p.wait_us <= (1.0 + tail_slack) * mean)
+        past = (own - own[best] <= own[best]) & (p.wait_us <= (1.0 + tail_slack) * mean) & admissible
         if not past.any():
             return p
         fullest = int(np.argmax(np.where(past, p.wait_us, -1.0)))
@@ -436,7 +445,7 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
     tail_us = tail.value() if tail is not None else None
     if tail_us is not None:
         even |= (p.wait_us <= (1.0 + tail_slack) * mean) & (p.ttft_us <= tail_us)
-    past = (p.wait_us >= slo_us) & (own - own[best] <= own[best]) & even
+    past = (p.wait_us >= slo_us) & (own - own[best] <= own[best]) & even & admissible
     if not past.any():
         return p
     # The others rank after every doomed worker, in their own order (finite: logits go out as JSON).

@@ -400,6 +400,7 @@ class Router:
         n_tokens = request_tokens if request_tokens is not None else (
             len(token_ids) if token_ids is not None else len(hashes) * cfg.block_size)
         policy = policy or cfg.policy
+        admit_us = cfg.admission_k * cfg.slo_ttft_ms * 1000.0 if cfg.admission == "predict" else None
         if policy not in POLICIES:
             raise ValueError(f"router policy {policy!r}: one of {', '.join(POLICIES)}")
         with self._lock:
@@ -466,7 +467,7 @@ class Router:
                     self._branch(scope, hashes, dev + host + disk + pool)
                 if cfg.goodput_placement:
                     pred = goodput_placement(pred, cfg.slo_ttft_ms * 1000.0, tail=self.ttft_tail,
-                                             saturated=self.busy.saturated())
+                                             saturated=self.busy.saturated(), admit_us=admit_us)
                 logits, predicted, pool = pred.score, pred.ttft_us, pred.pool_blocks
                 choice = self._select(logits)
             elif policy == "mooncake":
@@ -510,8 +511,7 @@ class Router:
                 p = moved
             plan = bytes([PLAN_DEVICE] * d + [PLAN_HOST] * h + [PLAN_DISK] * k + [PLAN_POOL] * p
                          + [PLAN_RECOMPUTE] * (len(hashes) - d - h - k - p))
-            admitted = not (cfg.admission == "predict" and policy == "quillcache"
-                            and predicted[choice] > cfg.admission_k * cfg.slo_ttft_ms * 1000.0)
+            admitted = not (admit_us is not None and policy == "quillcache" and predicted[choice] > admit_us)
             track = track and admitted
             if track and policy == "quillcache":
                 self.ttft_tail.add(float(predicted[choice]))
