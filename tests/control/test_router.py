@@ -287,6 +287,27 @@ def test_the_predicted_ttft_p99_is_exported_to_prometheus():
         float(np.quantile(predicted, 0.99)) / 1e6)
 
 
+def test_the_saturated_busy_reading_is_exported_to_prometheus():
+    # 0 until a full window (256) of tracked arrivals has each found every worker in prefill
+    reg = CollectorRegistry()
+    router = Router(RouterConfig(policy="quillcache", block_size=BS, seed=0), workers=["w0", "w1"])
+    router.export_metrics(reg)
+    assert reg.get_sample_value("quillcache_router_saturated") == 0.0
+    for name in ("w0", "w1"):
+        ld = router.load(name)
+        ld.active_prefill_tokens, ld.prefill_requests, ld.active_requests = 100, 1, 1
+    for i in range(255):
+        router.route(A, tokens(3, salt=i), request_id=f"r{i}")
+        router.free(f"r{i}")
+    assert reg.get_sample_value("quillcache_router_saturated") == 0.0
+    router.route(A, tokens(3, salt=255), request_id="r255")
+    assert reg.get_sample_value("quillcache_router_saturated") == 1.0
+    router.free("r255")
+    router.load("w1").prefill_requests = 0            # one arrival finds w1 free
+    router.route(A, tokens(3, salt=256), request_id="r256")
+    assert reg.get_sample_value("quillcache_router_saturated") == 0.0
+
+
 def test_the_busy_share_is_exported_to_prometheus():
     reg = CollectorRegistry()
     router = Router(RouterConfig(policy="quillcache", block_size=BS, seed=0), workers=["w0", "w1", "w2"])

@@ -267,8 +267,7 @@ class Router:
         self._pinned = InFlightBlocks()      # what the requests in flight pin in KV memory
         self._by_worker: dict[str, dict[str, _Active]] = {}    # the requests in flight, in arrival order
         self._page_plans: dict[str, PagePlan] = {}              # their KV pages played forward, per worker
-        self.sketch = CountMinSketch.for_error(config.sketch_epsilon, config.sketch_delta,
-                                               seed=config.seed or 0)
+        self.sketch = CountMinSketch.for_error(config.sketch_epsilon, config.sketch_delta, seed=config.seed or 0)
         self.stats = RouterStats()
         # the p99 of the TTFTs predicted for the requests placed (goodput placement's tail bound)
         self.ttft_tail = TailQuantile(0.99, LATENCY_WINDOW)
@@ -329,24 +328,25 @@ class Router:
         gauge on a prometheus registry."""
         from prometheus_client import Counter, Gauge, Histogram
         self._histogram = Histogram(
-            "quillcache_router_decision_seconds", "Time to score the workers and pick one",
-            registry=registry,
+            "quillcache_router_decision_seconds", "Time to score the workers and pick one", registry=registry,
             buckets=(5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 5e-3, 25e-3))
         self._refused_counter = Counter(
-            "quillcache_router_refused_blocks", "Cached blocks not credited: another identity's",
-            registry=registry)
+            "quillcache_router_refused_blocks", "Cached blocks not credited: another identity's", registry=registry)
         Gauge("quillcache_router_predicted_ttft_p99_seconds",
               f"p99 of the TTFTs predicted for the last {LATENCY_WINDOW:,} requests placed "
-              "(quillcache policy; NaN before 100)",
-              registry=registry).set_function(self._predicted_p99_s)
+              "(quillcache policy; NaN before 100)", registry=registry).set_function(self._predicted_p99_s)
         Gauge("quillcache_router_busy_share",
               f"Share of the workers with a request in prefill, over the last {BUSY_WINDOW} decisions "
               "(the load the quillcache predictor stretches its queue term by)",
-              registry=registry).set_function(self._busy_share)
+              registry=registry).set_function(lambda: self._busy(False))
+        Gauge("quillcache_router_saturated",
+              f"1 while every worker had a request in prefill at each of the last {BUSY_WINDOW} decisions: the "
+              "overload in which quillcache gathers requests doomed everywhere on the fullest queue",
+              registry=registry).set_function(lambda: self._busy(True))
 
-    def _busy_share(self) -> float:
+    def _busy(self, saturated: bool) -> float:
         with self._lock:
-            return self.busy.value()
+            return float(self.busy.saturated()) if saturated else self.busy.value()
 
     def _predicted_p99_s(self) -> float:
         with self._lock:
