@@ -287,38 +287,42 @@ def test_the_predicted_ttft_p99_is_exported_to_prometheus():
         float(np.quantile(predicted, 0.99)) / 1e6)
 
 
-def test_the_saturated_busy_reading_is_exported_to_prometheus():
-    # 0 until a full window (256) of tracked arrivals has each found every worker in prefill
+def busy_router(workers, busy):
+    """A quillcache router exporting to a fresh registry, with ``busy`` of its ``workers`` each
+    holding a request in prefill (100 tokens) that no arrival ends."""
     reg = CollectorRegistry()
-    router = Router(RouterConfig(policy="quillcache", block_size=BS, seed=0), workers=["w0", "w1"])
+    router = Router(RouterConfig(policy="quillcache", block_size=BS, seed=0), workers=list(workers))
     router.export_metrics(reg)
-    assert reg.get_sample_value("quillcache_router_saturated") == 0.0
-    for name in ("w0", "w1"):
+    for name in busy:
         ld = router.load(name)
         ld.active_prefill_tokens, ld.prefill_requests, ld.active_requests = 100, 1, 1
-    for i in range(255):
+    return reg, router
+
+
+def arrive(router, first, n):
+    """``n`` tracked arrivals, each freed at once: its own load comes and goes."""
+    for i in range(first, first + n):
         router.route(A, tokens(3, salt=i), request_id=f"r{i}")
         router.free(f"r{i}")
+
+
+def test_the_saturated_busy_reading_is_exported_to_prometheus():
+    # 0 until a full window (256) of tracked arrivals has each found every worker in prefill
+    reg, router = busy_router(("w0", "w1"), ("w0", "w1"))
     assert reg.get_sample_value("quillcache_router_saturated") == 0.0
-    router.route(A, tokens(3, salt=255), request_id="r255")
+    arrive(router, 0, 255)
+    assert reg.get_sample_value("quillcache_router_saturated") == 0.0
+    arrive(router, 255, 1)
     assert reg.get_sample_value("quillcache_router_saturated") == 1.0
-    router.free("r255")
     router.load("w1").prefill_requests = 0            # one arrival finds w1 free
-    router.route(A, tokens(3, salt=256), request_id="r256")
+    arrive(router, 256, 1)
     assert reg.get_sample_value("quillcache_router_saturated") == 0.0
 
 
 def test_the_busy_share_is_exported_to_prometheus():
-    reg = CollectorRegistry()
-    router = Router(RouterConfig(policy="quillcache", block_size=BS, seed=0), workers=["w0", "w1", "w2"])
-    router.export_metrics(reg)
+    reg, router = busy_router(("w0", "w1", "w2"), ("w0", "w1"))
     assert reg.get_sample_value("quillcache_router_busy_share") == 0.0
-    for name in ("w0", "w1"):
-        ld = router.load(name)
-        ld.active_prefill_tokens, ld.prefill_requests, ld.active_requests = 100, 1, 1
-    for i in range(4):
-        router.route(A, tokens(3, salt=i), request_id=f"r{i}")
-        router.free(f"r{i}")
+    arrive(router, 0, 4)
     assert reg.get_sample_value("quillcache_router_busy_share") == pytest.approx(2 / 3)
 
 
