@@ -432,20 +432,19 @@ def goodput_placement(p: Prediction, slo_us: float, tail_slack: float = 0.2,
     best = int(np.argmin(p.score))
     if admit_us is not None and float(p.ttft_us[best]) > admit_us:
         return p
-    admissible = p.ttft_us <= (np.inf if admit_us is None else admit_us)
+    # the bounds both placements keep: no more work than it spares its fastest worker, admissible
+    movable = (own - own[best] <= own[best]) & (p.ttft_us <= (np.inf if admit_us is None else admit_us))
     mean = float(p.wait_us.mean())
     if saturated and float(p.wait_us.min()) >= slo_us:
-        past = (own - own[best] <= own[best]) & (p.wait_us <= (1.0 + tail_slack) * mean) & admissible
-        if not past.any():
-            return p
-        fullest = int(np.argmax(np.where(past, p.wait_us, -1.0)))
-        return Prediction(np.where(np.arange(len(past)) == fullest, p.score, p.score + float(p.score.max()) + 1.0),
-                          p.ttft_us, p.pool_blocks, p.wait_us, True)
-    even = p.wait_us <= mean
-    tail_us = tail.value() if tail is not None else None
-    if tail_us is not None:
-        even |= (p.wait_us <= (1.0 + tail_slack) * mean) & (p.ttft_us <= tail_us)
-    past = (p.wait_us >= slo_us) & (own - own[best] <= own[best]) & even & admissible
+        past = movable & (p.wait_us <= (1.0 + tail_slack) * mean)
+        if past.any():          # the fullest of them alone
+            past = np.arange(len(past)) == int(np.argmax(np.where(past, p.wait_us, -1.0)))
+    else:
+        even = p.wait_us <= mean
+        tail_us = tail.value() if tail is not None else None
+        if tail_us is not None:
+            even |= (p.wait_us <= (1.0 + tail_slack) * mean) & (p.ttft_us <= tail_us)
+        past = (p.wait_us >= slo_us) & movable & even
     if not past.any():
         return p
     # The others rank after every doomed worker, in their own order (finite: logits go out as JSON).

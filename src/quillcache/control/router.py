@@ -338,19 +338,19 @@ class Router:
         Gauge("quillcache_router_busy_share",
               f"Share of the workers with a request in prefill, over the last {BUSY_WINDOW} decisions "
               "(the load the quillcache predictor stretches its queue term by)",
-              registry=registry).set_function(lambda: self._busy(False))
+              registry=registry).set_function(lambda: self._locked(self.busy.value))
         Gauge("quillcache_router_saturated",
               f"1 while every worker had a request in prefill at each of the last {BUSY_WINDOW} decisions: the "
               "overload in which quillcache gathers requests doomed everywhere on the fullest queue",
-              registry=registry).set_function(lambda: self._busy(True))
+              registry=registry).set_function(lambda: float(self._locked(self.busy.saturated)))
 
-    def _busy(self, saturated: bool) -> float:
+    def _locked(self, read):
+        """``read()`` under the router's lock (a scrape runs beside the decisions)."""
         with self._lock:
-            return float(self.busy.saturated()) if saturated else self.busy.value()
+            return read()
 
     def _predicted_p99_s(self) -> float:
-        with self._lock:
-            v = self.ttft_tail.value()
+        v = self._locked(self.ttft_tail.value)
         return float("nan") if v is None else v / 1e6
 
     # ---- events
