@@ -607,24 +607,25 @@ def test_quillcache_scores_match_a_brute_force_predictor(places, loads, qlen, ex
     assert d.cross_identity_credited_blocks == 0
 
 
-def doomed_case(**kw):
-    """SLO 800 ms, 45 us a token, no decodes.  Queues: w0 30,000 tokens (1.35 s), w1 25,000
-    (1.125 s), w2 10,000 (0.45 s); mean wait 0.975 s, so 1.2 x the mean is 1.17 s.  The request:
-    20,000 tokens (0.9 s of its own work)."""
-    r = router("quillcache", slo_ttft_ms=800.0, **kw)
-    set_load(r, "w0", 30_000, 1, 1)
-    set_load(r, "w1", 25_000, 1, 1)
-    set_load(r, "w2", 10_000, 1, 1)
+def queued_case(queues, **kw):
+    """A quillcache router, SLO 800 ms, 45 us a token, no decodes, whose workers have ``queues``
+    (name -> prefill tokens queued, one request each), and a 5,000-block chain to route."""
+    r = router("quillcache", workers=tuple(queues), slo_ttft_ms=800.0, **kw)
+    for name, tokens in queues.items():
+        set_load(r, name, tokens, 1, 1)
     return r, chain_hashes(toks(5000), BS)
+
+
+def doomed_case(**kw):
+    """Queues: w0 30,000 tokens (1.35 s), w1 25,000 (1.125 s), w2 10,000 (0.45 s); mean wait
+    0.975 s, so 1.2 x the mean is 1.17 s.  The request: 20,000 tokens (0.9 s of its own work)."""
+    return queued_case({"w0": 30_000, "w1": 25_000, "w2": 10_000}, **kw)
 
 
 def doomed_case_with_w3():
     """``doomed_case`` and w3 with 40,000 tokens queued (1.8 s): the mean wait is 1.18 s, so
     w1's queue (1.125 s) is past the SLO and within the mean."""
-    r = router("quillcache", workers=("w0", "w1", "w2", "w3"), slo_ttft_ms=800.0)
-    for name, tokens in (("w0", 30_000), ("w1", 25_000), ("w2", 10_000), ("w3", 40_000)):
-        set_load(r, name, tokens, 1, 1)
-    return r, chain_hashes(toks(5000), BS)
+    return queued_case({"w0": 30_000, "w1": 25_000, "w2": 10_000, "w3": 40_000})
 
 
 def test_a_request_doomed_everywhere_goes_where_the_queue_already_misses_the_slo():
@@ -679,17 +680,14 @@ def test_a_doomed_request_waits_past_the_mean_only_where_it_does_not_become_the_
 
 
 def saturated_case(w0_tokens=20_000, saturated=True):
-    """Four workers, SLO 800 ms, 45 us a token, no decodes.  Queues: w0 20,000 tokens (0.9 s),
-    w1 25,000 (1.125 s), w2 30,000 (1.35 s), w3 40,000 (1.8 s): every one past the SLO.  The
-    mean wait is 1.294 s, so 1.2 x the mean is 1.553 s.  ``saturated``: a full window of
-    arrivals found every worker with prefill work."""
-    r = router("quillcache", workers=("w0", "w1", "w2", "w3"), slo_ttft_ms=800.0)
-    for name, tokens in (("w0", w0_tokens), ("w1", 25_000), ("w2", 30_000), ("w3", 40_000)):
-        set_load(r, name, tokens, 1, 1)
+    """Queues: w0 20,000 tokens (0.9 s), w1 25,000 (1.125 s), w2 30,000 (1.35 s), w3 40,000
+    (1.8 s): every one past the SLO.  The mean wait is 1.294 s, so 1.2 x the mean is 1.553 s.
+    ``saturated``: a full window of arrivals found every worker with prefill work."""
+    r, h = queued_case({"w0": w0_tokens, "w1": 25_000, "w2": 30_000, "w3": 40_000})
     for _ in range(256):
         r.busy.add(4 if saturated else 3, 4)
     assert r.busy.saturated() == saturated
-    return r, chain_hashes(toks(5000), BS)
+    return r, h
 
 
 def test_in_an_overload_a_doomed_request_goes_to_the_fullest_queue_within_the_tail_budget():
