@@ -132,6 +132,35 @@ def test_replay_is_deterministic_and_cache_aware_routing_hits_more():
     assert qc["ttft_p50_ms"] < rr["ttft_p50_ms"]
 
 
+def test_goodput_counts_each_request_by_its_own_ttft_and_tpot():
+    # Requests get their first token in one order and finish in another (outputs differ), so
+    # goodput must pair each request's own TTFT with its own TPOT.  The engines' own steps say
+    # what each request got; the SLOs sit at the medians so that both kinds of miss occur.
+    reqs = build_requests(parse_trace(synthetic_trace()), speedup=6.0)
+    first, done, ttft, tpot = [], [], {}, {}
+
+    def on_step(_engine, res):
+        for sim in res.first_tokens:
+            first.append(sim.request_id)
+            ttft[sim.request_id] = (sim.first_token_us - sim.arrival_us) / 1000.0
+        for sim in res.finished:
+            done.append(sim.request_id)
+            out = sim.max_tokens
+            tpot[sim.request_id] = (sim.finish_us - sim.first_token_us) / 1000.0 / (out - 1) if out > 1 else 0.0
+
+    res = run_policy(reqs, "quillcache", 2, small_config(), seed=5, on_step=on_step)
+    assert sorted(ttft) == sorted(tpot) and len(ttft) == len(reqs)
+    slo_ttft, slo_tpot = percentile(list(ttft.values()), 50), percentile(list(tpot.values()), 50)
+    met = sum(1 for r in ttft if ttft[r] <= slo_ttft and tpot[r] <= slo_tpot)
+    # a case that tells the pairings apart: first tokens and finishes in another order, and
+    # pairing the i-th first token with the i-th finish would count another number
+    assert first != done
+    crossed = sum(1 for a, b in zip(first, done, strict=True) if ttft[a] <= slo_ttft and tpot[b] <= slo_tpot)
+    assert crossed != met
+    assert res.summary(slo_ttft, slo_tpot)["goodput"] == met / len(reqs)
+    assert sorted(res.ttft_ms) == sorted(ttft.values()) and sorted(res.tpot_ms) == sorted(tpot.values())
+
+
 def test_a_slice_from_the_middle_replays_as_the_same_slice_rebased_to_zero():
     # Cut from a trace's middle, timestamps start late: the replay must not wait through the
     # lead-in (the gateway replay paces on the wall clock) nor count it as idle engine time in
