@@ -1,6 +1,9 @@
 """Shared pytest set-up: the slow flag and a few fixtures. Helpers live in tests/_support/."""
 import glob
+import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -21,6 +24,27 @@ def pytest_addoption(parser):
 
 def slow_enabled(config) -> bool:
     return config.getoption("--slow") or os.environ.get("QUILLCACHE_SLOW", "") not in ("", "0")
+
+
+def pytest_configure(config):
+    """Caches that engine packages write under /tmp by default go to a directory of the run's own,
+    removed when it ends: torch's inductor cache (``/tmp/torchinductor_<user>``) and, where LMCache
+    is installed (``.venv-engines``), its Prometheus multiprocess files (``/tmp/lmcache_prometheus``,
+    a file per process that ever counted a metric).  Set before any test module is collected (they
+    import the engines); a value the caller set is kept."""
+    own = tempfile.mkdtemp(prefix="quillcache-test-caches-")
+    config._own_caches = own
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(own, "torchinductor"))
+    if importlib.util.find_spec("lmcache") is not None:
+        prom = os.path.join(own, "prometheus")
+        os.makedirs(prom)
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", prom)
+
+
+def pytest_unconfigure(config):
+    own = getattr(config, "_own_caches", None)
+    if own is not None:
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def pytest_sessionstart(session):
