@@ -155,7 +155,9 @@ $(EDEPS): requirements/engines.txt
 
 $(ESTAMP): $(EDEPS) pyproject.toml setup.py
 	$(ENGINES_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
-	VLLM_TARGET_DEVICE=cpu $(EPY) -c 'import vllm, sglang, lmcache, torch; print("engines venv:", "vllm", vllm.__version__, "sglang", sglang.__version__, "torch", torch.__version__)'
+	@# importing vLLM makes torch's inductor cache directory: a throw-away one, not /tmp/torchinductor_<user>
+	d=$$(mktemp -d) && TORCHINDUCTOR_CACHE_DIR=$$d VLLM_TARGET_DEVICE=cpu $(EPY) -c 'import vllm, sglang, lmcache, torch; print("engines venv:", "vllm", vllm.__version__, "sglang", sglang.__version__, "torch", torch.__version__)'; \
+	  rc=$$?; rm -rf $$d; exit $$rc
 	touch $(ESTAMP)
 
 engines-clean:
