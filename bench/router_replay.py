@@ -52,13 +52,16 @@ BASELINE = "round_robin"
 
 BLOCK_BYTES = TRACE_BLOCK_TOKENS * KV_BYTES_PER_TOKEN_LLAMA3_8B
 POOL_LINKS = {"host": HOST_TO_HBM_BYTES_PER_S, "tcp": TCP_BYTES_PER_S}
+FREE_LINK = "free"      # not a link: loads that cost nothing, the bound on what any pool can give
 
 
 def engine_config(kv_gib: float, pool_link: str = "host") -> EngineConfig:
     """One engine; the pool (and a block moved from another engine) loads at ``pool_link``'s
-    measured rate, and instance-to-instance moves (mooncake) go over TCP."""
+    measured rate (``"free"``: in no time, a bound rather than a link), and instance-to-instance
+    moves (mooncake) go over TCP."""
     capacity = int(kv_gib * GiB) // BLOCK_BYTES
-    cost = cost_with(H200_LLAMA3_8B, cpu_dram_us_per_mb=us_per_mib(POOL_LINKS[pool_link]))
+    per_mib = 0 if pool_link == FREE_LINK else us_per_mib(POOL_LINKS[pool_link])
+    cost = cost_with(H200_LLAMA3_8B, cpu_dram_us_per_mb=per_mib)
     return EngineConfig(block_size=TRACE_BLOCK_TOKENS, capacity_blocks=capacity,
                         max_num_seqs=VLLM_MAX_NUM_SEQS, max_batched_tokens=VLLM_MAX_BATCHED_TOKENS,
                         cost=cost, kv_bytes_per_token=KV_BYTES_PER_TOKEN_LLAMA3_8B,
@@ -71,6 +74,24 @@ def pool_blocks(pool_gib: float) -> int:
 
 def working_set_blocks(trace) -> int:
     return len({h for t in trace for h in t.hash_ids[:t.input_length // TRACE_BLOCK_TOKENS]})
+
+
+def reusable_share(trace) -> float:
+    """The share of the prompt tokens that are in leading blocks some earlier request of the same
+    tenant had (at most all but a prompt's last token, as an engine hits): what a cache that held
+    everything and loaded it in no time would reuse, the ceiling of hit rate plus pool rate."""
+    seen: set = set()
+    reusable = total = 0
+    for t in sorted(trace, key=lambda t: (t.timestamp_ms, t.index)):
+        k = 0
+        for h in t.hash_ids[:max(0, t.input_length - 1) // TRACE_BLOCK_TOKENS]:
+            if (t.tenant, h) not in seen:
+                break
+            k += 1
+        reusable += k * TRACE_BLOCK_TOKENS
+        total += t.input_length
+        seen.update((t.tenant, h) for h in t.hash_ids[:t.input_length // TRACE_BLOCK_TOKENS])
+    return reusable / total if total else 0.0
 
 
 # Mooncake's conversation trace, where the project keeps it: ../shared/data/traces/ beside the
@@ -115,6 +136,7 @@ def _init(trace, tenants, seed, speedup):
     trace = assign_tenants(trace, tenants, seed)
     _WORK["requests"] = build_requests(trace, speedup)
     _WORK["working_set_blocks"] = working_set_blocks(trace)
+    _WORK["reusable_share"] = reusable_share(trace)
 
 
 def _one(args):
@@ -159,6 +181,7 @@ def run(args, trace: list) -> dict:
                        "pool_gib": args.pool, "pool_link": args.pool_link, "admission": args.admission,
                        "pool_blocks": pool_blocks(args.pool),
                        "working_set_blocks": _WORK["working_set_blocks"],
+                       "reusable_share": _WORK["reusable_share"],
                        "cache_share_of_working_set":
                            args.engines * engine_config(args.kv_gib).capacity_blocks
                            / max(_WORK["working_set_blocks"], 1)}}
@@ -227,8 +250,9 @@ def main(argv=None) -> int:
     add_trace_block_arg(ap)
     ap.add_argument("--jobs", type=int, default=2, help="policies replayed in parallel processes")
     ap.add_argument("--pool", type=float, default=0.0, metavar="GIB", help="a shared pool of GIB GiB (0: none)")
-    ap.add_argument("--pool-link", choices=sorted(POOL_LINKS), default="host",
-                    help="how engines load from the pool: host (55 GB/s) or tcp (4.5 GB/s)")
+    ap.add_argument("--pool-link", choices=sorted([*POOL_LINKS, FREE_LINK]), default="host",
+                    help="how engines load from the pool: host (55 GB/s), tcp (4.5 GB/s) or free (in no "
+                         "time: not a link, the bound on what a pool can give)")
     ap.add_argument("--admission", choices=("off", "predict"), default="off",
                     help="quillcache refuses what it predicts will miss the TTFT SLO (a miss)")
     ap.add_argument("--json-out", type=out_path, default=None)
@@ -243,6 +267,8 @@ def main(argv=None) -> int:
     c = doc["config"]
     print(f"engine caches: {c['cache_share_of_working_set']:.2f} of the working set "
           f"({c['working_set_blocks']} blocks); pool: {c['pool_blocks']} blocks over {c['pool_link']}")
+    print(f"reuse ceiling: {c['reusable_share']:.3f} of the prompt tokens are in blocks an earlier request "
+          f"of the same tenant had (no cache reuses more: hit rate + pool rate)")
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")

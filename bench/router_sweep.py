@@ -18,7 +18,9 @@ arriving at once is one load at every speed-up) gets the closest speed-up; where
 further than ``--load-miss`` from the target, the setting is reported as not reached: its
 checks say so (they compare the policies at another load than the one named) and the plot
 leaves it out.  A pool takes work off the engines, so the same load needs a higher
-speed-up with one than without.
+speed-up with one than without.  The issue's "with the pool at 0.6" line is printed at the same
+load and at the same traffic (``quillcache`` with the pool at the no-pool speed-up), and beside it
+what a pool that holds every block and loads it in no time gives there: no pool takes more off.
 
 A verdict at one speed-up can be a coin flip: near a cliff a few requests decide a median, and
 a speed-up 3 % away can turn a check.  ``--jitter 0.94,0.97,1.03,1.06`` replays every policy of
@@ -45,8 +47,8 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from router_replay import (BLOCK_BYTES, DEFAULT_TRACE, GiB, H200_KV_GIB, add_trace_block_arg, check_trace,
-                           engine_config, pool_blocks, working_set_blocks)
+from router_replay import (BLOCK_BYTES, DEFAULT_TRACE, FREE_LINK, GiB, H200_KV_GIB, add_trace_block_arg, check_trace,
+                           engine_config, pool_blocks, reusable_share, working_set_blocks)
 
 from bench._outpath import out_path  # the root is on the path: router_replay puts it there
 
@@ -60,6 +62,7 @@ OURS = "quillcache"
 PEERS = tuple(p for p in POLICIES if p != OURS)
 ADMIT = "quillcache+admission"     # quillcache with [router] admission = "predict", k = 1
 PROBE = "dynamo"
+BOUND = "bound"     # the tag of the replays with a pool that holds everything and loads in no time
 
 _TRACES: dict = {}
 _REQS: dict = {}
@@ -93,13 +96,17 @@ def sizes(name: str, args, trace: Optional[list] = None) -> tuple[float, float]:
     return min(H200_KV_GIB, max(floor, args.cache_share * ws / args.engines)), args.pool_share * ws
 
 
-def replay(task) -> tuple:
+def replay(task, bound: bool = False) -> tuple:
+    """One policy in one setting.  ``bound``: with a pool that holds every block of the trace and
+    loads it in no time, which no pool betters (the most a pool can take off that policy there)."""
     name, target, speedup, policy, pool, args = task
     kv_gib, pool_gib = sizes(name, args)
+    link, held = args.pool_link, pool_blocks(pool_gib) if pool else 0
+    if bound:
+        link, held = FREE_LINK, working_set_blocks(_trace(name, args))
     t0 = time.perf_counter()
     res = run_policy(_requests(name, speedup, args), OURS if policy == ADMIT else policy, args.engines,
-                     engine_config(kv_gib, args.pool_link), seed=args.seed,
-                     pool_blocks=pool_blocks(pool_gib) if pool else 0,
+                     engine_config(kv_gib, link), seed=args.seed, pool_blocks=held,
                      admission="predict" if policy == ADMIT else "off")
     slo = SloTarget()
     out = res.summary(slo.ttft_ms, slo.tpot_ms)
@@ -141,7 +148,7 @@ def reached(target: float, measured: float, args) -> bool:
 
 def _replay_tagged(task) -> tuple:
     tag, inner = task
-    key, out = replay(inner)
+    key, out = replay(inner, bound=tag == BOUND)
     return (tag, key), out
 
 
@@ -183,7 +190,8 @@ def run(args) -> dict:
                       if not reached(target, measured, args) else "")
             print(f"{name} load {target} {'pool' if pool else 'no pool'}: speed-up {s:.3f} (measured "
                   f"{measured:.3f}); KV {kv:.1f} GiB/engine ({share:.2f} of the working set), pool "
-                  f"{pool_gib:.0f} GiB{missed} ({time.perf_counter() - t0:.0f} s)", flush=True)
+                  f"{pool_gib:.0f} GiB, reuse ceiling {reusable_share(_trace(name, args)):.2f}{missed} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
         tasks = [(name, target, cal[(name, target, pool)][0], policy, pool, args)
                  for name, target, pool in settings for policy in policies]
         # quillcache with the pool at the speed-up of the no-pool setting: the same offered
@@ -194,14 +202,16 @@ def run(args) -> dict:
         jittered = [(f, (name, target, cal[(name, target, pool)][0] * f, policy, pool, args))
                     for f in args.jitter for name, target, pool in settings for policy in policies
                     if policy != ADMIT]
-        results, same_traffic, jitter = {}, {}, {}
-        todo = [(False, t) for t in tasks] + [(True, t) for t in same] + jittered
+        results, same_traffic, bounds, jitter = {}, {}, {}, {}
+        todo = [(False, t) for t in tasks] + [(True, t) for t in same] + [(BOUND, t) for t in same] + jittered
         for i, (task_key, out) in enumerate(_map(mp, _replay_tagged, todo), 1):
             tagged, key = task_key
             if tagged is False:
                 results[key] = out
             elif tagged is True:
                 same_traffic[key] = out
+            elif tagged == BOUND:
+                bounds[key] = out
             else:
                 jitter[(tagged, *key)] = out
             if i % 8 == 0:
@@ -216,9 +226,13 @@ def run(args) -> dict:
     kv = {name: sizes(name, args) for name in traces}
     same_rows = [{"trace": k[0], "target_load": k[1], "speedup": cal[(k[0], k[1], False)][0], "pool": True,
                   "policy": OURS, **out} for k, out in sorted(same_traffic.items())]
+    bound_rows = [{**r, "pool_link": FREE_LINK} for r in (
+        {"trace": k[0], "target_load": k[1], "speedup": cal[(k[0], k[1], False)][0], "pool": True, "policy": OURS,
+         **out} for k, out in sorted(bounds.items()))]
     jitter_rows = [{"trace": k[1], "target_load": k[2], "factor": k[0], "speedup": cal[(k[1], k[2], k[3])][0] * k[0],
                     "pool": k[3], "policy": k[4], **out} for k, out in sorted(jitter.items())]
-    return {"rows": rows, "pool_at_no_pool_speedup": same_rows, "jitter_rows": jitter_rows, "config": {
+    return {"rows": rows, "pool_at_no_pool_speedup": same_rows, "pool_bound_at_no_pool_speedup": bound_rows,
+            "jitter_rows": jitter_rows, "config": {
         "traces": traces, "loads": loads, "policies": policies, "engines": args.engines, "jitter": args.jitter,
         "limit": args.limit, "seed": args.seed, "load_miss": args.load_miss, "cache_share": args.cache_share,
         "pool_share": args.pool_share, "pool_link": args.pool_link, "trace_block_tokens": args.trace_block_tokens,
@@ -351,11 +365,17 @@ def verdicts(doc: dict) -> list[str]:
         ratio = qp["ttft_p50_ms"] / qn["ttft_p50_ms"] if qn["ttft_p50_ms"] else float("nan")
         same = next((r for r in doc.get("pool_at_no_pool_speedup", ())
                      if r["trace"] == name and r["target_load"] == load), None)
+        bound = next((r for r in doc.get("pool_bound_at_no_pool_speedup", ())
+                      if r["trace"] == name and r["target_load"] == load), None)
         at_same = ""
         if same is not None:
             r2 = same["ttft_p50_ms"] / qn["ttft_p50_ms"] if qn["ttft_p50_ms"] else float("nan")
             at_same = (f"; at the same traffic (the no-pool speed-up {same['speedup']:.2f}, load "
                        f"{same['load']:.2f} with the pool) {r2:.2f} ({'ok' if r2 <= 0.8 else 'NO'} <= 0.8)")
+        if bound is not None:
+            r3 = bound["ttft_p50_ms"] / qn["ttft_p50_ms"] if qn["ttft_p50_ms"] else float("nan")
+            at_same += (f"; there with a pool that holds every block and loads it in no time, the most a pool "
+                        f"can take off, {r3:.2f}")
         beats = all(qp["ttft_p50_ms"] < with_pool[p]["ttft_p50_ms"] and qp["goodput"] >= with_pool[p]["goodput"]
                     for p in PEERS if p in with_pool)
         losers = ", ".join(f"{p} {with_pool[p]['ttft_p50_ms']:.0f} ms / {with_pool[p]['goodput']:.3f}"

@@ -11,7 +11,7 @@ from bench import router_replay
 from quillcache.control.sim.engine import EngineConfig
 from quillcache.control.sim.replay import build_requests, percentile, run_policy
 from quillcache.control.sim.trace import (
-    HUB_CHILDREN, TraceError, TraceWarning, assign_tenants, conversation_keys, parse_trace,
+    HUB_CHILDREN, TraceError, TraceRequest, TraceWarning, assign_tenants, conversation_keys, parse_trace,
 )
 from tests._support.sim import synthetic_trace
 
@@ -215,6 +215,51 @@ def test_bench_writes_table_json_and_png(tmp_path, capsys):
     del doc["policies"]["round_robin"]
     text = router_replay.table(doc)
     assert "quillcache - dynamo goodput" in text and "nan" not in text and "quillcache/round_robin" not in text
+
+
+def test_a_free_pool_link_loads_in_no_time_and_is_said_to_be_free(tmp_path, capsys):
+    """``--pool-link free`` is a bound, not a link: a pool load costs nothing, where the measured
+    links cost their rate."""
+    host, tcp, free = (router_replay.engine_config(3, link) for link in ("host", "tcp", "free"))
+    assert 0 < host.pool_load_us(64) < tcp.pool_load_us(64)
+    assert free.pool_load_us(64) == 0 and free.cost.cpu_dram_us_per_mb == 0
+    assert free.remote_load_us(64) == host.remote_load_us(64) > 0     # moves between engines stay TCP
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(synthetic_trace(conversations=12, turns=2)) + "\n")
+    out = tmp_path / "out.json"
+    assert router_replay.main(["--trace", str(path), "--engines", "2", "--speedup", "2", "--policies",
+                               "quillcache", "--kv-gib", "3", "--pool", "5", "--pool-link", "free",
+                               "--jobs", "1", "--json-out", str(out)]) == 0
+    assert "over free" in capsys.readouterr().out
+    assert json.loads(out.read_text())["config"]["pool_link"] == "free"
+    with pytest.raises(SystemExit):
+        router_replay.main(["--trace", str(path), "--pool-link", "rdma"])
+
+
+def test_the_reuse_ceiling_counts_leading_blocks_an_earlier_request_of_the_tenant_had(tmp_path, capsys):
+    def req(i, ids, n, tenant="t0"):
+        return TraceRequest(i, float(i), n, 4, tuple(ids), tenant)
+    a, b, c = req(0, [1, 2, 3], 1536), req(1, [1, 2, 4], 1536), req(2, [5, 2, 3], 1536)
+    assert router_replay.reusable_share([a]) == 0.0
+    # b's leading 1, 2 were a's; its last block is new.  c starts with a block nobody had: nothing.
+    assert router_replay.reusable_share([a, b, c]) == pytest.approx(1024 / (3 * 1536))
+    # a prompt that ends on a block boundary keeps its last token to compute, as an engine does
+    assert router_replay.reusable_share([a, req(1, [1, 2, 3], 1536)]) == pytest.approx(1024 / 3072)
+    # another tenant's blocks are not there to reuse; order is by arrival, not by the list
+    assert router_replay.reusable_share([a, req(1, [1, 2, 4], 1536, "t1")]) == 0.0
+    assert router_replay.reusable_share([b, a]) == router_replay.reusable_share([a, b])
+    # on a replay no policy, pool or not, reuses more than the ceiling the bench prints
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(synthetic_trace(conversations=12, turns=3)) + "\n")
+    out = tmp_path / "out.json"
+    assert router_replay.main(["--trace", str(path), "--engines", "2", "--speedup", "2", "--tenants", "2",
+                               "--policies", "prefix,quillcache", "--kv-gib", "3", "--pool", "5", "--pool-link",
+                               "free", "--jobs", "1", "--json-out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    ceiling = doc["config"]["reusable_share"]
+    assert f"reuse ceiling: {ceiling:.3f} of the prompt tokens" in capsys.readouterr().out
+    for row in doc["policies"].values():
+        assert 0 < row["hit_rate"] + row["pool_rate"] <= ceiling + 1e-9, (row, ceiling)
 
 
 def test_before_route_sees_every_arrival_and_changes_nothing():

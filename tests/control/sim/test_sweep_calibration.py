@@ -10,23 +10,30 @@ from bench import gateway_replay, router_predict, router_replay, router_sweep
 
 def test_each_pool_setting_is_calibrated_to_the_target_busy_share(tmp_path):
     out = tmp_path / "sweep"
-    assert router_sweep.main(["--traces", "agent", "--limit", "300", "--loads", "0.5", "--policies",
+    assert router_sweep.main(["--traces", "agent", "--limit", "300", "--loads", "0.6", "--policies",
                               "dynamo,quillcache", "--jobs", "1", "--out", str(out)]) == 0
     doc = json.loads((tmp_path / "sweep.json").read_text())
     rows = {(r["pool"], r["policy"]): r for r in doc["rows"]}
     without, with_pool = rows[(False, "dynamo")], rows[(True, "dynamo")]
     assert with_pool["speedup"] > without["speedup"]
     for r in (without, with_pool):
-        assert abs(r["load"] - 0.5) <= 0.05, r
+        assert abs(r["load"] - 0.6) <= 0.05, r
         assert r["load_reached"]
     # the tally counts the checks printed above it, ok and NO alike
     lines = router_sweep.verdicts(doc)
-    made = [part.strip() for c in lines[:-1] if c.startswith("agent load 0.5 ") for part in c.split(" (")[0].split(",")]
+    made = [part.strip() for c in lines[:-1] if c.startswith("agent load 0.6 ") for part in c.split(" (")[0].split(",")]
     assert len(made) == 6, made
     assert lines[-1].startswith(f"quillcache holds {sum(p.endswith(' ok') for p in made)} of 6 checks")
-    # the pool check is printed at the same load and at the same traffic
+    # the pool check is printed at the same load and at the same traffic, and beside it what a
+    # pool that holds every block and loads it in no time gives at that traffic
     same = doc["pool_at_no_pool_speedup"]
     assert [s["speedup"] for s in same] == [without["speedup"]]
+    bound = doc["pool_bound_at_no_pool_speedup"]
+    assert [(b["speedup"], b["pool_link"], b["policy"]) for b in bound] == [(without["speedup"], "free", "quillcache")]
+    assert bound[0]["pool_rate"] > 0
+    ratio = bound[0]["ttft_p50_ms"] / rows[(False, "quillcache")]["ttft_p50_ms"]
+    pool_line = next(c for c in lines if c.startswith("agent load 0.6: quillcache p50 with pool"))
+    assert f"loads it in no time, the most a pool can take off, {ratio:.2f}" in pool_line, pool_line
 
 
 def test_a_load_no_speed_up_reaches_is_reported_wherever_it_shows(tmp_path, capsys):
