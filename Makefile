@@ -118,7 +118,9 @@ gateway: build
 # so neither can take a port the other has just picked.  Their outputs
 # go to $(ENGINES_LOG) (the install) and $(ENGINES_TEST_LOG) (the tests), printed after the main
 # suite.  The background job builds $(ESTAMP), not `engines`: `build` would copy the extensions in
-# place again under the running suite.  Exit 99 of that job: the venv could not be built.
+# place again under the running suite.  Exit 99 of that job: the venv could not be built.  The
+# install runs niced (pip unpacks and byte-compiles torch and vLLM on the core the main suite, the
+# longer of the two, would otherwise share); the engine tests do not.
 ENGINES_TEST_LOG := $(ENGINES_VENV).tests.log
 test: build nixl
 ifeq ($(QUILLCACHE_NO_ENGINES),1)
@@ -127,7 +129,7 @@ ifeq ($(QUILLCACHE_NO_ENGINES),1)
 else
 	@echo "(meanwhile $(ENGINES_VENV) installs and the engine tests run in the background: logs in $(ENGINES_LOG) and $(ENGINES_TEST_LOG))"
 	@rm -f $(ENGINES_TEST_LOG); \
-	( $(BG_MAKE) --no-print-directory $(ESTAMP) > $(ENGINES_LOG) 2>&1 || exit 99; \
+	( nice -n 10 $(BG_MAKE) --no-print-directory $(ESTAMP) > $(ENGINES_LOG) 2>&1 || exit 99; \
 	  QUILLCACHE_PORT_SLICE=1/2 VLLM_TARGET_DEVICE=cpu $(EPY) -m pytest -q -m engines $(ENGINE_TESTS) $(PYTEST_ARGS) \
 	      > $(ENGINES_TEST_LOG) 2>&1 ) & bg=$$!; \
 	QUILLCACHE_PORT_SLICE=0/2 $(PY) -m pytest -q -m "not engines" $(PYTEST_ARGS); rc=$$?; \
