@@ -224,11 +224,12 @@ def run(args) -> dict:
                      "load_reached": reached(target, cal[(name, target, pool)][1], args),
                      "pool": pool, "policy": policy, **out})
     kv = {name: sizes(name, args) for name in traces}
-    same_rows = [{"trace": k[0], "target_load": k[1], "speedup": cal[(k[0], k[1], False)][0], "pool": True,
-                  "policy": OURS, **out} for k, out in sorted(same_traffic.items())]
-    bound_rows = [{**r, "pool_link": FREE_LINK} for r in (
-        {"trace": k[0], "target_load": k[1], "speedup": cal[(k[0], k[1], False)][0], "pool": True, "policy": OURS,
-         **out} for k, out in sorted(bounds.items()))]
+
+    def at_no_pool_speedup(found: dict, **extra) -> list:
+        return [{"trace": k[0], "target_load": k[1], "speedup": cal[(k[0], k[1], False)][0], "pool": True,
+                 "policy": OURS, **out, **extra} for k, out in sorted(found.items())]
+    same_rows = at_no_pool_speedup(same_traffic)
+    bound_rows = at_no_pool_speedup(bounds, pool_link=FREE_LINK)
     jitter_rows = [{"trace": k[1], "target_load": k[2], "factor": k[0], "speedup": cal[(k[1], k[2], k[3])][0] * k[0],
                     "pool": k[3], "policy": k[4], **out} for k, out in sorted(jitter.items())]
     return {"rows": rows, "pool_at_no_pool_speedup": same_rows, "pool_bound_at_no_pool_speedup": bound_rows,
