@@ -180,17 +180,20 @@ def run(args) -> dict:
     settings = [(name, target, pool) for name in traces for target in loads for pool in (False, True)]
     cal: dict = {}
     t0 = time.perf_counter()
+    # per trace, not per setting: the engines' share of its working set and its reuse ceiling
+    shares = {name: args.engines * sizes(name, args)[0] / (working_set_blocks(_trace(name, args)) * BLOCK_BYTES / GiB)
+              for name in traces}
+    ceilings = {name: reusable_share(_trace(name, args)) for name in traces}
     with _pool(args) as mp:
         for key, (s, measured) in _map(mp, _calibrate, [(k, args) for k in settings]):
             cal[key] = (s, measured)
             name, target, pool = key
             kv, pool_gib = sizes(name, args)
-            share = args.engines * kv / (working_set_blocks(_trace(name, args)) * BLOCK_BYTES / GiB)
             missed = ("; NOT REACHED: no speed-up paces this trace to that load"
                       if not reached(target, measured, args) else "")
             print(f"{name} load {target} {'pool' if pool else 'no pool'}: speed-up {s:.3f} (measured "
-                  f"{measured:.3f}); KV {kv:.1f} GiB/engine ({share:.2f} of the working set), pool "
-                  f"{pool_gib:.0f} GiB, reuse ceiling {reusable_share(_trace(name, args)):.2f}{missed} "
+                  f"{measured:.3f}); KV {kv:.1f} GiB/engine ({shares[name]:.2f} of the working set), pool "
+                  f"{pool_gib:.0f} GiB, reuse ceiling {ceilings[name]:.2f}{missed} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
         tasks = [(name, target, cal[(name, target, pool)][0], policy, pool, args)
                  for name, target, pool in settings for policy in policies]
