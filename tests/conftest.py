@@ -47,14 +47,21 @@ def pytest_unconfigure(config):
         shutil.rmtree(own, ignore_errors=True)
 
 
+def _xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session):
-    session.config._ucx_shm_before = set(glob.glob(ucxshm.PREFIX + "*"))
+    if not _xdist_worker(session.config):           # under -n N the controller, before and after every worker
+        session.config._ucx_shm_before = set(glob.glob(ucxshm.PREFIX + "*"))
 
 
 def pytest_sessionfinish(session, exitstatus):
     """UCX segments that appeared during the run and that no live process maps any more (a NIXL
     agent in a process that died without shutting UCX down) are removed, and named, so a leak the
     targeted reaping (``Daemon``, ``make cluster``) missed is seen rather than left in /dev/shm."""
+    if _xdist_worker(session.config):               # another worker's NIXL agent may still be starting
+        return
     before = getattr(session.config, "_ucx_shm_before", set())
     removed = ucxshm.reap(set(glob.glob(ucxshm.PREFIX + "*")) - before)
     if removed:

@@ -36,7 +36,21 @@ def _slice() -> tuple[int, int]:
         i, n = -1, 0
     if not 0 <= i < n:
         raise ValueError(f"QUILLCACHE_PORT_SLICE={text!r}: give i/n with 0 <= i < n (say 0/2 and 1/2)")
-    return i, n
+    return _worker_slice(i, n)
+
+
+def _worker_slice(i: int, n: int) -> tuple[int, int]:
+    """Slice ``i/n`` cut again among pytest-xdist's workers: `make test` runs the main suite on two
+    (``-n 2``) beside the engine tests, and worker ``gwK`` of ``W`` picks ports ``p % (n*W) ==
+    i + n*K``, inside ``i/n`` and apart from its sibling's.  Not under xdist: ``i/n`` itself."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    try:
+        k, w = int(worker.removeprefix("gw")), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", ""))
+    except ValueError:
+        return i, n
+    if not 0 <= k < w:
+        return i, n
+    return i + n * k, n * w
 
 
 _SLICE = _slice()

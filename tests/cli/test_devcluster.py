@@ -8,9 +8,11 @@ import json
 import os
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +24,16 @@ ROOT = Path(__file__).resolve().parents[2]
 QUILLCTL = str(Path(sys.executable).with_name("quillctl"))
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="make cluster needs etcd (Debian etcd-server)")
+
+
+@pytest.fixture
+def short_dir():
+    """The demo's working directory, on a short path: each node's Unix socket lies five levels
+    under it (var/cluster/node-a/data/quillcached.sock) and a socket path may have 107 bytes,
+    which pytest's tmp_path inside a pytest-xdist worker's directory can exceed."""
+    d = Path(tempfile.mkdtemp(prefix="qc-dc-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 class Demo:
@@ -53,16 +65,16 @@ def quillctl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([QUILLCTL, *args], capture_output=True, timeout=60)
 
 
-def test_kill_9_of_one_node_is_reported_the_others_serve_and_ctrl_c_exits_0_and_cleans_up(tmp_path):
-    demo = Demo(tmp_path)
+def test_kill_9_of_one_node_is_reported_the_others_serve_and_ctrl_c_exits_0_and_cleans_up(short_dir):
+    demo = Demo(short_dir)
     try:
         text = demo.wait_for("Ctrl-C stops the pool")
         table = re.findall(r"^(node-\w)\s+(127\.0\.0\.1:\d+)\s+pid (\d+)", text, re.M)
         nodes = {n: addr for n, addr, _ in table}
         pids = {n: int(p) for n, _, p in table}
         assert sorted(nodes) == ["node-a", "node-b", "node-c"]
-        assert (tmp_path / "var" / "cluster").is_dir()
-        blob = tmp_path / "b"
+        assert (short_dir / "var" / "cluster").is_dir()
+        blob = short_dir / "b"
         blob.write_bytes(b"hello pool\n")
         a, b = nodes["node-a"], nodes["node-b"]
         assert quillctl("put", "--addr", a, "-m", "demo", "-p", "p0", "-b", "b0", str(blob)).returncode == 0
@@ -83,9 +95,9 @@ def test_kill_9_of_one_node_is_reported_the_others_serve_and_ctrl_c_exits_0_and_
                 break
             assert time.monotonic() < deadline, up
             time.sleep(0.5)
-        r = quillctl("get", "--addr", b, "-m", "demo", "-p", "p0", "-b", "b0", "-o", str(tmp_path / "back"))
+        r = quillctl("get", "--addr", b, "-m", "demo", "-p", "p0", "-b", "b0", "-o", str(short_dir / "back"))
         assert r.returncode == 0, r.stderr
-        assert (tmp_path / "back").read_bytes() == b"hello pool\n"
+        assert (short_dir / "back").read_bytes() == b"hello pool\n"
         r = quillctl("ls", "--addr", b, "-m", "demo", "-p", "p0", "--pool", "--json")
         assert r.returncode == 0, r.stderr
         (listed,) = json.loads(r.stdout)["keys"]
@@ -95,24 +107,24 @@ def test_kill_9_of_one_node_is_reported_the_others_serve_and_ctrl_c_exits_0_and_
     assert code == 0, text
     assert "make cluster: stopped; var/cluster removed" in text
     assert "exited with code 0" not in text and "Traceback" not in text
-    assert not (tmp_path / "var" / "cluster").exists()
+    assert not (short_dir / "var" / "cluster").exists()
 
 
-def test_sigterm_stops_the_pool_with_exit_0_too(tmp_path):
-    demo = Demo(tmp_path)
+def test_sigterm_stops_the_pool_with_exit_0_too(short_dir):
+    demo = Demo(short_dir)
     demo.wait_for("Ctrl-C stops the pool")
     demo.proc.send_signal(signal.SIGTERM)            # only the demo: it stops the rest itself
     rest = demo.proc.communicate(timeout=60)[0]
     assert demo.proc.returncode == 0, (demo.out + rest).decode(errors="replace")
-    assert not (tmp_path / "var" / "cluster").exists()
+    assert not (short_dir / "var" / "cluster").exists()
 
 
-def test_a_pool_that_does_not_come_up_in_time_says_what_each_process_did_and_keeps_the_logs(tmp_path):
+def test_a_pool_that_does_not_come_up_in_time_says_what_each_process_did_and_keeps_the_logs(short_dir):
     # 10 ms is too short for any node to see the others: the path a newcomer meets when a node
     # cannot start (a port taken, etcd slow to answer) or the machine is slow
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "tests._support.devcluster", "--start-timeout", "0.01"], cwd=tmp_path,
+    r = subprocess.run([sys.executable, "-m", "tests._support.devcluster", "--start-timeout", "0.01"], cwd=short_dir,
                        env=env, capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr
     assert r.returncode == 1, out
@@ -124,6 +136,6 @@ def test_a_pool_that_does_not_come_up_in_time_says_what_each_process_did_and_kee
         assert Path(line.group(2)).is_file(), line.group(2)          # kept: the log it names is there
     node_a_log = re.search(r"^  node-a \(pid \d+\): .+; the end of (\S+):$", out, re.M).group(1)
     assert "quillcached" in Path(node_a_log).read_text()          # the daemon's own start lines
-    assert (tmp_path / "var" / "cluster").is_dir()
+    assert (short_dir / "var" / "cluster").is_dir()
     assert "is kept for a look" in out and "--start-timeout" in out
     assert "var/cluster removed" not in out
