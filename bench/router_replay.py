@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import sys
 import time
@@ -94,6 +95,55 @@ def reusable_share(trace) -> float:
     return reusable / total if total else 0.0
 
 
+def prefix_classes(trace, share: float) -> tuple[list[int], list[dict]]:
+    """The requests grouped by the prefix they share.  A request's run is the deepest run of its
+    leading blocks (its tenant's: what an engine can reuse) that at least ``share`` of the trace's
+    requests begin with: a template, a shared document, a system prompt.  Each run that is the
+    deepest for at least that many requests is a class (1, 2, ... by size, the deeper first among
+    equals); every other request (its run shared by fewer, or no run at all) is in class 0, the
+    rest.
+
+    Returns each request's class, in the trace's order, and per class its run's depth in blocks,
+    its first two block ids, its tenant and its requests.  Exact (a trie of the leading blocks),
+    O(the trace's blocks)."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"share {share!r}: must be in (0, 1]")
+    need = max(2, math.ceil(share * len(trace)))
+    children: dict = {}
+    count = [0]                                     # per trie node (0: the root)
+    paths = []
+    for t in trace:
+        node, path = 0, []
+        for h in t.hash_ids[:t.input_length // TRACE_BLOCK_TOKENS]:
+            key = (node, h) if node else (0, t.tenant, h)
+            nxt = children.get(key)
+            if nxt is None:
+                nxt = children[key] = len(count)
+                count.append(0)
+            count[nxt] += 1
+            node = nxt
+            path.append(nxt)
+        paths.append(path)
+    runs = []                                       # (node, depth): counts only fall along a path
+    for path in paths:
+        d = 0
+        while d < len(path) and count[path[d]] >= need:
+            d += 1
+        runs.append((path[d - 1], d) if d else (0, 0))
+    sizes: dict = {}
+    for run in runs:
+        sizes[run] = sizes.get(run, 0) + 1
+    kept = sorted((r for r, n in sizes.items() if r[1] and n >= need), key=lambda r: (-sizes[r], -r[1], r[0]))
+    number = {r: i + 1 for i, r in enumerate(kept)}
+    classes = [number.get(r, 0) for r in runs]
+    info = [{"blocks": 0, "first_blocks": [], "tenant": None, "requests": classes.count(0)}]
+    for r in kept:
+        t = trace[runs.index(r)]
+        info.append({"blocks": r[1], "first_blocks": list(t.hash_ids[:min(2, r[1])]), "tenant": t.tenant,
+                     "requests": sizes[r]})
+    return classes, info
+
+
 # Mooncake's conversation trace, where the project keeps it: ../shared/data/traces/ beside the
 # checkout (any clone placed beside shared/ finds it).
 DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
@@ -132,11 +182,12 @@ def check_trace(ap: argparse.ArgumentParser, path: str, limit: int = 0,
 _WORK: dict = {}
 
 
-def _init(trace, tenants, seed, speedup):
+def _init(trace, tenants, seed, speedup, by_prefix=0.0):
     trace = assign_tenants(trace, tenants, seed)
     _WORK["requests"] = build_requests(trace, speedup)
     _WORK["working_set_blocks"] = working_set_blocks(trace)
     _WORK["reusable_share"] = reusable_share(trace)
+    _WORK["classes"] = prefix_classes(trace, by_prefix) if by_prefix else None
 
 
 def _one(args):
@@ -146,6 +197,8 @@ def _one(args):
                      pool_blocks=pool_blocks(pool_gib), admission=admission)
     slo = SloTarget()
     out = res.summary(slo.ttft_ms, slo.tpot_ms)
+    if _WORK["classes"] is not None:
+        out["by_prefix"] = res.by_class(_WORK["classes"][0], slo.ttft_ms, slo.tpot_ms)
     out["wall_s"] = time.perf_counter() - t0
     return policy, out
 
@@ -158,7 +211,7 @@ def run(args, trace: list) -> dict:
         raise SystemExit(f"router_replay: unknown policies {unknown} (known: {', '.join(POLICIES)})")
     work = [(p, args.engines, args.kv_gib, args.seed, args.pool, args.pool_link, args.admission)
             for p in policies]
-    init = (trace, args.tenants, args.seed, args.speedup)
+    init = (trace, args.tenants, args.seed, args.speedup, args.by_prefix)
     if args.jobs > 1:
         ctx = multiprocessing.get_context("fork")
         with ctx.Pool(min(args.jobs, len(work)), initializer=_init, initargs=init) as pool:
@@ -182,6 +235,8 @@ def run(args, trace: list) -> dict:
                        "pool_blocks": pool_blocks(args.pool),
                        "working_set_blocks": _WORK["working_set_blocks"],
                        "reusable_share": _WORK["reusable_share"],
+                       "by_prefix": None if _WORK["classes"] is None else
+                           {"share": args.by_prefix, "classes": _WORK["classes"][1]},
                        "cache_share_of_working_set":
                            args.engines * engine_config(args.kv_gib).capacity_blocks
                            / max(_WORK["working_set_blocks"], 1)}}
@@ -205,6 +260,28 @@ def table(doc: dict) -> str:
         if base and base["ttft_p50_ms"]:          # without round_robin in the run there is no ratio
             line += f"; TTFT p50 quillcache/round_robin: {q['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def class_table(doc: dict) -> str:
+    """``--by-prefix``: per class of request, each policy's TTFT p50 / p90 / p99 and goodput."""
+    spec = doc["config"]["by_prefix"]
+    lines = [f"by prefix: a request's class is the deepest run of leading blocks that at least "
+             f"{spec['share']:.0%} of the requests begin with (class 0: the rest)"]
+    def n(k: int, what: str) -> str:
+        return f"{k} {what}{'' if k == 1 else 's'}"
+    for c, info in enumerate(spec["classes"]):
+        what = (f"{n(info['blocks'], 'block')} from {', '.join(map(str, info['first_blocks']))}"
+                + (f", tenant {info['tenant']!r}" if doc["config"]["tenants"] > 1 else "")) if c else "the rest"
+        lines.append(f"class {c}: {what}; {n(info['requests'], 'request')}")
+        lines.append(f"  {'policy':<22} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'goodput':>8}")
+        for name, r in doc["policies"].items():
+            row = r["by_prefix"][c] if c < len(r["by_prefix"]) else None
+            if row is None or row["ttft_p50_ms"] is None:
+                lines.append(f"  {name:<22} {'-':>9} {'-':>8} {'-':>8} {'-':>8}")
+                continue
+            lines.append(f"  {name:<22} {row['ttft_p50_ms']:>7.0f}ms {row['ttft_p90_ms']:>6.0f}ms "
+                         f"{row['ttft_p99_ms']:>6.0f}ms {row['goodput']:>8.3f}")
     return "\n".join(lines)
 
 
@@ -255,11 +332,16 @@ def main(argv=None) -> int:
                          "time: not a link, the bound on what a pool can give)")
     ap.add_argument("--admission", choices=("off", "predict"), default="off",
                     help="quillcache refuses what it predicts will miss the TTFT SLO (a miss)")
+    ap.add_argument("--by-prefix", type=float, default=0.0, metavar="SHARE",
+                    help="also per class of request: the deepest run of leading blocks that at least SHARE "
+                         "(say 0.05) of the requests begin with (a template, a document); 0: off")
     ap.add_argument("--json-out", type=out_path, default=None)
     ap.add_argument("--png-out", type=out_path, default=None, help="default: the JSON path with .png")
     args = ap.parse_args(argv)
     if args.engines < 1 or args.tenants < 1 or not args.speedup > 0 or args.pool < 0:
         ap.error("--engines and --tenants must be >= 1, --speedup > 0 and --pool >= 0")
+    if not 0.0 <= args.by_prefix <= 1.0:
+        ap.error(f"--by-prefix {args.by_prefix}: a share of the requests, in (0, 1] (0: off)")
     trace = check_trace(ap, args.trace, args.limit, args.trace_block_tokens)
     t0 = time.perf_counter()
     doc = run(args, trace)
@@ -269,6 +351,8 @@ def main(argv=None) -> int:
           f"({c['working_set_blocks']} blocks); pool: {c['pool_blocks']} blocks over {c['pool_link']}")
     print(f"reuse ceiling: {c['reusable_share']:.3f} of the prompt tokens are in blocks an earlier request "
           f"of the same tenant had (no cache reuses more: hit rate + pool rate)")
+    if c["by_prefix"] is not None:
+        print(class_table(doc))
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")

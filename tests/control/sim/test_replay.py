@@ -371,3 +371,68 @@ def test_the_bench_replays_a_trace_cut_in_64_token_blocks_as_its_512_token_origi
     with pytest.raises(SystemExit):
         router_replay.main(["--trace", str(orig), "--trace-block-tokens", "0"] + common)
     assert "--trace-block-tokens 0" in capsys.readouterr().err
+
+
+def test_prefix_classes_group_requests_by_the_deepest_run_that_enough_of_them_share():
+    def req(i, ids, tenant="t0"):
+        return TraceRequest(i, float(i), 512 * len(ids), 4, tuple(ids), tenant)
+    template = [req(i, [0, 1, 2, 3, 10 + i]) for i in range(4)]       # 4 of 10: blocks 0-3 shared
+    chats = [req(4 + i, [0, 20 + i, 30 + i]) for i in range(4)]       # share block 0 only
+    odd = [req(8, [0, 1, 40]), req(9, [50, 51], "t1")]                # 0, 1 (5 requests); nothing
+    trace = template + chats + odd
+    classes, info = router_replay.prefix_classes(trace, 0.3)          # at least 3 of the 10
+    # the template (4 requests) and the run of block 0 alone (the 4 chats) are classes; the
+    # request that stops at blocks 0, 1 is the deepest only for itself, so it joins the rest
+    assert [i["blocks"] for i in info] == [0, 4, 1] and [i["requests"] for i in info] == [2, 4, 4]
+    assert info[1]["first_blocks"] == [0, 1] and info[2]["first_blocks"] == [0]
+    assert classes == [1] * 4 + [2] * 4 + [0, 0]
+    # a block is shared within a tenant: the same ids under another tenant are another run
+    other = [req(i, [0, 1, 2, 3, 60 + i], "t1") for i in range(4)]
+    classes, info = router_replay.prefix_classes(template + other, 0.5)
+    assert sorted(classes) == [1] * 4 + [2] * 4 and {i["tenant"] for i in info[1:]} == {"t0", "t1"}
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError):
+            router_replay.prefix_classes(trace, bad)
+
+
+def test_by_class_splits_the_summary_by_class_and_counts_refusals_as_misses():
+    reqs = build_requests(parse_trace(synthetic_trace(conversations=10, turns=3)), speedup=4.0)
+    res = run_policy(reqs, "quillcache", 2, small_config())
+    assert sorted(res.request_index) == list(range(len(reqs))) and not res.refused_index
+    whole = res.summary(800, 80)
+    one = res.by_class([0] * len(reqs), 800, 80)
+    assert len(one) == 1 and one[0]["requests"] == len(reqs)
+    assert one[0]["ttft_p50_ms"] == whole["ttft_p50_ms"] and one[0]["goodput"] == whole["goodput"]
+    odd = [j % 2 for j in range(len(reqs))]
+    split = res.by_class(odd, 800, 80)
+    for c in (0, 1):
+        mine = [t for j, t in zip(res.request_index, res.ttft_ms) if odd[j] == c]
+        assert split[c]["requests"] == len(mine)
+        assert split[c]["ttft_p90_ms"] == percentile(mine, 90)
+    # admission refuses what it predicts will miss: each refusal is a miss of its own class
+    tight = run_policy(reqs, "quillcache", 1, small_config(), admission="predict")
+    assert tight.refused_index, "admission refused nothing: the check below would test nothing"
+    rows = tight.by_class([0] * len(reqs), 800, 80)
+    assert rows[0]["requests"] == len(tight.ttft_ms) + len(tight.refused_index)
+    assert rows[0]["goodput"] == tight.summary(800, 80)["goodput"]
+
+
+def test_by_prefix_prints_each_class_for_each_policy(tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(synthetic_trace(conversations=12, turns=2)) + "\n")
+    out = tmp_path / "out.json"
+    assert router_replay.main(["--trace", str(path), "--engines", "2", "--speedup", "2", "--policies",
+                               "prefix,quillcache", "--kv-gib", "3", "--by-prefix", "0.5", "--jobs", "1",
+                               "--json-out", str(out)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    spec = doc["config"]["by_prefix"]
+    # every prompt starts with the shared system block (id 0), and no conversation is half the trace
+    assert [(c["blocks"], c["requests"]) for c in spec["classes"]] == [(0, 0), (1, 24)]
+    assert "class 1: 1 block from 0; 24 requests" in text and "class 0: the rest; 0 requests" in text
+    for name, row in doc["policies"].items():
+        assert row["by_prefix"][1]["ttft_p50_ms"] == row["ttft_p50_ms"]
+        assert row["by_prefix"][0]["ttft_p50_ms"] is None
+        assert any(line.split()[:1] == [name] and line.split()[1] == "-" for line in text.splitlines())
+    with pytest.raises(SystemExit):
+        router_replay.main(["--trace", str(path), "--by-prefix", "1.5"])

@@ -82,11 +82,15 @@ def build_requests(trace: Sequence[TraceRequest], speedup: float, model: str = R
 @dataclass
 class PolicyResult:
     """One policy's replay.  ``ttft_ms[i]`` and ``tpot_ms[i]`` are the same request's (the
-    replay appends both as it finishes): goodput counts the requests that meet both SLOs."""
+    replay appends both as it finishes), the one at ``request_index[i]`` in the replayed
+    requests: goodput counts the requests that meet both SLOs.  ``refused_index``: the requests
+    admission refused, each a miss of the SLO."""
 
     name: str
     ttft_ms: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
+    request_index: list[int] = field(default_factory=list)
+    refused_index: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     hit_tokens: int = 0
     credited_blocks: float = 0.0
@@ -138,6 +142,26 @@ class PolicyResult:
             "load": util,
             "decision_p50_us": percentile(self.decision_us, 50),
         }
+
+    def by_class(self, classes: Sequence[int], ttft_slo_ms: float, tpot_slo_ms: float) -> list[dict]:
+        """``summary``'s TTFT percentiles and goodput per class of request: ``classes[j]`` is
+        the class (0, 1, ...) of the replayed request at position j.  A class none of whose
+        requests finished or was refused has no TTFT (None) and goodput 0."""
+        k = max(classes, default=-1) + 1
+        ttft: list[list[float]] = [[] for _ in range(k)]
+        good, offered = [0] * k, [0] * k
+        for j, a, b in zip(self.request_index, self.ttft_ms, self.tpot_ms, strict=True):
+            c = classes[j]
+            ttft[c].append(a)
+            offered[c] += 1
+            good[c] += a <= ttft_slo_ms and b <= tpot_slo_ms
+        for j in self.refused_index:
+            offered[classes[j]] += 1
+        return [{"requests": offered[c],
+                 "ttft_p50_ms": percentile(ttft[c], 50) if ttft[c] else None,
+                 "ttft_p90_ms": percentile(ttft[c], 90) if ttft[c] else None,
+                 "ttft_p99_ms": percentile(ttft[c], 99) if ttft[c] else None,
+                 "goodput": good[c] / offered[c] if offered[c] else 0.0} for c in range(k)]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -199,6 +223,7 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
     sims = [SimEngine(config, pool) for _ in range(engines)]
     running = [False] * engines
     result = PolicyResult(policy)
+    placed: dict[str, int] = {}             # request id -> its position in ``requests``
     heap: list = []        # (time_us, kind, key, engine); kind 0 = iteration end, 1 = arrival
     seq = 0
 
@@ -234,6 +259,7 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
                              request_id=rid, decode_tokens=r.trace.output_length)
             if not d.admitted:
                 result.admission_refused += 1
+                result.refused_index.append(key)
                 continue
             e = names.index(d.worker)
             result.credited_blocks += d.credited_blocks
@@ -252,6 +278,7 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
                 result.refused_requests += 1
                 router.free(rid)
                 continue
+            placed[rid] = key
             if not running[e]:
                 start(e, now)
             continue
@@ -276,6 +303,7 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
             result.ttft_ms.append((sim.first_token_us - sim.arrival_us) / 1000.0)
             result.tpot_ms.append((sim.finish_us - sim.first_token_us) / 1000.0 / (out - 1)
                                   if out > 1 else 0.0)
+            result.request_index.append(placed.pop(sim.request_id))
             router.free(sim.request_id)
         if on_step is not None:
             on_step(e, res)
