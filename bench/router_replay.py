@@ -264,7 +264,7 @@ def table(doc: dict) -> str:
 
 
 def class_table(doc: dict) -> str:
-    """``--by-prefix``: per class of request, each policy's TTFT p50 / p90 / p99 and goodput."""
+    """``--by-prefix``: per class of request, each policy's TTFT p50 / p90 / p99, goodput and hit rate."""
     spec = doc["config"]["by_prefix"]
     lines = [f"by prefix: a request's class is the deepest run of leading blocks that at least "
              f"{spec['share']:.0%} of the requests begin with (class 0: the rest)"]
@@ -274,14 +274,14 @@ def class_table(doc: dict) -> str:
         what = (f"{n(info['blocks'], 'block')} from {', '.join(map(str, info['first_blocks']))}"
                 + (f", tenant {info['tenant']!r}" if doc["config"]["tenants"] > 1 else "")) if c else "the rest"
         lines.append(f"class {c}: {what}; {n(info['requests'], 'request')}")
-        lines.append(f"  {'policy':<22} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'goodput':>8}")
+        lines.append(f"  {'policy':<22} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'goodput':>8} {'hit rate':>8}")
         for name, r in doc["policies"].items():
             row = r["by_prefix"][c] if c < len(r["by_prefix"]) else None
             if row is None or row["ttft_p50_ms"] is None:
-                lines.append(f"  {name:<22} {'-':>9} {'-':>8} {'-':>8} {'-':>8}")
+                lines.append(f"  {name:<22} {'-':>9} {'-':>8} {'-':>8} {'-':>8} {'-':>8}")
                 continue
             lines.append(f"  {name:<22} {row['ttft_p50_ms']:>7.0f}ms {row['ttft_p90_ms']:>6.0f}ms "
-                         f"{row['ttft_p99_ms']:>6.0f}ms {row['goodput']:>8.3f}")
+                         f"{row['ttft_p99_ms']:>6.0f}ms {row['goodput']:>8.3f} {row['hit_rate']:>8.3f}")
     return "\n".join(lines)
 
 

@@ -403,12 +403,17 @@ def test_by_class_splits_the_summary_by_class_and_counts_refusals_as_misses():
     one = res.by_class([0] * len(reqs), 800, 80)
     assert len(one) == 1 and one[0]["requests"] == len(reqs)
     assert one[0]["ttft_p50_ms"] == whole["ttft_p50_ms"] and one[0]["goodput"] == whole["goodput"]
+    assert one[0]["hit_rate"] == whole["hit_rate"] > 0
     odd = [j % 2 for j in range(len(reqs))]
     split = res.by_class(odd, 800, 80)
     for c in (0, 1):
         mine = [t for j, t in zip(res.request_index, res.ttft_ms) if odd[j] == c]
         assert split[c]["requests"] == len(mine)
         assert split[c]["ttft_p90_ms"] == percentile(mine, 90)
+    hits = [sum(h for j, h in zip(res.request_index, res.request_hit_tokens) if odd[j] == c) for c in (0, 1)]
+    assert sum(hits) == res.hit_tokens
+    assert [split[c]["hit_rate"] * sum(n for j, n in zip(res.request_index, res.request_prompt_tokens)
+                                       if odd[j] == c) for c in (0, 1)] == pytest.approx(hits)
     # admission refuses what it predicts will miss: each refusal is a miss of its own class
     tight = run_policy(reqs, "quillcache", 1, small_config(), admission="predict")
     assert tight.refused_index, "admission refused nothing: the check below would test nothing"
@@ -432,6 +437,7 @@ def test_by_prefix_prints_each_class_for_each_policy(tmp_path, capsys):
     assert "class 1: 1 block from 0; 24 requests" in text and "class 0: the rest; 0 requests" in text
     for name, row in doc["policies"].items():
         assert row["by_prefix"][1]["ttft_p50_ms"] == row["ttft_p50_ms"]
+        assert row["by_prefix"][1]["hit_rate"] == row["hit_rate"]
         assert row["by_prefix"][0]["ttft_p50_ms"] is None
         assert any(line.split()[:1] == [name] and line.split()[1] == "-" for line in text.splitlines())
     with pytest.raises(SystemExit):

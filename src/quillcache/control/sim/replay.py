@@ -83,13 +83,16 @@ def build_requests(trace: Sequence[TraceRequest], speedup: float, model: str = R
 class PolicyResult:
     """One policy's replay.  ``ttft_ms[i]`` and ``tpot_ms[i]`` are the same request's (the
     replay appends both as it finishes), the one at ``request_index[i]`` in the replayed
-    requests: goodput counts the requests that meet both SLOs.  ``refused_index``: the requests
+    requests, which found ``request_hit_tokens[i]`` of its ``request_prompt_tokens[i]`` on its
+    engine's device: goodput counts the requests that meet both SLOs.  ``refused_index``: the requests
     admission refused, each a miss of the SLO."""
 
     name: str
     ttft_ms: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
     request_index: list[int] = field(default_factory=list)
+    request_prompt_tokens: list[int] = field(default_factory=list)
+    request_hit_tokens: list[int] = field(default_factory=list)
     refused_index: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     hit_tokens: int = 0
@@ -144,24 +147,28 @@ class PolicyResult:
         }
 
     def by_class(self, classes: Sequence[int], ttft_slo_ms: float, tpot_slo_ms: float) -> list[dict]:
-        """``summary``'s TTFT percentiles and goodput per class of request: ``classes[j]`` is
+        """``summary``'s TTFT percentiles, goodput and hit rate per class of request: ``classes[j]`` is
         the class (0, 1, ...) of the replayed request at position j.  A class none of whose
         requests finished or was refused has no TTFT (None) and goodput 0."""
         k = max(classes, default=-1) + 1
         ttft: list[list[float]] = [[] for _ in range(k)]
-        good, offered = [0] * k, [0] * k
-        for j, a, b in zip(self.request_index, self.ttft_ms, self.tpot_ms, strict=True):
+        good, offered, prompt, hit = [0] * k, [0] * k, [0] * k, [0] * k
+        for j, a, b, n, h in zip(self.request_index, self.ttft_ms, self.tpot_ms, self.request_prompt_tokens,
+                                 self.request_hit_tokens, strict=True):
             c = classes[j]
             ttft[c].append(a)
             offered[c] += 1
             good[c] += a <= ttft_slo_ms and b <= tpot_slo_ms
+            prompt[c] += n
+            hit[c] += h
         for j in self.refused_index:
             offered[classes[j]] += 1
         return [{"requests": offered[c],
                  "ttft_p50_ms": percentile(ttft[c], 50) if ttft[c] else None,
                  "ttft_p90_ms": percentile(ttft[c], 90) if ttft[c] else None,
                  "ttft_p99_ms": percentile(ttft[c], 99) if ttft[c] else None,
-                 "goodput": good[c] / offered[c] if offered[c] else 0.0} for c in range(k)]
+                 "goodput": good[c] / offered[c] if offered[c] else 0.0,
+                 "hit_rate": hit[c] / prompt[c] if prompt[c] else 0.0} for c in range(k)]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -224,6 +231,7 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
     running = [False] * engines
     result = PolicyResult(policy)
     placed: dict[str, int] = {}             # request id -> its position in ``requests``
+    hits: dict[str, int] = {}               # request id -> the tokens it found on the device
     heap: list = []        # (time_us, kind, key, engine); kind 0 = iteration end, 1 = arrival
     seq = 0
 
@@ -295,6 +303,7 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
         for sim in res.first_tokens:
             result.prompt_tokens += sim.prompt_tokens
             result.hit_tokens += sim.hit_blocks * bs
+            hits[sim.request_id] = sim.hit_blocks * bs
             result.pool_tokens += sim.pool_blocks * bs
             router.first_token(sim.request_id)
         for sim in res.finished:
@@ -304,6 +313,8 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
             result.tpot_ms.append((sim.finish_us - sim.first_token_us) / 1000.0 / (out - 1)
                                   if out > 1 else 0.0)
             result.request_index.append(placed.pop(sim.request_id))
+            result.request_prompt_tokens.append(sim.prompt_tokens)
+            result.request_hit_tokens.append(hits.pop(sim.request_id))
             router.free(sim.request_id)
         if on_step is not None:
             on_step(e, res)
