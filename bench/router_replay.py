@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import math
 import multiprocessing
 import sys
@@ -130,9 +131,7 @@ def prefix_classes(trace, share: float) -> tuple[list[int], list[dict]]:
         while d < len(path) and count[path[d]] >= need:
             d += 1
         runs.append((path[d - 1], d) if d else (0, 0))
-    sizes: dict = {}
-    for run in runs:
-        sizes[run] = sizes.get(run, 0) + 1
+    sizes = Counter(runs)
     kept = sorted((r for r, n in sizes.items() if r[1] and n >= need), key=lambda r: (-sizes[r], -r[1], r[0]))
     number = {r: i + 1 for i, r in enumerate(kept)}
     classes = [number.get(r, 0) for r in runs]
@@ -211,16 +210,13 @@ def run(args, trace: list) -> dict:
         raise SystemExit(f"router_replay: unknown policies {unknown} (known: {', '.join(POLICIES)})")
     work = [(p, args.engines, args.kv_gib, args.seed, args.pool, args.pool_link, args.admission)
             for p in policies]
-    init = (trace, args.tenants, args.seed, args.speedup, args.by_prefix)
+    _init(trace, args.tenants, args.seed, args.speedup, args.by_prefix)     # once: forked workers inherit it
     if args.jobs > 1:
         ctx = multiprocessing.get_context("fork")
-        with ctx.Pool(min(args.jobs, len(work)), initializer=_init, initargs=init) as pool:
+        with ctx.Pool(min(args.jobs, len(work))) as pool:
             results = dict(pool.map(_one, work, chunksize=1))
     else:
-        _init(*init)
         results = dict(_one(w) for w in work)
-    if args.jobs > 1:
-        _init(*init)
     return {"policies": {p: results[p] for p in policies},
             "config": {"trace": args.trace, "engines": args.engines, "speedup": args.speedup,
                        "tenants": args.tenants, "seed": args.seed, "kv_gib": args.kv_gib,
@@ -276,8 +272,8 @@ def class_table(doc: dict) -> str:
         lines.append(f"class {c}: {what}; {n(info['requests'], 'request')}")
         lines.append(f"  {'policy':<22} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'goodput':>8} {'hit rate':>8}")
         for name, r in doc["policies"].items():
-            row = r["by_prefix"][c] if c < len(r["by_prefix"]) else None
-            if row is None or row["ttft_p50_ms"] is None:
+            row = r["by_prefix"][c]             # one row per class: each has its requests
+            if row["ttft_p50_ms"] is None:
                 lines.append(f"  {name:<22} {'-':>9} {'-':>8} {'-':>8} {'-':>8} {'-':>8}")
                 continue
             lines.append(f"  {name:<22} {row['ttft_p50_ms']:>7.0f}ms {row['ttft_p90_ms']:>6.0f}ms "

@@ -231,7 +231,6 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
     running = [False] * engines
     result = PolicyResult(policy)
     placed: dict[str, int] = {}             # request id -> its position in ``requests``
-    hits: dict[str, int] = {}               # request id -> the tokens it found on the device
     heap: list = []        # (time_us, kind, key, engine); kind 0 = iteration end, 1 = arrival
     seq = 0
 
@@ -303,7 +302,6 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
         for sim in res.first_tokens:
             result.prompt_tokens += sim.prompt_tokens
             result.hit_tokens += sim.hit_blocks * bs
-            hits[sim.request_id] = sim.hit_blocks * bs
             result.pool_tokens += sim.pool_blocks * bs
             router.first_token(sim.request_id)
         for sim in res.finished:
@@ -314,7 +312,7 @@ def run_policy(requests: Sequence[ReplayRequest], policy: str, engines: int, con
                                   if out > 1 else 0.0)
             result.request_index.append(placed.pop(sim.request_id))
             result.request_prompt_tokens.append(sim.prompt_tokens)
-            result.request_hit_tokens.append(hits.pop(sim.request_id))
+            result.request_hit_tokens.append(sim.hit_blocks * bs)
             router.free(sim.request_id)
         if on_step is not None:
             on_step(e, res)
